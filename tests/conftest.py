@@ -1,0 +1,46 @@
+"""Shared pytest fixtures: one local Ray instance per test session."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """Start one local Ray instance for the whole session (4 logical CPUs so PP=4 places)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory):
+    """kind -> saved HF directory of each tiny random model (built once per session)."""
+    import tiny_models
+
+    return tiny_models.model_dirs(str(tmp_path_factory.mktemp("tiny_models")))
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model_dirs):
+    """kind -> HF greedy token ids for tiny_models.PROMPTS (32 new tokens), computed once."""
+    import tiny_models
+
+    cache: dict = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            cache[kind] = tiny_models.hf_greedy(tiny_model_dirs[kind], tiny_models.PROMPTS, 32)
+        return cache[kind]
+
+    return get

@@ -1,0 +1,253 @@
+"""Engine configuration: model, cache, parallelism, scheduler and device, validated on creation.
+
+Imports no torch at module level: the scheduler and block manager read these classes and must
+stay torch-free (dtypes are kept as strings and turned into torch dtypes in the worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+logger = logging.getLogger("vllm.config")
+
+_GiB = 1 << 30
+_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+_CANONICAL_DTYPE = {"float": "float32", "half": "float16"}
+
+
+@dataclass
+class ModelConfig:
+    """Which model to run and how: path, tokenizer, dtype, context length.
+
+    `model` may be a HF directory (config.json + safetensors/.bin), a .gguf file, a directory
+    holding one .gguf, or the alias "smollm2" (the bundled SmolLM2-135M-Instruct).
+    """
+
+    model: str
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: Optional[int] = None
+    trust_remote_code: bool = False
+    max_logprobs: int = 20
+    skip_tokenizer_init: bool = False
+    hf_config: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}.")
+        from vllm.model_executor.gguf_loader import is_gguf, resolve_model
+
+        self.model = resolve_model(self.model)
+        self.is_gguf = is_gguf(self.model)
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if self.hf_config is None:
+            self.hf_config = _load_hf_config(self.model, self.is_gguf, self.trust_remote_code)
+        from vllm.model_executor.models import check_architecture
+
+        check_architecture(self.hf_config)
+        self.dtype = _resolve_dtype(self.dtype, self.hf_config)
+        self.max_model_len = _derive_max_model_len(self.hf_config, self.max_model_len)
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+
+    def get_num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    def get_hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+    def get_vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def get_num_attention_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    def get_num_kv_heads(self) -> int:
+        return (
+            getattr(self.hf_config, "num_key_value_heads", None) or self.get_num_attention_heads()
+        )
+
+    def get_head_size(self) -> int:
+        head_dim = getattr(self.hf_config, "head_dim", None)
+        return head_dim or self.get_hidden_size() // self.get_num_attention_heads()
+
+
+def _load_hf_config(model: str, is_gguf: bool, trust_remote_code: bool) -> Any:
+    if is_gguf:
+        from vllm.model_executor.gguf_loader import load_gguf_config
+
+        return load_gguf_config(model)
+    if not os.path.exists(model):
+        raise ValueError(
+            f"model {model!r} does not exist: pass a local HF model directory, a .gguf file, "
+            "or 'smollm2' (this build has no model hub access)."
+        )
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"model {model!r} has no config.json (and no .gguf file).")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+
+
+def _resolve_dtype(dtype: str, hf_config: Any) -> str:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}.")
+    dtype = _CANONICAL_DTYPE.get(dtype, dtype)
+    if dtype != "auto":
+        return dtype
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(config_dtype).replace("torch.", "") if config_dtype is not None else "float32"
+    return name if name in ("float32", "bfloat16", "float16") else "float32"
+
+
+def _derive_max_model_len(hf_config: Any, max_model_len: Optional[int]) -> int:
+    derived = None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        derived = getattr(hf_config, key, None)
+        if derived is not None:
+            break
+    if derived is None:
+        derived = 2048
+    if max_model_len is None:
+        return derived
+    if not isinstance(max_model_len, int) or max_model_len <= 0:
+        raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}.")
+    if max_model_len > derived:
+        raise ValueError(
+            f"User-specified max_model_len ({max_model_len}) is greater than the derived "
+            f"max_model_len ({key}={derived} in model's config.json). This may lead to "
+            "incorrect model outputs or CUDA errors."
+        )
+    return max_model_len
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: block size and memory budgets (per pipeline stage).
+
+    On CUDA the device cache is sized from profiled free memory times gpu_memory_utilization;
+    on CPU from `kv_cache_space` GiB. `swap_space` GiB of host memory per stage backs swapping.
+    """
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4.0
+    kv_cache_space: float = 4.0
+    num_gpu_blocks_override: Optional[int] = None
+    num_gpu_blocks: Optional[int] = None
+    num_cpu_blocks: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(
+                f"block_size must be a power of two between 1 and 128, got {self.block_size}."
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"GPU memory utilization must be less than 1.0. Got {self.gpu_memory_utilization}."
+            )
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be non-negative, got {self.swap_space}.")
+        if self.kv_cache_space <= 0:
+            raise ValueError(f"kv_cache_space must be positive, got {self.kv_cache_space}.")
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * _GiB)
+
+    @property
+    def kv_cache_space_bytes(self) -> int:
+        return int(self.kv_cache_space * _GiB)
+
+
+@dataclass
+class ParallelConfig:
+    """Pipeline and tensor parallel sizes and how workers are launched."""
+
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None
+    # Optional user split of decoder layers over stages, e.g. "8,8,7,7" (VLLM_PP_LAYER_PARTITION).
+    pp_layer_partition: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline_parallel_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "
+                "vllm-pp implements pipeline parallelism; use pipeline_parallel_size."
+            )
+        if self.pp_layer_partition is None:
+            self.pp_layer_partition = os.environ.get("VLLM_PP_LAYER_PARTITION") or None
+        backend = self.distributed_executor_backend
+        if backend is None:
+            backend = "ray" if self.world_size > 1 else "uni"
+        if backend not in ("ray", "uni"):
+            raise ValueError(
+                f"distributed_executor_backend must be 'ray' or 'uni', got {backend!r}."
+            )
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                "distributed_executor_backend='uni' runs a single process; "
+                f"world size {self.world_size} needs 'ray'."
+            )
+        self.distributed_executor_backend = backend
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching limits per step and the preemption mode."""
+
+    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    preemption_mode: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(self.max_model_len, 2048)
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}). This effectively limits the maximum "
+                "sequence length to max_num_batched_tokens and makes vLLM reject longer "
+                "sequences. Please increase max_num_batched_tokens or decrease max_model_len."
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than "
+                f"or equal to max_num_seqs ({self.max_num_seqs})."
+            )
+        if self.preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}."
+            )
+
+
+@dataclass
+class DeviceConfig:
+    """The device kind: "cpu" or "cuda" ("auto" picks CUDA when available)."""
+
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
+        if self.device == "auto":
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"

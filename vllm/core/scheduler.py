@@ -1,0 +1,314 @@
+"""Continuous batching with vLLM V0's FCFS policy, plus in-flight tracking for pipelining.
+
+With pipeline parallelism the engine keeps several batches inside the pipeline at once; a group
+that is in flight has not produced its next token yet, so it must not be scheduled, preempted or
+swapped until the engine reports its batch back (`finish_in_flight`). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from vllm.config import CacheConfig, SchedulerConfig
+from vllm.core.block_manager import AllocStatus, BlockSpaceManager
+from vllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
+
+logger = logging.getLogger("vllm.core.scheduler")
+
+
+class PreemptionMode(enum.Enum):
+    """SWAP moves a victim's KV blocks to CPU swap space; RECOMPUTE drops them and re-prefills."""
+
+    SWAP = enum.auto()
+    RECOMPUTE = enum.auto()
+
+
+@dataclass
+class SchedulerOutputs:
+    """One step's decisions: the groups to run and the block operations to apply first."""
+
+    scheduled_seq_groups: list[SequenceGroup] = field(default_factory=list)
+    prompt_run: bool = False
+    num_batched_tokens: int = 0
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
+    ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
+    num_preempted: int = 0
+
+    def is_empty(self) -> bool:
+        """True when there is nothing to run and no block to move or copy."""
+        return not (
+            self.scheduled_seq_groups
+            or self.blocks_to_swap_in
+            or self.blocks_to_swap_out
+            or self.blocks_to_copy
+        )
+
+
+class Scheduler:
+    """Decides, step by step, which sequence groups run, and owns their KV blocks."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        if cache_config.num_gpu_blocks is None or cache_config.num_cpu_blocks is None:
+            raise ValueError("cache_config.num_gpu_blocks and num_cpu_blocks must be set.")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        # A prompt must fit both the context window and one step's token budget.
+        self.prompt_limit = min(
+            scheduler_config.max_model_len, scheduler_config.max_num_batched_tokens
+        )
+        self.block_manager = BlockSpaceManager(
+            cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks
+        )
+        self.waiting: collections.deque[SequenceGroup] = collections.deque()
+        self.running: collections.deque[SequenceGroup] = collections.deque()
+        self.swapped: collections.deque[SequenceGroup] = collections.deque()
+        self.in_flight: set[str] = set()
+        # Aborted while in flight: their blocks are still being written by the pipeline.
+        self._aborted_in_flight: dict[str, SequenceGroup] = {}
+        self.num_cumulative_preemption = 0
+
+    # -- queue management ------------------------------------------------------------------
+
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        """Queue a new request (FCFS)."""
+        self.waiting.append(seq_group)
+
+    def abort_seq_group(self, request_id: str | Iterable[str]) -> None:
+        """Finish the groups' unfinished sequences as aborted and drop them from their queue."""
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        for queue in (self.waiting, self.running, self.swapped):
+            for seq_group in [g for g in queue if g.request_id in ids]:
+                queue.remove(seq_group)
+                ids.discard(seq_group.request_id)
+                for seq in seq_group.get_unfinished_seqs():
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                if seq_group.request_id in self.in_flight:
+                    self._aborted_in_flight[seq_group.request_id] = seq_group
+                else:
+                    self._free_group(seq_group)
+
+    def has_unfinished_seqs(self) -> bool:
+        """Whether any group is waiting, running or swapped."""
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        """Number of groups waiting, running or swapped."""
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def fork_seq(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+        """Let a new sample or beam share its parent's KV blocks."""
+        self.block_manager.fork(parent_seq, child_seq)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release a (finished) sequence's KV blocks."""
+        self.block_manager.free(seq)
+
+    def free_finished_seq_groups(self) -> None:
+        """Drop finished groups from `running` (their sequences were freed by the engine)."""
+        self.running = collections.deque(g for g in self.running if not g.is_finished())
+
+    def finish_in_flight(self, request_ids: Iterable[str]) -> None:
+        """The batch holding these groups left the pipeline: they may be scheduled again."""
+        for request_id in request_ids:
+            self.in_flight.discard(request_id)
+            aborted = self._aborted_in_flight.pop(request_id, None)
+            if aborted is not None:
+                self._free_group(aborted)
+
+    def _free_group(self, seq_group: SequenceGroup) -> None:
+        for seq in seq_group.get_seqs():
+            self.block_manager.free(seq)
+
+    # -- scheduling ------------------------------------------------------------------------
+
+    def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
+        """Pick the next batch; its groups stay in flight until `finish_in_flight`."""
+        outputs = self._schedule()
+        metadata = []
+        for seq_group in outputs.scheduled_seq_groups:
+            seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
+            metadata.append(
+                SequenceGroupMetadata(
+                    request_id=seq_group.request_id,
+                    is_prompt=outputs.prompt_run,
+                    seq_data={seq.seq_id: seq.data for seq in seqs},
+                    sampling_params=seq_group.sampling_params,
+                    block_tables={
+                        seq.seq_id: self.block_manager.get_block_table(seq) for seq in seqs
+                    },
+                )
+            )
+            self.in_flight.add(seq_group.request_id)
+        return metadata, outputs
+
+    def _schedule(self) -> SchedulerOutputs:
+        # Like vLLM V0: swapped groups are resumed before any new prompt is admitted.
+        if not self.swapped:
+            prompt_outputs = self._schedule_prompts()
+            if prompt_outputs.scheduled_seq_groups or prompt_outputs.ignored_seq_groups:
+                return prompt_outputs
+        return self._schedule_decodes()
+
+    def _num_running_seqs(self) -> int:
+        # In-flight groups keep their slots: they come back for more tokens.
+        return sum(g.get_max_num_running_seqs() for g in self.running)
+
+    def _schedule_prompts(self) -> SchedulerOutputs:
+        config = self.scheduler_config
+        out = SchedulerOutputs(prompt_run=True)
+        num_seqs = self._num_running_seqs()
+        while self.waiting:
+            seq_group = self.waiting[0]
+            waiting_seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
+            # A recomputed group re-prefills its generated tokens as well.
+            num_prompt_tokens = sum(seq.get_len() for seq in waiting_seqs)
+            if num_prompt_tokens > self.prompt_limit:
+                logger.warning(
+                    "Input prompt (%d tokens) is too long and exceeds limit of %d",
+                    num_prompt_tokens,
+                    self.prompt_limit,
+                )
+                self._ignore(seq_group, out.ignored_seq_groups)
+                continue
+            status = self.block_manager.can_allocate(seq_group)
+            if status == AllocStatus.LATER:
+                break
+            if status == AllocStatus.NEVER:
+                logger.warning(
+                    "Input prompt (%d tokens) is too long and exceeds the capacity of "
+                    "block_manager",
+                    num_prompt_tokens,
+                )
+                self._ignore(seq_group, out.ignored_seq_groups)
+                continue
+            if out.num_batched_tokens + num_prompt_tokens > config.max_num_batched_tokens:
+                break
+            num_new_seqs = seq_group.get_max_num_running_seqs()
+            if num_seqs + num_new_seqs > config.max_num_seqs:
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq_group)
+            for seq in waiting_seqs:
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(seq_group)
+            out.scheduled_seq_groups.append(seq_group)
+            out.num_batched_tokens += num_prompt_tokens
+            num_seqs += num_new_seqs
+        return out
+
+    def _ignore(self, seq_group: SequenceGroup, ignored: list[SequenceGroup]) -> None:
+        for seq in seq_group.get_seqs(status=SequenceStatus.WAITING):
+            seq.status = SequenceStatus.FINISHED_IGNORED
+        ignored.append(seq_group)
+        self.waiting.popleft()
+
+    def _schedule_decodes(self) -> SchedulerOutputs:
+        out = SchedulerOutputs()
+        scheduled = out.scheduled_seq_groups
+        # FCFS: earliest arrival has the highest priority (stable for equal times).
+        pending = collections.deque(sorted(self.running, key=lambda g: g.arrival_time))
+        self.running = collections.deque()
+        while pending:
+            seq_group = pending.popleft()
+            if seq_group.request_id in self.in_flight or seq_group.is_finished():
+                self.running.append(seq_group)
+                continue
+            while not self.block_manager.can_append_slots(seq_group):
+                victim = self._pop_victim(pending)
+                if victim is None:
+                    self._preempt(seq_group, out)
+                    break
+                self._preempt(victim, out)
+            else:
+                self._append_slots(seq_group, out)
+                self.running.append(seq_group)
+                scheduled.append(seq_group)
+
+        # Resuming swapped groups right after preempting would only thrash.
+        if out.num_preempted == 0:
+            self.swapped = collections.deque(sorted(self.swapped, key=lambda g: g.arrival_time))
+            num_seqs = self._num_running_seqs()
+            while self.swapped:
+                seq_group = self.swapped[0]
+                num_new_seqs = seq_group.get_max_num_running_seqs()
+                if not self.block_manager.can_swap_in(seq_group):
+                    break
+                if num_seqs + num_new_seqs > self.scheduler_config.max_num_seqs:
+                    break
+                self.swapped.popleft()
+                out.blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
+                for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
+                    seq.status = SequenceStatus.RUNNING
+                self._append_slots(seq_group, out)
+                self.running.append(seq_group)
+                scheduled.append(seq_group)
+                num_seqs += num_new_seqs
+
+        out.num_batched_tokens = sum(g.num_seqs(status=SequenceStatus.RUNNING) for g in scheduled)
+        return out
+
+    def _pop_victim(self, pending: collections.deque[SequenceGroup]) -> SequenceGroup | None:
+        """Remove and return the lowest-priority pending group that is not in flight."""
+        for index in range(len(pending) - 1, -1, -1):
+            if pending[index].request_id not in self.in_flight:
+                victim = pending[index]
+                del pending[index]
+                return victim
+        return None
+
+    def _append_slots(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
+        for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
+            for src, dst in self.block_manager.append_slots(seq):
+                out.blocks_to_copy.setdefault(src, []).append(dst)
+
+    def _preempt(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
+        mode = self._preemption_mode(seq_group)
+        if mode == PreemptionMode.RECOMPUTE:
+            for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
+                seq.reset_for_recompute()
+                self.block_manager.free(seq)
+            self.waiting.appendleft(seq_group)
+        else:
+            if not self.block_manager.can_swap_out(seq_group):
+                raise RuntimeError(
+                    "Aborted due to the lack of CPU swap space. Please increase the swap space "
+                    "to avoid this error."
+                )
+            out.blocks_to_swap_out.update(self.block_manager.swap_out(seq_group))
+            for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq_group)
+        out.num_preempted += 1
+        self.num_cumulative_preemption += 1
+        seq_group.num_preemptions += 1
+        # The first preemption and every 50th after: visible without flooding the log.
+        if self.num_cumulative_preemption % 50 == 1:
+            logger.warning(
+                "Sequence group %s is preempted by %s mode because there is not enough KV "
+                "cache space. This can affect the end-to-end performance. Increase "
+                "gpu_memory_utilization or kv_cache_space to provide more KV cache memory. "
+                "total_num_cumulative_preemption=%d",
+                seq_group.request_id,
+                mode,
+                self.num_cumulative_preemption,
+            )
+
+    def _preemption_mode(self, seq_group: SequenceGroup) -> PreemptionMode:
+        configured = self.scheduler_config.preemption_mode
+        # Several diverged sequences cannot be re-prefilled as one shared prompt, so such a
+        # group is always swapped (vLLM V0 asserts instead).
+        if seq_group.num_seqs(status=SequenceStatus.RUNNING) > 1:
+            return PreemptionMode.SWAP
+        if configured == "swap":
+            return PreemptionMode.SWAP
+        if configured == "recompute":
+            return PreemptionMode.RECOMPUTE
+        if seq_group.get_max_num_running_seqs() == 1:
+            return PreemptionMode.RECOMPUTE
+        return PreemptionMode.SWAP

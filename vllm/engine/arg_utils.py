@@ -1,0 +1,211 @@
+"""EngineArgs: every engine option with vLLM's names, defaults and CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+
+@dataclass
+class EngineArgs:
+    """Arguments for LLMEngine / LLM (`LLM(model=..., **kwargs)` takes the same names)."""
+
+    model: str = "smollm2"
+    tokenizer: Optional[str] = None
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: Optional[int] = None
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None
+    pp_layer_partition: Optional[str] = None
+    block_size: int = 16
+    swap_space: float = 4.0
+    kv_cache_space: float = 4.0
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: int = 256
+    max_logprobs: int = 20
+    preemption_mode: Optional[str] = None
+    device: str = "auto"
+    disable_log_stats: bool = False
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """vLLM's flag spellings (hyphenated; underscores accepted too)."""
+        d = EngineArgs
+
+        def add(flag: str, *aliases: str, **kwargs: object) -> None:
+            names = [flag, "--" + flag[2:].replace("-", "_"), *aliases]
+            parser.add_argument(*dict.fromkeys(names), **kwargs)  # type: ignore[arg-type]
+
+        add(
+            "--model",
+            type=str,
+            default=d.model,
+            help="HF model directory, .gguf file, or 'smollm2' (bundled SmolLM2-135M-Instruct).",
+        )
+        add("--tokenizer", type=str, default=d.tokenizer, help="Tokenizer path (default: model).")
+        add("--skip-tokenizer-init", action="store_true", help="Prompts are token ids only.")
+        add("--trust-remote-code", action="store_true", help="Trust remote code (HF).")
+        add(
+            "--dtype",
+            type=str,
+            default=d.dtype,
+            choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
+            help="Weights and activations dtype; auto = the model config's (fp32 if none).",
+        )
+        add("--seed", type=int, default=d.seed, help="Random seed.")
+        add(
+            "--max-model-len",
+            type=int,
+            default=d.max_model_len,
+            help="Model context length (default: from the model config).",
+        )
+        add(
+            "--pipeline-parallel-size",
+            "-pp",
+            type=int,
+            default=d.pipeline_parallel_size,
+            help="Number of pipeline stages (decoder layers split across Ray workers).",
+        )
+        add(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=d.tensor_parallel_size,
+            help="Number of tensor parallel replicas (only 1 is supported).",
+        )
+        add(
+            "--distributed-executor-backend",
+            choices=["ray", "uni"],
+            default=d.distributed_executor_backend,
+            help="'ray' (default when world size > 1) or 'uni' (single process).",
+        )
+        add(
+            "--pp-layer-partition",
+            type=str,
+            default=d.pp_layer_partition,
+            help="Layers per stage, e.g. '8,8,7,7' (default even; env VLLM_PP_LAYER_PARTITION).",
+        )
+        add(
+            "--block-size",
+            type=int,
+            default=d.block_size,
+            choices=[8, 16, 32],
+            help="Token block size for the paged KV cache.",
+        )
+        add(
+            "--swap-space",
+            type=float,
+            default=d.swap_space,
+            help="CPU swap space size (GiB) per stage.",
+        )
+        add(
+            "--kv-cache-space",
+            type=float,
+            default=d.kv_cache_space,
+            help="KV cache size (GiB) per stage when the device is the CPU.",
+        )
+        add(
+            "--gpu-memory-utilization",
+            type=float,
+            default=d.gpu_memory_utilization,
+            help="Fraction of GPU memory for the model, activations and KV cache (CUDA).",
+        )
+        add(
+            "--num-gpu-blocks-override",
+            type=int,
+            default=d.num_gpu_blocks_override,
+            help="Use this many KV blocks instead of the profiled number.",
+        )
+        add(
+            "--max-num-batched-tokens",
+            type=int,
+            default=d.max_num_batched_tokens,
+            help="Maximum number of batched tokens per iteration.",
+        )
+        add(
+            "--max-num-seqs",
+            type=int,
+            default=d.max_num_seqs,
+            help="Maximum number of sequences per iteration.",
+        )
+        add(
+            "--max-logprobs",
+            type=int,
+            default=d.max_logprobs,
+            help="Max number of log probs to return when logprobs is set in SamplingParams.",
+        )
+        add(
+            "--preemption-mode",
+            type=str,
+            default=d.preemption_mode,
+            choices=["recompute", "swap"],
+            help="Preemption by recompute or swap (default: recompute for single sequences).",
+        )
+        add(
+            "--device",
+            type=str,
+            default=d.device,
+            choices=["auto", "cpu", "cuda"],
+            help="Device type for execution.",
+        )
+        add("--disable-log-stats", action="store_true", help="Disable logging statistics.")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+    def create_engine_configs(
+        self,
+    ) -> tuple[ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, DeviceConfig]:
+        """Validated configs, in the order LLMEngine takes them."""
+        device_config = DeviceConfig(self.device)
+        parallel_config = ParallelConfig(
+            self.pipeline_parallel_size,
+            self.tensor_parallel_size,
+            self.distributed_executor_backend,
+            self.pp_layer_partition,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            swap_space=self.swap_space,
+            kv_cache_space=self.kv_cache_space,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        model_config = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            seed=self.seed,
+            max_model_len=self.max_model_len,
+            trust_remote_code=self.trust_remote_code,
+            max_logprobs=self.max_logprobs,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+        )
+        from vllm.model_executor.parallel_utils.layer_split import get_pp_layer_sizes
+
+        # Fails fast (before any worker starts) on pp > layers or a bad partition.
+        get_pp_layer_sizes(
+            model_config.get_num_layers(),
+            parallel_config.pipeline_parallel_size,
+            parallel_config.pp_layer_partition,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=model_config.max_model_len,
+            preemption_mode=self.preemption_mode,
+        )
+        return model_config, cache_config, parallel_config, scheduler_config, device_config

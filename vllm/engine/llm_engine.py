@@ -1,0 +1,216 @@
+"""LLMEngine: requests in, RequestOutputs out. add_request / step / abort_request.
+
+Each `step` keeps the pipeline full: it schedules and submits batches of requests that are not
+already in flight until `pipeline_parallel_size` batches are inside the pipeline (or nothing
+more can be scheduled), then collects the oldest batch and processes its tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Union
+
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from vllm.core.scheduler import Scheduler, SchedulerOutputs
+from vllm.engine.output_processor import OutputProcessor
+from vllm.engine.request_validation import validate_request
+from vllm.logger import init_logger
+from vllm.model_executor.parallel_utils.layer_split import get_pp_layer_sizes
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.sequence import ExecuteModelRequest, Sequence, SequenceGroup
+
+logger = init_logger("vllm.engine.llm_engine")
+
+
+@dataclass
+class _InFlightBatch:
+    handle: Any
+    scheduler_outputs: SchedulerOutputs
+
+
+class LLMEngine:
+    """The offline engine: a scheduler, an executor with one worker per stage, a tokenizer."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        parallel_config: ParallelConfig,
+        scheduler_config: SchedulerConfig,
+        device_config: DeviceConfig,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.parallel_config = parallel_config
+        self.scheduler_config = scheduler_config
+        self.device_config = device_config
+        sizes = get_pp_layer_sizes(
+            model_config.get_num_layers(),
+            parallel_config.pipeline_parallel_size,
+            parallel_config.pp_layer_partition,
+        )
+        logger.info(
+            "Initializing an LLM engine with config: model=%r, dtype=%s, max_seq_len=%d, "
+            "pipeline_parallel_size=%d (layers per stage %s), device=%s, block_size=%d",
+            model_config.model,
+            model_config.dtype,
+            model_config.max_model_len,
+            parallel_config.pipeline_parallel_size,
+            sizes,
+            device_config.device,
+            cache_config.block_size,
+        )
+        self.tokenizer = None if model_config.skip_tokenizer_init else _load_tokenizer(model_config)
+        self.executor = _make_executor(
+            model_config, cache_config, parallel_config, scheduler_config, device_config
+        )
+        self.scheduler = Scheduler(scheduler_config, cache_config)
+        self.output_processor = OutputProcessor(
+            self.scheduler, self.tokenizer, scheduler_config.max_model_len, self._new_seq_id
+        )
+        self.seq_counter = itertools.count()
+        self.max_in_flight = parallel_config.pipeline_parallel_size
+        self._in_flight: deque[_InFlightBatch] = deque()
+        self._finished_request_ids: list[str] = []
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> LLMEngine:
+        return cls(*engine_args.create_engine_configs())
+
+    def _new_seq_id(self) -> int:
+        return next(self.seq_counter)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Optional[str],
+        sampling_params: SamplingParams,
+        prompt_token_ids: Optional[list[int]] = None,
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        """Queue a request; bad input raises ValueError/TypeError and leaves the engine as is."""
+        prompt_token_ids = validate_request(
+            request_id,
+            prompt,
+            sampling_params,
+            prompt_token_ids,
+            self.tokenizer,
+            self.model_config,
+        )
+        eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer else None
+        if eos is None:
+            eos = getattr(self.model_config.hf_config, "eos_token_id", None)
+            if isinstance(eos, list):
+                eos = eos[0] if eos else None
+        params = sampling_params.clone()
+        seq = Sequence(
+            self._new_seq_id(), prompt, prompt_token_ids, self.cache_config.block_size, eos
+        )
+        group = SequenceGroup(
+            str(request_id),
+            [seq],
+            params,
+            arrival_time if arrival_time is not None else time.time(),
+        )
+        self.scheduler.add_seq_group(group)
+
+    def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
+        """Abort requests; one still inside the pipeline has its result discarded on return."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.scheduler.abort_seq_group(ids)
+        self._finished_request_ids.extend(ids)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_seq_groups()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs() or bool(self._in_flight)
+
+    def _submit(self, scheduler_outputs: SchedulerOutputs, metadata_list: list[Any]) -> None:
+        request = ExecuteModelRequest(
+            seq_group_metadata_list=metadata_list,
+            blocks_to_swap_in=scheduler_outputs.blocks_to_swap_in,
+            blocks_to_swap_out=scheduler_outputs.blocks_to_swap_out,
+            blocks_to_copy=scheduler_outputs.blocks_to_copy,
+            finished_request_ids=self._finished_request_ids,
+        )
+        self._finished_request_ids = []
+        handle = self.executor.execute_model_async(request)
+        self._in_flight.append(_InFlightBatch(handle, scheduler_outputs))
+
+    def step(self) -> list[RequestOutput]:
+        """Fill the pipeline with new batches, then finish the oldest one.
+
+        Returns the RequestOutputs of the groups in that batch (and of prompts ignored as
+        too long)."""
+        ignored: list[RequestOutput] = []
+        while len(self._in_flight) < self.max_in_flight:
+            metadata_list, sched_out = self.scheduler.schedule()
+            for group in sched_out.ignored_seq_groups:
+                ignored.append(RequestOutput.from_seq_group(group))
+                self._finished_request_ids.append(group.request_id)
+            if not sched_out.scheduled_seq_groups and not _has_block_ops(sched_out):
+                break
+            self._submit(sched_out, metadata_list)
+        if not self._in_flight:
+            return ignored
+        batch = self._in_flight.popleft()
+        output = self.executor.get_output(batch.handle)
+        sched_out = batch.scheduler_outputs
+        # Out of flight first: this releases groups aborted meanwhile (their blocks too).
+        self.scheduler.finish_in_flight([g.request_id for g in sched_out.scheduled_seq_groups])
+        request_outputs = self.output_processor.process(sched_out.scheduled_seq_groups, output)
+        self._finished_request_ids.extend(
+            g.request_id for g in sched_out.scheduled_seq_groups if g.is_finished()
+        )
+        self.scheduler.free_finished_seq_groups()
+        return ignored + request_outputs
+
+    def shutdown(self) -> None:
+        """Stop the workers (Ray actors and process groups); safe to call twice."""
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+            self.executor = None
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # interpreter teardown: nothing left to clean up with
+            pass
+
+
+def _has_block_ops(sched_out: SchedulerOutputs) -> bool:
+    return bool(
+        sched_out.blocks_to_swap_in or sched_out.blocks_to_swap_out or sched_out.blocks_to_copy
+    )
+
+
+def _load_tokenizer(model_config: ModelConfig) -> Any:
+    if model_config.is_gguf and model_config.tokenizer == model_config.model:
+        from vllm.model_executor.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(model_config.model)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        model_config.tokenizer, trust_remote_code=model_config.trust_remote_code
+    )
+
+
+def _make_executor(*configs: Any) -> Any:
+    parallel_config: ParallelConfig = configs[2]
+    if parallel_config.distributed_executor_backend == "ray":
+        from vllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor(*configs)
+    from vllm.executor.uniproc_executor import UniProcExecutor
+
+    return UniProcExecutor(*configs)

@@ -1,0 +1,71 @@
+"""Checks a request before it reaches the scheduler, so a bad one is refused alone (ValueError
+or TypeError naming the parameter) and never disturbs the requests already running."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from vllm.config import ModelConfig
+from vllm.sampling_params import SamplingParams
+
+
+def validate_request(
+    request_id: Any,
+    prompt: Optional[str],
+    sampling_params: Any,
+    prompt_token_ids: Optional[list[int]],
+    tokenizer: Any,
+    model_config: ModelConfig,
+) -> list[int]:
+    """Validate and return the prompt's token ids (tokenizing `prompt` if needed)."""
+    if not isinstance(request_id, (str, int)):
+        raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
+    if not isinstance(sampling_params, SamplingParams):
+        raise TypeError(
+            f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}."
+        )
+    max_logprobs = model_config.max_logprobs
+    if sampling_params.logprobs is not None and sampling_params.logprobs > max_logprobs:
+        raise ValueError(
+            f"Requested sample logprobs of {sampling_params.logprobs}, which is greater than "
+            f"max allowed: {max_logprobs}"
+        )
+    if (
+        sampling_params.prompt_logprobs is not None
+        and sampling_params.prompt_logprobs > max_logprobs
+    ):
+        raise ValueError(
+            f"Requested prompt logprobs of {sampling_params.prompt_logprobs}, which is greater "
+            f"than max allowed: {max_logprobs}"
+        )
+    if sampling_params.use_beam_search:
+        raise NotImplementedError("use_beam_search is not supported by this build yet.")
+    if prompt_token_ids is None:
+        if prompt is None:
+            raise ValueError("Either prompt or prompt_token_ids must be provided.")
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}.")
+        if tokenizer is None:
+            raise ValueError("prompt_token_ids are required when skip_tokenizer_init=True.")
+        prompt_token_ids = tokenizer.encode(prompt)
+    else:
+        if not isinstance(prompt_token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids
+        ):
+            raise TypeError("prompt_token_ids must be a list of ints.")
+        prompt_token_ids = list(prompt_token_ids)
+    if not prompt_token_ids:
+        raise ValueError("Prompt cannot be empty")
+    vocab = model_config.get_vocab_size()
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(
+            f"prompt_token_ids contains out-of-vocabulary token ids {bad[:5]} "
+            f"(vocab_size is {vocab})."
+        )
+    if sampling_params.detokenize and tokenizer is None and sampling_params.stop:
+        raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True was set).")
+    truncate = sampling_params.truncate_prompt_tokens
+    if truncate is not None:
+        prompt_token_ids = prompt_token_ids[-truncate:]
+    return prompt_token_ids

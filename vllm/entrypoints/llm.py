@@ -1,0 +1,171 @@
+"""LLM: vLLM's offline API. Pipeline parallelism works here too (vLLM V0 refused it)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+from typing import Any, Optional, Union
+
+from tqdm.auto import tqdm
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.llm_engine import LLMEngine
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+PromptType = Union[str, dict[str, Any]]
+
+
+class LLM:
+    """Generate text for batches of prompts with continuous batching over a paged KV cache.
+
+    `LLM(model="smollm2", pipeline_parallel_size=2)` splits the decoder layers over two Ray
+    workers. Keyword arguments are EngineArgs fields (vLLM's names).
+    """
+
+    def __init__(self, model: str = "smollm2", **kwargs: Any) -> None:
+        kwargs.setdefault("disable_log_stats", True)
+        engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self.request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: Union[PromptType, SequenceABC[PromptType], None] = None,
+        sampling_params: Union[SamplingParams, SequenceABC[SamplingParams], None] = None,
+        prompt_token_ids: Optional[list[list[int]]] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion; outputs come back in input order.
+
+        Prompts may be strings, `{"prompt": str}` or `{"prompt_token_ids": [...]}` dicts, or
+        token-id lists via `prompt_token_ids`. `sampling_params` is one SamplingParams for all
+        or a list with one per prompt (default: SamplingParams())."""
+        items = self._normalize_prompts(prompts, prompt_token_ids)
+        params_list = self._normalize_params(sampling_params, len(items))
+        # Validate everything first: a bad prompt must not leave half the batch queued.
+        request_ids: list[str] = []
+        try:
+            for (text, ids), params in zip(items, params_list):
+                request_id = str(next(self.request_counter))
+                self.llm_engine.add_request(request_id, text, params, prompt_token_ids=ids)
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[list[dict[str, str]], list[list[dict[str, str]]]],
+        sampling_params: Union[SamplingParams, SequenceABC[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and
+        generate a reply for each."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was set).")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            for conv in conversations
+        ]
+        # The template already holds the BOS token where the model wants one.
+        ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(
+            [{"prompt_token_ids": i, "prompt": p} for i, p in zip(ids, prompts)],
+            sampling_params,
+            use_tqdm=use_tqdm,
+        )
+
+    @staticmethod
+    def _normalize_prompts(
+        prompts: Any, prompt_token_ids: Optional[list[list[int]]]
+    ) -> list[tuple[Optional[str], Optional[list[int]]]]:
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("Either prompts or prompt_token_ids must be provided.")
+        if prompts is not None and prompt_token_ids is not None:
+            raise ValueError("Pass prompts or prompt_token_ids, not both.")
+        if prompt_token_ids is not None:
+            return [(None, list(ids)) for ids in prompt_token_ids]
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        items: list[tuple[Optional[str], Optional[list[int]]]] = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                items.append((prompt, None))
+            elif isinstance(prompt, dict):
+                if "prompt_token_ids" in prompt:
+                    items.append((prompt.get("prompt"), prompt["prompt_token_ids"]))
+                elif "prompt" in prompt:
+                    items.append((prompt["prompt"], None))
+                else:
+                    raise ValueError(
+                        "a prompt dict needs a 'prompt' or 'prompt_token_ids' key, got "
+                        f"{sorted(prompt)}."
+                    )
+            else:
+                raise TypeError(f"prompts must be strings or dicts, got {type(prompt).__name__}.")
+        return items
+
+    @staticmethod
+    def _normalize_params(params: Any, count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        if isinstance(params, (list, tuple)):
+            if len(params) != count:
+                raise ValueError("The lengths of prompts and sampling_params must be the same.")
+            return list(params)
+        raise TypeError(
+            f"sampling_params must be a SamplingParams or a list of them, got "
+            f"{type(params).__name__}."
+        )
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            dynamic_ncols=True,
+            disable=not use_tqdm,
+        )
+        in_toks = out_toks = 0
+        with bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if not output.finished or output.request_id not in wanted:
+                        continue
+                    finished[output.request_id] = output
+                    in_toks += len(output.prompt_token_ids)
+                    out_toks += sum(len(o.token_ids) for o in output.outputs)
+                    bar.update(1)
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(
+                        f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
+                        f"output: {out_toks / elapsed:.2f} toks/s",
+                        refresh=False,
+                    )
+        return [finished[r] for r in request_ids if r in finished]
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers now (otherwise done when the LLM is garbage collected)."""
+        self.llm_engine.shutdown()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # interpreter teardown
+                pass

@@ -1,0 +1,103 @@
+"""The executor interface: how the engine reaches its stage workers."""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Any
+
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from vllm.sequence import ExecuteModelRequest, SamplerOutput
+
+logger = logging.getLogger("vllm.executor")
+
+
+class ExecutorBase(ABC):
+    """Creates the workers, sizes the KV cache over all stages, and runs steps on them.
+
+    `execute_model_async` submits one step and returns a handle at once, so the engine can keep
+    several batches inside the pipeline; `get_output` waits for that step's sampler output.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        parallel_config: ParallelConfig,
+        scheduler_config: SchedulerConfig,
+        device_config: DeviceConfig,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.parallel_config = parallel_config
+        self.scheduler_config = scheduler_config
+        self.device_config = device_config
+        try:
+            self._init_workers()
+            self._log_stages_and_init_cache()
+        except BaseException:
+            # A failed start (bad placement, load error) must not leave actors behind.
+            self.shutdown()
+            raise
+
+    def _log_stages_and_init_cache(self) -> None:
+        self.stage_infos: list[dict[str, Any]] = self._run_workers("get_stage_info")
+        for info in self.stage_infos:
+            logger.info(
+                "Stage %d: layers [%d, %d) on %s (pid %d, %s, %d threads)",
+                info["pp_rank"],
+                info["layers"][0],
+                info["layers"][1],
+                info["host"],
+                info["pid"],
+                info["device"],
+                info["threads"],
+            )
+        self._init_cache()
+
+    @abstractmethod
+    def _init_workers(self) -> None: ...
+
+    @abstractmethod
+    def _run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` on every worker and return their results in rank order."""
+
+    def _init_cache(self) -> None:
+        """Every stage sizes its cache from its own layers; the engine uses the minimum."""
+        per_stage = self._run_workers("determine_num_available_blocks")
+        num_gpu = min(b[0] for b in per_stage)
+        num_cpu = min(b[1] for b in per_stage)
+        logger.info("# GPU blocks: %d, # CPU blocks: %d", num_gpu, num_cpu)
+        if len(per_stage) > 1:
+            logger.info("Blocks per stage (device, host): %s", per_stage)
+        if num_gpu <= 0:
+            raise ValueError(
+                "No available memory for the cache blocks. Try increasing "
+                "`gpu_memory_utilization` (or `kv_cache_space` on CPU) when initializing the "
+                "engine."
+            )
+        max_seq_len = self.cache_config.block_size * num_gpu
+        if self.model_config.max_model_len > max_seq_len:
+            raise ValueError(
+                f"The model's max seq len ({self.model_config.max_model_len}) is larger than "
+                f"the maximum number of tokens that can be stored in KV cache ({max_seq_len}). "
+                "Try increasing `gpu_memory_utilization` (or `kv_cache_space` on CPU) or "
+                "decreasing `max_model_len` when initializing the engine."
+            )
+        self.cache_config.num_gpu_blocks = num_gpu
+        self.cache_config.num_cpu_blocks = num_cpu
+        self._run_workers("initialize_cache", num_gpu, num_cpu)
+
+    @abstractmethod
+    def execute_model_async(self, request: ExecuteModelRequest) -> Any:
+        """Submit one step to the pipeline; returns a handle for `get_output`."""
+
+    @abstractmethod
+    def get_output(self, handle: Any) -> SamplerOutput:
+        """Wait for a submitted step and return the last stage's sampler output."""
+
+    def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
+        return self.get_output(self.execute_model_async(request))
+
+    @abstractmethod
+    def shutdown(self) -> None: ...

@@ -1,0 +1,101 @@
+"""Ray plumbing: joining or starting a cluster, placing one bundle per rank, the actor class."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.executor.ray_utils")
+
+# How long to wait for the placement group before failing with a clear error (seconds).
+_PLACEMENT_TIMEOUT_S = float(os.environ.get("VLLM_PP_PLACEMENT_TIMEOUT", "30"))
+
+
+class RayWorkerWrapper:
+    """The actor body: builds a Worker lazily inside the actor process and runs its methods."""
+
+    def __init__(self) -> None:
+        from vllm.logger import configure_logging
+
+        configure_logging()
+        self.worker: Any = None
+
+    def init_worker(self, **kwargs: Any) -> None:
+        from vllm.worker.worker import Worker
+
+        self.worker = Worker(**kwargs)
+
+    def get_node_ip(self) -> str:
+        from vllm.model_executor.parallel_utils.parallel_state import get_ip
+
+        return get_ip()
+
+    def get_open_port(self) -> int:
+        from vllm.model_executor.parallel_utils.parallel_state import get_open_port
+
+        return get_open_port()
+
+    def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
+def init_ray(world_size: int, use_gpu: bool) -> bool:
+    """Connect to Ray: the running instance, the cluster at RAY_ADDRESS, or a new local one.
+
+    Returns True if this call started a local instance (the engine then shuts it down). A new
+    local instance gets at least `world_size` logical CPUs, so PP=4 runs on a 2-core machine
+    (oversubscribed, with a warning) instead of never placing.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return False
+    cpus = os.cpu_count() or 1
+    num_cpus = max(cpus, world_size)
+    if not use_gpu and world_size > cpus:
+        logger.warning(
+            "pipeline of %d stages on %d CPU cores: stages are oversubscribed", world_size, cpus
+        )
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    return True
+
+
+def create_placement_group(world_size: int, use_gpu: bool) -> Any:
+    """One bundle per rank ({"GPU": 1} or {"CPU": 1}); a clear error if it cannot be placed."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    resource = "GPU" if use_gpu else "CPU"
+    total = ray.cluster_resources().get(resource, 0)
+    if total < world_size:
+        raise ValueError(
+            f"The number of required {resource}s exceeds the total number of available "
+            f"{resource}s in the cluster: pipeline_parallel_size x tensor_parallel_size = "
+            f"{world_size} ranks need {world_size} {resource} bundles, the Ray cluster has "
+            f"{total:g}."
+        )
+    pg = placement_group([{resource: 1}] * world_size, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise ValueError(
+            f"Could not place {world_size} {resource} bundles within "
+            f"{_PLACEMENT_TIMEOUT_S:g} s: the cluster has {total:g} {resource}s but "
+            f"only {ray.available_resources().get(resource, 0):g} are free."
+        ) from None
+    return pg
+
+
+def bundle_nodes(pg: Any) -> list[Optional[str]]:
+    """Node id of each bundle (for the placement log)."""
+    from ray.util import placement_group_table
+
+    table = placement_group_table(pg)
+    mapping = table.get("bundles_to_node_id", {})
+    return [mapping.get(i) for i in range(len(table.get("bundles", {})))]

@@ -1,0 +1,38 @@
+"""In-process executor for a single stage (pipeline and tensor parallel size 1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.executor.base import ExecutorBase
+from vllm.sequence import ExecuteModelRequest, SamplerOutput
+from vllm.worker.worker import Worker
+
+
+class UniProcExecutor(ExecutorBase):
+    """Runs the only worker in the engine's own process; steps complete synchronously."""
+
+    def _init_workers(self) -> None:
+        self.worker = Worker(
+            self.model_config,
+            self.parallel_config,
+            self.scheduler_config,
+            self.device_config,
+            self.cache_config,
+        )
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def _run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args, **kwargs)]
+
+    def execute_model_async(self, request: ExecuteModelRequest) -> Any:
+        return self.worker.execute_model(request)
+
+    def get_output(self, handle: Any) -> SamplerOutput:
+        return handle
+
+    def shutdown(self) -> None:
+        if getattr(self, "worker", None) is not None:
+            self.worker.shutdown()
+            self.worker = None

@@ -1,0 +1,34 @@
+"""Model registry: HF architecture name -> stage-local module class."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Imported lazily so that reading the registry (config validation) does not import torch.
+_MODELS: dict[str, tuple[str, str]] = {
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+}
+
+
+def get_supported_archs() -> list[str]:
+    return list(_MODELS)
+
+
+def check_architecture(hf_config: Any) -> str:
+    """The first supported architecture named in the config; ValueError naming it if none."""
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in _MODELS:
+            return arch
+    raise ValueError(
+        f"Model architectures {archs} are not supported for now. "
+        f"Supported architectures: {get_supported_archs()}"
+    )
+
+
+def get_model_class(hf_config: Any) -> type:
+    module_name, class_name = _MODELS[check_architecture(hf_config)]
+    module = importlib.import_module(f"vllm.model_executor.models.{module_name}")
+    return getattr(module, class_name)

@@ -1,0 +1,196 @@
+"""LLaMA (RMSNorm, RoPE, SwiGLU, grouped-query attention), holding only this stage's layers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from vllm.model_executor.input_metadata import InputMetadata
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import KVCache, PagedAttention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary import RotaryEmbedding
+from vllm.model_executor.models.utils import (
+    StageLayout,
+    check_all_loaded,
+    copy_weight,
+    load_stacked,
+    localize_layer_name,
+)
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with a fused q/k/v projection and RoPE."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
+        # transformers >= 5 keeps rope_theta inside rope_parameters; older configs at top level.
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+        rope = dict(rope or {})
+        theta = rope.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, theta, rope
+        )
+        self.attn = PagedAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: Optional[KVCache],
+        md: InputMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)  # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, md))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate/up projection."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"LLaMA hidden_act {config.hidden_act!r} is not supported.")
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: Optional[KVCache],
+        md: InputMetadata,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        h = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, md)
+        h = residual + h
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings (first stage), this stage's decoder layers, final norm (last stage)."""
+
+    def __init__(self, config: Any, layout: StageLayout) -> None:
+        super().__init__()
+        self.layout = layout
+        if layout.is_first:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(layout.num_layers))
+        if layout.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """One pipeline stage of a LLaMA causal LM."""
+
+    def __init__(self, config: Any, layout: StageLayout) -> None:
+        super().__init__()
+        self.config = config
+        self.layout = layout
+        self.model = LlamaModel(config, layout)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if layout.is_last:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if self.tie_word_embeddings and layout.is_first:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        md: InputMetadata,
+        hidden_states: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """input_ids [T] on the first stage, else hidden_states [T, hidden]; -> [T, hidden]."""
+        if self.layout.is_first:
+            hidden_states = self.model.embed_tokens(input_ids)
+        assert hidden_states is not None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden_states = layer(positions, hidden_states, kv_cache, md)
+        if self.layout.is_last:
+            hidden_states = self.model.norm(hidden_states)
+        return hidden_states
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [S, hidden] (already normed) -> logits [S, vocab] in float32."""
+        return self.lm_head(hidden_states).float()
+
+    def owns_weight(self, name: str) -> bool:
+        """Does this stage load the checkpoint tensor `name`? (lets loaders skip the rest)"""
+        if localize_layer_name(name, self.layout) is None:
+            return False
+        if name.startswith("model.embed_tokens."):
+            return self.layout.is_first or (self.layout.is_last and self.tie_word_embeddings)
+        if name.startswith("model.norm.") or name.startswith("lm_head."):
+            return self.layout.is_last
+        return "rotary_emb.inv_freq" not in name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up; tied lm_head from embed_tokens."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        attn = self.model.layers[0].self_attn if len(self.model.layers) else None
+        stacked: list[tuple[str, str, int, int]] = []
+        if attn is not None:
+            q, kv, inter = attn.q_size, attn.kv_size, self.config.intermediate_size
+            stacked = [
+                ("qkv_proj", "q_proj", 0, q),
+                ("qkv_proj", "k_proj", q, kv),
+                ("qkv_proj", "v_proj", q + kv, kv),
+                ("gate_up_proj", "gate_proj", 0, inter),
+                ("gate_up_proj", "up_proj", inter, inter),
+            ]
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if not self.owns_weight(name):
+                continue
+            local = localize_layer_name(name, self.layout)
+            assert local is not None
+            if load_stacked(params, local, tensor, stacked):
+                for fused, shard, _, _ in stacked:
+                    if f".{shard}." in local:
+                        loaded.add(local.replace(f".{shard}.", f".{fused}."))
+                continue
+            if local == "model.embed_tokens.weight" and self.layout.is_last:
+                if self.tie_word_embeddings:
+                    copy_weight(params["lm_head.weight"], tensor, name)
+                    loaded.add("lm_head.weight")
+                if not self.layout.is_first:
+                    continue
+            if local not in params:
+                raise ValueError(f"unexpected weight {name!r} in the checkpoint.")
+            copy_weight(params[local], tensor, name)
+            loaded.add(local)
+        check_all_loaded(self, loaded)

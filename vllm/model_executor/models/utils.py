@@ -1,0 +1,86 @@
+"""Shared pieces of the stage-local model modules: the stage layout and weight-name routing."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+_LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """The slice of the model one pipeline stage owns: decoder layers `[start, end)`, plus the
+    embeddings on the first stage and the final norm / lm_head on the last."""
+
+    start_layer: int
+    end_layer: int
+    is_first: bool
+    is_last: bool
+
+    @classmethod
+    def single(cls, num_layers: int) -> StageLayout:
+        return cls(0, num_layers, True, True)
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+
+def layer_index(name: str) -> Optional[int]:
+    """Global decoder-layer index in a checkpoint tensor name, or None for non-layer tensors."""
+    match = _LAYER_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
+def localize_layer_name(name: str, layout: StageLayout) -> Optional[str]:
+    """Rename `...layers.<global>.` to `...layers.<local>.`; None if another stage owns it."""
+    idx = layer_index(name)
+    if idx is None:
+        return name
+    if not layout.start_layer <= idx < layout.end_layer:
+        return None
+    return name.replace(f".layers.{idx}.", f".layers.{idx - layout.start_layer}.", 1)
+
+
+def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    """Copy a checkpoint tensor into a parameter (or a slice of one), checking the shape."""
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"weight {name}: checkpoint shape {tuple(loaded.shape)} does not match the model's "
+            f"{tuple(param.shape)}."
+        )
+    with torch.no_grad():
+        param.copy_(loaded.to(param.dtype))
+
+
+def load_stacked(
+    params: dict[str, nn.Parameter],
+    name: str,
+    tensor: torch.Tensor,
+    stacked: list[tuple[str, str, int, int]],
+) -> bool:
+    """Load a q/k/v (or gate/up) checkpoint tensor into its rows of a fused parameter.
+
+    `stacked` lists (fused_name, shard_name, row_start, row_count). Returns True if handled.
+    """
+    for fused, shard, row_start, rows in stacked:
+        if f".{shard}." not in name:
+            continue
+        target = name.replace(f".{shard}.", f".{fused}.")
+        if target not in params:
+            return False
+        copy_weight(params[target][row_start : row_start + rows], tensor, name)
+        return True
+    return False
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
+    """Every parameter of this stage must have come from the checkpoint."""
+    missing = [n for n, _ in model.named_parameters() if n not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")

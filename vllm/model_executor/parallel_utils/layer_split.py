@@ -1,0 +1,53 @@
+"""Which decoder layers each pipeline stage owns: one function for the whole engine."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def parse_layer_partition(partition: str, num_layers: int, pp_size: int) -> list[int]:
+    """Parse a user split such as "8,8,7,7" (VLLM_PP_LAYER_PARTITION) and validate it."""
+    try:
+        sizes = [int(part) for part in partition.split(",")]
+    except ValueError as err:
+        raise ValueError(
+            f"pp_layer_partition must be comma-separated integers, got {partition!r}."
+        ) from err
+    if len(sizes) != pp_size:
+        raise ValueError(
+            f"pp_layer_partition {partition!r} has {len(sizes)} entries but "
+            f"pipeline_parallel_size is {pp_size}."
+        )
+    if any(size < 1 for size in sizes) or sum(sizes) != num_layers:
+        raise ValueError(
+            f"pp_layer_partition {partition!r} must give every stage at least one layer and "
+            f"sum to the model's {num_layers} layers."
+        )
+    return sizes
+
+
+def get_pp_layer_sizes(num_layers: int, pp_size: int, partition: Optional[str] = None) -> list[int]:
+    """Layers per stage. Even split by default; the first stages take the remainder
+    (30 layers on 4 stages -> 8/8/7/7)."""
+    if not isinstance(pp_size, int) or pp_size < 1:
+        raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {pp_size!r}.")
+    if pp_size > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size ({pp_size}) must not exceed the number of hidden layers "
+            f"({num_layers}): every stage needs at least one decoder layer."
+        )
+    if partition:
+        return parse_layer_partition(partition, num_layers, pp_size)
+    base, extra = divmod(num_layers, pp_size)
+    return [base + (1 if rank < extra else 0) for rank in range(pp_size)]
+
+
+def get_pp_layer_range(
+    num_layers: int, pp_rank: int, pp_size: int, partition: Optional[str] = None
+) -> tuple[int, int]:
+    """The `[start, end)` decoder layers owned by stage `pp_rank`."""
+    sizes = get_pp_layer_sizes(num_layers, pp_size, partition)
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}.")
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]

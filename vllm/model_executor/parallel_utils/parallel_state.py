@@ -1,0 +1,256 @@
+"""Process groups for pipeline (PP) and tensor (TP) model parallelism.
+
+Rank layout: ``rank = pp_rank * tp_size + tp_rank``. All ranks of one pipeline stage are
+contiguous, so a stage's TP group is ``[pp_rank * tp_size, (pp_rank + 1) * tp_size)`` and
+the PP group of ``tp_rank`` is ``{tp_rank, tp_size + tp_rank, 2 * tp_size + tp_rank, ...}``.
+
+When ``torch.distributed`` is not initialised (a single in-process engine, PP = TP = 1) the
+getters answer as the only stage, so the single-process engine runs the same stage code.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+# Handles created by initialize_model_parallel(); None until then.
+_PP_GROUP: dist.ProcessGroup | None = None
+_TP_GROUP: dist.ProcessGroup | None = None
+# Global ranks of this rank's PP group (ordered by pp_rank) and TP group (ordered by tp_rank).
+_PP_GROUP_RANKS: list[int] | None = None
+_TP_GROUP_RANKS: list[int] | None = None
+
+
+def get_open_port() -> int:
+    """Return a TCP port that is free right now (the OS picks it by binding port 0).
+
+    The port is released before returning, so another process could take it in between; the
+    window is tiny and it avoids any hard-coded port colliding with a concurrent run.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+    except OSError:
+        # IPv6-only hosts have no AF_INET socket.
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+
+def get_ip() -> str:
+    """Return this node's IP address as other nodes can reach it (fallback ``127.0.0.1``).
+
+    ``VLLM_HOST_IP`` overrides the detection (as in vLLM) for multi-homed hosts.
+    """
+    host_ip = os.environ.get("VLLM_HOST_IP", "").strip()
+    if host_ip:
+        return host_ip
+    # connect() on a UDP socket sends no packet; it only makes the kernel pick the outgoing
+    # interface of the default route, whose address is the one peers can reach.
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("8.8.8.8", 80))
+            return str(s.getsockname()[0])
+    except OSError:
+        pass
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+        if ip and not ip.startswith("127."):
+            return ip
+    except OSError:
+        pass
+    return "127.0.0.1"
+
+
+def get_distributed_init_method(ip: str, port: int) -> str:
+    """Return the ``torch.distributed`` TCP rendezvous URL ``tcp://ip:port``."""
+    # IPv6 literals must be bracketed inside a URL.
+    host = f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip
+    return f"tcp://{host}:{port}"
+
+
+def init_distributed_environment(
+    world_size: int,
+    rank: int,
+    distributed_init_method: str,
+    backend: str | None = None,
+    local_rank: int = 0,
+) -> None:
+    """Initialise the default ``torch.distributed`` process group for this rank.
+
+    ``backend`` defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``. Calling it
+    again in an already initialised process is a no-op if the world size matches.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(
+                "torch.distributed is already initialized with world_size="
+                f"{dist.get_world_size()}, cannot re-initialize with world_size={world_size}"
+            )
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        # NCCL binds a communicator to the current device; set it before the first collective
+        # so every rank does not end up on cuda:0.
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend=backend,
+        init_method=distributed_init_method,
+        world_size=world_size,
+        rank=rank,
+    )
+
+
+def initialize_model_parallel(
+    pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1
+) -> None:
+    """Create the PP and TP process groups (collective: every rank must call it).
+
+    Raises ``ValueError`` if ``world_size != pipeline_parallel_size * tensor_parallel_size``.
+    """
+    global _PP_GROUP, _TP_GROUP, _PP_GROUP_RANKS, _TP_GROUP_RANKS
+    if pipeline_parallel_size < 1:
+        raise ValueError(f"pipeline_parallel_size must be >= 1, got {pipeline_parallel_size}")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if not dist.is_initialized():
+        raise RuntimeError("call init_distributed_environment() before initialize_model_parallel()")
+    world_size = dist.get_world_size()
+    if world_size != pipeline_parallel_size * tensor_parallel_size:
+        raise ValueError(
+            f"world_size ({world_size}) is not equal to pipeline_parallel_size "
+            f"({pipeline_parallel_size}) x tensor_parallel_size ({tensor_parallel_size})"
+        )
+    if model_parallel_is_initialized():
+        if (len(_PP_GROUP_RANKS), len(_TP_GROUP_RANKS)) == (
+            pipeline_parallel_size,
+            tensor_parallel_size,
+        ):
+            return
+        raise RuntimeError("model parallel groups are already initialized with other sizes")
+
+    rank = dist.get_rank()
+    backend = dist.get_backend()
+    # new_group() must be called by every rank for every group, in the same order, even for
+    # groups the rank is not in; each rank keeps only its own.
+    for pp_rank in range(pipeline_parallel_size):
+        ranks = list(range(pp_rank * tensor_parallel_size, (pp_rank + 1) * tensor_parallel_size))
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            _TP_GROUP, _TP_GROUP_RANKS = group, ranks
+    for tp_rank in range(tensor_parallel_size):
+        ranks = list(range(tp_rank, world_size, tensor_parallel_size))
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            _PP_GROUP, _PP_GROUP_RANKS = group, ranks
+
+
+def model_parallel_is_initialized() -> bool:
+    """True once initialize_model_parallel() has created the groups."""
+    return _PP_GROUP is not None and _TP_GROUP is not None
+
+
+def _single_process() -> bool:
+    """True when this process may answer as the only stage (no groups exist yet).
+
+    Without groups, a multi-rank world has no defined stage layout, so asking is a bug.
+    """
+    if model_parallel_is_initialized():
+        return False
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    raise RuntimeError(
+        "model parallel groups are not initialized; call initialize_model_parallel()"
+    )
+
+
+def get_pp_group() -> dist.ProcessGroup:
+    """The pipeline-parallel group of this rank (same tp_rank, all stages)."""
+    if _PP_GROUP is None:
+        raise RuntimeError("pipeline model parallel group is not initialized")
+    return _PP_GROUP
+
+
+def get_tp_group() -> dist.ProcessGroup:
+    """The tensor-parallel group of this rank (same stage, all tp ranks)."""
+    if _TP_GROUP is None:
+        raise RuntimeError("tensor model parallel group is not initialized")
+    return _TP_GROUP
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """This rank's stage index in [0, pp_size)."""
+    if _single_process():
+        return 0
+    return _PP_GROUP_RANKS.index(dist.get_rank())
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """Number of pipeline stages."""
+    if _single_process():
+        return 1
+    return len(_PP_GROUP_RANKS)
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """This rank's index inside its stage's TP group."""
+    if _single_process():
+        return 0
+    return _TP_GROUP_RANKS.index(dist.get_rank())
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """Number of TP ranks per stage."""
+    if _single_process():
+        return 1
+    return len(_TP_GROUP_RANKS)
+
+
+def is_pipeline_first_stage() -> bool:
+    """True on the stage that owns the embeddings and receives the scheduler output."""
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    """True on the stage that owns the final norm, lm_head and sampler."""
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    """GLOBAL rank of the previous stage with the same tp_rank (wraps around, as in vLLM)."""
+    if _single_process():
+        return dist.get_rank() if dist.is_initialized() else 0
+    pp_rank = get_pipeline_model_parallel_rank()
+    return _PP_GROUP_RANKS[(pp_rank - 1) % len(_PP_GROUP_RANKS)]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """GLOBAL rank of the next stage with the same tp_rank (wraps around, as in vLLM)."""
+    if _single_process():
+        return dist.get_rank() if dist.is_initialized() else 0
+    pp_rank = get_pipeline_model_parallel_rank()
+    return _PP_GROUP_RANKS[(pp_rank + 1) % len(_PP_GROUP_RANKS)]
+
+
+def destroy_model_parallel() -> None:
+    """Destroy the PP/TP groups and the default process group (safe to call repeatedly)."""
+    global _PP_GROUP, _TP_GROUP, _PP_GROUP_RANKS, _TP_GROUP_RANKS
+    if dist.is_initialized():
+        for group in (_PP_GROUP, _TP_GROUP):
+            if group is not None:
+                dist.destroy_process_group(group)
+    _PP_GROUP = _TP_GROUP = None
+    _PP_GROUP_RANKS = _TP_GROUP_RANKS = None
+    if dist.is_initialized():
+        # Destroying the default group also tears down the TCP store, so a later
+        # init_distributed_environment() in this process starts clean.
+        dist.destroy_process_group()

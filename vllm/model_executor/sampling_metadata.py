@@ -1,0 +1,85 @@
+"""What the last stage needs to sample: which hidden rows to turn into logits and, per row,
+the group, sequence and sampling parameters (built from the scheduler's metadata)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm.sampling_params import SamplingParams, SamplingType
+from vllm.sequence import SequenceData, SequenceGroupMetadata
+
+
+@dataclass
+class SeqGroupRows:
+    """The logits rows of one scheduled group: one per running sequence (one for a prompt)."""
+
+    request_id: str
+    seq_ids: list[int]
+    params: SamplingParams
+    is_prompt: bool
+    rows: list[int]
+    seq_data: dict[int, SequenceData]
+    generator: torch.Generator | None
+
+
+@dataclass
+class SamplingMetadata:
+    """Rows to select from the flat hidden states, and how to sample each group."""
+
+    # [S] int64: index into the step's flat token batch of each row to sample from.
+    selected_token_indices: torch.Tensor
+    groups: list[SeqGroupRows]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.selected_token_indices.numel())
+
+
+def build_sampling_metadata(
+    metadata_list: list[SequenceGroupMetadata],
+    generators: dict[str, torch.Generator],
+    device: torch.device,
+) -> SamplingMetadata:
+    """Map groups to rows. Layout matches the model runner: prefills first, then decodes.
+
+    `generators` holds per-request seeded generators across steps (created on first sight so
+    a recompute-preempted request continues its random stream instead of restarting it).
+    """
+    prefills = [m for m in metadata_list if m.is_prompt]
+    decodes = [m for m in metadata_list if not m.is_prompt]
+    selected: list[int] = []
+    groups: list[SeqGroupRows] = []
+    offset = 0
+    for meta in prefills + decodes:
+        seq_ids = list(meta.seq_data)
+        params = meta.sampling_params
+        gen = None
+        if params.sampling_type == SamplingType.RANDOM_SEED:
+            gen = generators.get(meta.request_id)
+            if gen is None:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(params.seed)
+                generators[meta.request_id] = gen
+        rows = []
+        if meta.is_prompt:
+            # A prompt group has one sequence (or several sharing one prompt after a
+            # recompute preemption of forked samples); sample each from its last token.
+            for seq_id in seq_ids:
+                offset += meta.seq_data[seq_id].get_len()
+                rows.append(len(selected))
+                selected.append(offset - 1)
+        else:
+            for _ in seq_ids:
+                rows.append(len(selected))
+                selected.append(offset)
+                offset += 1
+        groups.append(
+            SeqGroupRows(meta.request_id, seq_ids, params, meta.is_prompt, rows, meta.seq_data, gen)
+        )
+    # Put groups back in the scheduler's order: outputs are matched to groups positionally.
+    order = {id(meta): i for i, meta in enumerate(prefills + decodes)}
+    groups = [groups[order[id(meta)]] for meta in metadata_list]
+    indices = torch.tensor(selected, dtype=torch.long, device=device)
+    return SamplingMetadata(indices, groups)

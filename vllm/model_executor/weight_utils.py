@@ -1,0 +1,112 @@
+"""Build one stage's model and load only the checkpoint tensors that stage owns.
+
+Sources: HF directories (`*.safetensors` read tensor by tensor, or `pytorch_model*.bin`) and
+GGUF files (dequantized by gguf_loader). Each stage reads ~1/N of the decoder weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Callable
+
+import torch
+from torch import nn
+
+from vllm.config import ModelConfig
+from vllm.model_executor.models import get_model_class
+from vllm.model_executor.models.utils import StageLayout
+
+logger = logging.getLogger("vllm.model_executor.weight_utils")
+
+WeightFilter = Callable[[str], bool]
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def get_torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a config dtype string ("float32", "bfloat16", "float16")."""
+    return _TORCH_DTYPES[name]
+
+
+def iter_safetensors(path: str, wanted: WeightFilter) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if wanted(name):
+                    yield name, f.get_tensor(name)
+
+
+def iter_torch_bin(path: str, wanted: WeightFilter) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+    for file in files:
+        # mmap: untouched tensors (other stages' layers) are never read from disk.
+        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        for name, tensor in state.items():
+            if wanted(name):
+                yield name, tensor
+        del state
+
+
+def iter_weights(
+    model_config: ModelConfig, wanted: WeightFilter
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors (HF names) accepted by `wanted`, from whatever format the model uses."""
+    path = model_config.model
+    if model_config.is_gguf:
+        from vllm.model_executor.gguf_loader import iter_gguf_weights
+
+        yield from iter_gguf_weights(path, wanted)
+        return
+    if glob.glob(os.path.join(path, "*.safetensors")):
+        yield from iter_safetensors(path, wanted)
+    elif glob.glob(os.path.join(path, "pytorch_model*.bin")):
+        yield from iter_torch_bin(path, wanted)
+    else:
+        raise ValueError(
+            f"model {path!r} has no weights: expected *.safetensors or pytorch_model*.bin."
+        )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_stage_model(
+    model_config: ModelConfig, layout: StageLayout, device: torch.device
+) -> nn.Module:
+    """Construct this stage's module in the engine dtype on `device` and load its weights."""
+    start = time.perf_counter()
+    model_cls = get_model_class(model_config.hf_config)
+    dtype = get_torch_dtype(model_config.dtype)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(model_config.hf_config, layout)
+    model.load_weights(iter_weights(model_config, model.owns_weight))
+    model.eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "Loaded layers [%d, %d) (%.1fM params, %s) in %.2f s",
+        layout.start_layer,
+        layout.end_layer,
+        n_params / 1e6,
+        model_config.dtype,
+        time.perf_counter() - start,
+    )
+    return model

@@ -1,0 +1,99 @@
+"""What `generate` returns: vLLM's RequestOutput and CompletionOutput (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from vllm.sequence import (
+    Logprob,
+    PromptLogprobs,
+    SampleLogprobs,
+    SequenceGroup,
+    SequenceStatus,
+)
+
+__all__ = ["CompletionOutput", "Logprob", "RequestOutput"]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float
+    logprobs: Optional[SampleLogprobs]
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, "
+            f"token_ids={self.token_ids}, cumulative_logprob={self.cumulative_logprob}, "
+            f"logprobs={self.logprobs}, finish_reason={self.finish_reason}, "
+            f"stop_reason={self.stop_reason})"
+        )
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and its (best `n`) completions so far."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    prompt_logprobs: Optional[PromptLogprobs]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+    @classmethod
+    def from_seq_group(cls, seq_group: SequenceGroup) -> RequestOutput:
+        """Build from a group: the top `n` sequences by cumulative logprob (beam score under
+        beam search), finished or not."""
+        params = seq_group.sampling_params
+        seqs = seq_group.get_seqs()
+        if len(seqs) == 1:
+            top = seqs
+        elif params.use_beam_search:
+            top = sorted(
+                seqs,
+                key=lambda s: s.get_beam_search_score(params.length_penalty, None, s.eos_token_id),
+                reverse=True,
+            )[: params.n]
+        else:
+            top = sorted(seqs, key=lambda s: s.get_cumulative_logprob(), reverse=True)[: params.n]
+        outputs = []
+        for seq in top:
+            index = seq_group.get_seqs().index(seq)
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=seq.output_text,
+                    token_ids=list(seq.get_output_token_ids()),
+                    cumulative_logprob=seq.get_cumulative_logprob(),
+                    logprobs=seq.output_logprobs if params.logprobs is not None else None,
+                    finish_reason=SequenceStatus.get_finished_reason(seq.status),
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return cls(
+            request_id=seq_group.request_id,
+            prompt=seq_group.prompt,
+            prompt_token_ids=list(seq_group.prompt_token_ids),
+            prompt_logprobs=seq_group.prompt_logprobs,
+            outputs=outputs,
+            finished=seq_group.is_finished(),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, "
+            f"prompt_logprobs={self.prompt_logprobs}, outputs={self.outputs}, "
+            f"finished={self.finished})"
+        )

@@ -1,0 +1,304 @@
+"""Sequences, sequence groups and the small records that travel between engine and workers.
+
+Imports no torch: the scheduler, the block manager and the engine's bookkeeping are tested with
+fake sequences in milliseconds, and every record here pickles cheaply to Ray workers.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token, with its rank in the vocabulary and decoded text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# One dict per generated position: token id -> Logprob (the sampled token plus the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
+
+
+class SequenceStatus(enum.IntEnum):
+    """Where a sequence is in its life: queued, running, swapped out, or finished (and why)."""
+
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+
+    @staticmethod
+    def is_finished(status: SequenceStatus) -> bool:
+        return status >= SequenceStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def get_finished_reason(status: SequenceStatus) -> Optional[str]:
+        """vLLM's `finish_reason` strings; an ignored (too long) prompt reports "length"."""
+        return {
+            SequenceStatus.FINISHED_STOPPED: "stop",
+            SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+            SequenceStatus.FINISHED_ABORTED: "abort",
+            SequenceStatus.FINISHED_IGNORED: "length",
+        }.get(status)
+
+
+@dataclass
+class SequenceData:
+    """The token ids of one sequence: what workers need to run and sample it."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+    def append_token_id(self, token_id: int, logprob: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def get_prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def get_output_len(self) -> int:
+        return len(self.output_token_ids)
+
+    def get_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_last_token_id(self) -> int:
+        if self.output_token_ids:
+            return self.output_token_ids[-1]
+        return self.prompt_token_ids[-1]
+
+
+class Sequence:
+    """One token stream (prompt plus generated tokens) with its text and detokenizer state."""
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt: Optional[str],
+        prompt_token_ids: list[int],
+        block_size: int,
+        eos_token_id: Optional[int] = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.prompt = prompt
+        self.block_size = block_size
+        self.eos_token_id = eos_token_id
+        self.data = SequenceData(list(prompt_token_ids))
+        self.output_logprobs: SampleLogprobs = []
+        self.output_text = ""
+        self.status = SequenceStatus.WAITING
+        self.stop_reason: Union[int, str, None] = None
+        # Incremental detokenization state (see engine/detokenizer.py).
+        self.tokens: Optional[list[str]] = None
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.data.prompt_token_ids
+
+    @property
+    def n_blocks(self) -> int:
+        """KV blocks this sequence occupies once all its tokens are in the cache."""
+        return math.ceil(self.get_len() / self.block_size)
+
+    def append_token_id(self, token_id: int, logprobs: dict[int, Logprob]) -> None:
+        assert token_id in logprobs, "the sampled token must carry its own logprob"
+        self.output_logprobs.append(logprobs)
+        self.data.append_token_id(token_id, logprobs[token_id].logprob)
+
+    def get_len(self) -> int:
+        return self.data.get_len()
+
+    def get_prompt_len(self) -> int:
+        return self.data.get_prompt_len()
+
+    def get_output_len(self) -> int:
+        return self.data.get_output_len()
+
+    def get_token_ids(self) -> list[int]:
+        return self.data.get_token_ids()
+
+    def get_output_token_ids(self) -> list[int]:
+        return self.data.output_token_ids
+
+    def get_last_token_id(self) -> int:
+        return self.data.get_last_token_id()
+
+    def get_cumulative_logprob(self) -> float:
+        return self.data.cumulative_logprob
+
+    def get_beam_search_score(
+        self,
+        length_penalty: float = 1.0,
+        seq_len: Optional[int] = None,
+        eos_token_id: Optional[int] = None,
+    ) -> float:
+        """HF's beam score: cumulative logprob / (generated length ** length_penalty)."""
+        if seq_len is None:
+            seq_len = self.get_len()
+            # Like HF, a trailing EOS does not count towards the length.
+            if eos_token_id is not None and self.get_last_token_id() == eos_token_id:
+                seq_len -= 1
+        return self.get_cumulative_logprob() / (seq_len**length_penalty)
+
+    def is_finished(self) -> bool:
+        return SequenceStatus.is_finished(self.status)
+
+    def fork(self, new_seq_id: int) -> Sequence:
+        new_seq = copy.deepcopy(self)
+        new_seq.seq_id = new_seq_id
+        return new_seq
+
+    def reset_for_recompute(self) -> None:
+        """Preempted by recompute: its whole token list is prefilled again when rescheduled."""
+        self.status = SequenceStatus.WAITING
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, status={self.status.name}, num_blocks={self.n_blocks})"
+        )
+
+
+class SequenceGroup:
+    """The sequences generated from one prompt (one request): n/best_of samples or beams."""
+
+    def __init__(
+        self,
+        request_id: str,
+        seqs: list[Sequence],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.seqs_dict = {seq.seq_id: seq for seq in seqs}
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.prompt_logprobs: Optional[PromptLogprobs] = None
+        # How many sequences of this group ever got preempted (reported by masstest).
+        self.num_preemptions = 0
+
+    @property
+    def prompt(self) -> Optional[str]:
+        return next(iter(self.seqs_dict.values())).prompt
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return next(iter(self.seqs_dict.values())).prompt_token_ids
+
+    def get_max_num_running_seqs(self) -> int:
+        """The most sequences this group can have running at once (for the seq budget)."""
+        if self.sampling_params.use_beam_search:
+            return self.sampling_params.best_of
+        if self.sampling_params.best_of > self.num_seqs():
+            # Still in the prompt phase: it forks into best_of sequences after the first token.
+            return self.sampling_params.best_of
+        return self.num_unfinished_seqs()
+
+    def get_seqs(self, status: Optional[SequenceStatus] = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs_dict.values())
+        return [seq for seq in self.seqs_dict.values() if seq.status == status]
+
+    def get_unfinished_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs_dict.values() if not seq.is_finished()]
+
+    def get_finished_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs_dict.values() if seq.is_finished()]
+
+    def num_seqs(self, status: Optional[SequenceStatus] = None) -> int:
+        return len(self.get_seqs(status))
+
+    def num_unfinished_seqs(self) -> int:
+        return len(self.get_unfinished_seqs())
+
+    def find(self, seq_id: int) -> Sequence:
+        if seq_id not in self.seqs_dict:
+            raise ValueError(f"Sequence {seq_id} not found.")
+        return self.seqs_dict[seq_id]
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs_dict:
+            raise ValueError(f"Sequence {seq.seq_id} already exists.")
+        self.seqs_dict[seq.seq_id] = seq
+
+    def remove(self, seq_id: int) -> None:
+        if seq_id not in self.seqs_dict:
+            raise ValueError(f"Sequence {seq_id} not found.")
+        del self.seqs_dict[seq_id]
+
+    def is_finished(self) -> bool:
+        return all(seq.is_finished() for seq in self.seqs_dict.values())
+
+    def __repr__(self) -> str:
+        return (
+            f"SequenceGroup(request_id={self.request_id}, "
+            f"sampling_params={self.sampling_params}, num_seqs={len(self.seqs_dict)})"
+        )
+
+
+@dataclass
+class SequenceGroupMetadata:
+    """What a worker needs to run one group for one step (pickled to the stage workers).
+
+    `is_prompt` groups feed all their tokens (a prefill, also after recompute-preemption);
+    the others feed only their last token (a decode).
+    """
+
+    request_id: str
+    is_prompt: bool
+    seq_data: dict[int, SequenceData]
+    sampling_params: SamplingParams
+    block_tables: dict[int, list[int]]
+
+
+@dataclass
+class SequenceOutput:
+    """One sampled token for one sequence; `parent_seq_id` says which sequence it extends."""
+
+    parent_seq_id: int
+    output_token: int
+    logprobs: dict[int, Logprob]
+
+
+@dataclass
+class SequenceGroupOutput:
+    """The samples of one group in one step, plus its prompt logprobs on the prompt step."""
+
+    samples: list[SequenceOutput]
+    prompt_logprobs: Optional[PromptLogprobs] = None
+
+
+# The last stage returns one SequenceGroupOutput per scheduled group, in schedule order.
+SamplerOutput = list[SequenceGroupOutput]
+
+
+@dataclass
+class ExecuteModelRequest:
+    """One step for one stage worker: the batch (first and last stages only; middle stages
+    get their inputs from the previous stage) and the cache operations every stage applies."""
+
+    seq_group_metadata_list: Optional[list[SequenceGroupMetadata]]
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
+    # Requests finished since the last step: the last stage drops their seeded generators.
+    finished_request_ids: list[str] = field(default_factory=list)

@@ -1,0 +1,88 @@
+"""This stage's paged KV cache (its own layers only) plus the host swap space, and the block
+operations the scheduler asks for: swap in, swap out, copy (copy-on-write)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.model_executor.layers.attention import KVCache
+
+
+def cache_block_bytes(
+    block_size: int, num_kv_heads: int, head_size: int, num_layers: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block takes across this stage's layers (keys and values)."""
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    return 2 * block_size * num_kv_heads * head_size * num_layers * element_size
+
+
+class CacheEngine:
+    """Owns the device cache and the swap space of one stage.
+
+    Each layer's cache is a (key, value) pair of [num_blocks, block_size, num_kv_heads,
+    head_size] tensors. The device cache is allocated with torch.empty: attention never reads a
+    slot before writing it except in masked positions, which it zeroes out.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.device = device
+        shape = (block_size, num_kv_heads, head_size)
+        self.gpu_cache: list[KVCache] = [
+            (
+                torch.empty((num_gpu_blocks, *shape), dtype=dtype, device=device),
+                torch.empty((num_gpu_blocks, *shape), dtype=dtype, device=device),
+            )
+            for _ in range(num_layers)
+        ]
+        # Pinned host memory makes CUDA swaps asynchronous; plain memory on CPU.
+        pin = device.type == "cuda"
+        self.cpu_cache: list[KVCache] = [
+            (
+                torch.empty((num_cpu_blocks, *shape), dtype=dtype, pin_memory=pin),
+                torch.empty((num_cpu_blocks, *shape), dtype=dtype, pin_memory=pin),
+            )
+            for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def _copy_blocks(
+        src: list[KVCache], dst: list[KVCache], mapping: dict[int, int], device: torch.device
+    ) -> None:
+        if not mapping:
+            return
+        src_idx = torch.tensor(list(mapping.keys()), dtype=torch.long)
+        dst_idx = torch.tensor(list(mapping.values()), dtype=torch.long)
+        for (src_k, src_v), (dst_k, dst_v) in zip(src, dst):
+            s = src_idx.to(src_k.device)
+            d = dst_idx.to(dst_k.device)
+            dst_k.index_copy_(0, d, src_k.index_select(0, s).to(dst_k.device, non_blocking=True))
+            dst_v.index_copy_(0, d, src_v.index_select(0, s).to(dst_v.device, non_blocking=True))
+
+    def swap_in(self, mapping: dict[int, int]) -> None:
+        """Host blocks -> device blocks (mapping: cpu block -> gpu block)."""
+        self._copy_blocks(self.cpu_cache, self.gpu_cache, mapping, self.device)
+
+    def swap_out(self, mapping: dict[int, int]) -> None:
+        """Device blocks -> host blocks (mapping: gpu block -> cpu block)."""
+        self._copy_blocks(self.gpu_cache, self.cpu_cache, mapping, self.device)
+
+    def copy(self, mapping: dict[int, list[int]]) -> None:
+        """Copy-on-write within the device cache (mapping: src block -> [dst blocks])."""
+        pairs = {dst: src for src, dsts in mapping.items() for dst in dsts}
+        if not pairs:
+            return
+        src_idx = torch.tensor(list(pairs.values()), dtype=torch.long, device=self.device)
+        dst_idx = torch.tensor(list(pairs.keys()), dtype=torch.long, device=self.device)
+        for key_cache, value_cache in self.gpu_cache:
+            key_cache.index_copy_(0, dst_idx, key_cache.index_select(0, src_idx))
+            value_cache.index_copy_(0, dst_idx, value_cache.index_select(0, src_idx))

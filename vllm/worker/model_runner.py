@@ -1,0 +1,121 @@
+"""Scheduler output -> input tensors (first stage), run this stage's layers, sample (last stage).
+
+One batched forward per step: prefill tokens of all prompt groups back to back, then one token
+per decoding sequence; there is no per-sequence loop around the layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from vllm.model_executor.input_metadata import InputMetadata
+from vllm.model_executor.layers.attention import KVCache
+from vllm.model_executor.layers.sampler import Sampler
+from vllm.model_executor.models.utils import StageLayout
+from vllm.model_executor.sampling_metadata import build_sampling_metadata
+from vllm.sequence import SamplerOutput, SequenceGroupMetadata
+
+
+def prepare_inputs(
+    metadata_list: list[SequenceGroupMetadata], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, InputMetadata]:
+    """Flatten a step's groups into input_ids [T], positions [T] and the attention metadata."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    prefill_lens: list[int] = []
+    context_lens: list[int] = []
+    tables: list[list[int]] = []
+    for meta in metadata_list:
+        if not meta.is_prompt:
+            continue
+        for seq_id, data in meta.seq_data.items():
+            # A prompt (or a recompute-preempted sequence) feeds all its tokens.
+            tokens = data.get_token_ids()
+            table = meta.block_tables[seq_id]
+            input_ids.extend(tokens)
+            positions.extend(range(len(tokens)))
+            slots.extend(
+                table[p // block_size] * block_size + p % block_size for p in range(len(tokens))
+            )
+            prefill_lens.append(len(tokens))
+    for meta in metadata_list:
+        if meta.is_prompt:
+            continue
+        for seq_id, data in meta.seq_data.items():
+            pos = data.get_len() - 1
+            table = meta.block_tables[seq_id]
+            input_ids.append(data.get_last_token_id())
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            context_lens.append(pos + 1)
+            tables.append(table)
+    max_blocks = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+
+    def long_tensor(values: Any) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    md = InputMetadata(
+        num_prefills=len(prefill_lens),
+        num_prefill_tokens=sum(prefill_lens),
+        num_decode_tokens=len(context_lens),
+        slot_mapping=long_tensor(slots),
+        prefill_seq_lens=torch.tensor(prefill_lens, dtype=torch.long),
+        decode_context_lens=long_tensor(context_lens),
+        decode_block_tables=long_tensor(padded).view(len(padded), max_blocks),
+    )
+    md._prefill_lens_list = prefill_lens
+    md._decode_max_len = max(context_lens, default=0)
+    return long_tensor(input_ids), long_tensor(positions), md
+
+
+class ModelRunner:
+    """Runs this stage's slice of the model for one step."""
+
+    def __init__(
+        self, model: nn.Module, layout: StageLayout, block_size: int, device: torch.device
+    ) -> None:
+        self.model = model
+        self.layout = layout
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        # Per-request seeded generators live across steps on the last stage.
+        self.generators: dict[str, torch.Generator] = {}
+
+    def drop_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute_stage(
+        self,
+        kv_caches: list[KVCache],
+        metadata_list: Optional[list[SequenceGroupMetadata]],
+        received: Optional[dict[str, Any]],
+    ) -> tuple[Optional[dict[str, Any]], Optional[SamplerOutput]]:
+        """Run this stage. Returns (what to send to the next stage, sampler output if last).
+
+        The first stage builds inputs from `metadata_list`; later stages take the hidden
+        states and metadata in `received` (from the previous stage)."""
+        if self.layout.is_first:
+            assert metadata_list is not None
+            input_ids, positions, md = prepare_inputs(metadata_list, self.block_size, self.device)
+            hidden = self.model(input_ids, positions, kv_caches, md)
+        else:
+            assert received is not None
+            positions = received["positions"]
+            md = InputMetadata.from_dict(received)
+            hidden = self.model(None, positions, kv_caches, md, hidden_states=received["hidden"])
+        if not self.layout.is_last:
+            return {"hidden": hidden, "positions": positions, **md.to_dict()}, None
+        assert metadata_list is not None
+        sampling_md = build_sampling_metadata(metadata_list, self.generators, self.device)
+        logits = self.model.compute_logits(
+            hidden.index_select(0, sampling_md.selected_token_indices)
+        )
+        return None, self.sampler(logits, sampling_md)

@@ -1,0 +1,212 @@
+"""A stage worker: device and distributed set-up, this stage's model, its KV cache sized from its
+own layers and budget, and one step of execution (receive, run, send or sample)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any, Optional
+
+import torch
+
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from vllm.model_executor.models.utils import StageLayout
+from vllm.model_executor.parallel_utils import parallel_state as ps
+from vllm.model_executor.parallel_utils.communication import recv_tensor_dict, send_tensor_dict
+from vllm.model_executor.parallel_utils.layer_split import get_pp_layer_range
+from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
+from vllm.sequence import ExecuteModelRequest, SamplerOutput
+from vllm.worker.cache_engine import CacheEngine, cache_block_bytes
+from vllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("vllm.worker")
+
+
+class Worker:
+    """Runs one pipeline stage (one rank) of the model."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        parallel_config: ParallelConfig,
+        scheduler_config: SchedulerConfig,
+        device_config: DeviceConfig,
+        cache_config: CacheConfig,
+        rank: int = 0,
+        distributed_init_method: Optional[str] = None,
+        num_threads: Optional[int] = None,
+    ) -> None:
+        self.model_config = model_config
+        self.parallel_config = parallel_config
+        self.scheduler_config = scheduler_config
+        self.device_config = device_config
+        self.cache_config = cache_config
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.num_threads = num_threads
+        self.cache_engine: Optional[CacheEngine] = None
+        self._pending_send: Any = None
+
+    def init_device(self) -> None:
+        """Pick the device, set CPU threads, join the process groups (world size > 1)."""
+        if self.device_config.device == "cuda":
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            self.device = torch.device(f"cuda:{local_rank}")
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            if self.num_threads:
+                torch.set_num_threads(self.num_threads)
+        torch.manual_seed(self.model_config.seed)
+        pc = self.parallel_config
+        if pc.world_size > 1:
+            assert self.distributed_init_method is not None
+            ps.init_distributed_environment(pc.world_size, self.rank, self.distributed_init_method)
+            ps.initialize_model_parallel(pc.pipeline_parallel_size, pc.tensor_parallel_size)
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        start, end = get_pp_layer_range(
+            self.model_config.get_num_layers(),
+            pp_rank,
+            pc.pipeline_parallel_size,
+            pc.pp_layer_partition,
+        )
+        self.layout = StageLayout(
+            start, end, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        )
+
+    def load_model(self) -> None:
+        model = load_stage_model(self.model_config, self.layout, self.device)
+        self.model_runner = ModelRunner(
+            model, self.layout, self.cache_config.block_size, self.device
+        )
+
+    def get_stage_info(self) -> dict[str, Any]:
+        """Where this stage runs and what it holds (the engine logs it)."""
+        return {
+            "rank": self.rank,
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "layers": (self.layout.start_layer, self.layout.end_layer),
+            "is_first": self.layout.is_first,
+            "is_last": self.layout.is_last,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
+        }
+
+    def get_cache_block_size_bytes(self) -> int:
+        mc = self.model_config
+        return cache_block_bytes(
+            self.cache_config.block_size,
+            mc.get_num_kv_heads(),
+            mc.get_head_size(),
+            self.layout.num_layers,
+            get_torch_dtype(mc.dtype),
+        )
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        """(device blocks, host swap blocks) this stage can hold within its own budget.
+
+        CPU: `kv_cache_space` GiB. CUDA: total memory x gpu_memory_utilization minus the
+        peak of a max-size forward of this stage's layers, profiled."""
+        block_bytes = self.get_cache_block_size_bytes()
+        cc = self.cache_config
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            self._profile_run()
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            peak = torch.cuda.max_memory_allocated()
+            used_by_others = total - free - torch.cuda.memory_allocated()
+            budget = total * cc.gpu_memory_utilization - peak - used_by_others
+            num_gpu = max(int(budget // block_bytes), 0)
+            torch.cuda.empty_cache()
+        else:
+            num_gpu = cc.kv_cache_space_bytes // block_bytes
+        if cc.num_gpu_blocks_override is not None:
+            num_gpu = cc.num_gpu_blocks_override
+        return num_gpu, cc.swap_space_bytes // block_bytes
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """A max-size prefill through this stage alone (no communication, no cache)."""
+        from vllm.model_executor.input_metadata import InputMetadata
+
+        sc = self.scheduler_config
+        num_seqs = min(sc.max_num_seqs, sc.max_num_batched_tokens)
+        seq_len = sc.max_num_batched_tokens // num_seqs
+        total = seq_len * num_seqs
+        empty = torch.empty(0, dtype=torch.long, device=self.device)
+        md = InputMetadata(
+            num_prefills=num_seqs,
+            num_prefill_tokens=total,
+            num_decode_tokens=0,
+            slot_mapping=empty,
+            prefill_seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.long),
+            decode_context_lens=empty,
+            decode_block_tables=empty.view(0, 0),
+        )
+        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        model = self.model_runner.model
+        caches = [None] * self.layout.num_layers
+        if self.layout.is_first:
+            ids = torch.zeros(total, dtype=torch.long, device=self.device)
+            hidden = model(ids, positions, caches, md)
+        else:
+            width = self.model_config.get_hidden_size()
+            dtype = get_torch_dtype(self.model_config.dtype)
+            h = torch.zeros(total, width, dtype=dtype, device=self.device)
+            hidden = model(None, positions, caches, md, hidden_states=h)
+        if self.layout.is_last:
+            model.compute_logits(hidden[-num_seqs:])
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        mc = self.model_config
+        self.cache_config.num_gpu_blocks = num_gpu_blocks
+        self.cache_config.num_cpu_blocks = num_cpu_blocks
+        self.cache_engine = CacheEngine(
+            self.layout.num_layers,
+            mc.get_num_kv_heads(),
+            mc.get_head_size(),
+            self.cache_config.block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            get_torch_dtype(mc.dtype),
+            self.device,
+        )
+
+    def execute_model(self, request: ExecuteModelRequest) -> Optional[SamplerOutput]:
+        """One step of this stage. Returns the sampler output on the last stage, else None."""
+        assert self.cache_engine is not None, "initialize_cache() first"
+        cache = self.cache_engine
+        # Block operations come before the forward: this step's batch may use moved blocks.
+        cache.swap_in(request.blocks_to_swap_in)
+        cache.swap_out(request.blocks_to_swap_out)
+        cache.copy(request.blocks_to_copy)
+        self.model_runner.drop_requests(request.finished_request_ids)
+        received = None
+        if not self.layout.is_first:
+            received = recv_tensor_dict(
+                ps.get_pipeline_model_parallel_prev_rank(), device=self.device
+            )
+        to_send, output = self.model_runner.execute_stage(
+            cache.gpu_cache, request.seq_group_metadata_list, received
+        )
+        if to_send is not None:
+            # Wait for the previous step's send before starting this one (keeps order and
+            # bounds memory), but do not wait for this send: the next stage overlaps with us.
+            if self._pending_send is not None:
+                self._pending_send.wait()
+            self._pending_send = send_tensor_dict(
+                to_send, ps.get_pipeline_model_parallel_next_rank(), async_op=True
+            )
+        return output
+
+    def shutdown(self) -> None:
+        if self._pending_send is not None:
+            self._pending_send.wait()
+            self._pending_send = None
+        if self.parallel_config.world_size > 1:
+            ps.destroy_model_parallel()
