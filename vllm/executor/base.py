@@ -88,6 +88,10 @@ class ExecutorBase(ABC):
         self.cache_config.num_cpu_blocks = num_cpu
         self._run_workers("initialize_cache", num_gpu, num_cpu)
 
+    def get_stage_memory(self) -> list[dict[str, Any]]:
+        """Peak memory per stage, in rank order."""
+        return self._run_workers("get_memory_stats")
+
     @abstractmethod
     def execute_model_async(self, request: ExecuteModelRequest) -> Any:
         """Submit one step to the pipeline; returns a handle for `get_output`."""

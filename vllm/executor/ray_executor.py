@@ -14,7 +14,6 @@ from typing import Any
 from vllm.executor.base import ExecutorBase
 from vllm.executor.ray_utils import (
     RayWorkerWrapper,
-    bundle_nodes,
     create_placement_group,
     init_ray,
 )
@@ -41,7 +40,6 @@ class RayExecutor(ExecutorBase):
         use_gpu = self.device_config.device == "cuda"
         self._owns_ray = init_ray(world, use_gpu)
         self.placement_group = create_placement_group(world, use_gpu)
-        nodes = bundle_nodes(self.placement_group)
         # Actors import vllm from the same source tree as the driver, installed or not.
         src_root = os.path.dirname(os.path.dirname(os.path.abspath(vllm.__file__)))
         python_path = os.pathsep.join(p for p in (src_root, os.environ.get("PYTHONPATH")) if p)
@@ -66,8 +64,9 @@ class RayExecutor(ExecutorBase):
                 ).remote()
             )
         ips = ray.get([w.get_node_ip.remote() for w in self.workers])
-        for rank, (ip, node) in enumerate(zip(ips, nodes)):
-            logger.info("Rank %d: Ray actor on node %s (%s)", rank, ip, (node or "?")[:12])
+        self.node_ids: list[str] = ray.get([w.get_node_id.remote() for w in self.workers])
+        for rank, (ip, node) in enumerate(zip(ips, self.node_ids)):
+            logger.info("Rank %d: Ray actor on node %s (id %s)", rank, ip, node[:12])
         port = ray.get(self.workers[0].get_open_port.remote())
         init_method = f"tcp://{ips[0]}:{port}"
         ray.get(

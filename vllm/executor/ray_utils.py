@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 from vllm.logger import init_logger
 
@@ -31,6 +31,11 @@ class RayWorkerWrapper:
         from vllm.model_executor.parallel_utils.parallel_state import get_ip
 
         return get_ip()
+
+    def get_node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def get_open_port(self) -> int:
         from vllm.model_executor.parallel_utils.parallel_state import get_open_port
@@ -90,12 +95,3 @@ def create_placement_group(world_size: int, use_gpu: bool) -> Any:
             f"only {ray.available_resources().get(resource, 0):g} are free."
         ) from None
     return pg
-
-
-def bundle_nodes(pg: Any) -> list[Optional[str]]:
-    """Node id of each bundle (for the placement log)."""
-    from ray.util import placement_group_table
-
-    table = placement_group_table(pg)
-    mapping = table.get("bundles_to_node_id", {})
-    return [mapping.get(i) for i in range(len(table.get("bundles", {})))]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm.executor.base import ExecutorBase
@@ -19,6 +20,8 @@ class UniProcExecutor(ExecutorBase):
             self.scheduler_config,
             self.device_config,
             self.cache_config,
+            # Default: torch's own thread count (all cores); the env var pins it.
+            num_threads=int(os.environ.get("VLLM_CPU_THREADS_PER_STAGE", "0")) or None,
         )
         self.worker.init_device()
         self.worker.load_model()

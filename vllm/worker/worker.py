@@ -93,7 +93,21 @@ class Worker:
             "pid": os.getpid(),
             "device": str(self.device),
             "threads": torch.get_num_threads(),
+            "num_params": sum(p.numel() for p in self.model_runner.model.parameters()),
         }
+
+    def get_memory_stats(self) -> dict[str, Any]:
+        """Peak memory of this stage's process (RSS on CPU, allocator peak on CUDA)."""
+        import resource
+
+        stats: dict[str, Any] = {
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            # ru_maxrss is in KiB on Linux.
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        if self.device.type == "cuda":
+            stats["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return stats
 
     def get_cache_block_size_bytes(self) -> int:
         mc = self.model_config
