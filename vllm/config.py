@@ -72,6 +72,30 @@ class ModelConfig:
             getattr(self.hf_config, "num_key_value_heads", None) or self.get_num_attention_heads()
         )
 
+    def get_lm_head_cost_in_layers(self) -> float:
+        """The lm_head's matmul work per token, in decoder layers (for balanced PP splits)."""
+        cfg = self.hf_config
+        hidden = self.get_hidden_size()
+        kv = self.get_num_kv_heads() * self.get_head_size()
+        ffn = getattr(cfg, "intermediate_size", None)
+        if ffn is not None:  # LLaMA: q, o full; k, v grouped; gate, up, down.
+            layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn
+        else:  # OPT: q, k, v, out; fc1, fc2.
+            layer = 4 * hidden * hidden + 2 * hidden * cfg.ffn_dim
+        head_dim = getattr(cfg, "word_embed_proj_dim", None) or hidden
+        return self.get_vocab_size() * head_dim / layer
+
+    def get_pp_layer_sizes(self, parallel_config: ParallelConfig) -> list[int]:
+        """Decoder layers per pipeline stage (validates the size and any user partition)."""
+        from vllm.model_executor.parallel_utils.layer_split import get_pp_layer_sizes
+
+        return get_pp_layer_sizes(
+            self.get_num_layers(),
+            parallel_config.pipeline_parallel_size,
+            parallel_config.pp_layer_partition,
+            self.get_lm_head_cost_in_layers(),
+        )
+
     def get_head_size(self) -> int:
         head_dim = getattr(self.hf_config, "head_dim", None)
         return head_dim or self.get_hidden_size() // self.get_num_attention_heads()

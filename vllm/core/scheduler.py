@@ -72,6 +72,7 @@ class Scheduler:
         # Aborted while in flight: their blocks are still being written by the pipeline.
         self._aborted_in_flight: dict[str, SequenceGroup] = {}
         self.num_cumulative_preemption = 0
+        self._batch_cap = 1 << 62
 
     # -- queue management ------------------------------------------------------------------
 
@@ -127,8 +128,20 @@ class Scheduler:
 
     # -- scheduling ------------------------------------------------------------------------
 
-    def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
-        """Pick the next batch; its groups stay in flight until `finish_in_flight`."""
+    def num_active_seqs(self) -> int:
+        """Sequences waiting, running (in flight or not) or swapped."""
+        queues = (self.waiting, self.running, self.swapped)
+        return sum(g.num_unfinished_seqs() for queue in queues for g in queue)
+
+    def schedule(
+        self, max_batch_seqs: int | None = None
+    ) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
+        """Pick the next batch; its groups stay in flight until `finish_in_flight`.
+
+        `max_batch_seqs` caps this batch's sequences (at least one group is always taken):
+        with pipelining the engine splits the work into micro-batches so every stage has one.
+        """
+        self._batch_cap = max_batch_seqs if max_batch_seqs is not None else 1 << 62
         outputs = self._schedule()
         metadata = []
         for seq_group in outputs.scheduled_seq_groups:
@@ -163,6 +176,7 @@ class Scheduler:
         config = self.scheduler_config
         out = SchedulerOutputs(prompt_run=True)
         num_seqs = self._num_running_seqs()
+        batch_seqs = 0
         while self.waiting:
             seq_group = self.waiting[0]
             waiting_seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
@@ -192,6 +206,9 @@ class Scheduler:
             num_new_seqs = seq_group.get_max_num_running_seqs()
             if num_seqs + num_new_seqs > config.max_num_seqs:
                 break
+            if out.scheduled_seq_groups and batch_seqs + num_new_seqs > self._batch_cap:
+                break
+            batch_seqs += num_new_seqs
             self.waiting.popleft()
             self.block_manager.allocate(seq_group)
             for seq in waiting_seqs:
@@ -214,9 +231,15 @@ class Scheduler:
         # FCFS: earliest arrival has the highest priority (stable for equal times).
         pending = collections.deque(sorted(self.running, key=lambda g: g.arrival_time))
         self.running = collections.deque()
+        batch_seqs = 0
         while pending:
             seq_group = pending.popleft()
             if seq_group.request_id in self.in_flight or seq_group.is_finished():
+                self.running.append(seq_group)
+                continue
+            group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
+            if scheduled and batch_seqs + group_seqs > self._batch_cap:
+                # This micro-batch is full; the group waits for the next one.
                 self.running.append(seq_group)
                 continue
             while not self.block_manager.can_append_slots(seq_group):
@@ -229,6 +252,7 @@ class Scheduler:
                 self._append_slots(seq_group, out)
                 self.running.append(seq_group)
                 scheduled.append(seq_group)
+                batch_seqs += group_seqs
 
         # Resuming swapped groups right after preempting would only thrash.
         if out.num_preempted == 0:
@@ -241,6 +265,9 @@ class Scheduler:
                     break
                 if num_seqs + num_new_seqs > self.scheduler_config.max_num_seqs:
                     break
+                if scheduled and batch_seqs + num_new_seqs > self._batch_cap:
+                    break
+                batch_seqs += num_new_seqs
                 self.swapped.popleft()
                 out.blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
                 for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):

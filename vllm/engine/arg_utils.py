@@ -93,7 +93,9 @@ class EngineArgs:
             "--pp-layer-partition",
             type=str,
             default=d.pp_layer_partition,
-            help="Layers per stage, e.g. '8,8,7,7' (default even; env VLLM_PP_LAYER_PARTITION).",
+            help="Layers per stage: 'a,b,...' (e.g. '8,8,7,7'), or 'auto' to balance compute "
+            "(the last stage runs the lm_head, so it gets fewer layers). Default: even split; "
+            "env VLLM_PP_LAYER_PARTITION.",
         )
         add(
             "--block-size",
@@ -194,14 +196,8 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             skip_tokenizer_init=self.skip_tokenizer_init,
         )
-        from vllm.model_executor.parallel_utils.layer_split import get_pp_layer_sizes
-
         # Fails fast (before any worker starts) on pp > layers or a bad partition.
-        get_pp_layer_sizes(
-            model_config.get_num_layers(),
-            parallel_config.pipeline_parallel_size,
-            parallel_config.pp_layer_partition,
-        )
+        model_config.get_pp_layer_sizes(parallel_config)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,

@@ -18,7 +18,6 @@ from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.request_validation import validate_request
 from vllm.logger import init_logger
-from vllm.model_executor.parallel_utils.layer_split import get_pp_layer_sizes
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import ExecuteModelRequest, Sequence, SequenceGroup
@@ -48,11 +47,7 @@ class LLMEngine:
         self.parallel_config = parallel_config
         self.scheduler_config = scheduler_config
         self.device_config = device_config
-        sizes = get_pp_layer_sizes(
-            model_config.get_num_layers(),
-            parallel_config.pipeline_parallel_size,
-            parallel_config.pp_layer_partition,
-        )
+        sizes = model_config.get_pp_layer_sizes(parallel_config)
         logger.info(
             "Initializing an LLM engine with config: model=%r, dtype=%s, max_seq_len=%d, "
             "pipeline_parallel_size=%d (layers per stage %s), device=%s, block_size=%d",
@@ -145,6 +140,13 @@ class LLMEngine:
         handle = self.executor.execute_model_async(request)
         self._in_flight.append(_InFlightBatch(handle, scheduler_outputs))
 
+    def _micro_batch_cap(self) -> Optional[int]:
+        """With N stages, a batch takes ~1/N of the active sequences, so N batches can be in
+        the pipeline at once instead of one batch holding everything (and N-1 stages idle)."""
+        if self.max_in_flight == 1:
+            return None
+        return max(1, -(-self.scheduler.num_active_seqs() // self.max_in_flight))
+
     def step(self) -> list[RequestOutput]:
         """Fill the pipeline with new batches, then finish the oldest one.
 
@@ -152,7 +154,7 @@ class LLMEngine:
         too long)."""
         ignored: list[RequestOutput] = []
         while len(self._in_flight) < self.max_in_flight:
-            metadata_list, sched_out = self.scheduler.schedule()
+            metadata_list, sched_out = self.scheduler.schedule(self._micro_batch_cap())
             for group in sched_out.ignored_seq_groups:
                 ignored.append(RequestOutput.from_seq_group(group))
                 self._finished_request_ids.append(group.request_id)

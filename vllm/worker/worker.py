@@ -14,7 +14,6 @@ from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, 
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.parallel_utils import parallel_state as ps
 from vllm.model_executor.parallel_utils.communication import recv_tensor_dict, send_tensor_dict
-from vllm.model_executor.parallel_utils.layer_split import get_pp_layer_range
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import ExecuteModelRequest, SamplerOutput
 from vllm.worker.cache_engine import CacheEngine, cache_block_bytes
@@ -65,12 +64,9 @@ class Worker:
             ps.init_distributed_environment(pc.world_size, self.rank, self.distributed_init_method)
             ps.initialize_model_parallel(pc.pipeline_parallel_size, pc.tensor_parallel_size)
         pp_rank = ps.get_pipeline_model_parallel_rank()
-        start, end = get_pp_layer_range(
-            self.model_config.get_num_layers(),
-            pp_rank,
-            pc.pipeline_parallel_size,
-            pc.pp_layer_partition,
-        )
+        sizes = self.model_config.get_pp_layer_sizes(pc)
+        start = sum(sizes[:pp_rank])
+        end = start + sizes[pp_rank]
         self.layout = StageLayout(
             start, end, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         )

@@ -1,0 +1,153 @@
+"""Pipeline-parallel scaling on CPU: does splitting the layers over N single-threaded stages beat
+one stage with N threads, and how close does it get to N x one thread?
+
+    python benchmarks/pp_scaling.py                # PP=2 on the default workload
+    python benchmarks/pp_scaling.py --also-pp 4    # add a PP=4 row
+
+The same workload (--num-prompts prompts of benchmarks/prompts.txt, --output-len new tokens
+each, greedy, `ignore_eos`) runs in a fresh subprocess per configuration, so a thread setting
+cannot leak from one run into the next:
+  (a) PP=1, 1 thread   (b) PP=1, N threads   (c) PP=N, 1 thread per stage   [(d) PP=M, ...]
+and prints generated tokens/s and wall time per configuration plus
+  pipeline efficiency = tput(PP=N) / (N x tput(PP=1, 1 thread)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from benchmarks.common import (  # noqa: E402
+    fmt_bytes,
+    load_prompts,
+    print_table,
+    take_prompts,
+    write_json,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pp", type=int, default=2, help="N: stages of the PP run (and threads "
+                   "of the multi-threaded PP=1 run).")
+    p.add_argument("--also-pp", type=int, action="append", default=[],
+                   help="Extra PP sizes to run at 1 thread per stage (repeatable).")
+    p.add_argument("--model", default="smollm2", help="Model (default: bundled SmolLM2).")
+    p.add_argument("--num-prompts", type=int, default=64, help="Requests per run.")
+    p.add_argument("--output-len", type=int, default=128, help="New tokens per request.")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--kv-cache-space", type=float, default=4.0, help="KV GiB per stage (CPU).")
+    p.add_argument("--timeout", type=float, default=1800, help="Seconds allowed per config.")
+    p.add_argument("--output-json", default=None, help="Write every figure to this file.")
+    # Internal: run one configuration in this (fresh) process and write its result here.
+    p.add_argument("--worker-result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-pp", type=int, default=1, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """One configuration, measured in this process; threads come from the environment."""
+    from vllm import LLM, SamplingParams
+
+    prompts = take_prompts(load_prompts(), args.num_prompts)
+    start = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, pipeline_parallel_size=args.worker_pp,
+              kv_cache_space=args.kv_cache_space)
+    init_s = time.perf_counter() - start
+    try:
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        load_before = os.getloadavg()[0]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        infos = llm.llm_engine.executor.stage_infos
+        peaks = [m["peak_rss_bytes"] for m in llm.llm_engine.executor.get_stage_memory()]
+        blocks = llm.llm_engine.cache_config.num_gpu_blocks
+    finally:
+        llm.shutdown()
+    out_toks = sum(len(o.outputs[0].token_ids) for o in outputs)
+    in_toks = sum(len(o.prompt_token_ids) for o in outputs)
+    result = {
+        "pp": args.worker_pp, "threads_per_stage": [i["threads"] for i in infos],
+        "init_s": init_s, "wall_s": wall, "prompt_tokens": in_toks, "output_tokens": out_toks,
+        "generated_tokens_per_s": out_toks / wall,
+        "total_tokens_per_s": (in_toks + out_toks) / wall,
+        "num_gpu_blocks": blocks, "peak_rss_bytes_per_stage": peaks,
+        "load_avg_before": load_before, "load_avg_after": os.getloadavg()[0],
+    }
+    Path(args.worker_result).write_text(json.dumps(result))
+
+
+def run_config(args: argparse.Namespace, label: str, pp: int, threads: int) -> dict[str, Any]:
+    """Start this script in worker mode with the thread count in its environment."""
+    env = dict(os.environ, VLLM_CPU_THREADS_PER_STAGE=str(threads), OMP_NUM_THREADS=str(threads))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, __file__, "--worker-result", result_file, "--worker-pp", str(pp),
+               "--model", args.model, "--num-prompts", str(args.num_prompts),
+               "--output-len", str(args.output_len), "--dtype", args.dtype,
+               "--kv-cache-space", str(args.kv_cache_space)]
+        print(f"\n--- {label}: VLLM_CPU_THREADS_PER_STAGE={threads} {' '.join(cmd[1:])}",
+              flush=True)
+        proc = subprocess.run(cmd, env=env, timeout=args.timeout)
+        if proc.returncode != 0 or not os.path.exists(result_file):
+            raise SystemExit(f"{label} failed with exit code {proc.returncode}")
+        result = json.loads(Path(result_file).read_text())
+    result["label"] = label
+    print(f"--- {label}: {result['generated_tokens_per_s']:.2f} generated tok/s, "
+          f"{result['wall_s']:.2f} s", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker_result:
+        run_worker(args)
+        return 0
+    n = args.pp
+    configs = [("PP=1, 1 thread", 1, 1), (f"PP=1, {n} threads", 1, n),
+               (f"PP={n}, 1 thread/stage", n, 1)]
+    configs += [(f"PP={m}, 1 thread/stage", m, 1) for m in args.also_pp if m != n]
+    results = [run_config(args, *config) for config in configs]
+    base = results[0]["generated_tokens_per_s"]
+    multi = results[1]["generated_tokens_per_s"]
+    print(f"\n=== PP scaling: {args.num_prompts} prompts x {args.output_len} new tokens, "
+          f"model {args.model}, {os.cpu_count()} CPUs ===")
+    rows = []
+    for r in results:
+        stages = r["pp"]
+        r["efficiency"] = r["generated_tokens_per_s"] / (stages * base) if stages > 1 else None
+        rows.append([r["label"], f"{r['generated_tokens_per_s']:.2f}", f"{r['wall_s']:.2f}",
+                     f"{r['generated_tokens_per_s'] / base:.2f}x",
+                     f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-",
+                     r["num_gpu_blocks"],
+                     " / ".join(fmt_bytes(b) for b in r["peak_rss_bytes_per_stage"]),
+                     f"{r['load_avg_before']:.1f}"])
+    print_table(["config", "gen tok/s", "wall s", "vs (a)", "PP eff.", "GPU blocks",
+                 "peak RSS per stage", "load"], rows)
+    pp_run = results[2]
+    print(f"pipeline efficiency = tput(PP={n}) / ({n} x tput(PP=1, 1 thread)) = "
+          f"{pp_run['generated_tokens_per_s']:.2f} / ({n} x {base:.2f}) = "
+          f"{pp_run['efficiency']:.3f}")
+    print(f"PP={n} (1 thread/stage) vs PP=1 ({n} threads): "
+          f"{pp_run['generated_tokens_per_s'] / multi:.2f}x")
+    write_json(args.output_json, {"args": vars(args), "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+// Declarations of the CPU ops registered in torch_bindings.cpp (namespace vllm_pp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+namespace vllm_pp {
+
+// out[B, H, D] = softmax(scale * q k^T) v for one query token per sequence, with K/V read from
+// the paged caches [num_blocks, block_size, Hkv, D] through block_tables[B, max_blocks] (int64)
+// up to context_lens[B] (int64). float32 or bfloat16; fp32 accumulation.
+void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale);
+
+// key/value [T, Hkv, D] -> caches at flat slot slot_mapping[t] (int64); slots < 0 are skipped.
+void write_to_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                       at::Tensor& value_cache, const at::Tensor& slot_mapping);
+
+// The instruction set the attention kernel runs with ("avx512", "avx2" or "generic"), and a
+// way to lower it so tests can check every variant on one machine.
+std::string cpu_isa();
+void set_cpu_isa(const std::string& isa);
+
+}  // namespace vllm_pp

@@ -1,0 +1,32 @@
+// Registers the CPU ops as torch.ops.vllm_pp.* and makes the library importable as the Python
+// module vllm._C: importing it runs the static registrations below. No pybind11, which keeps
+// the build short.
+
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(vllm_pp, m) {
+  m.def(
+      "paged_attention_decode(Tensor(a!) out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale) -> ()");
+  m.def(
+      "write_to_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
+  // No tensor arguments, so these cannot dispatch on a device: register them for all.
+  m.def("cpu_isa() -> str", &vllm_pp::cpu_isa);
+  m.def("set_cpu_isa(str isa) -> ()", &vllm_pp::set_cpu_isa);
+}
+
+TORCH_LIBRARY_IMPL(vllm_pp, CPU, m) {
+  m.impl("paged_attention_decode", &vllm_pp::paged_attention_decode);
+  m.impl("write_to_kv_cache", &vllm_pp::write_to_kv_cache);
+}
+
+// An empty module: everything is reached through torch.ops.vllm_pp.
+static PyModuleDef vllm_pp_module = {PyModuleDef_HEAD_INIT, "_C",
+                                     "vllm-pp CPU kernels, registered as torch.ops.vllm_pp",
+                                     -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&vllm_pp_module); }

@@ -1,0 +1,297 @@
+"""Stress run: many requests through one engine in one loop, then strict bookkeeping checks.
+
+    python masstest.py --pipeline_parallel_size 2 --verify --num_prompts 300 --max_tokens 32 \
+        --squeeze_kv --abort_frac 0.1
+
+Checks (exit 1 if any fails): every request finishes exactly once; no output for an unknown id
+or after a request finished; aborted requests end with finish_reason "abort"; the others end with
+"stop"/"length" within max_tokens; afterwards the engine is idle with every KV block free.
+`--verify` reruns greedy (and seeded random) requests on a separate PP=1 engine and requires
+identical token ids. An aborted request that was still queued gets no output from the engine
+(vLLM's abort semantics); it is then recorded here as aborted without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from tqdm.auto import tqdm
+
+from benchmarks.common import load_prompts, load_tokenizer, take_prompts, write_json
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt: str
+    params: Any
+    kind: str  # "greedy", "seeded" (random but reproducible) or "random"
+    abort_step: Optional[int] = None
+
+
+@dataclass
+class RunState:
+    finished: dict[str, Any] = field(default_factory=dict)
+    finish_counts: Counter = field(default_factory=Counter)
+    aborted: set[str] = field(default_factory=set)
+    late_aborts: int = 0  # abort_request on an already finished request: must be a no-op
+    errors: list[str] = field(default_factory=list)
+    steps: int = 0
+    seconds: float = 0.0
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="Model (default: bundled SmolLM2).")
+    p.add_argument("--num_prompts", "--num-prompts", type=int, default=None,
+                   help="Requests (default: every prompt of benchmarks/prompts.txt; more are "
+                        "synthesised by joining prompts).")
+    p.add_argument("--max_tokens", "--max-tokens", type=int, default=32,
+                   help="max_tokens of every request.")
+    p.add_argument("--pipeline_parallel_size", "--pipeline-parallel-size", "-pp", type=int,
+                   default=1, help="Pipeline stages of the engine under test.")
+    p.add_argument("--tensor_parallel_size", "--tensor-parallel-size", "-tp", type=int,
+                   default=1, help="Tensor parallel size (only 1 is supported).")
+    p.add_argument("--max_num_seqs", "--max-num-seqs", type=int, default=256,
+                   help="Scheduler's max sequences per step.")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--kv_cache_space", "--kv-cache-space", type=float, default=4.0,
+                   help="KV cache GiB per stage (CPU).")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the request mix and engine.")
+    p.add_argument("--verify", action="store_true",
+                   help="Compare greedy/seeded token ids with a PP=1 reference engine.")
+    p.add_argument("--random_sampling_frac", "--random-sampling-frac", type=float, default=0.0,
+                   help="Fraction of requests with random temperature/top_p/top_k (half seeded).")
+    p.add_argument("--abort_frac", "--abort-frac", type=float, default=0.0,
+                   help="Fraction of requests aborted after a random number of steps.")
+    p.add_argument("--squeeze_kv", "--squeeze-kv", action="store_true",
+                   help="Give the engine few KV blocks so preemption happens.")
+    p.add_argument("--squeeze_blocks", "--squeeze-blocks", type=int, default=None,
+                   help="Block count under --squeeze_kv (default: ~1/8 of the total demand).")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="Dump all stacks and exit non-zero after this many seconds (hangs).")
+    p.add_argument("--corrupt-for-test", "--corrupt_for_test", dest="corrupt_for_test",
+                   action="store_true",
+                   help="Test hook: flip one output token before verification (must fail).")
+    p.add_argument("-v", "--verbose", action="store_true", help="Print every output and abort.")
+    p.add_argument("--output-json", "--output_json", dest="output_json", default=None)
+    args = p.parse_args(argv)
+    for name in ("random_sampling_frac", "abort_frac"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            p.error(f"--{name} must be in [0, 1]")
+    if args.corrupt_for_test and not args.verify:
+        p.error("--corrupt-for-test only makes sense with --verify")
+    return args
+
+
+def build_requests(args: argparse.Namespace, rng: random.Random) -> list[Req]:
+    from vllm import SamplingParams
+
+    prompts = load_prompts()
+    prompts = take_prompts(prompts, args.num_prompts or len(prompts), seed=args.seed)
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        if rng.random() < args.random_sampling_frac:
+            seed = rng.randrange(2**31) if rng.random() < 0.5 else None
+            params = SamplingParams(
+                temperature=rng.uniform(0.3, 1.5), top_p=rng.choice([1.0, 0.9, 0.6]),
+                top_k=rng.choice([-1, 5, 40]), seed=seed, max_tokens=args.max_tokens)
+            kind = "random" if seed is None else "seeded"
+        else:
+            params, kind = SamplingParams(temperature=0.0, max_tokens=args.max_tokens), "greedy"
+        reqs.append(Req(str(i), prompt, params, kind))
+    # Abort steps spread over the time a request is typically alive: some are still queued,
+    # some are running, some inside the pipeline, a few have already finished (a no-op abort).
+    for req in rng.sample(reqs, round(args.abort_frac * len(reqs))):
+        req.abort_step = rng.randint(0, 2 * args.max_tokens)
+    return reqs
+
+
+def squeeze_settings(args: argparse.Namespace, reqs: list[Req]) -> dict[str, int]:
+    """A context just big enough for the longest request and a cache far smaller than the
+    whole workload needs, so running sequences must be preempted."""
+    tokenizer = load_tokenizer(args.model)
+    lens = [len(tokenizer.encode(r.prompt)) + args.max_tokens + 1 for r in reqs]
+    block = 16
+    max_len = block * math.ceil(max(lens) / block)
+    demand = sum(math.ceil(n / block) for n in lens)
+    blocks = args.squeeze_blocks or max(2 * max_len // block, demand // 8)
+    return {"max_model_len": max_len, "num_gpu_blocks_override": blocks}
+
+
+def run_all(llm: Any, reqs: list[Req], verbose: bool) -> RunState:
+    """Add every request, then step until the engine is idle, applying the planned aborts."""
+    engine, state = llm.llm_engine, RunState()
+    by_id = {r.rid: r for r in reqs}
+    aborts: dict[int, list[str]] = {}
+    for r in reqs:
+        if r.abort_step is not None:
+            aborts.setdefault(r.abort_step, []).append(r.rid)
+    # Generous: recompute preemption can redo work, but a step always makes some progress.
+    step_limit = 20 * len(reqs) * (max(r.params.max_tokens for r in reqs) + 1) + 1000
+    bar = tqdm(total=len(reqs), desc="RUN ALL", dynamic_ncols=True)
+    start = time.perf_counter()
+    for r in reqs:
+        engine.add_request(r.rid, r.prompt, r.params)
+    while engine.has_unfinished_requests():
+        for rid in aborts.pop(state.steps, []):
+            engine.abort_request(rid)
+            if rid in state.finished:
+                state.late_aborts += 1
+                continue
+            state.aborted.add(rid)
+            if verbose:
+                tqdm.write(f"abort {rid} at step {state.steps}")
+        outputs = engine.step()
+        state.steps += 1
+        for out in outputs:
+            rid = out.request_id
+            if rid not in by_id:
+                state.errors.append(f"output for unknown request id {rid!r}")
+            elif rid in state.finished:
+                state.errors.append(f"request {rid}: output after it finished ({out.finished=})")
+            if out.finished:
+                state.finish_counts[rid] += 1
+                state.finished.setdefault(rid, out)
+                bar.update(1)
+                if verbose:
+                    o = out.outputs[0]
+                    tqdm.write(f"done {rid} [{by_id[rid].kind}] {o.finish_reason} "
+                               f"{len(o.token_ids)} tok: {o.text[:60]!r}")
+        if state.steps > step_limit:
+            state.errors.append(f"no completion after {state.steps} steps: engine stuck")
+            break
+    state.seconds = time.perf_counter() - start
+    # Queued requests aborted before they ran get no output from the engine: count them now.
+    bar.update(len(state.aborted - set(state.finished)))
+    bar.close()
+    return state
+
+
+def check(llm: Any, reqs: list[Req], state: RunState) -> list[str]:
+    errors = list(state.errors)
+    for r in reqs:
+        count, out = state.finish_counts[r.rid], state.finished.get(r.rid)
+        if r.rid in state.aborted:
+            if count > 1:
+                errors.append(f"aborted request {r.rid} finished {count} times")
+            if out is not None and out.outputs[0].finish_reason != "abort":
+                errors.append(f"aborted request {r.rid}: finish_reason "
+                              f"{out.outputs[0].finish_reason!r}, expected 'abort'")
+            continue
+        if count != 1:
+            errors.append(f"request {r.rid} finished {count} times (expected exactly once)")
+            continue
+        o = out.outputs[0]
+        if o.finish_reason not in ("stop", "length"):
+            errors.append(f"request {r.rid}: unexpected finish_reason {o.finish_reason!r}")
+        if len(o.token_ids) > r.params.max_tokens:
+            errors.append(f"request {r.rid}: {len(o.token_ids)} tokens > max_tokens")
+        if o.finish_reason == "length" and len(o.token_ids) < r.params.max_tokens:
+            errors.append(f"request {r.rid}: 'length' after only {len(o.token_ids)} tokens")
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        errors.append("engine still has unfinished requests after the loop")
+    sched = engine.scheduler
+    free, total = sched.block_manager.get_num_free_gpu_blocks(), engine.cache_config.num_gpu_blocks
+    if free != total:
+        errors.append(f"KV blocks leaked: {free} of {total} free after the run")
+    if getattr(sched, "in_flight", None):
+        errors.append(f"scheduler still marks {len(sched.in_flight)} requests in flight")
+    return errors
+
+
+def verify(args: argparse.Namespace, reqs: list[Req], state: RunState,
+           engine_kwargs: dict[str, Any]) -> tuple[list[str], int]:
+    """Greedy and seeded requests that were not aborted, rerun at PP=1 without squeezing."""
+    from vllm import LLM
+
+    todo = [r for r in reqs if r.kind != "random" and r.rid not in state.aborted]
+    got = {r.rid: list(state.finished[r.rid].outputs[0].token_ids) for r in todo
+           if r.rid in state.finished}
+    if args.corrupt_for_test:
+        victim = next((rid for rid, ids in got.items() if ids), None)
+        if victim is None:
+            return ["--corrupt-for-test: no output token to corrupt"], 0
+        got[victim][0] += 1
+        print(f"--corrupt-for-test: flipped the first token of request {victim}")
+    kwargs = {k: v for k, v in engine_kwargs.items() if k != "num_gpu_blocks_override"}
+    ref = LLM(**{**kwargs, "pipeline_parallel_size": 1})
+    try:
+        outs = ref.generate([r.prompt for r in todo], [r.params for r in todo])
+    finally:
+        ref.shutdown()
+    errors = []
+    for r, ref_out in zip(todo, outs):
+        want, have = list(ref_out.outputs[0].token_ids), got.get(r.rid)
+        if have != want:
+            pos = next((i for i, (a, b) in enumerate(zip(have or [], want)) if a != b),
+                       min(len(have or []), len(want)))
+            errors.append(f"verify: request {r.rid} [{r.kind}] differs from PP=1 at token {pos}: "
+                          f"{(have or [])[pos:pos + 5]} vs {want[pos:pos + 5]}")
+    return errors, len(todo)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    faulthandler.dump_traceback_later(args.timeout, exit=True)
+    rng = random.Random(args.seed)
+    reqs = build_requests(args, rng)
+    engine_kwargs: dict[str, Any] = dict(
+        model=args.model, dtype=args.dtype, seed=args.seed, kv_cache_space=args.kv_cache_space,
+        max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size)
+    if args.squeeze_kv:
+        engine_kwargs.update(squeeze_settings(args, reqs))
+        print(f"--squeeze_kv: {engine_kwargs}")
+    from vllm import LLM
+
+    llm = LLM(pipeline_parallel_size=args.pipeline_parallel_size, **engine_kwargs)
+    try:
+        state = run_all(llm, reqs, args.verbose)
+        errors = check(llm, reqs, state)
+        preemptions = llm.llm_engine.scheduler.num_cumulative_preemption
+        num_blocks = llm.llm_engine.cache_config.num_gpu_blocks
+    finally:
+        llm.shutdown()  # before the reference engine starts: one engine at a time
+    verified = 0
+    if args.verify:
+        verify_errors, verified = verify(args, reqs, state, engine_kwargs)
+        errors += verify_errors
+    outs = [o.outputs[0] for o in state.finished.values()]
+    in_toks = sum(len(o.prompt_token_ids) for o in state.finished.values())
+    out_toks = sum(len(o.token_ids) for o in outs)
+    reported = sum(1 for rid in state.aborted if rid in state.finished)
+    summary = {
+        "requests": len(reqs), "kinds": dict(Counter(r.kind for r in reqs)),
+        "finished": len(state.finished) - reported, "aborted": len(state.aborted),
+        "aborts_reported_by_engine": reported, "aborts_after_finish_noop": state.late_aborts,
+        "finish_reasons": dict(Counter(o.finish_reason for o in outs)),
+        "prompt_tokens": in_toks, "output_tokens": out_toks, "preemptions": preemptions,
+        "gpu_blocks": num_blocks, "steps": state.steps, "run_all_seconds": state.seconds,
+        "output_tokens_per_s": out_toks / state.seconds,
+        "requests_per_s": len(reqs) / state.seconds, "verified": verified,
+        "errors": len(errors),
+    }
+    print(f"\nRUN ALL: {state.seconds:.2f} s")
+    print("=== masstest summary ===")
+    for key, value in summary.items():
+        print(f"  {key}: {value:.2f}" if isinstance(value, float) else f"  {key}: {value}")
+    for err in errors[:20]:
+        print(f"FAIL: {err}")
+    if len(errors) > 20:
+        print(f"... and {len(errors) - 20} more failures")
+    write_json(args.output_json, {"args": vars(args), "summary": summary, "errors": errors})
+    print("masstest: PASS" if not errors else f"masstest: FAIL ({len(errors)} problems)")
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
