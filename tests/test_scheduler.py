@@ -311,3 +311,23 @@ def test_free_finished_seq_groups_keeps_unfinished() -> None:
     assert _ids(sched.running) == ["b"]
     assert sched.block_manager.get_num_free_gpu_blocks() == 15
     assert sched.has_unfinished_seqs() and sched.get_num_unfinished_seq_groups() == 1
+
+
+def test_micro_batch_cap_splits_prompts_and_decodes() -> None:
+    sched = _scheduler(gpu=64, max_num_seqs=8, max_tokens=64)
+    for i in range(6):
+        _add(sched, f"r{i}", 4, arrival=float(i))
+    assert sched.num_active_seqs() == 6
+    # Two stages: each micro-batch takes at most half of the active sequences.
+    _, first = sched.schedule(max_batch_seqs=3)
+    _, second = sched.schedule(max_batch_seqs=3)
+    assert _ids(first.scheduled_seq_groups) == ["r0", "r1", "r2"]
+    assert _ids(second.scheduled_seq_groups) == ["r3", "r4", "r5"]
+    _, nothing = sched.schedule(max_batch_seqs=3)  # everything is in flight
+    assert nothing.is_empty()
+    _complete(sched, first.scheduled_seq_groups)
+    _, decode = sched.schedule(max_batch_seqs=2)
+    assert not decode.prompt_run and _ids(decode.scheduled_seq_groups) == ["r0", "r1"]
+    # A cap below one group's size still lets that group run alone.
+    _, single = sched.schedule(max_batch_seqs=0)
+    assert _ids(single.scheduled_seq_groups) == ["r2"]
