@@ -55,6 +55,13 @@ class ModelConfig:
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}.")
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers get the HF config as plain attributes: unpickling a transformers config
+        # would import transformers (~1.5 s) in every stage process for nothing.
+        state = self.__dict__.copy()
+        state["hf_config"] = PlainConfig.from_hf(self.hf_config)
+        return state
+
     def get_num_layers(self) -> int:
         return self.hf_config.num_hidden_layers
 
@@ -99,6 +106,19 @@ class ModelConfig:
     def get_head_size(self) -> int:
         head_dim = getattr(self.hf_config, "head_dim", None)
         return head_dim or self.get_hidden_size() // self.get_num_attention_heads()
+
+
+class PlainConfig:
+    """A model config's fields as plain attributes (what stage workers read)."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.__dict__.update(fields)
+
+    @classmethod
+    def from_hf(cls, config: Any) -> PlainConfig:
+        if isinstance(config, cls):
+            return config
+        return cls(config.to_dict())
 
 
 def _load_hf_config(model: str, is_gguf: bool, trust_remote_code: bool) -> Any:
