@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from tqdm.auto import tqdm
 
-from benchmarks.common import load_prompts, load_tokenizer, take_prompts, write_json
+from benchmarks.common import env_var, load_prompts, load_tokenizer, take_prompts, write_json
 
 
 @dataclass
@@ -41,7 +41,7 @@ class RunState:
     finished: dict[str, Any] = field(default_factory=dict)
     finish_counts: Counter = field(default_factory=Counter)
     aborted: set[str] = field(default_factory=set)
-    late_aborts: int = 0  # abort_request on an already finished request: must be a no-op
+    late_aborts: int = 0  # abort_request on a finished or already aborted request: a no-op
     errors: list[str] = field(default_factory=list)
     steps: int = 0
     seconds: float = 0.0
@@ -62,7 +62,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    default=1, help="Tensor parallel size (only 1 is supported).")
     p.add_argument("--max_num_seqs", "--max-num-seqs", type=int, default=256,
                    help="Scheduler's max sequences per step.")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="Model dtype of both engines (auto: the model's, fp32 if none).")
     p.add_argument("--kv_cache_space", "--kv-cache-space", type=float, default=4.0,
                    help="KV cache GiB per stage (CPU).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the request mix and engine.")
@@ -76,13 +77,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="Give the engine few KV blocks so preemption happens.")
     p.add_argument("--squeeze_blocks", "--squeeze-blocks", type=int, default=None,
                    help="Block count under --squeeze_kv (default: ~1/8 of the total demand).")
+    p.add_argument("--ref_threads", "--ref-threads", type=int, default=None,
+                   help="CPU threads of the PP=1 reference (default: the engine's default).")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="Dump all stacks and exit non-zero after this many seconds (hangs).")
     p.add_argument("--corrupt-for-test", "--corrupt_for_test", dest="corrupt_for_test",
                    action="store_true",
                    help="Test hook: flip one output token before verification (must fail).")
     p.add_argument("-v", "--verbose", action="store_true", help="Print every output and abort.")
-    p.add_argument("--output-json", "--output_json", dest="output_json", default=None)
+    p.add_argument("--output-json", "--output_json", dest="output_json", default=None,
+                   help="Write the summary and every failure to this file.")
     args = p.parse_args(argv)
     for name in ("random_sampling_frac", "abort_frac"):
         if not 0.0 <= getattr(args, name) <= 1.0:
@@ -109,7 +113,8 @@ def build_requests(args: argparse.Namespace, rng: random.Random) -> list[Req]:
             params, kind = SamplingParams(temperature=0.0, max_tokens=args.max_tokens), "greedy"
         reqs.append(Req(str(i), prompt, params, kind))
     # Abort steps spread over the time a request is typically alive: some are still queued,
-    # some are running, some inside the pipeline, a few have already finished (a no-op abort).
+    # some are running, some inside the pipeline. One that has already finished by then still
+    # gets its abort (which must be a no-op), and another unfinished request is aborted instead.
     for req in rng.sample(reqs, round(args.abort_frac * len(reqs))):
         req.abort_step = rng.randint(0, 2 * args.max_tokens)
     return reqs
@@ -120,14 +125,14 @@ def squeeze_settings(args: argparse.Namespace, reqs: list[Req]) -> dict[str, int
     whole workload needs, so running sequences must be preempted."""
     tokenizer = load_tokenizer(args.model)
     lens = [len(tokenizer.encode(r.prompt)) + args.max_tokens + 1 for r in reqs]
-    block = 16
+    block = 16  # the engine's default block_size (masstest does not change it)
     max_len = block * math.ceil(max(lens) / block)
     demand = sum(math.ceil(n / block) for n in lens)
     blocks = args.squeeze_blocks or max(2 * max_len // block, demand // 8)
     return {"max_model_len": max_len, "num_gpu_blocks_override": blocks}
 
 
-def run_all(llm: Any, reqs: list[Req], verbose: bool) -> RunState:
+def run_all(llm: Any, reqs: list[Req], rng: random.Random, verbose: bool) -> RunState:
     """Add every request, then step until the engine is idle, applying the planned aborts."""
     engine, state = llm.llm_engine, RunState()
     by_id = {r.rid: r for r in reqs}
@@ -143,10 +148,14 @@ def run_all(llm: Any, reqs: list[Req], verbose: bool) -> RunState:
         engine.add_request(r.rid, r.prompt, r.params)
     while engine.has_unfinished_requests():
         for rid in aborts.pop(state.steps, []):
-            engine.abort_request(rid)
-            if rid in state.finished:
+            if rid in state.finished or rid in state.aborted:
+                engine.abort_request(rid)
                 state.late_aborts += 1
-                continue
+                live = sorted(set(by_id) - set(state.finished) - state.aborted, key=int)
+                if not live:
+                    continue
+                rid = rng.choice(live)
+            engine.abort_request(rid)
             state.aborted.add(rid)
             if verbose:
                 tqdm.write(f"abort {rid} at step {state.steps}")
@@ -164,7 +173,8 @@ def run_all(llm: Any, reqs: list[Req], verbose: bool) -> RunState:
                 bar.update(1)
                 if verbose:
                     o = out.outputs[0]
-                    tqdm.write(f"done {rid} [{by_id[rid].kind}] {o.finish_reason} "
+                    kind = by_id[rid].kind if rid in by_id else "?"
+                    tqdm.write(f"done {rid} [{kind}] {o.finish_reason} "
                                f"{len(o.token_ids)} tok: {o.text[:60]!r}")
         if state.steps > step_limit:
             state.errors.append(f"no completion after {state.steps} steps: engine stuck")
@@ -224,7 +234,9 @@ def verify(args: argparse.Namespace, reqs: list[Req], state: RunState,
         got[victim][0] += 1
         print(f"--corrupt-for-test: flipped the first token of request {victim}")
     kwargs = {k: v for k, v in engine_kwargs.items() if k != "num_gpu_blocks_override"}
-    ref = LLM(**{**kwargs, "pipeline_parallel_size": 1})
+    # The thread count is read when the worker starts: only construction needs the override.
+    with env_var("VLLM_CPU_THREADS_PER_STAGE", str(args.ref_threads) if args.ref_threads else None):
+        ref = LLM(**{**kwargs, "pipeline_parallel_size": 1})
     try:
         outs = ref.generate([r.prompt for r in todo], [r.params for r in todo])
     finally:
@@ -255,7 +267,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     llm = LLM(pipeline_parallel_size=args.pipeline_parallel_size, **engine_kwargs)
     try:
-        state = run_all(llm, reqs, args.verbose)
+        state = run_all(llm, reqs, rng, args.verbose)
         errors = check(llm, reqs, state)
         preemptions = llm.llm_engine.scheduler.num_cumulative_preemption
         num_blocks = llm.llm_engine.cache_config.num_gpu_blocks
@@ -266,13 +278,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         verify_errors, verified = verify(args, reqs, state, engine_kwargs)
         errors += verify_errors
     outs = [o.outputs[0] for o in state.finished.values()]
-    in_toks = sum(len(o.prompt_token_ids) for o in state.finished.values())
+    in_toks = sum(len(o.prompt_token_ids) for o in state.finished.values())  # ran ones
     out_toks = sum(len(o.token_ids) for o in outs)
     reported = sum(1 for rid in state.aborted if rid in state.finished)
     summary = {
         "requests": len(reqs), "kinds": dict(Counter(r.kind for r in reqs)),
         "finished": len(state.finished) - reported, "aborted": len(state.aborted),
-        "aborts_reported_by_engine": reported, "aborts_after_finish_noop": state.late_aborts,
+        "aborts_reported_by_engine": reported, "noop_aborts": state.late_aborts,
         "finish_reasons": dict(Counter(o.finish_reason for o in outs)),
         "prompt_tokens": in_toks, "output_tokens": out_toks, "preemptions": preemptions,
         "gpu_blocks": num_blocks, "steps": state.steps, "run_all_seconds": state.seconds,
@@ -284,10 +296,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("=== masstest summary ===")
     for key, value in summary.items():
         print(f"  {key}: {value:.2f}" if isinstance(value, float) else f"  {key}: {value}")
-    for err in errors[:20]:
-        print(f"FAIL: {err}")
-    if len(errors) > 20:
-        print(f"... and {len(errors) - 20} more failures")
+    print("".join(f"FAIL: {err}\n" for err in errors[:20]), end="")
+    print(f"... and {len(errors) - 20} more failures" if len(errors) > 20 else "", end="")
     write_json(args.output_json, {"args": vars(args), "summary": summary, "errors": errors})
     print("masstest: PASS" if not errors else f"masstest: FAIL ({len(errors)} problems)")
     return 0 if not errors else 1

@@ -5,7 +5,8 @@
 
 Every request uses `ignore_eos=True`, so each one produces exactly `--max_tokens` tokens and the
 figures of different runs are comparable. Flags keep the seed fork's spellings (`--max_tokens`,
-`-bsl`); vLLM's hyphenated ones (`--max-tokens`, `-pp`) work too.
+`-bsl`); vLLM's hyphenated ones (`--max-tokens`, `-pp`) work too. CPU threads: each pipeline
+stage uses 1 (PP>1) or all cores (PP=1) unless VLLM_CPU_THREADS_PER_STAGE is set.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("-bsl", "--batch_sizes_list", "--batch-sizes-list",
                         dest="batch_sizes_list", default="1,2,4,8",
                         help="Comma-separated batch sizes to time, e.g. 1,2,4,8.")
-    parser.add_argument("--pipeline", action="store_true",
+    parser.add_argument("--pipeline", nargs="?", const=True, default=None,
                         help="Accepted for compatibility with the seed fork and ignored: the "
                              "engine always keeps pipeline_parallel_size batches in flight.")
     parser.add_argument("--kv_cache_space", "--kv-cache-space", dest="kv_cache_space",

@@ -99,6 +99,21 @@ def timer(result: dict[str, float], key: str = "seconds") -> Iterator[None]:
         result[key] = time.perf_counter() - start
 
 
+@contextmanager
+def env_var(name: str, value: Optional[str]) -> Iterator[None]:
+    """Set (or, with None, leave alone) an environment variable for the block only."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 def environment() -> dict[str, Any]:
     """Context recorded with every result: the machine is shared, so its load matters."""
     import torch

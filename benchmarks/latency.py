@@ -36,10 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="Requests per batch.")
     p.add_argument("--num-iters-warmup", type=int, default=2, help="Untimed iterations.")
     p.add_argument("--num-iters", type=int, default=5, help="Timed iterations.")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="Pipeline stages (one Ray worker each).")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="Model dtype (auto: the model's, fp32 if none).")
     p.add_argument("--kv-cache-space", type=float, default=4.0, help="KV GiB per stage (CPU).")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="Seed of prompts and sampling.")
     p.add_argument("--output-json", default=None, help="Write the latencies to this file.")
     return p.parse_args(argv)
 

@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="Model (default: bundled SmolLM2).")
     p.add_argument("--num-prompts", type=int, default=64, help="Requests per run.")
     p.add_argument("--output-len", type=int, default=128, help="New tokens per request.")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="Model dtype (auto: the model's, fp32 if none).")
     p.add_argument("--kv-cache-space", type=float, default=4.0, help="KV GiB per stage (CPU).")
     p.add_argument("--timeout", type=float, default=1800, help="Seconds allowed per config.")
     p.add_argument("--output-json", default=None, help="Write every figure to this file.")

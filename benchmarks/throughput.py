@@ -39,7 +39,8 @@ Prompt = Union[str, list[int]]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
+    p.add_argument("--backend", choices=["vllm", "hf"], default="vllm",
+                   help="vllm: this engine; hf: transformers' generate.")
     p.add_argument("--compare-hf", action="store_true",
                    help="Run our engine, then HF in the same process; print the ratio.")
     p.add_argument("--model", default="smollm2", help="Model (default: bundled SmolLM2).")
@@ -48,12 +49,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128, help="New tokens per request.")
     p.add_argument("--num-prompts", type=int, default=64, help="Number of requests.")
     p.add_argument("--dataset", default=None, help="Prompts file, one prompt per line.")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="Model dtype (auto: the model's, fp32 if none).")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="Pipeline stages of our engine (1 thread each unless "
+                        "VLLM_CPU_THREADS_PER_STAGE is set).")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="Scheduler's max sequences per step.")
     p.add_argument("--kv-cache-space", type=float, default=4.0, help="KV GiB per stage (CPU).")
     p.add_argument("--hf-max-batch-size", type=int, default=16, help="HF generate batch size.")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="Seed of prompts and sampling.")
     p.add_argument("--output-json", default=None, help="Write the results to this file.")
     args = p.parse_args(argv)
     if args.compare_hf:

@@ -144,7 +144,11 @@ def _resolve_dtype(dtype: str, hf_config: Any) -> str:
     dtype = _CANONICAL_DTYPE.get(dtype, dtype)
     if dtype != "auto":
         return dtype
-    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # transformers >= 5 names it `dtype` (reading `torch_dtype` only triggers a warning).
+    if hasattr(hf_config, "dtype"):
+        config_dtype = hf_config.dtype
+    else:
+        config_dtype = getattr(hf_config, "torch_dtype", None)
     name = str(config_dtype).replace("torch.", "") if config_dtype is not None else "float32"
     return name if name in ("float32", "bfloat16", "float16") else "float32"
 
