@@ -29,10 +29,12 @@ def _kernel_build() -> dict[str, Any]:
         _warn("VLLM_PP_SKIP_KERNELS=1: not building the C++ kernels.")
         return {}
     try:
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
+        from torch.utils.cpp_extension import BuildExtension, CppExtension, is_ninja_available
     except ImportError as exc:
-        _warn(f"torch is not importable ({exc}); building without the C++ kernels. Install torch "
-              "first and use --no-build-isolation.")
+        _warn(
+            f"torch is not importable ({exc}); building without the C++ kernels. Install torch "
+            "first and use --no-build-isolation."
+        )
         return {}
 
     class OptionalBuildExtension(BuildExtension):
@@ -42,8 +44,10 @@ def _kernel_build() -> dict[str, Any]:
             try:
                 super().build_extensions()
             except Exception as exc:  # compiler missing or failing: fall back to pure torch
-                _warn(f"building the C++ kernels failed ({exc}); installing without them, "
-                      "the engine will use the pure-torch attention.")
+                _warn(
+                    f"building the C++ kernels failed ({exc}); installing without them, "
+                    "the engine will use the pure-torch attention."
+                )
                 # Nothing was built: later steps (copying outputs in editable mode) skip it.
                 self.extensions = []
 
@@ -57,14 +61,18 @@ def _kernel_build() -> dict[str, Any]:
         include_dirs=[os.path.join(ROOT, "csrc")],
         # No -march=native (the wheel could run on another CPU) and no -ffast-math (results
         # must match torch within fp32 tolerance): csrc/ picks AVX-512/AVX2 at run time.
-        # -Wno-psabi: the 64-byte vector types only pass between always-inlined functions.
-        extra_compile_args=["-O3", "-Wall", "-Wno-psabi"],
+        # -g0: no debug info (4.8 MB -> 0.2 MB, faster build). -Wno-psabi: the wide vector
+        # types only pass between always-inlined functions, so their ABI does not matter.
+        # -fopenmp: at::parallel_for is a header template that is only parallel when the code
+        # including it is built with OpenMP. The library then needs libgomp.so.1, which the
+        # torch already loaded provides, so there is a single OpenMP runtime.
+        extra_compile_args=["-O3", "-g0", "-Wall", "-Wno-psabi", "-fopenmp"],
+        extra_link_args=["-fopenmp"],
     )
-    # ninja (when installed) compiles the sources in parallel; setuptools otherwise.
-    return {
-        "ext_modules": [extension],
-        "cmdclass": {"build_ext": OptionalBuildExtension.with_options(use_ninja=True)},
-    }
+    # ninja, when installed, compiles the sources in parallel; setuptools compiles them one by
+    # one otherwise (about 20 s either way on 2 cores), without torch's warning about it.
+    build_ext = OptionalBuildExtension.with_options(use_ninja=is_ninja_available())
+    return {"ext_modules": [extension], "cmdclass": {"build_ext": build_ext}}
 
 
 setup(

@@ -2,13 +2,14 @@
 // reading K/V rows straight from the paged cache through the block table (no gather into a
 // padded copy, which is what makes the torch fallback slow and memory hungry).
 //
-// Work is split over (sequence, kv head) pairs. One pair handles the G = H / Hkv query heads
-// that share its KV head (grouped-query attention), so each K/V row is read once for G queries.
-// Per pair:
-//   1. scores[g][t] = scale * q_g . k_t        for every context token t (fp32)
-//   2. p[g][t]      = exp(scores - max_g)       two-pass softmax: max first, so exp never
-//                                               overflows, and sum_g accumulated in fp32
-//   3. out_g        = (sum_t p[g][t] v_t) / sum_g
+// Work is split over sequences (and over KV heads when there are few sequences), in parallel
+// with at::parallel_for. Query head h reads KV head h / G with G = H / Hkv (grouped-query
+// attention); the G heads sharing a KV head are handled together, so each K/V row is loaded
+// once for all of them. For each query head:
+//   1. s[t]  = scale * q . k_t          for every context token t (fp32)
+//   2. p[t]  = exp(s[t] - max(s))       two-pass softmax: max first, so exp never overflows;
+//                                       the sum of p accumulated in fp32
+//   3. out   = (sum_t p[t] v_t) / sum(p)
 // Only tokens t < context_len are ever touched, so uninitialised (even NaN) cache memory past
 // the end of a sequence cannot reach the output.
 
@@ -19,6 +20,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -26,10 +28,7 @@
 namespace vllm_pp {
 namespace {
 
-using simd::f32x16;
-using simd::kLanes;
-
-// Everything one (sequence, kv head) task needs; raw pointers and element strides.
+// Everything one task needs; raw pointers and element strides.
 struct DecodeArgs {
   void* out;              // [B, H, D], contiguous
   const void* query;      // [B, H, D], any token/head stride, unit stride within a head
@@ -40,144 +39,262 @@ struct DecodeArgs {
   int64_t num_heads, num_kv_heads, head_size, block_size, num_blocks;
   int64_t table_stride, q_stride_tok, q_stride_head;
   int64_t max_context_len;  // over the batch; sizes the per-thread scratch
+  int64_t kv_per_task;      // KV heads per task, a divisor of num_kv_heads
   float scale;
 };
 
-template <typename scalar_t>
-VLLM_PP_INLINE float dot(const float* q, const scalar_t* k, int64_t n) {
-  // Two independent accumulators hide the FMA latency for the common D = 64 / 128.
-  f32x16 acc0{}, acc1{};
-  int64_t d = 0;
-  for (; d + 2 * kLanes <= n; d += 2 * kLanes) {
-    acc0 += simd::load(q + d) * simd::load(k + d);
-    acc1 += simd::load(q + d + kLanes) * simd::load(k + d + kLanes);
+// Software prefetch of the next block's rows while the current block is processed. The blocks
+// of a sequence lie anywhere in the cache, so the hardware prefetcher cannot guess where the
+// next one starts. The rows are requested one at a time, spread evenly over the work on the
+// current block (one row every `every` rows visited): issued in one burst they would stall on
+// the CPU's limited number of outstanding misses.
+struct Prefetch {
+  const char* next_row = nullptr;  // nullptr: nothing (more) to fetch
+  int64_t rows_left = 0, stride_bytes = 0, row_bytes = 0, every = 1, countdown = 1;
+
+  Prefetch() = default;
+  Prefetch(const void* first_row, int64_t n_rows, int64_t stride, int64_t bytes, int64_t steps)
+      : next_row(static_cast<const char*>(first_row)), rows_left(n_rows), stride_bytes(stride),
+        row_bytes(bytes), every(std::max<int64_t>(1, steps / n_rows)) {}
+
+  VLLM_PP_INLINE void step() {
+    if (--countdown > 0 || rows_left == 0) return;
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(next_row + off);
+    next_row += stride_bytes;
+    --rows_left;
+    countdown = every;
   }
-  for (; d + kLanes <= n; d += kLanes) acc0 += simd::load(q + d) * simd::load(k + d);
-  float s = simd::reduce_add(acc0 + acc1);
-  for (; d < n; ++d) s += q[d] * simd::to_float(k[d]);
-  return s;
-}
+};
 
-// acc[0:n) += p * v[0:n)
-template <typename scalar_t>
-VLLM_PP_INLINE void axpy(float* acc, float p, const scalar_t* v, int64_t n) {
-  const f32x16 pv = simd::splat(p);
-  int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes) simd::store(acc + d, simd::load(acc + d) + pv * simd::load(v + d));
-  for (; d < n; ++d) acc[d] += p * simd::to_float(v[d]);
-}
+// The kernel proper, for vector width W (floats per register of the target ISA) and head size
+// kD. kD > 0 fixes the head size at compile time (the common 64 and 128): a head's row is then
+// kD / W vectors held in registers, and every loop over it is unrolled. kD = 0 takes the head
+// size at run time (any size, including ones that are not a multiple of W).
+template <int W, typename scalar_t, int kD>
+struct DecodeKernel {
+  using S = simd::Simd<W>;
+  using f32 = typename S::f32;
+  static constexpr int kC = kD / W;  // vectors per head row when kD > 0
+  static_assert(kD % W == 0 && kC <= 8, "a fixed head size must fit in 8 registers");
 
-// Fills p[0:n) with exp(scores - max) in place and returns the sum. Scores past n are never
-// read: the padded tail of the row goes through the scalar path.
-VLLM_PP_INLINE float softmax_numerators(float* s, int64_t n) {
-  f32x16 vmax = simd::splat(-__builtin_inff());
-  int64_t t = 0;
-  for (; t + kLanes <= n; t += kLanes) vmax = simd::max(vmax, simd::load(s + t));
-  float m = simd::reduce_max(vmax);
-  for (; t < n; ++t) m = s[t] > m ? s[t] : m;
-
-  f32x16 vsum{};
-  t = 0;
-  for (; t + kLanes <= n; t += kLanes) {
-    const f32x16 e = simd::exp_nonpositive(simd::load(s + t) - m);
-    simd::store(s + t, e);
-    vsum += e;
+  // q . k over n elements (run-time head size).
+  static VLLM_PP_INLINE float dot(const float* q, const float* k, int64_t n) {
+    // Two independent accumulators, so consecutive FMAs do not wait on each other.
+    f32 acc0{}, acc1{};
+    int64_t d = 0;
+    for (; d + 2 * W <= n; d += 2 * W) {
+      acc0 += S::load(q + d) * S::load(k + d);
+      acc1 += S::load(q + d + W) * S::load(k + d + W);
+    }
+    for (; d + W <= n; d += W) acc0 += S::load(q + d) * S::load(k + d);
+    float s = S::reduce_add(acc0 + acc1);
+    for (; d < n; ++d) s += q[d] * k[d];
+    return s;
   }
-  float sum = simd::reduce_add(vsum);
-  if (t < n) {
-    // The tail through the same vector exp (not libm) so every element is rounded alike.
-    float tail[kLanes];
-    std::fill(tail, tail + kLanes, -__builtin_inff());
-    std::copy(s + t, s + n, tail);
-    const f32x16 e = simd::exp_nonpositive(simd::load(tail) - m);
-    for (int64_t i = 0; t + i < n; ++i) {
-      s[t + i] = e[i];
-      sum += e[i];
+
+  // One query head against the n rows of a block: s[j] = q . k_j, k_j = k + j * k_stride.
+  static VLLM_PP_INLINE void block_scores(const float* q, const float* k, int64_t k_stride,
+                                          int64_t n, int64_t D, float* s, Prefetch& pf) {
+    if constexpr (kD > 0) {
+      f32 qv[kC];
+      for (int c = 0; c < kC; ++c) qv[c] = S::load(q + c * W);
+      for (int64_t j = 0; j < n; ++j, k += k_stride) {
+        pf.step();
+        f32 acc0 = qv[0] * S::load(k), acc1{};
+        for (int c = 1; c < kC; ++c) (c % 2 ? acc1 : acc0) += qv[c] * S::load(k + c * W);
+        s[j] = S::reduce_add(acc0 + acc1);
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j, k += k_stride) {
+        pf.step();
+        s[j] = dot(q, k, D);
+      }
     }
   }
-  return sum;
-}
 
-// Tasks [begin, end) of the flattened (sequence, kv head) grid. always_inline so that each
-// ISA variant below gets its own fully vectorised copy of the whole loop nest.
-template <typename scalar_t>
-VLLM_PP_INLINE void decode_tasks(const DecodeArgs& a, int64_t begin, int64_t end) {
-  const int64_t D = a.head_size, G = a.num_heads / a.num_kv_heads, bs = a.block_size;
-  const int64_t row_stride = a.num_kv_heads * D;  // elements between consecutive tokens
-  const int64_t ctx_pad = (a.max_context_len + kLanes - 1) / kLanes * kLanes;
-  const auto* key_cache = static_cast<const scalar_t*>(a.key_cache);
-  const auto* value_cache = static_cast<const scalar_t*>(a.value_cache);
-  const auto* query = static_cast<const scalar_t*>(a.query);
-  auto* out = static_cast<scalar_t*>(a.out);
-
-  // Scratch once per thread chunk, not per task: q in fp32, the score rows, the accumulators.
-  std::vector<float> q(G * D), scores(G * ctx_pad), acc(G * D), inv_sum(G);
-
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t b = task / a.num_kv_heads, kvh = task % a.num_kv_heads;
-    const int64_t ctx = a.context_lens[b];
-    const int64_t* table = a.block_tables + b * a.table_stride;
-    const int64_t n_blocks = (ctx + bs - 1) / bs;
-    scalar_t* out_b = out + (b * a.num_heads + kvh * G) * D;
-
-    if (ctx == 0) {  // nothing to attend to: define the output as zeros
-      std::fill(out_b, out_b + G * D, scalar_t(0));
-      continue;
+  // One query head over the n rows of a block: acc += sum_j p[j] * v_j.
+  static VLLM_PP_INLINE void block_values(const float* p, const float* v, int64_t v_stride,
+                                          int64_t n, int64_t D, float* acc, Prefetch& pf) {
+    if constexpr (kD > 0) {
+      f32 av[kC];  // the accumulator stays in registers for the whole block
+      for (int c = 0; c < kC; ++c) av[c] = S::load(acc + c * W);
+      for (int64_t j = 0; j < n; ++j, v += v_stride) {
+        pf.step();
+        const f32 pj = S::splat(p[j]);
+        for (int c = 0; c < kC; ++c) av[c] += pj * S::load(v + c * W);
+      }
+      for (int c = 0; c < kC; ++c) S::store(acc + c * W, av[c]);
+    } else {
+      for (int64_t j = 0; j < n; ++j, v += v_stride) {
+        pf.step();
+        const f32 pj = S::splat(p[j]);
+        int64_t d = 0;
+        for (; d + W <= D; d += W) S::store(acc + d, S::load(acc + d) + pj * S::load(v + d));
+        for (; d < D; ++d) acc[d] += p[j] * v[d];
+      }
     }
-    // Query heads kvh*G .. kvh*G+G-1 share this KV head; fold the scale into q once.
-    for (int64_t g = 0; g < G; ++g) {
-      const scalar_t* qg = query + b * a.q_stride_tok + (kvh * G + g) * a.q_stride_head;
-      for (int64_t d = 0; d < D; ++d) q[g * D + d] = simd::to_float(qg[d]) * a.scale;
-    }
-
-    // 1. Scores, walking the block table.
-    for (int64_t i = 0; i < n_blocks; ++i) {
-      const int64_t block = table[i];
-      TORCH_CHECK(block >= 0 && block < a.num_blocks, "paged_attention_decode: block table "
-                  "entry ", block, " out of range [0, ", a.num_blocks, ")");
-      const scalar_t* k = key_cache + (block * bs * a.num_kv_heads + kvh) * D;
-      const int64_t n = std::min(bs, ctx - i * bs);
-      for (int64_t j = 0; j < n; ++j, k += row_stride)
-        for (int64_t g = 0; g < G; ++g) scores[g * ctx_pad + i * bs + j] = dot(&q[g * D], k, D);
-    }
-
-    // 2. Softmax numerators and their sums.
-    for (int64_t g = 0; g < G; ++g)
-      inv_sum[g] = 1.0f / softmax_numerators(&scores[g * ctx_pad], ctx);
-
-    // 3. Weighted sum of the value rows; blocks were range-checked in step 1.
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t i = 0; i < n_blocks; ++i) {
-      const scalar_t* v = value_cache + (table[i] * bs * a.num_kv_heads + kvh) * D;
-      const int64_t n = std::min(bs, ctx - i * bs);
-      for (int64_t j = 0; j < n; ++j, v += row_stride)
-        for (int64_t g = 0; g < G; ++g) axpy(&acc[g * D], scores[g * ctx_pad + i * bs + j], v, D);
-    }
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) out_b[g * D + d] = scalar_t(acc[g * D + d] * inv_sum[g]);
   }
-}
 
-// One copy of decode_tasks per instruction set. The target attribute changes only how the
-// vector types above are lowered (zmm / ymm / xmm); the arithmetic is the same.
+  // The n rows (`width` elements each, `stride` apart) of a block in fp32: float rows are used
+  // in place; bfloat16 rows are widened once into `buf`, then shared by all the query heads.
+  static VLLM_PP_INLINE const float* rows_f32(const scalar_t* rows, int64_t n, int64_t width,
+                                              int64_t& stride, float* buf) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      return rows;
+    } else {
+      for (int64_t j = 0; j < n; ++j, rows += stride) {
+        float* dst = buf + j * width;
+        int64_t d = 0;
+        for (; d + W <= width; d += W) S::store(dst + d, S::load(rows + d));
+        for (; d < width; ++d) dst[d] = simd::to_float(rows[d]);
+      }
+      stride = width;
+      return buf;
+    }
+  }
+
+  // Replaces s[0:n) by exp(s - max(s)) and returns their sum.
+  static VLLM_PP_INLINE float softmax_numerators(float* s, int64_t n) {
+    f32 vmax = S::splat(-__builtin_inff());
+    int64_t t = 0;
+    for (; t + W <= n; t += W) vmax = S::max(vmax, S::load(s + t));
+    float m = S::reduce_max(vmax);
+    for (; t < n; ++t) m = s[t] > m ? s[t] : m;
+
+    f32 vsum{};
+    for (t = 0; t + W <= n; t += W) {
+      const f32 e = S::exp_nonpositive(S::load(s + t) - m);
+      S::store(s + t, e);
+      vsum += e;
+    }
+    float sum = S::reduce_add(vsum);
+    if (t < n) {
+      // The tail goes through the same vector exp (not libm), so all elements round alike.
+      float tail[W];
+      std::fill(tail, tail + W, -__builtin_inff());
+      std::copy(s + t, s + n, tail);
+      const f32 e = S::exp_nonpositive(S::load(tail) - m);
+      for (int64_t i = 0; t + i < n; ++i) {
+        s[t + i] = e[i];
+        sum += e[i];
+      }
+    }
+    return sum;
+  }
+
+  // Tasks [begin, end) of the flattened (sequence, KV-head chunk) grid. A task covers
+  // `kv_per_task` consecutive KV heads (all of them when there are enough sequences to keep
+  // the threads busy), so it streams each block's rows front to back rather than picking one
+  // head's slice out of every row. Work goes block by block: a block's rows (12 KiB for
+  // SmolLM2's fp32 blocks of 16 tokens) stay in L1/L2 while each query head passes over them.
+  static VLLM_PP_INLINE void run(const DecodeArgs& a, int64_t begin, int64_t end) {
+    const int64_t D = kD > 0 ? kD : a.head_size;
+    const int64_t G = a.num_heads / a.num_kv_heads, bs = a.block_size;
+    const int64_t kv_per_task = a.kv_per_task, chunks = a.num_kv_heads / kv_per_task;
+    const int64_t nq = kv_per_task * G;             // query heads per task
+    const int64_t width = kv_per_task * D;          // elements of a row this task reads
+    const int64_t row_stride = a.num_kv_heads * D;  // elements between consecutive tokens
+    const int64_t row_bytes = width * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t ctx_pad = (a.max_context_len + W - 1) / W * W;
+    const auto* key_cache = static_cast<const scalar_t*>(a.key_cache);
+    const auto* value_cache = static_cast<const scalar_t*>(a.value_cache);
+    const auto* query = static_cast<const scalar_t*>(a.query);
+    auto* out = static_cast<scalar_t*>(a.out);
+
+    // Scratch once per thread chunk, not per task: q in fp32, score rows, accumulators, and
+    // one block of widened bfloat16 rows.
+    std::vector<float> q(nq * D), scores(nq * ctx_pad), acc(nq * D), inv_sum(nq);
+    std::vector<float> block_buf(std::is_same_v<scalar_t, float> ? 0 : bs * width);
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / chunks, kv0 = task % chunks * kv_per_task;
+      const int64_t ctx = a.context_lens[b];
+      const int64_t* table = a.block_tables + b * a.table_stride;
+      const int64_t n_blocks = (ctx + bs - 1) / bs;
+      scalar_t* out_b = out + (b * a.num_heads + kv0 * G) * D;  // nq heads, back to back
+
+      if (ctx == 0) {  // nothing to attend to: define the output as zeros
+        std::fill(out_b, out_b + nq * D, scalar_t(0));
+        continue;
+      }
+      for (int64_t i = 0; i < n_blocks; ++i)
+        TORCH_CHECK(table[i] >= 0 && table[i] < a.num_blocks, "paged_attention_decode: block "
+                    "table entry ", table[i], " out of range [0, ", a.num_blocks, ")");
+      // Query heads kv0*G .. kv0*G+nq-1 (head h reads KV head h / G); scale folded in once.
+      for (int64_t h = 0; h < nq; ++h) {
+        const scalar_t* qh = query + b * a.q_stride_tok + (kv0 * G + h) * a.q_stride_head;
+        for (int64_t d = 0; d < D; ++d) q[h * D + d] = simd::to_float(qh[d]) * a.scale;
+      }
+      // This task's first row in block i, and the number of context tokens in that block.
+      auto block_rows = [&](const scalar_t* cache, int64_t i) {
+        return cache + table[i] * bs * row_stride + kv0 * D;
+      };
+      auto block_len = [&](int64_t i) { return std::min(bs, ctx - i * bs); };
+      // Prefetch of block i + 1, spread over the nq passes of the query heads over block i.
+      auto prefetch_next = [&](const scalar_t* cache, int64_t i) {
+        if (i + 1 >= n_blocks) return Prefetch{};
+        return Prefetch(block_rows(cache, i + 1), block_len(i + 1),
+                        row_stride * static_cast<int64_t>(sizeof(scalar_t)), row_bytes,
+                        nq * block_len(i));
+      };
+
+      // 1. Scores, walking the block table.
+      for (int64_t i = 0; i < n_blocks; ++i) {
+        Prefetch pf = prefetch_next(key_cache, i);
+        int64_t stride = row_stride;
+        const float* k =
+            rows_f32(block_rows(key_cache, i), block_len(i), width, stride, block_buf.data());
+        for (int64_t kh = 0, h = 0; kh < kv_per_task; ++kh)
+          for (int64_t g = 0; g < G; ++g, ++h)
+            block_scores(&q[h * D], k + kh * D, stride, block_len(i), D,
+                         &scores[h * ctx_pad + i * bs], pf);
+      }
+
+      // 2. Softmax numerators and their sums.
+      for (int64_t h = 0; h < nq; ++h)
+        inv_sum[h] = 1.0f / softmax_numerators(&scores[h * ctx_pad], ctx);
+
+      // 3. Probability-weighted sum of the value rows.
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t i = 0; i < n_blocks; ++i) {
+        Prefetch pf = prefetch_next(value_cache, i);
+        int64_t stride = row_stride;
+        const float* v =
+            rows_f32(block_rows(value_cache, i), block_len(i), width, stride, block_buf.data());
+        for (int64_t kh = 0, h = 0; kh < kv_per_task; ++kh)
+          for (int64_t g = 0; g < G; ++g, ++h)
+            block_values(&scores[h * ctx_pad + i * bs], v + kh * D, stride, block_len(i), D,
+                         &acc[h * D], pf);
+      }
+      for (int64_t h = 0; h < nq; ++h)
+        for (int64_t d = 0; d < D; ++d) out_b[h * D + d] = scalar_t(acc[h * D + d] * inv_sum[h]);
+    }
+  }
+};
+
+// One instantiation per instruction set, each with its native vector width, and per fixed head
+// size that fits in 8 of its registers. The target attribute lets the compiler use that ISA
+// inside the function (and everything inlined into it) while the rest of the library stays
+// baseline x86-64.
 using TaskFn = void (*)(const DecodeArgs&, int64_t, int64_t);
 
 template <typename scalar_t>
 void decode_tasks_generic(const DecodeArgs& a, int64_t begin, int64_t end) {
-  decode_tasks<scalar_t>(a, begin, end);
+  DecodeKernel<4, scalar_t, 0>::run(a, begin, end);
 }
 
 #if defined(__x86_64__)
-template <typename scalar_t>
-__attribute__((target("avx2,fma"))) void decode_tasks_avx2(const DecodeArgs& a, int64_t begin,
-                                                            int64_t end) {
-  decode_tasks<scalar_t>(a, begin, end);
+#define VLLM_PP_AVX2 __attribute__((target("avx2,fma")))
+#define VLLM_PP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+
+template <typename scalar_t, int kD>
+VLLM_PP_AVX2 void decode_tasks_avx2(const DecodeArgs& a, int64_t begin, int64_t end) {
+  DecodeKernel<8, scalar_t, kD>::run(a, begin, end);
 }
 
-template <typename scalar_t>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) void decode_tasks_avx512(
-    const DecodeArgs& a, int64_t begin, int64_t end) {
-  decode_tasks<scalar_t>(a, begin, end);
+template <typename scalar_t, int kD>
+VLLM_PP_AVX512 void decode_tasks_avx512(const DecodeArgs& a, int64_t begin, int64_t end) {
+  DecodeKernel<16, scalar_t, kD>::run(a, begin, end);
 }
 #endif
 
@@ -206,13 +323,16 @@ std::atomic<int>& active_isa() {
 }
 
 template <typename scalar_t>
-TaskFn select_tasks() {
+TaskFn select_tasks(int64_t head_size) {
 #if defined(__x86_64__)
   switch (active_isa().load()) {
     case 2:
-      return decode_tasks_avx512<scalar_t>;
+      if (head_size == 64) return decode_tasks_avx512<scalar_t, 64>;
+      if (head_size == 128) return decode_tasks_avx512<scalar_t, 128>;
+      return decode_tasks_avx512<scalar_t, 0>;
     case 1:
-      return decode_tasks_avx2<scalar_t>;
+      if (head_size == 64) return decode_tasks_avx2<scalar_t, 64>;
+      return decode_tasks_avx2<scalar_t, 0>;
   }
 #endif
   return decode_tasks_generic<scalar_t>;
@@ -288,11 +408,14 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
     a.max_context_len = std::max(a.max_context_len, len);
   }
 
-  const TaskFn fn = dtype == at::kFloat ? select_tasks<float>() : select_tasks<c10::BFloat16>();
-  // at::parallel_for uses torch's own OpenMP pool, so torch.set_num_threads governs it (a
-  // pipeline stage pinned to one thread runs this inline, without a parallel region), and no
-  // second OpenMP runtime gets loaded next to the one torch ships.
-  at::parallel_for(0, B * Hkv, /*grain_size=*/1,
+  // Whole sequences per task stream the cache best; split them by KV head only when there are
+  // too few sequences to give every thread a few tasks.
+  a.kv_per_task = B >= 4 * at::get_num_threads() ? Hkv : 1;
+  const TaskFn fn = dtype == at::kFloat ? select_tasks<float>(D) : select_tasks<c10::BFloat16>(D);
+  // at::parallel_for is OpenMP here (built with -fopenmp, linked against the libgomp torch has
+  // already loaded), so torch.set_num_threads governs it, and a pipeline stage pinned to one
+  // thread runs this inline without entering a parallel region at all.
+  at::parallel_for(0, B * (Hkv / a.kv_per_task), /*grain_size=*/1,
                    [&](int64_t begin, int64_t end) { fn(a, begin, end); });
 }
 

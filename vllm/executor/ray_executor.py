@@ -45,7 +45,12 @@ class RayExecutor(ExecutorBase):
         python_path = os.pathsep.join(p for p in (src_root, os.environ.get("PYTHONPATH")) if p)
         threads = _threads_per_stage()
         env = {"PYTHONPATH": python_path, "OMP_NUM_THREADS": str(threads)}
-        for key in ("VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING", "VLLM_PP_CACHE_DIR"):
+        for key in (
+            "VLLM_LOGGING_LEVEL",
+            "VLLM_CONFIGURE_LOGGING",
+            "VLLM_PP_CACHE_DIR",
+            "VLLM_PP_DISABLE_KERNELS",
+        ):
             if key in os.environ:
                 env[key] = os.environ[key]
         actor_cls = ray.remote(

@@ -18,8 +18,16 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 def write_to_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
 ) -> None:
-    """Store each token's K/V ([T, Hkv, D]) at its flat slot of this layer's paged cache."""
+    """Store each token's K/V ([T, Hkv, D]) at its flat slot of this layer's paged cache.
+
+    Uses the C++ kernel for CPU tensors when it is built (vllm/_custom_ops.py), else index_copy_.
+    """
+    from vllm import _custom_ops as ops  # cheap after the first call (a sys.modules lookup)
+
     key_cache, value_cache = kv_cache
+    if ops.supports_cache_write(key, key_cache):
+        ops.write_to_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
     key_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value)
@@ -33,11 +41,19 @@ def paged_decode_attention(
     max_context_len: int,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence against its cached context (the torch fallback).
+    """One query token per sequence against its cached context.
 
     query [B, H, D]; block_tables [B, max_blocks]; context_lens [B]. Returns [B, H, D].
+    CPU float32/bfloat16 runs the C++ kernel when it is built (vllm/_custom_ops.py), which reads
+    K/V through the block tables in place; otherwise this torch code gathers them.
     """
+    from vllm import _custom_ops as ops  # cheap after the first call (a sys.modules lookup)
+
     key_cache, value_cache = kv_cache
+    if ops.supports_attention(query, key_cache):
+        return ops.paged_attention_decode(
+            query, key_cache, value_cache, block_tables, context_lens, scale
+        )
     batch, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -1,0 +1,128 @@
+"""The C++ CPU kernels of csrc/ (built by setup.py as `vllm._C`): availability and wrappers.
+
+Importing `vllm._C` registers the ops as `torch.ops.vllm_pp.*`. When the extension was not
+built (no compiler, a failed build, an install without torch), `is_available()` is False and
+the attention layer keeps its pure-torch path. `VLLM_PP_DISABLE_KERNELS=1` forces that
+fallback at any time (it is read on every call, so tests and benchmarks can compare both).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.custom_ops")
+
+DISABLE_ENV = "VLLM_PP_DISABLE_KERNELS"
+
+# dtypes the attention kernel implements (the cache write copies bytes and takes any dtype).
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+
+try:
+    import vllm._C  # noqa: F401  (registers torch.ops.vllm_pp)
+
+    _LOADED = True
+except (ImportError, OSError) as exc:
+    _LOADED = False
+    if isinstance(exc, ModuleNotFoundError) and exc.name == "vllm._C":
+        logger.info("C++ CPU kernels not built (no vllm._C); using the torch attention.")
+    else:  # built, but for another torch, or a broken toolchain: worth a warning
+        logger.warning("C++ CPU kernels failed to load (%s); using the torch attention.", exc)
+
+_disabled_logged = False
+
+
+def is_available() -> bool:
+    """True when the extension is loaded and not disabled by VLLM_PP_DISABLE_KERNELS=1."""
+    global _disabled_logged
+    if not _LOADED:
+        return False
+    if os.environ.get(DISABLE_ENV, "0") == "1":
+        if not _disabled_logged:
+            logger.info("%s=1: using the torch attention instead of the C++ kernels.", DISABLE_ENV)
+            _disabled_logged = True
+        return False
+    return True
+
+
+def supports_attention(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether paged_attention_decode can run these tensors (CPU, float32/bfloat16, one dtype)."""
+    return (
+        query.device.type == "cpu"
+        and key_cache.device.type == "cpu"
+        and query.dtype == key_cache.dtype
+        and query.dtype in ATTENTION_DTYPES
+        and is_available()
+    )
+
+
+def supports_cache_write(key: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether write_to_kv_cache can run these tensors (CPU, same dtype)."""
+    return (
+        key.device.type == "cpu"
+        and key_cache.device.type == "cpu"
+        and key.dtype == key_cache.dtype
+        and is_available()
+    )
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention over the paged cache; see csrc/attention.cpp.
+
+    query [B, H, D] (rows may be strided); caches [num_blocks, block_size, Hkv, D];
+    block_tables [B, max_blocks]; context_lens [B]. Returns a new contiguous [B, H, D].
+    """
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    torch.ops.vllm_pp.paged_attention_decode(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables.to(torch.int64).contiguous(),
+        context_lens.to(torch.int64).contiguous(),
+        float(scale),
+    )
+    return out
+
+
+def write_to_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Copy each token's K/V [T, Hkv, D] to its flat cache slot; slots < 0 are skipped."""
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    torch.ops.vllm_pp.write_to_kv_cache(
+        key, value, key_cache, value_cache, slot_mapping.to(torch.int64).contiguous()
+    )
+
+
+def cpu_isa() -> str:
+    """The instruction set the attention kernel uses: "avx512", "avx2" or "generic"."""
+    return torch.ops.vllm_pp.cpu_isa()
+
+
+def set_cpu_isa(isa: str) -> None:
+    """Run the attention kernel with a lower instruction set (for tests); ValueError if the CPU
+    lacks it."""
+    try:
+        torch.ops.vllm_pp.set_cpu_isa(isa)
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from exc
