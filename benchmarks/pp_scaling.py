@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="Model dtype (auto: the model's, fp32 if none).")
     p.add_argument("--kv-cache-space", type=float, default=4.0, help="KV GiB per stage (CPU).")
+    p.add_argument("--pp-layer-partition", default=None,
+                   help="Layer split for the PP>1 runs: 'a,b,...' or 'auto' (default: even).")
     p.add_argument("--timeout", type=float, default=1800, help="Seconds allowed per config.")
     p.add_argument("--output-json", default=None, help="Write every figure to this file.")
     # Internal: run one configuration in this (fresh) process and write its result here.
@@ -64,8 +66,9 @@ def run_worker(args: argparse.Namespace) -> None:
 
     prompts = take_prompts(load_prompts(), args.num_prompts)
     start = time.perf_counter()
+    partition = args.pp_layer_partition if args.worker_pp > 1 else None
     llm = LLM(model=args.model, dtype=args.dtype, pipeline_parallel_size=args.worker_pp,
-              kv_cache_space=args.kv_cache_space)
+              kv_cache_space=args.kv_cache_space, pp_layer_partition=partition)
     init_s = time.perf_counter() - start
     try:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -83,6 +86,7 @@ def run_worker(args: argparse.Namespace) -> None:
     in_toks = sum(len(o.prompt_token_ids) for o in outputs)
     result = {
         "pp": args.worker_pp, "threads_per_stage": [i["threads"] for i in infos],
+        "layers_per_stage": [i["layers"][1] - i["layers"][0] for i in infos],
         "init_s": init_s, "wall_s": wall, "prompt_tokens": in_toks, "output_tokens": out_toks,
         "generated_tokens_per_s": out_toks / wall,
         "total_tokens_per_s": (in_toks + out_toks) / wall,
@@ -102,6 +106,8 @@ def run_config(args: argparse.Namespace, label: str, pp: int, threads: int) -> d
                "--model", args.model, "--num-prompts", str(args.num_prompts),
                "--output-len", str(args.output_len), "--dtype", args.dtype,
                "--kv-cache-space", str(args.kv_cache_space)]
+        if args.pp_layer_partition:
+            cmd += ["--pp-layer-partition", args.pp_layer_partition]
         print(f"\n--- {label}: VLLM_CPU_THREADS_PER_STAGE={threads} {' '.join(cmd[1:])}",
               flush=True)
         proc = subprocess.run(cmd, env=env, timeout=args.timeout)
@@ -132,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         stages = r["pp"]
         r["efficiency"] = r["generated_tokens_per_s"] / (stages * base) if stages > 1 else None
-        rows.append([r["label"], f"{r['generated_tokens_per_s']:.2f}", f"{r['wall_s']:.2f}",
+        split = "/".join(str(n) for n in r.get("layers_per_stage", []))
+        rows.append([f"{r['label']} [{split}]", f"{r['generated_tokens_per_s']:.2f}",
+                     f"{r['wall_s']:.2f}",
                      f"{r['generated_tokens_per_s'] / base:.2f}x",
                      f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-",
                      r["num_gpu_blocks"],

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from vllm.engine.beam_search import beam_score
 from vllm.sequence import (
     Logprob,
     PromptLogprobs,
     SampleLogprobs,
+    Sequence,
     SequenceGroup,
     SequenceStatus,
 )
@@ -18,7 +20,11 @@ __all__ = ["CompletionOutput", "Logprob", "RequestOutput"]
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence of a request."""
+    """One generated sequence of a request.
+
+    `index` is the sequence's position in its group; `logprobs` (when asked for) holds one
+    `{token_id: Logprob}` dict per generated token; `finish_reason` is "stop", "length" or
+    "abort" once finished; `stop_reason` is the stop string or stop token id that ended it."""
 
     index: int
     text: str
@@ -40,9 +46,18 @@ class CompletionOutput:
         )
 
 
+def _text_to_return(seq: Sequence, buffer_length: int) -> str:
+    # While running, hold back the characters that may be the start of a stop string.
+    if buffer_length and not seq.is_finished():
+        return seq.output_text[:-buffer_length]
+    return seq.output_text
+
+
 @dataclass
 class RequestOutput:
-    """The state of one request: its prompt and its (best `n`) completions so far."""
+    """The state of one request: its prompt and its (best `n`) completions so far.
+
+    `prompt_logprobs` (when asked for) starts with None for the first prompt token."""
 
     request_id: str
     prompt: Optional[str]
@@ -53,34 +68,31 @@ class RequestOutput:
 
     @classmethod
     def from_seq_group(cls, seq_group: SequenceGroup) -> RequestOutput:
-        """Build from a group: the top `n` sequences by cumulative logprob (beam score under
-        beam search), finished or not."""
+        """Build from a group: the top `n` sequences, best first, by cumulative logprob (by
+        beam score under beam search), finished or not."""
         params = seq_group.sampling_params
         seqs = seq_group.get_seqs()
         if len(seqs) == 1:
             top = seqs
         elif params.use_beam_search:
-            top = sorted(
-                seqs,
-                key=lambda s: s.get_beam_search_score(params.length_penalty, None, s.eos_token_id),
-                reverse=True,
-            )[: params.n]
+            lp = params.length_penalty
+            top = sorted(seqs, key=lambda s: beam_score(s, lp), reverse=True)[: params.n]
         else:
             top = sorted(seqs, key=lambda s: s.get_cumulative_logprob(), reverse=True)[: params.n]
-        outputs = []
-        for seq in top:
-            index = seq_group.get_seqs().index(seq)
-            outputs.append(
-                CompletionOutput(
-                    index=index,
-                    text=seq.output_text,
-                    token_ids=list(seq.get_output_token_ids()),
-                    cumulative_logprob=seq.get_cumulative_logprob(),
-                    logprobs=seq.output_logprobs if params.logprobs is not None else None,
-                    finish_reason=SequenceStatus.get_finished_reason(seq.status),
-                    stop_reason=seq.stop_reason,
-                )
+        position = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        buffer_length = params.output_text_buffer_length
+        outputs = [
+            CompletionOutput(
+                index=position[seq.seq_id],
+                text=_text_to_return(seq, buffer_length),
+                token_ids=list(seq.get_output_token_ids()),
+                cumulative_logprob=seq.get_cumulative_logprob(),
+                logprobs=seq.output_logprobs if params.logprobs is not None else None,
+                finish_reason=SequenceStatus.get_finished_reason(seq.status),
+                stop_reason=seq.stop_reason,
             )
+            for seq in top
+        ]
         return cls(
             request_id=seq_group.request_id,
             prompt=seq_group.prompt,

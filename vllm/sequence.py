@@ -63,6 +63,8 @@ class SequenceData:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # The sequence's EOS id: the sampler suppresses it (with the stop ids) during min_tokens.
+    eos_token_id: Optional[int] = None
 
     def append_token_id(self, token_id: int, logprob: float) -> None:
         self.output_token_ids.append(token_id)
@@ -101,7 +103,7 @@ class Sequence:
         self.prompt = prompt
         self.block_size = block_size
         self.eos_token_id = eos_token_id
-        self.data = SequenceData(list(prompt_token_ids))
+        self.data = SequenceData(list(prompt_token_ids), eos_token_id=eos_token_id)
         self.output_logprobs: SampleLogprobs = []
         self.output_text = ""
         self.status = SequenceStatus.WAITING
@@ -166,6 +168,25 @@ class Sequence:
     def fork(self, new_seq_id: int) -> Sequence:
         new_seq = copy.deepcopy(self)
         new_seq.seq_id = new_seq_id
+        return new_seq
+
+    def fork_light(self, new_seq_id: int) -> Sequence:
+        """A fork that copies only what the child will change and shares the rest.
+
+        Beam search forks every surviving beam at every step; a deep copy of the whole history
+        (token lists, one logprob dict per token) would cost O(length) objects per beam per
+        step. The prompt ids and the existing logprob entries are never mutated after they
+        are appended, so sharing them is safe."""
+        new_seq = copy.copy(self)
+        new_seq.seq_id = new_seq_id
+        new_seq.data = SequenceData(
+            self.data.prompt_token_ids,
+            list(self.data.output_token_ids),
+            self.data.cumulative_logprob,
+            self.data.eos_token_id,
+        )
+        new_seq.output_logprobs = list(self.output_logprobs)
+        new_seq.tokens = None if self.tokens is None else list(self.tokens)
         return new_seq
 
     def reset_for_recompute(self) -> None:

@@ -61,6 +61,75 @@ def _convert_tokens_to_string(
     return (" " if spaces_between_special_tokens else "").join(pieces)
 
 
+def _token_string(info: TokenizerInfo, token_id: int, skip_special_tokens: bool) -> Optional[str]:
+    """The tokenizer's string for one id; None when it is a special token being skipped."""
+    if skip_special_tokens and token_id in info.special_ids:
+        return None
+    token = info.tokenizer.convert_ids_to_tokens([token_id])[0]
+    # ids outside the tokenizer's vocab (padded embeddings) render as nothing
+    return "" if token is None else token
+
+
+def _decode_window(
+    info: TokenizerInfo,
+    window: list[str],
+    read_index: int,
+    skip_special_tokens: bool,
+    spaces_between_special_tokens: bool,
+) -> str:
+    """Text the last token of `window` adds after window[:read_index] (already emitted), or ""
+    while it ends in an incomplete UTF-8 sequence (rendered U+FFFD; the next token ends it)."""
+    prefix_text = _convert_tokens_to_string(
+        info, window[:read_index], skip_special_tokens, spaces_between_special_tokens
+    )
+    new_text = _convert_tokens_to_string(
+        info, window, skip_special_tokens, spaces_between_special_tokens
+    )
+    if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        return ""
+    return new_text[len(prefix_text) :]
+
+
+def init_detokenizer_state(info: TokenizerInfo, seq: Sequence, skip_special_tokens: bool) -> None:
+    """First call: render the prompt's last few tokens as context for the first output."""
+    if seq.tokens is not None:
+        return
+    prompt_ids = seq.prompt_token_ids[-(_INITIAL_OFFSET + 1) :]
+    tokens = (
+        info.tokenizer.convert_ids_to_tokens(prompt_ids, skip_special_tokens=skip_special_tokens)
+        if prompt_ids
+        else []
+    )
+    # ids beyond the tokenizer's vocab (padded embeddings) have no string
+    seq.tokens = ["" if t is None else t for t in tokens]
+    seq.prefix_offset = max(len(seq.tokens) - _INITIAL_OFFSET, 0)
+    seq.read_offset = len(seq.tokens)
+
+
+def decode_candidate(
+    info: TokenizerInfo,
+    seq: Sequence,
+    token_id: int,
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+) -> str:
+    """The text `token_id` would add if it were `seq`'s next token (`seq` is not changed):
+    the decoded_token of a top-k logprob entry."""
+    init_detokenizer_state(info, seq, skip_special_tokens)
+    assert seq.tokens is not None
+    token = _token_string(info, token_id, skip_special_tokens)
+    if token is None:
+        return ""
+    window = seq.tokens[seq.prefix_offset :] + [token]
+    return _decode_window(
+        info,
+        window,
+        seq.read_offset - seq.prefix_offset,
+        skip_special_tokens,
+        spaces_between_special_tokens,
+    )
+
+
 def detokenize_incrementally(
     info: TokenizerInfo,
     seq: Sequence,
@@ -68,45 +137,67 @@ def detokenize_incrementally(
     spaces_between_special_tokens: bool = True,
 ) -> str:
     """Append the text of `seq`'s newest token to its state; returns the new text."""
-    tokenizer = info.tokenizer
-    all_ids = seq.get_token_ids()
-    if seq.tokens is None:
-        # First call: render the prompt's last few tokens as context for the first output.
-        prompt_ids = all_ids[: seq.get_prompt_len()][-(_INITIAL_OFFSET + 1) :]
-        seq.tokens = (
-            list(
-                tokenizer.convert_ids_to_tokens(prompt_ids, skip_special_tokens=skip_special_tokens)
-            )
-            if prompt_ids
-            else []
-        )
-        seq.prefix_offset = max(len(seq.tokens) - _INITIAL_OFFSET, 0)
-        seq.read_offset = len(seq.tokens)
-    new_id = all_ids[-1]
-    if skip_special_tokens and new_id in info.special_ids:
+    init_detokenizer_state(info, seq, skip_special_tokens)
+    assert seq.tokens is not None
+    token = _token_string(info, seq.get_last_token_id(), skip_special_tokens)
+    if token is None:
         return ""
-    new_token = tokenizer.convert_ids_to_tokens([new_id])[0]
-    if new_token is None:  # ids outside the tokenizer's vocab (padded embeddings)
-        new_token = ""
-    seq.tokens.append(new_token)
-    prefix_text = _convert_tokens_to_string(
-        info,
-        seq.tokens[seq.prefix_offset : seq.read_offset],
-        skip_special_tokens,
-        spaces_between_special_tokens,
-    )
-    new_text = _convert_tokens_to_string(
+    seq.tokens.append(token)
+    new_text = _decode_window(
         info,
         seq.tokens[seq.prefix_offset :],
+        seq.read_offset - seq.prefix_offset,
         skip_special_tokens,
         spaces_between_special_tokens,
     )
-    # An incomplete UTF-8 sequence renders as U+FFFD: wait for the next token to finish it.
-    if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-        return ""
-    seq.prefix_offset = seq.read_offset
-    seq.read_offset = len(seq.tokens)
-    return new_text[len(prefix_text) :]
+    if new_text:
+        seq.prefix_offset = seq.read_offset
+        seq.read_offset = len(seq.tokens)
+    return new_text
+
+
+def decode_prompt_logprobs(
+    info: TokenizerInfo,
+    prompt_token_ids: list[int],
+    prompt_logprobs: list[Optional[dict[int, Any]]],
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+) -> None:
+    """Fill `decoded_token` of every prompt logprob entry: the text each candidate would add
+    after the prompt tokens before it (the actual tokens' texts join to the prompt text)."""
+    tokens: list[str] = []
+    prefix_offset = read_offset = 0
+    for position, token_id in enumerate(prompt_token_ids):
+        entry = prompt_logprobs[position] if position < len(prompt_logprobs) else None
+        read_index = read_offset - prefix_offset
+        actual_text = ""
+        for candidate, logprob in (entry or {}).items():
+            token = _token_string(info, candidate, skip_special_tokens)
+            text = ""
+            if token is not None:
+                window = tokens[prefix_offset:] + [token]
+                text = _decode_window(
+                    info, window, read_index, skip_special_tokens, spaces_between_special_tokens
+                )
+            logprob.decoded_token = text
+            if candidate == token_id:
+                actual_text = text
+        # Advance the state along the real prompt.
+        token = _token_string(info, token_id, skip_special_tokens)
+        if token is None:
+            continue
+        tokens.append(token)
+        if entry is None:
+            actual_text = _decode_window(
+                info,
+                tokens[prefix_offset:],
+                read_index,
+                skip_special_tokens,
+                spaces_between_special_tokens,
+            )
+        if actual_text:
+            prefix_offset = read_offset
+            read_offset = len(tokens)
 
 
 def check_stop_strings(

@@ -7,13 +7,22 @@ from collections import defaultdict
 from typing import Any, Callable
 
 from vllm.core.scheduler import Scheduler
-from vllm.engine.detokenizer import TokenizerInfo, check_stop_strings, detokenize_incrementally
+from vllm.engine.beam_search import process_beam_step
+from vllm.engine.detokenizer import (
+    TokenizerInfo,
+    decode_candidate,
+    decode_prompt_logprobs,
+    detokenize_incrementally,
+)
+from vllm.engine.stop_checker import check_stop
 from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
 from vllm.sequence import (
     SamplerOutput,
     Sequence,
     SequenceGroup,
     SequenceGroupOutput,
+    SequenceOutput,
     SequenceStatus,
 )
 
@@ -35,6 +44,7 @@ class OutputProcessor:
         self.new_seq_id = new_seq_id
 
     def process(self, groups: list[SequenceGroup], output: SamplerOutput) -> list[RequestOutput]:
+        """Apply one batch's outputs (one per group, in schedule order)."""
         if len(groups) != len(output):
             raise RuntimeError(
                 f"sampler returned {len(output)} group outputs for {len(groups)} groups"
@@ -50,72 +60,67 @@ class OutputProcessor:
         return results
 
     def _process_group(self, group: SequenceGroup, group_output: SequenceGroupOutput) -> None:
-        if group_output.prompt_logprobs is not None:
+        params = group.sampling_params
+        # Set once, on the first prompt step (a recompute re-prefill does not bring them).
+        if group_output.prompt_logprobs is not None and group.prompt_logprobs is None:
+            if params.detokenize and self.tokenizer_info is not None:
+                decode_prompt_logprobs(
+                    self.tokenizer_info,
+                    group.prompt_token_ids,
+                    group_output.prompt_logprobs,
+                    params.skip_special_tokens,
+                    params.spaces_between_special_tokens,
+                )
             group.prompt_logprobs = group_output.prompt_logprobs
-        by_parent: dict[int, list[Any]] = defaultdict(list)
+        if params.use_beam_search:
+            process_beam_step(self, group, group_output.samples)
+            return
+        by_parent: dict[int, list[SequenceOutput]] = defaultdict(list)
         for sample in group_output.samples:
             by_parent[sample.parent_seq_id].append(sample)
-        updated: list[Sequence] = []
+        # (sequence, the parent it came from); a parent continues with its last sample.
+        children: list[tuple[Sequence, Sequence]] = []
         for parent in group.get_seqs(SequenceStatus.RUNNING):
             samples = by_parent.get(parent.seq_id)
             if not samples:
                 raise RuntimeError(f"no sample for running sequence {parent.seq_id}")
-            # Extra samples (best_of on the prompt step) become forks sharing the parent's
-            # blocks copy-on-write; the parent itself takes the last sample.
+            # Extra samples (best_of on the first step) become forks of the parent.
             for sample in samples[:-1]:
                 child = parent.fork(self.new_seq_id())
-                child.append_token_id(sample.output_token, sample.logprobs)
-                group.add(child)
-                self.scheduler.fork_seq(parent, child)
-                updated.append(child)
-            parent.append_token_id(samples[-1].output_token, samples[-1].logprobs)
-            updated.append(parent)
-        params = group.sampling_params
-        for seq in updated:
-            new_chars = 0
-            if params.detokenize and self.tokenizer_info is not None:
-                new_text = detokenize_incrementally(
-                    self.tokenizer_info,
-                    seq,
-                    params.skip_special_tokens,
-                    params.spaces_between_special_tokens,
-                )
-                seq.output_text += new_text
-                new_chars = len(new_text)
-                if params.logprobs is not None:
-                    self._fill_decoded_tokens(seq)
-            self._check_stop(seq, params, new_chars)
-            if seq.is_finished():
+                self.append_token(child, sample, params)
+                children.append((child, parent))
+            self.append_token(parent, samples[-1], params)
+            children.append((parent, parent))
+        # Forks share the parent's blocks copy-on-write; fork before freeing anything.
+        for seq, parent in children:
+            if seq is not parent:
+                group.add(seq)
+                if not seq.is_finished():
+                    self.scheduler.fork_seq(parent, seq)
+        for seq, parent in children:
+            if seq is parent and seq.is_finished():
                 self.scheduler.free_seq(seq)
 
-    def _fill_decoded_tokens(self, seq: Sequence) -> None:
-        """Give the newest logprob entries their decoded text."""
-        assert self.tokenizer_info is not None
-        tokenizer = self.tokenizer_info.tokenizer
-        for token_id, logprob in seq.output_logprobs[-1].items():
-            if logprob.decoded_token is None:
-                logprob.decoded_token = tokenizer.decode([token_id])
-
-    def _check_stop(self, seq: Sequence, params: Any, new_chars: int) -> None:
-        if seq.get_output_len() < params.min_tokens:
+    def append_token(self, seq: Sequence, sample: SequenceOutput, params: SamplingParams) -> None:
+        """Append a sampled token to `seq`, detokenize it, fill the decoded text of its logprob
+        entry (vLLM: the sampled token's text is the text it added, so the decoded tokens join
+        to the output text), and check the stop conditions."""
+        info = self.tokenizer_info
+        if not params.detokenize or info is None:
+            seq.append_token_id(sample.output_token, sample.logprobs)
+            check_stop(seq, params, 0, self.max_model_len)
             return
-        last = seq.get_last_token_id()
-        if not params.ignore_eos and last == seq.eos_token_id:
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            return
-        if last in params.stop_token_ids:
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            seq.stop_reason = last
-            return
-        stop_str = check_stop_strings(
-            seq, new_chars, params.stop, params.include_stop_str_in_output
-        )
-        if stop_str is not None:
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            seq.stop_reason = stop_str
-            return
-        if seq.get_len() > self.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-            return
-        if params.max_tokens is not None and seq.get_output_len() >= params.max_tokens:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        skip = params.skip_special_tokens
+        spaces = params.spaces_between_special_tokens
+        want_text = params.logprobs is not None
+        if want_text:
+            # Top-k alternatives decode against the state before this token.
+            for token_id, logprob in sample.logprobs.items():
+                if token_id != sample.output_token and logprob.decoded_token is None:
+                    logprob.decoded_token = decode_candidate(info, seq, token_id, skip, spaces)
+        seq.append_token_id(sample.output_token, sample.logprobs)
+        new_text = detokenize_incrementally(info, seq, skip, spaces)
+        seq.output_text += new_text
+        if want_text:
+            sample.logprobs[sample.output_token].decoded_token = new_text
+        check_stop(seq, params, len(new_text), self.max_model_len)

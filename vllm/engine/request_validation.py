@@ -38,8 +38,6 @@ def validate_request(
             f"Requested prompt logprobs of {sampling_params.prompt_logprobs}, which is greater "
             f"than max allowed: {max_logprobs}"
         )
-    if sampling_params.use_beam_search:
-        raise NotImplementedError("use_beam_search is not supported by this build yet.")
     if prompt_token_ids is None:
         if prompt is None:
             raise ValueError("Either prompt or prompt_token_ids must be provided.")

@@ -3,7 +3,7 @@ the group, sequence and sampling parameters (built from the scheduler's metadata
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,7 +13,8 @@ from vllm.sequence import SequenceData, SequenceGroupMetadata
 
 @dataclass
 class SeqGroupRows:
-    """The logits rows of one scheduled group: one per running sequence (one for a prompt)."""
+    """The logits rows of one scheduled group: one per running sequence (one for a prompt),
+    plus, on a first prompt step with `prompt_logprobs`, one per prompt position but the last."""
 
     request_id: str
     seq_ids: list[int]
@@ -22,13 +23,19 @@ class SeqGroupRows:
     rows: list[int]
     seq_data: dict[int, SequenceData]
     generator: torch.Generator | None
+    # The request's very first step (a prompt run before any token exists): best_of samples
+    # are drawn and prompt logprobs computed only then, never again after a recompute.
+    first_step: bool = False
+    # Logits rows of prompt positions 0..P-2 (each predicts prompt token i+1); empty unless
+    # prompt_logprobs was asked for, so the common path never computes them.
+    prompt_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
 class SamplingMetadata:
     """Rows to select from the flat hidden states, and how to sample each group."""
 
-    # [S] int64: index into the step's flat token batch of each row to sample from.
+    # [S] int64: index into the step's flat token batch of each row to compute logits for.
     selected_token_indices: torch.Tensor
     groups: list[SeqGroupRows]
 
@@ -62,12 +69,18 @@ def build_sampling_metadata(
                 gen = torch.Generator(device=device)
                 gen.manual_seed(params.seed)
                 generators[meta.request_id] = gen
-        rows = []
+        rows: list[int] = []
+        prompt_rows: list[int] = []
+        first_step = meta.is_prompt and all(meta.seq_data[s].get_output_len() == 0 for s in seq_ids)
         if meta.is_prompt:
             # A prompt group has one sequence (or several sharing one prompt after a
             # recompute preemption of forked samples); sample each from its last token.
             for seq_id in seq_ids:
-                offset += meta.seq_data[seq_id].get_len()
+                seq_len = meta.seq_data[seq_id].get_len()
+                if first_step and params.prompt_logprobs is not None and not prompt_rows:
+                    prompt_rows = list(range(len(selected), len(selected) + seq_len - 1))
+                    selected.extend(range(offset, offset + seq_len - 1))
+                offset += seq_len
                 rows.append(len(selected))
                 selected.append(offset - 1)
         else:
@@ -76,7 +89,17 @@ def build_sampling_metadata(
                 selected.append(offset)
                 offset += 1
         groups.append(
-            SeqGroupRows(meta.request_id, seq_ids, params, meta.is_prompt, rows, meta.seq_data, gen)
+            SeqGroupRows(
+                meta.request_id,
+                seq_ids,
+                params,
+                meta.is_prompt,
+                rows,
+                meta.seq_data,
+                gen,
+                first_step,
+                prompt_rows,
+            )
         )
     # Put groups back in the scheduler's order: outputs are matched to groups positionally.
     order = {id(meta): i for i, meta in enumerate(prefills + decodes)}

@@ -1,97 +1,98 @@
 """The sampler: logits -> next tokens with their logprobs, on the last pipeline stage.
 
-Order as in vLLM: logits processors, penalties, temperature, top-k/top-p/min-p, then greedy
-argmax or a seeded/unseeded random draw; logprobs come from the processed distribution.
+Order as in vLLM V0: logits processors, min_tokens, penalties, temperature, top-k/top-p,
+min-p (sampler_ops.py), then greedy argmax, a seeded/unseeded random draw, or beam-search
+candidates; logprobs come from the processed distribution.
+
+Greedy rows take the argmax; every logprob is a gather from one log_softmax; ranks and top-k
+entries are computed only for requests that asked for logprobs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from vllm.model_executor.layers.logprob_utils import (
+    Draw,
+    build_logprob_entries,
+    build_prompt_logprobs,
+)
+from vllm.model_executor.layers.sampler_ops import (
+    apply_logits_processors,
+    apply_min_tokens,
+    apply_penalties,
+    apply_temperature_and_filters,
+)
 from vllm.model_executor.sampling_metadata import SamplingMetadata, SeqGroupRows
 from vllm.sampling_params import SamplingType
-from vllm.sequence import Logprob, SamplerOutput, SequenceGroupOutput, SequenceOutput
-
-_SAMPLING_EPS = 1e-5
+from vllm.sequence import SamplerOutput, SequenceGroupOutput, SequenceOutput
 
 
-def _apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    for group in md.groups:
-        processors = group.params.logits_processors
-        if not processors:
-            continue
+def num_beam_candidates(group: SeqGroupRows) -> int:
+    """Candidates per beam step: HF keeps max(2, 1 + #stop tokens) * beam_width so that
+    beam_width beams can go on even if the best ones all end (vLLM V0: 2 * beam_width)."""
+    params = group.params
+    stop_ids = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        eos = next(iter(group.seq_data.values())).eos_token_id
+        if eos is not None:
+            stop_ids.add(eos)
+    return max(2, 1 + len(stop_ids)) * params.best_of
+
+
+def _beam_candidates(logprobs: torch.Tensor, group: SeqGroupRows, vocab: int) -> list[Draw]:
+    """The top candidates over all (beam, token) pairs by cumulative logprob, best first.
+    The first step has one parent (the prompt), so its candidates are its top tokens."""
+    rows = torch.tensor(group.rows, dtype=torch.long, device=logprobs.device)
+    cums = [group.seq_data[s].cumulative_logprob for s in group.seq_ids]
+    scores = logprobs.index_select(0, rows)
+    scores += torch.tensor(cums, dtype=scores.dtype, device=scores.device).unsqueeze(1)
+    k = min(num_beam_candidates(group), scores.numel())
+    draws = []
+    for index in scores.flatten().topk(k).indices.tolist():
+        parent = index // vocab
+        draws.append((group.rows[parent], group.seq_ids[parent], index % vocab))
+    return draws
+
+
+def _random_draws(logits: torch.Tensor, groups: list[SeqGroupRows]) -> dict[int, list[Draw]]:
+    """Multinomial draws for all random groups at once by vLLM's exponential race: argmax of
+    p / q with q ~ Exp(1) per token. A token only changes when two ratios nearly tie, so the
+    draw survives the ~1e-6 logit noise between prefill (recompute) and decode, or between
+    stage thread counts -- inverse-CDF sampling would not: fp32 cumsum error is as wide as a
+    token in a flat distribution. q = -log(u) costs ~5x less than torch's exponential_ on CPU.
+
+    Each seeded group draws its q rows from its own generator in one call, so its tokens do
+    not depend on the rest of the batch or on the number of stages. On the first step a group
+    draws best_of samples from its single prompt row."""
+    rows: list[int] = []
+    parents: list[int] = []
+    spans: list[tuple[int, int, SeqGroupRows]] = []
+    # Unseeded groups first (one call to the global generator), then one block per seeded one.
+    for group in sorted(groups, key=lambda g: g.generator is not None):
+        start = len(rows)
+        repeat = group.params.best_of if group.first_step else 1
         for seq_id, row in zip(group.seq_ids, group.rows):
-            output_ids = group.seq_data[seq_id].output_token_ids
-            for proc in processors:
-                logits[row] = proc(list(output_ids), logits[row])
-
-
-def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """Repetition (HF rule: divide positive, multiply negative logits of seen tokens),
-    then frequency and presence penalties on generated-token counts."""
-    vocab = logits.shape[1]
-    for group in md.groups:
-        p = group.params
-        if (
-            abs(p.repetition_penalty - 1.0) < _SAMPLING_EPS
-            and abs(p.frequency_penalty) < _SAMPLING_EPS
-            and abs(p.presence_penalty) < _SAMPLING_EPS
-        ):
-            continue
-        for seq_id, row in zip(group.seq_ids, group.rows):
-            data = group.seq_data[seq_id]
-            out_ids = torch.tensor(data.output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
-            if abs(p.repetition_penalty - 1.0) >= _SAMPLING_EPS:
-                seen = torch.tensor(
-                    data.get_token_ids(), dtype=torch.long, device=logits.device
-                ).unique()
-                vals = logits[row, seen]
-                logits[row, seen] = torch.where(
-                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-                )
-            logits[row] -= p.frequency_penalty * counts
-            logits[row] -= p.presence_penalty * (counts > 0).to(logits.dtype)
-
-
-def _apply_top_k_top_p_min_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k, top-p nucleus and min-p floor.
-    top_k [S] (vocab size = off), top_p [S], min_p [S]."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[1]
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    mask = ranks >= top_k[:, None]
-    probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
-    # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token).
-    mask |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    mask |= probs < (min_p[:, None] * probs[:, :1])
-    mask[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
-
-
-def _random_sample(probs: torch.Tensor, group: SeqGroupRows, num_samples: int) -> list[int]:
-    """Draw with the exponential race (argmax p/q, q ~ Exp(1)), which equals multinomial
-    sampling and lets a per-request generator make the draw reproducible."""
-    rows = probs.expand(num_samples, -1) if probs.shape[0] == 1 else probs
-    q = torch.empty_like(rows).exponential_(generator=group.generator)
-    return (rows / q).argmax(dim=-1).tolist()
-
-
-def _logprob_entry(logprobs_row: torch.Tensor, token: int, num_top: int) -> dict[int, Logprob]:
-    token_lp = float(logprobs_row[token])
-    entry: dict[int, Logprob] = {}
-    if num_top > 0:
-        rank = int((logprobs_row > token_lp).sum()) + 1
-        top_lp, top_ids = logprobs_row.topk(num_top)
-        for i, (tid, lp) in enumerate(zip(top_ids.tolist(), top_lp.tolist())):
-            entry[tid] = Logprob(lp, i + 1)
-        entry[token] = Logprob(token_lp, rank)
-    else:
-        entry[token] = Logprob(token_lp)
-    return entry
+            rows.extend([row] * repeat)
+            parents.extend([seq_id] * repeat)
+        spans.append((start, len(rows), group))
+    device = logits.device
+    probs = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=device))
+    probs = probs.softmax(dim=-1)
+    vocab = probs.shape[1]
+    num_unseeded = sum(end - start for start, end, g in spans if g.generator is None)
+    blocks = [torch.rand(num_unseeded, vocab, device=device)] if num_unseeded else []
+    for start, end, group in spans:
+        if group.generator is not None:
+            blocks.append(torch.rand(end - start, vocab, generator=group.generator, device=device))
+    # u in [0, 1): -log(u) is in (0, inf], so q is never 0 and p / q never NaN (a filtered
+    # token has p = 0 and can never win).
+    q = (blocks[0] if len(blocks) == 1 else torch.cat(blocks)).log_().neg_()
+    tokens = probs.div_(q).argmax(dim=-1).tolist()
+    out: dict[int, list[Draw]] = {}
+    for start, end, group in spans:
+        out[id(group)] = [(rows[i], parents[i], tokens[i]) for i in range(start, end)]
+    return out
 
 
 class Sampler:
@@ -99,47 +100,45 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        _apply_logits_processors(logits, md)
-        _apply_penalties(logits, md)
-        num_rows, vocab = logits.shape
-        temps = torch.ones(num_rows, device=logits.device)
-        top_k = torch.full((num_rows,), vocab, dtype=torch.long, device=logits.device)
-        top_p = torch.ones(num_rows, device=logits.device)
-        min_p = torch.zeros(num_rows, device=logits.device)
-        needs_filter = False
-        for group in md.groups:
-            p = group.params
-            if p.temperature >= _SAMPLING_EPS:
-                temps[group.rows] = p.temperature
-            if p.top_k > 0 or p.top_p < 1.0 - _SAMPLING_EPS or p.min_p > _SAMPLING_EPS:
-                needs_filter = True
-                top_k[group.rows] = p.top_k if p.top_k > 0 else vocab
-                top_p[group.rows] = p.top_p
-                min_p[group.rows] = p.min_p
-        logits = logits / temps[:, None]
-        if needs_filter:
-            logits = _apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+        apply_logits_processors(logits, md)
+        apply_min_tokens(logits, md)
+        apply_penalties(logits, md)
+        apply_temperature_and_filters(logits, md)
+        vocab = logits.shape[1]
+        # One fused pass; on CPU it costs less than logsumexp alone (measured), and every
+        # logprob below is a gather from it.
         logprobs = torch.log_softmax(logits, dim=-1)
-        greedy = logits.argmax(dim=-1).tolist()
-        probs = None
-        outputs: SamplerOutput = []
+
+        draws: dict[int, list[Draw]] = {}
+        greedy_groups = []
+        random_groups = []
         for group in md.groups:
-            p = group.params
-            if p.sampling_type == SamplingType.GREEDY:
-                tokens = [[greedy[r]] for r in group.rows]
-            elif p.sampling_type == SamplingType.BEAM:
-                raise NotImplementedError("beam search is not implemented yet")
+            kind = group.params.sampling_type
+            if kind == SamplingType.GREEDY:
+                greedy_groups.append(group)
+            elif kind == SamplingType.BEAM:
+                draws[id(group)] = _beam_candidates(logprobs, group, vocab)
             else:
-                if probs is None:
-                    probs = logprobs.exp()
-                # On the prompt step a group draws best_of samples from its one prompt row.
-                n = p.best_of if group.is_prompt else 1
-                tokens = [_random_sample(probs[r : r + 1], group, n) for r in group.rows]
-            num_top = p.logprobs or 0
+                random_groups.append(group)
+        if greedy_groups:
+            argmax = logits.argmax(dim=-1).tolist()
+            for group in greedy_groups:
+                draws[id(group)] = [
+                    (row, seq_id, argmax[row]) for seq_id, row in zip(group.seq_ids, group.rows)
+                ]
+        if random_groups:
+            draws.update(_random_draws(logits, random_groups))
+
+        ordered = [draws[id(group)] for group in md.groups]
+        entries = build_logprob_entries(logprobs, [g.params.logprobs for g in md.groups], ordered)
+        outputs: SamplerOutput = []
+        for group, group_draws, group_entries in zip(md.groups, ordered, entries):
             samples = [
-                SequenceOutput(seq_id, tok, _logprob_entry(logprobs[row], tok, num_top))
-                for seq_id, row, toks in zip(group.seq_ids, group.rows, tokens)
-                for tok in toks
+                SequenceOutput(parent, token, entry)
+                for (_, parent, token), entry in zip(group_draws, group_entries)
             ]
-            outputs.append(SequenceGroupOutput(samples))
+            prompt_logprobs = None
+            if group.first_step and group.params.prompt_logprobs is not None:
+                prompt_logprobs = build_prompt_logprobs(logprobs, group)
+            outputs.append(SequenceGroupOutput(samples, prompt_logprobs))
         return outputs
