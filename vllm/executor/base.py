@@ -88,6 +88,10 @@ class ExecutorBase(ABC):
         self.cache_config.num_cpu_blocks = num_cpu
         self._run_workers("initialize_cache", num_gpu, num_cpu)
 
+    def get_stage_stats(self, reset: bool = True) -> list[dict[str, float]]:
+        """Per stage: compute / receive / send / idle seconds since the last reset."""
+        return self._run_workers("get_stage_stats", reset)
+
     def get_stage_memory(self) -> list[dict[str, Any]]:
         """Peak memory per stage, in rank order."""
         return self._run_workers("get_memory_stats")

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig
+from vllm.model_executor.layers.linear import pack_linears, packed_linear_enabled
 from vllm.model_executor.models import get_model_class
 from vllm.model_executor.models.utils import StageLayout
 
@@ -100,7 +101,11 @@ def load_stage_model(
         model = model_cls(model_config.hf_config, layout)
     model.load_weights(iter_weights(model_config, model.owns_weight))
     model.eval()
+    # Counted before packing: packed weights are buffers of oneDNN's, not parameters.
     n_params = sum(p.numel() for p in model.parameters())
+    model.num_params = n_params
+    if packed_linear_enabled(device, dtype):
+        pack_linears(model)
     logger.info(
         "Loaded layers [%d, %d) (%.1fM params, %s) in %.2f s",
         layout.start_layer,

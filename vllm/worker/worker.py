@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from typing import Any, Optional
 
 import torch
@@ -20,6 +21,10 @@ from vllm.worker.cache_engine import CacheEngine, cache_block_bytes
 from vllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("vllm.worker")
+
+
+def _new_stats() -> dict[str, float]:
+    return dict.fromkeys(("steps", "idle_s", "recv_s", "compute_s", "send_s"), 0.0)
 
 
 class Worker:
@@ -46,6 +51,8 @@ class Worker:
         self.num_threads = num_threads
         self.cache_engine: Optional[CacheEngine] = None
         self._pending_send: Any = None
+        self.stats = _new_stats()
+        self._last_exit: Optional[float] = None
 
     def init_device(self) -> None:
         """Pick the device, set CPU threads, join the process groups (world size > 1)."""
@@ -89,7 +96,7 @@ class Worker:
             "pid": os.getpid(),
             "device": str(self.device),
             "threads": torch.get_num_threads(),
-            "num_params": sum(p.numel() for p in self.model_runner.model.parameters()),
+            "num_params": self.model_runner.model.num_params,
         }
 
     def get_memory_stats(self) -> dict[str, Any]:
@@ -190,6 +197,11 @@ class Worker:
     def execute_model(self, request: ExecuteModelRequest) -> Optional[SamplerOutput]:
         """One step of this stage. Returns the sampler output on the last stage, else None."""
         assert self.cache_engine is not None, "initialize_cache() first"
+        stats = self.stats
+        entered = time.perf_counter()
+        if self._last_exit is not None:
+            # Time between steps: this stage was waiting for the driver's next call.
+            stats["idle_s"] += entered - self._last_exit
         cache = self.cache_engine
         # Block operations come before the forward: this step's batch may use moved blocks.
         cache.swap_in(request.blocks_to_swap_in)
@@ -201,9 +213,13 @@ class Worker:
             received = recv_tensor_dict(
                 ps.get_pipeline_model_parallel_prev_rank(), device=self.device
             )
+        started = time.perf_counter()
+        stats["recv_s"] += started - entered
         to_send, output = self.model_runner.execute_stage(
             cache.gpu_cache, request.seq_group_metadata_list, received
         )
+        computed = time.perf_counter()
+        stats["compute_s"] += computed - started
         if to_send is not None:
             # Wait for the previous step's send before starting this one (keeps order and
             # bounds memory), but do not wait for this send: the next stage overlaps with us.
@@ -212,7 +228,19 @@ class Worker:
             self._pending_send = send_tensor_dict(
                 to_send, ps.get_pipeline_model_parallel_next_rank(), async_op=True
             )
+        self._last_exit = time.perf_counter()
+        stats["send_s"] += self._last_exit - computed
+        stats["steps"] += 1
         return output
+
+    def get_stage_stats(self, reset: bool = True) -> dict[str, float]:
+        """Where this stage's time went since the last reset: compute, waiting to receive from
+        the previous stage, sending, and idle between steps (waiting for the driver)."""
+        stats = dict(self.stats, pp_rank=ps.get_pipeline_model_parallel_rank())
+        if reset:
+            self.stats = _new_stats()
+            self._last_exit = None
+        return stats
 
     def shutdown(self) -> None:
         if self._pending_send is not None:

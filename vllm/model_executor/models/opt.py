@@ -7,7 +7,6 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm.model_executor.input_metadata import InputMetadata
@@ -150,7 +149,7 @@ class OPTForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [S, proj_dim] -> logits [S, vocab] in float32."""
-        return F.linear(hidden_states, self.lm_head.weight).float()
+        return self.lm_head(hidden_states).float()
 
     @staticmethod
     def _canonical(name: str) -> str:
