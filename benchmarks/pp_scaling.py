@@ -74,9 +74,12 @@ def run_worker(args: argparse.Namespace) -> None:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         load_before = os.getloadavg()[0]
-        start = time.perf_counter()
+        llm.llm_engine.executor.get_stage_stats(reset=True)
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
+        driver_cpu = time.process_time() - cpu_start
+        stage_stats = llm.llm_engine.executor.get_stage_stats()
         infos = llm.llm_engine.executor.stage_infos
         peaks = [m["peak_rss_bytes"] for m in llm.llm_engine.executor.get_stage_memory()]
         blocks = llm.llm_engine.cache_config.num_gpu_blocks
@@ -92,6 +95,7 @@ def run_worker(args: argparse.Namespace) -> None:
         "total_tokens_per_s": (in_toks + out_toks) / wall,
         "num_gpu_blocks": blocks, "peak_rss_bytes_per_stage": peaks,
         "load_avg_before": load_before, "load_avg_after": os.getloadavg()[0],
+        "driver_cpu_s": driver_cpu, "stage_stats": stage_stats,
     }
     Path(args.worker_result).write_text(json.dumps(result))
 
@@ -148,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['load_avg_before']:.1f}"])
     print_table(["config", "gen tok/s", "wall s", "vs (a)", "PP eff.", "GPU blocks",
                  "peak RSS per stage", "load"], rows)
+    print("\nWhere the time went (seconds per stage: compute / waiting to receive / send / "
+          "idle between steps; driver = engine process CPU time):")
+    for r in results:
+        parts = [f"stage {int(st['pp_rank'])}: {st['compute_s']:.1f} "
+                 f"(cpu {st.get('compute_cpu_s', 0):.1f}) / {st['recv_s']:.1f} / "
+                 f"{st['send_s']:.1f} / {st['idle_s']:.1f}" for st in r["stage_stats"]]
+        print(f"  {r['label']}: " + "; ".join(parts) + f"; driver CPU {r['driver_cpu_s']:.1f}")
     pp_run = results[2]
     print(f"pipeline efficiency = tput(PP={n}) / ({n} x tput(PP=1, 1 thread)) = "
           f"{pp_run['generated_tokens_per_s']:.2f} / ({n} x {base:.2f}) = "

@@ -24,7 +24,8 @@ logger = logging.getLogger("vllm.worker")
 
 
 def _new_stats() -> dict[str, float]:
-    return dict.fromkeys(("steps", "idle_s", "recv_s", "compute_s", "send_s"), 0.0)
+    keys = ("steps", "idle_s", "recv_s", "compute_s", "compute_cpu_s", "send_s")
+    return dict.fromkeys(keys, 0.0)
 
 
 class Worker:
@@ -214,12 +215,15 @@ class Worker:
                 ps.get_pipeline_model_parallel_prev_rank(), device=self.device
             )
         started = time.perf_counter()
+        cpu_started = time.thread_time()
         stats["recv_s"] += started - entered
         to_send, output = self.model_runner.execute_stage(
             cache.gpu_cache, request.seq_group_metadata_list, received
         )
         computed = time.perf_counter()
         stats["compute_s"] += computed - started
+        # Less CPU than wall time in compute means the core was taken by someone else.
+        stats["compute_cpu_s"] += time.thread_time() - cpu_started
         if to_send is not None:
             # Wait for the previous step's send before starting this one (keeps order and
             # bounds memory), but do not wait for this send: the next stage overlaps with us.
