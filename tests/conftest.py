@@ -44,3 +44,16 @@ def hf_reference(tiny_model_dirs):
         return cache[kind]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _vllm_logs_reach_caplog():
+    """The "vllm" logger prints itself and does not propagate (as in vLLM); let pytest's
+    caplog see its records too, whichever test configured it first."""
+    import logging
+
+    logger = logging.getLogger("vllm")
+    old = logger.propagate
+    logger.propagate = True
+    yield
+    logger.propagate = old

@@ -79,18 +79,26 @@ class ModelConfig:
             getattr(self.hf_config, "num_key_value_heads", None) or self.get_num_attention_heads()
         )
 
-    def get_lm_head_cost_in_layers(self) -> float:
-        """The lm_head's matmul work per token, in decoder layers (for balanced PP splits)."""
+    def get_gemm_shapes(self) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+        """(out, in) of one decoder layer's matmuls (as this engine fuses them) and of the
+        lm_head: what one token costs in GEMM work (benchmarks, balanced PP splits)."""
         cfg = self.hf_config
         hidden = self.get_hidden_size()
+        q = self.get_num_attention_heads() * self.get_head_size()
         kv = self.get_num_kv_heads() * self.get_head_size()
         ffn = getattr(cfg, "intermediate_size", None)
-        if ffn is not None:  # LLaMA: q, o full; k, v grouped; gate, up, down.
-            layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn
-        else:  # OPT: q, k, v, out; fc1, fc2.
-            layer = 4 * hidden * hidden + 2 * hidden * cfg.ffn_dim
+        if ffn is not None:  # LLaMA: fused qkv, o, fused gate_up, down.
+            layer = [(q + 2 * kv, hidden), (hidden, q), (2 * ffn, hidden), (hidden, ffn)]
+        else:  # OPT: fused qkv, out, fc1, fc2.
+            layer = [(3 * hidden, hidden), (hidden, hidden), (cfg.ffn_dim, hidden)]
+            layer.append((hidden, cfg.ffn_dim))
         head_dim = getattr(cfg, "word_embed_proj_dim", None) or hidden
-        return self.get_vocab_size() * head_dim / layer
+        return layer, (self.get_vocab_size(), head_dim)
+
+    def get_lm_head_cost_in_layers(self) -> float:
+        """The lm_head's matmul work per token, in decoder layers (for balanced PP splits)."""
+        layer, (vocab, width) = self.get_gemm_shapes()
+        return vocab * width / sum(n * k for n, k in layer)
 
     def get_pp_layer_sizes(self, parallel_config: ParallelConfig) -> list[int]:
         """Decoder layers per pipeline stage (validates the size and any user partition)."""
