@@ -142,3 +142,10 @@ def test_cli_flags_use_vllm_names():
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args.pipeline_parallel_size == 2
     assert engine_args.max_model_len == 128 and engine_args.kv_cache_space == 0.5
+
+
+def test_best_of_above_max_num_seqs_is_refused(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["opt-pre"], kv_cache_space=0.05, swap_space=0.01, max_num_seqs=2)
+    with pytest.raises(ValueError, match=r"best_of \(3\) must not exceed max_num_seqs \(2\)"):
+        llm.generate("hi", SamplingParams(n=1, best_of=3, temperature=1.0), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -8,6 +8,8 @@ more can be scheduled), then collects the oldest batch and processes its tokens.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -60,6 +62,7 @@ class LLMEngine:
             cache_config.block_size,
         )
         self.tokenizer = None if model_config.skip_tokenizer_init else _load_tokenizer(model_config)
+        self.generation_config = _load_generation_config(model_config)
         self.executor = _make_executor(
             model_config, cache_config, parallel_config, scheduler_config, device_config
         )
@@ -104,7 +107,14 @@ class LLMEngine:
             eos = getattr(self.model_config.hf_config, "eos_token_id", None)
             if isinstance(eos, list):
                 eos = eos[0] if eos else None
+        if sampling_params.best_of > self.scheduler_config.max_num_seqs:
+            raise ValueError(
+                f"best_of ({sampling_params.best_of}) must not exceed max_num_seqs "
+                f"({self.scheduler_config.max_num_seqs}): the request could never be scheduled."
+            )
         params = sampling_params.clone()
+        # Extra EOS ids of the model's generation_config stop generation too (vLLM does this).
+        params.update_from_generation_config(self.generation_config, eos)
         seq = Sequence(
             self._new_seq_id(), prompt, prompt_token_ids, self.cache_config.block_size, eos
         )
@@ -193,6 +203,15 @@ def _has_block_ops(sched_out: SchedulerOutputs) -> bool:
     return bool(
         sched_out.blocks_to_swap_in or sched_out.blocks_to_swap_out or sched_out.blocks_to_copy
     )
+
+
+def _load_generation_config(model_config: ModelConfig) -> dict[str, Any]:
+    """The model directory's generation_config.json as a dict ({} if there is none)."""
+    path = os.path.join(model_config.model, "generation_config.json")
+    if model_config.is_gguf or not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _load_tokenizer(model_config: ModelConfig) -> Any:
