@@ -288,3 +288,20 @@ def test_seeded_sampling_and_prompt_logprobs_survive_preemption(llm, tiny_model_
             assert list(a) == list(b)
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     small.shutdown()
+
+
+def test_unseeded_sampling_distribution(llm, hf):
+    """Unseeded draws take a different path (inverse CDF): same check of allowed tokens and
+    frequencies as the seeded race."""
+    prompt = PROMPTS[2]
+    ids = llm.get_tokenizer().encode(prompt)
+    expected = _first_token_probs(hf, ids, 1.2, 6, 1.0, 0.0)
+    params = SamplingParams(temperature=1.2, top_k=6, max_tokens=1)
+    outs = llm.generate([prompt] * 300, params, use_tqdm=False)
+    counts: dict[int, int] = {}
+    for out in outs:
+        token = out.outputs[0].token_ids[0]
+        counts[token] = counts.get(token, 0) + 1
+    assert set(counts) <= set(expected), (counts, expected)
+    for token, p in expected.items():
+        assert abs(counts.get(token, 0) / 300 - p) < 4 * (p * (1 - p) / 300) ** 0.5 + 0.01
