@@ -1,0 +1,114 @@
+"""How far bf16 (the fast CPU path) drifts from fp32 HF transformers, greedy decoding.
+
+    python benchmarks/bf16_accuracy.py [--max-tokens 32]
+
+For the tiny random models of the test suite and the bundled SmolLM2, compares our engine in
+bfloat16 against HF transformers in float32 (the oracle) and prints, per model: prompts whose
+whole output matches, the mean fraction of tokens generated before the first divergence
+(prefix agreement), and position-wise token agreement. Our fp32 run is shown as the control.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[1]
+for path in (_ROOT, _ROOT / "tests"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+
+def agreement(ours: list[list[int]], ref: list[list[int]]) -> dict[str, float]:
+    exact = prefix = same = total = 0
+    for a, b in zip(ours, ref):
+        exact += a == b
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        prefix += n / max(len(b), 1)
+        same += sum(x == y for x, y in zip(a, b))
+        total += max(len(a), len(b))
+    return {"exact": exact / len(ref), "prefix": prefix / len(ref), "tokens": same / total}
+
+
+def hf_smollm2(prompts: list[str], max_tokens: int) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm.model_executor.gguf_loader import load_gguf_tokenizer, resolve_model
+
+    path = resolve_model("smollm2")
+    directory, name = os.path.split(path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    tokenizer = load_gguf_tokenizer(path)
+    refs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([tokenizer.encode(prompt)])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens
+            )
+            refs.append(out[0, ids.shape[1] :].tolist())
+    return refs
+
+
+def ours(model: str, prompts: list[str], dtype: str, max_tokens: int) -> list[list[int]]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, kv_cache_space=0.5, swap_space=0.1)
+    try:
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False
+        )
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    import tiny_models
+
+    from benchmarks.common import load_prompts
+
+    rows: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, path in tiny_models.model_dirs(tmp).items():
+            ref = tiny_models.hf_greedy(path, tiny_models.PROMPTS, args.max_tokens)
+            rows.append(
+                (
+                    kind,
+                    agreement(ours(path, tiny_models.PROMPTS, "bfloat16", args.max_tokens), ref),
+                    agreement(ours(path, tiny_models.PROMPTS, "float32", args.max_tokens), ref),
+                )
+            )
+    prompts = load_prompts()[:16]
+    ref = hf_smollm2(prompts, args.max_tokens)
+    rows.append(
+        (
+            "smollm2",
+            agreement(ours("smollm2", prompts, "bfloat16", args.max_tokens), ref),
+            agreement(ours("smollm2", prompts, "float32", args.max_tokens), ref),
+        )
+    )
+    print(f"\nGreedy agreement with HF fp32 ({args.max_tokens} new tokens):")
+    print("| model | bf16 exact | bf16 prefix | bf16 tokens | fp32 exact | fp32 tokens |")
+    print("|---|---|---|---|---|---|")
+    for kind, bf16, fp32 in rows:
+        print(
+            f"| {kind} | {bf16['exact']:.0%} | {bf16['prefix']:.0%} | {bf16['tokens']:.0%} | "
+            f"{fp32['exact']:.0%} | {fp32['tokens']:.0%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
