@@ -131,15 +131,19 @@ def test_sampling_distribution(llm, hf, temperature, top_k, top_p, min_p):
         )
         for s in range(300)
     ]
-    outs = llm.generate([prompt] * 300, params, use_tqdm=False)
+    _assert_frequencies(llm.generate([prompt] * 300, params, use_tqdm=False), expected)
+
+
+def _assert_frequencies(outs: list, expected: dict[int, float]) -> None:
+    """Only allowed first tokens, each within ~4 standard deviations of its probability."""
     counts: dict[int, int] = {}
     for out in outs:
         token = out.outputs[0].token_ids[0]
         counts[token] = counts.get(token, 0) + 1
+    n = len(outs)
     assert set(counts) <= set(expected), (counts, expected)
     for token, p in expected.items():
-        # ~4 standard deviations of a proportion from 300 draws.
-        assert abs(counts.get(token, 0) / 300 - p) < 4 * (p * (1 - p) / 300) ** 0.5 + 0.01
+        assert abs(counts.get(token, 0) / n - p) < 4 * (p * (1 - p) / n) ** 0.5 + 0.01
 
 
 def _penalised_greedy(hf, ids, steps, rep=1.0, freq=0.0, pres=0.0) -> list[int]:
@@ -297,11 +301,4 @@ def test_unseeded_sampling_distribution(llm, hf):
     ids = llm.get_tokenizer().encode(prompt)
     expected = _first_token_probs(hf, ids, 1.2, 6, 1.0, 0.0)
     params = SamplingParams(temperature=1.2, top_k=6, max_tokens=1)
-    outs = llm.generate([prompt] * 300, params, use_tqdm=False)
-    counts: dict[int, int] = {}
-    for out in outs:
-        token = out.outputs[0].token_ids[0]
-        counts[token] = counts.get(token, 0) + 1
-    assert set(counts) <= set(expected), (counts, expected)
-    for token, p in expected.items():
-        assert abs(counts.get(token, 0) / 300 - p) < 4 * (p * (1 - p) / 300) ** 0.5 + 0.01
+    _assert_frequencies(llm.generate([prompt] * 300, params, use_tqdm=False), expected)

@@ -178,10 +178,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             local = localize_layer_name(name, self.layout)
             assert local is not None
-            if load_stacked(params, local, tensor, stacked):
-                for fused, shard, _, _ in stacked:
-                    if f".{shard}." in local:
-                        loaded.add(local.replace(f".{shard}.", f".{fused}."))
+            fused_name = load_stacked(params, local, tensor, stacked)
+            if fused_name is not None:
+                loaded.add(fused_name)
                 continue
             if local == "model.embed_tokens.weight" and self.layout.is_last:
                 if self.tie_word_embeddings:

@@ -185,10 +185,9 @@ class OPTForCausalLM(nn.Module):
                 continue
             local = localize_layer_name(self._canonical(raw_name), self.layout)
             assert local is not None
-            if load_stacked(params, local, tensor, stacked):
-                for fused, shard, _, _ in stacked:
-                    if f".{shard}." in local:
-                        loaded.add(local.replace(f".{shard}.", f".{fused}."))
+            fused_name = load_stacked(params, local, tensor, stacked)
+            if fused_name is not None:
+                loaded.add(fused_name)
                 continue
             if local == "model.decoder.embed_tokens.weight" and self.layout.is_last:
                 copy_weight(params["lm_head.weight"], tensor, raw_name)

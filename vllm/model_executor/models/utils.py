@@ -63,20 +63,21 @@ def load_stacked(
     name: str,
     tensor: torch.Tensor,
     stacked: list[tuple[str, str, int, int]],
-) -> bool:
+) -> Optional[str]:
     """Load a q/k/v (or gate/up) checkpoint tensor into its rows of a fused parameter.
 
-    `stacked` lists (fused_name, shard_name, row_start, row_count). Returns True if handled.
+    `stacked` lists (fused_name, shard_name, row_start, row_count). Returns the fused
+    parameter's name if handled, else None.
     """
     for fused, shard, row_start, rows in stacked:
         if f".{shard}." not in name:
             continue
         target = name.replace(f".{shard}.", f".{fused}.")
         if target not in params:
-            return False
+            return None
         copy_weight(params[target][row_start : row_start + rows], tensor, name)
-        return True
-    return False
+        return target
+    return None
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
