@@ -11,7 +11,6 @@ whole output matches, the mean fraction of tokens generated before the first div
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -34,27 +33,6 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> dict[str, float]:
         same += sum(x == y for x, y in zip(a, b))
         total += max(len(a), len(b))
     return {"exact": exact / len(ref), "prefix": prefix / len(ref), "tokens": same / total}
-
-
-def hf_smollm2(prompts: list[str], max_tokens: int) -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from vllm.model_executor.gguf_loader import load_gguf_tokenizer, resolve_model
-
-    path = resolve_model("smollm2")
-    directory, name = os.path.split(path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    tokenizer = load_gguf_tokenizer(path)
-    refs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([tokenizer.encode(prompt)])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens
-            )
-            refs.append(out[0, ids.shape[1] :].tolist())
-    return refs
 
 
 def ours(model: str, prompts: list[str], dtype: str, max_tokens: int) -> list[list[int]]:
@@ -92,7 +70,7 @@ def main() -> None:
                 )
             )
     prompts = load_prompts()[:16]
-    ref = hf_smollm2(prompts, args.max_tokens)
+    ref = tiny_models.hf_smollm2_greedy(prompts, args.max_tokens)
     rows.append(
         (
             "smollm2",

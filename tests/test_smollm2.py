@@ -4,9 +4,9 @@ loading the same GGUF, at PP = 1 and 2; and the chat template gives a sensible a
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
+import tiny_models
 
 from vllm import LLM, SamplingParams
 
@@ -26,24 +26,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32)
 
 @pytest.fixture(scope="module")
 def hf_reference() -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from vllm.model_executor.gguf_loader import load_gguf_tokenizer, resolve_model
-
-    path = resolve_model("smollm2")
-    directory, name = os.path.split(path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    tokenizer = load_gguf_tokenizer(path)
-    refs = []
-    with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids = torch.tensor([tokenizer.encode(prompt)])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32
-            )
-            refs.append(out[0, ids.shape[1] :].tolist())
-    return refs
+    return tiny_models.hf_smollm2_greedy(PROMPTS, 32)
 
 
 def test_smollm2_pp1_matches_hf_and_chats(hf_reference):

@@ -97,11 +97,31 @@ def build_model(
 
 
 def hf_greedy(model_dir: str, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
-    """HF transformers' greedy continuation of each prompt (one prompt at a time, no padding)."""
+    """HF transformers' greedy continuation of each prompt of a saved HF model directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return hf_greedy_with(model, tokenizer, prompts, max_new_tokens)
+
+
+def hf_smollm2_greedy(prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """The same oracle for the bundled SmolLM2 GGUF, loaded the way transformers loads it."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm.model_executor.gguf_loader import load_gguf_tokenizer, resolve_model
+
+    path = resolve_model("smollm2")
+    directory, name = os.path.split(path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    return hf_greedy_with(model, load_gguf_tokenizer(path), prompts, max_new_tokens)
+
+
+def hf_greedy_with(
+    model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int
+) -> list[list[int]]:
+    """`generate(do_sample=False)` one prompt at a time (no padding); new token ids only."""
+    model.eval()
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
