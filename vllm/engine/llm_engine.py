@@ -63,6 +63,7 @@ class LLMEngine:
         )
         self.tokenizer = None if model_config.skip_tokenizer_init else _load_tokenizer(model_config)
         self.generation_config = _load_generation_config(model_config)
+        self.eos_token_id = _eos_token_id(self.tokenizer, model_config)
         self.executor = _make_executor(
             model_config, cache_config, parallel_config, scheduler_config, device_config
         )
@@ -102,11 +103,7 @@ class LLMEngine:
             self.tokenizer,
             self.model_config,
         )
-        eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer else None
-        if eos is None:
-            eos = getattr(self.model_config.hf_config, "eos_token_id", None)
-            if isinstance(eos, list):
-                eos = eos[0] if eos else None
+        eos = self.eos_token_id
         if sampling_params.best_of > self.scheduler_config.max_num_seqs:
             raise ValueError(
                 f"best_of ({sampling_params.best_of}) must not exceed max_num_seqs "
@@ -212,6 +209,16 @@ def _load_generation_config(model_config: ModelConfig) -> dict[str, Any]:
         return {}
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def _eos_token_id(tokenizer: Any, model_config: ModelConfig) -> Optional[int]:
+    """The tokenizer's EOS id, else the model config's (the first, if it lists several)."""
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if eos is None:
+        eos = getattr(model_config.hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+    return eos
 
 
 def _load_tokenizer(model_config: ModelConfig) -> Any:
