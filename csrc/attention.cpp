@@ -19,10 +19,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <atomic>
 #include <type_traits>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "cpu_simd.h"
 
 namespace vllm_pp {
@@ -284,9 +284,6 @@ void decode_tasks_generic(const DecodeArgs& a, int64_t begin, int64_t end) {
 }
 
 #if defined(__x86_64__)
-#define VLLM_PP_AVX2 __attribute__((target("avx2,fma")))
-#define VLLM_PP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-
 template <typename scalar_t, int kD>
 VLLM_PP_AVX2 void decode_tasks_avx2(const DecodeArgs& a, int64_t begin, int64_t end) {
   DecodeKernel<8, scalar_t, kD>::run(a, begin, end);
@@ -298,39 +295,15 @@ VLLM_PP_AVX512 void decode_tasks_avx512(const DecodeArgs& a, int64_t begin, int6
 }
 #endif
 
-std::string best_isa() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return "avx512";
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
-#endif
-  return "generic";
-}
-
-// 0 = generic, 1 = avx2, 2 = avx512. Chosen once; tests may lower it with set_cpu_isa.
-int isa_rank(const std::string& isa) {
-  if (isa == "avx512") return 2;
-  if (isa == "avx2") return 1;
-  if (isa == "generic") return 0;
-  return -1;
-}
-
-std::atomic<int>& active_isa() {
-  static std::atomic<int> rank{isa_rank(best_isa())};
-  return rank;
-}
-
 template <typename scalar_t>
 TaskFn select_tasks(int64_t head_size) {
 #if defined(__x86_64__)
   switch (active_isa().load()) {
-    case 2:
+    case VLLM_PP_ISA_AVX512:
       if (head_size == 64) return decode_tasks_avx512<scalar_t, 64>;
       if (head_size == 128) return decode_tasks_avx512<scalar_t, 128>;
       return decode_tasks_avx512<scalar_t, 0>;
-    case 1:
+    case VLLM_PP_ISA_AVX2:
       if (head_size == 64) return decode_tasks_avx2<scalar_t, 64>;
       return decode_tasks_avx2<scalar_t, 0>;
   }
@@ -339,18 +312,6 @@ TaskFn select_tasks(int64_t head_size) {
 }
 
 }  // namespace
-
-std::string cpu_isa() {
-  static const char* names[] = {"generic", "avx2", "avx512"};
-  return names[active_isa().load()];
-}
-
-void set_cpu_isa(const std::string& isa) {
-  const int rank = isa_rank(isa);
-  TORCH_CHECK(rank >= 0, "set_cpu_isa: unknown ISA '", isa, "' (generic, avx2, avx512)");
-  TORCH_CHECK(rank <= isa_rank(best_isa()), "set_cpu_isa: this CPU does not support ", isa);
-  active_isa().store(rank);
-}
 
 void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,

@@ -89,16 +89,18 @@ def prefill_attention(
     start = 0
     for length in seq_lens:
         end = start + length
-        # SDPA wants [H, L, D]; enable_gqa lets KV heads serve their query-head groups.
+        # SDPA wants [1, H, L, D]: only 4-D inputs take torch's CPU flash kernel (~2x faster
+        # than the math path, which 3-D inputs fall back to, and no [L, L] score matrix).
+        # enable_gqa lets KV heads serve their query-head groups.
         o = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1),
-            key[start:end].transpose(0, 1),
-            value[start:end].transpose(0, 1),
+            query[start:end].transpose(0, 1).unsqueeze(0),
+            key[start:end].transpose(0, 1).unsqueeze(0),
+            value[start:end].transpose(0, 1).unsqueeze(0),
             is_causal=True,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
         start = end
     return out
 
