@@ -18,6 +18,13 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
 void write_to_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping);
 
+// The sampler's vocabulary passes (sampler.cpp) over logits [N, V] float32: argmax[N] (first
+// maximum), lse[N] = logsumexp of each row, and for each draw m an inverse-CDF sample
+// tokens[m] from row draw_rows[m] with uniform uniforms[m] in (0, 1].
+void sample_from_logits(const at::Tensor& logits, const at::Tensor& draw_rows,
+                        const at::Tensor& uniforms, at::Tensor& tokens, at::Tensor& argmax,
+                        at::Tensor& lse);
+
 // The instruction set the attention kernel runs with ("avx512", "avx2" or "generic"), and a
 // way to lower it so tests can check every variant on one machine.
 std::string cpu_isa();

@@ -14,6 +14,9 @@ TORCH_LIBRARY(vllm_pp, m) {
   m.def(
       "write_to_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "sample_from_logits(Tensor logits, Tensor draw_rows, Tensor uniforms, Tensor(a!) tokens, "
+      "Tensor(b!) argmax, Tensor(c!) lse) -> ()");
   // No tensor arguments, so these cannot dispatch on a device: register them for all.
   m.def("cpu_isa() -> str", &vllm_pp::cpu_isa);
   m.def("set_cpu_isa(str isa) -> ()", &vllm_pp::set_cpu_isa);
@@ -22,6 +25,7 @@ TORCH_LIBRARY(vllm_pp, m) {
 TORCH_LIBRARY_IMPL(vllm_pp, CPU, m) {
   m.impl("paged_attention_decode", &vllm_pp::paged_attention_decode);
   m.impl("write_to_kv_cache", &vllm_pp::write_to_kv_cache);
+  m.impl("sample_from_logits", &vllm_pp::sample_from_logits);
 }
 
 // An empty module: everything is reached through torch.ops.vllm_pp.

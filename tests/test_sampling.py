@@ -76,6 +76,21 @@ def test_greedy_logprobs_and_prompt_logprobs_match_hf(llm, hf):
         assert tok.decode(ids[:1]) + joined == tok.decode(ids)
 
 
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_cumulative_logprob_without_logprobs_matches_hf(llm, hf, kernels, monkeypatch):
+    """Without `logprobs` no log_softmax row is built: the sampled token's logprob is its
+    logit minus the row's logsumexp (C++ kernel or torch); it must still equal HF's."""
+    monkeypatch.setenv("VLLM_PP_DISABLE_KERNELS", "1" if kernels == "off" else "0")
+    params = SamplingParams(temperature=0, max_tokens=10)
+    for out in llm.generate(PROMPTS, params, use_tqdm=False):
+        ids, comp = out.prompt_token_ids, out.outputs[0]
+        assert comp.logprobs is None
+        ref = hf_logits(hf, ids + comp.token_ids).log_softmax(-1)
+        assert comp.token_ids == ref[len(ids) - 1 : -1].argmax(-1).tolist()
+        expected = sum(float(ref[len(ids) - 1 + i, t]) for i, t in enumerate(comp.token_ids))
+        assert abs(comp.cumulative_logprob - expected) < 1e-3
+
+
 def test_logprobs_zero_and_none(llm):
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, logprobs=0))
     comp = out[0].outputs[0]
@@ -294,9 +309,11 @@ def test_seeded_sampling_and_prompt_logprobs_survive_preemption(llm, tiny_model_
     small.shutdown()
 
 
-def test_unseeded_sampling_distribution(llm, hf):
-    """Unseeded draws take a different path (inverse CDF): same check of allowed tokens and
-    frequencies as the seeded race."""
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_unseeded_sampling_distribution(llm, hf, kernels, monkeypatch):
+    """Unseeded draws take a different path (inverse CDF, in the C++ kernel or in torch):
+    same check of allowed tokens and frequencies as the seeded race."""
+    monkeypatch.setenv("VLLM_PP_DISABLE_KERNELS", "1" if kernels == "off" else "0")
     prompt = PROMPTS[2]
     ids = llm.get_tokenizer().encode(prompt)
     expected = _first_token_probs(hf, ids, 1.2, 6, 1.0, 0.0)

@@ -114,6 +114,41 @@ def write_to_kv_cache(
     )
 
 
+def supports_sampling(logits: torch.Tensor) -> bool:
+    """Whether sample_from_logits can run on these logits (CPU float32 [N, V])."""
+    return (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and is_available()
+    )
+
+
+def sample_from_logits(
+    logits: torch.Tensor, draw_rows: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampler's passes over the vocabulary in one call; see csrc/sampler.cpp.
+
+    logits [N, V] float32; draw_rows [M] (the row of each draw); uniforms [M] in (0, 1].
+    Returns (tokens [M] int64: inverse-CDF draws, argmax [N] int64, lse [N] float32).
+    """
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_rows, num_draws = logits.shape[0], draw_rows.numel()
+    tokens = torch.empty(num_draws, dtype=torch.int64)
+    argmax = torch.empty(num_rows, dtype=torch.int64)
+    lse = torch.empty(num_rows, dtype=torch.float32)
+    torch.ops.vllm_pp.sample_from_logits(
+        logits,
+        draw_rows.to(torch.int64).contiguous(),
+        uniforms.to(torch.float32).contiguous(),
+        tokens,
+        argmax,
+        lse,
+    )
+    return tokens, argmax, lse
+
+
 def cpu_isa() -> str:
     """The instruction set the attention kernel uses: "avx512", "avx2" or "generic"."""
     return torch.ops.vllm_pp.cpu_isa()

@@ -1,8 +1,10 @@
 """Logprob entries for sampled tokens and prompt tokens, in vLLM's format:
 `{token_id: Logprob(logprob, rank)}` -- the chosen token first, then the top-k (ranks 1..k).
 
-Gathered from the step's log_softmax; the rank pass ([n, vocab] comparisons) and top-k run
-only for requests that asked for logprobs.
+`StepLogprobs` holds one step's log-probabilities without materialising [N, vocab] unless a
+request needs whole rows: the sampled token's logprob is `logit - logsumexp(row)`; rows of
+requests that asked for logprobs (ranks, top-k), prompt logprobs or beam search get a real
+log_softmax. The rank pass ([n, vocab] comparisons) and top-k run only for those requests.
 """
 
 from __future__ import annotations
@@ -18,11 +20,51 @@ from vllm.sequence import Logprob, PromptLogprobs
 Draw = tuple[int, int, int]
 
 
-def _select_rows(logprobs: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """logprobs[rows] -- without a copy in the common case of every row, in order."""
-    if rows == list(range(logprobs.shape[0])):
-        return logprobs
-    return logprobs.index_select(0, torch.tensor(rows, dtype=torch.long, device=logprobs.device))
+class StepLogprobs:
+    """Log-probabilities of the step's logits rows, materialised only where needed.
+
+    logits [N, V] (after the sampler's processing); lse [N] = logsumexp of each row;
+    full_rows: the rows whose whole log_softmax is needed (computed once, here).
+    """
+
+    def __init__(self, logits: torch.Tensor, lse: torch.Tensor, full_rows: list[int]) -> None:
+        self.logits = logits
+        self.lse = lse
+        self._full_pos = {row: i for i, row in enumerate(full_rows)}
+        self._full: Optional[torch.Tensor] = None  # [len(full_rows), V]
+        if full_rows:
+            if full_rows == list(range(logits.shape[0])):
+                selected = logits
+            else:
+                selected = logits.index_select(0, self._long(full_rows))
+            self._full = torch.log_softmax(selected, dim=-1)
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.logits.device)
+
+    def rows(self, rows: list[int]) -> torch.Tensor:
+        """log_softmax of `rows` (each one of full_rows) -> [len(rows), V]."""
+        assert self._full is not None, "rows() needs the rows listed in full_rows"
+        positions = [self._full_pos[row] for row in rows]
+        if positions == list(range(self._full.shape[0])):
+            return self._full
+        return self._full.index_select(0, self._long(positions))
+
+    def gather(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+        """The logprob of tokens[i] in rows[i] -> [len(rows)] float32. Rows of full_rows read
+        their log_softmax, so ranks and cumulative logprobs agree with it exactly."""
+        out = torch.empty(len(rows), dtype=self.logits.dtype, device=self.logits.device)
+        exact = [i for i, row in enumerate(rows) if row in self._full_pos]
+        cheap = [i for i, row in enumerate(rows) if row not in self._full_pos]
+        if exact:
+            assert self._full is not None
+            pos = self._long([self._full_pos[rows[i]] for i in exact])
+            out[self._long(exact)] = self._full[pos, self._long([tokens[i] for i in exact])]
+        if cheap:
+            r = self._long([rows[i] for i in cheap])
+            t = self._long([tokens[i] for i in cheap])
+            out[self._long(cheap)] = self.logits[r, t] - self.lse[r]
+        return out
 
 
 def _ranks(selected: torch.Tensor, token_lps: torch.Tensor) -> list[int]:
@@ -30,8 +72,21 @@ def _ranks(selected: torch.Tensor, token_lps: torch.Tensor) -> list[int]:
     return ((selected > token_lps.unsqueeze(1)).sum(dim=-1) + 1).tolist()
 
 
+def logprob_rows_needed(groups: list[SeqGroupRows], beam_groups: list[SeqGroupRows]) -> list[int]:
+    """The rows whose whole log_softmax this step needs: sample rows of requests with
+    `logprobs` set or beam search, and prompt rows of first steps with `prompt_logprobs`."""
+    rows: list[int] = []
+    beam = {id(g) for g in beam_groups}
+    for group in groups:
+        if group.params.logprobs is not None or id(group) in beam:
+            rows.extend(group.rows)
+        if group.first_step and group.params.prompt_logprobs is not None:
+            rows.extend(group.prompt_rows)
+    return sorted(set(rows))
+
+
 def build_logprob_entries(
-    logprobs: torch.Tensor,
+    logprobs: StepLogprobs,
     num_logprobs: list[Optional[int]],
     draws: list[list[Draw]],
 ) -> list[list[dict[int, Logprob]]]:
@@ -41,17 +96,15 @@ def build_logprob_entries(
     flat = [(g, r, t) for g, group_draws in enumerate(draws) for r, _, t in group_draws]
     if not flat:
         return [[] for _ in draws]
-    device = logprobs.device
-    rows = torch.tensor([r for _, r, _ in flat], dtype=torch.long, device=device)
-    tokens = torch.tensor([t for _, _, t in flat], dtype=torch.long, device=device)
-    token_lp_t = logprobs[rows, tokens]
+    device = logprobs.logits.device
+    token_lp_t = logprobs.gather([r for _, r, _ in flat], [t for _, _, t in flat])
     token_lps = token_lp_t.tolist()
 
     ranked = [i for i, (g, _, _) in enumerate(flat) if num_logprobs[g] is not None]
     ranks: dict[int, int] = {}
     tops: dict[int, tuple[list[int], list[float]]] = {}
     if ranked:
-        selected = _select_rows(logprobs, [flat[i][1] for i in ranked])
+        selected = logprobs.rows([flat[i][1] for i in ranked])
         if len(ranked) == len(flat):
             ranked_lps = token_lp_t
         else:
@@ -76,7 +129,7 @@ def build_logprob_entries(
     return result
 
 
-def build_prompt_logprobs(logprobs: torch.Tensor, group: SeqGroupRows) -> PromptLogprobs:
+def build_prompt_logprobs(logprobs: StepLogprobs, group: SeqGroupRows) -> PromptLogprobs:
     """[None, then per prompt token 1..P-1 its entry: the actual token (logprob, rank) and the
     `prompt_logprobs` most likely tokens]. The first token has no context, hence None."""
     data = group.seq_data[group.seq_ids[0]]
@@ -84,12 +137,9 @@ def build_prompt_logprobs(logprobs: torch.Tensor, group: SeqGroupRows) -> Prompt
     result: PromptLogprobs = [None]
     if not targets:
         return result
-    device = logprobs.device
-    rows = torch.tensor(group.prompt_rows, dtype=torch.long, device=device)
-    target_t = torch.tensor(targets, dtype=torch.long, device=device)
-    token_lp_t = logprobs[rows, target_t]
+    token_lp_t = logprobs.gather(group.prompt_rows, targets)
     lps = token_lp_t.tolist()
-    selected = logprobs.index_select(0, rows)
+    selected = logprobs.rows(group.prompt_rows)
     ranks = _ranks(selected, token_lp_t)
     k = group.params.prompt_logprobs or 0
     top_ids: list[list[int]] = []

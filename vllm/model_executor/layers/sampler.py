@@ -4,18 +4,22 @@ Order as in vLLM V0: logits processors, min_tokens, penalties, temperature, top-
 min-p (sampler_ops.py), then greedy argmax, a seeded/unseeded random draw, or beam-search
 candidates; logprobs come from the processed distribution.
 
-Greedy rows take the argmax; every logprob is a gather from one log_softmax; ranks and top-k
-entries are computed only for requests that asked for logprobs.
+Greedy rows take the argmax; a sampled token's logprob is its logit minus the row's logsumexp;
+whole log_softmax rows, ranks and top-k entries are computed only for requests that asked for
+logprobs (or beam search).
 """
 
 from __future__ import annotations
 
 import torch
 
+from vllm import _custom_ops as ops
 from vllm.model_executor.layers.logprob_utils import (
     Draw,
+    StepLogprobs,
     build_logprob_entries,
     build_prompt_logprobs,
+    logprob_rows_needed,
 )
 from vllm.model_executor.layers.sampler_ops import (
     apply_logits_processors,
@@ -40,12 +44,11 @@ def num_beam_candidates(group: SeqGroupRows) -> int:
     return max(2, 1 + len(stop_ids)) * params.best_of
 
 
-def _beam_candidates(logprobs: torch.Tensor, group: SeqGroupRows, vocab: int) -> list[Draw]:
+def _beam_candidates(logprobs: StepLogprobs, group: SeqGroupRows, vocab: int) -> list[Draw]:
     """The top candidates over all (beam, token) pairs by cumulative logprob, best first.
     The first step has one parent (the prompt), so its candidates are its top tokens."""
-    rows = torch.tensor(group.rows, dtype=torch.long, device=logprobs.device)
     cums = [group.seq_data[s].cumulative_logprob for s in group.seq_ids]
-    scores = logprobs.index_select(0, rows)
+    scores = logprobs.rows(group.rows).clone()
     scores += torch.tensor(cums, dtype=scores.dtype, device=scores.device).unsqueeze(1)
     k = min(num_beam_candidates(group), scores.numel())
     draws = []
@@ -55,55 +58,48 @@ def _beam_candidates(logprobs: torch.Tensor, group: SeqGroupRows, vocab: int) ->
     return draws
 
 
-def _random_draws(logits: torch.Tensor, groups: list[SeqGroupRows]) -> dict[int, list[Draw]]:
-    """Multinomial draws for all random groups at once by vLLM's exponential race: argmax of
-    p / q with q ~ Exp(1) per token. A token only changes when two ratios nearly tie, so the
-    draw survives the ~1e-6 logit noise between prefill (recompute) and decode, or between
-    stage thread counts -- inverse-CDF sampling would not: fp32 cumsum error is as wide as a
-    token in a flat distribution. q = -log(u) costs ~5x less than torch's exponential_ on CPU.
-
-    Each seeded group draws its q rows from its own generator in one call, so its tokens do
-    not depend on the rest of the batch or on the number of stages. On the first step a group
-    draws best_of samples from its single prompt row."""
-    rows: list[int] = []
-    parents: list[int] = []
-    spans: list[tuple[int, int, SeqGroupRows]] = []
-    # Unseeded groups first (one call to the global generator), then one block per seeded one.
-    for group in sorted(groups, key=lambda g: g.generator is not None):
-        start = len(rows)
+def _draw_plan(groups: list[SeqGroupRows]) -> list[tuple[list[int], list[int], SeqGroupRows]]:
+    """(rows, parent seq ids, group) per random group, one entry per draw: on its first step
+    a group draws best_of samples from its single prompt row."""
+    plan = []
+    for group in groups:
         repeat = group.params.best_of if group.first_step else 1
+        rows: list[int] = []
+        parents: list[int] = []
         for seq_id, row in zip(group.seq_ids, group.rows):
             rows.extend([row] * repeat)
             parents.extend([seq_id] * repeat)
-        spans.append((start, len(rows), group))
+        plan.append((rows, parents, group))
+    return plan
+
+
+def _inverse_cdf_draws(logits: torch.Tensor, rows: list[int]) -> list[int]:
+    """Unseeded multinomial draws, the torch way (the C++ kernel does the same in one pass):
+    one uniform per draw against the row's CDF."""
+    device = logits.device
+    probs = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=device))
+    cdf = probs.softmax(dim=-1).cumsum(dim=-1)
+    # u > 0, so a leading zero-probability token (cdf 0) can never be picked.
+    u = torch.rand(len(rows), 1, device=device).clamp_(min=1e-12) * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, u).clamp_(max=logits.shape[1] - 1).squeeze(1)
+    return picked.tolist()
+
+
+def _seeded_draws(logits: torch.Tensor, rows: list[int], group: SeqGroupRows) -> list[int]:
+    """A seeded group's draws by vLLM's exponential race: argmax of p / q with q ~ Exp(1) per
+    token. A token only changes when two ratios nearly tie, so the draw survives the ~1e-6
+    logit noise between prefill (recompute) and decode, or between stage thread counts --
+    inverse-CDF sampling would not: fp32 cumsum error is as wide as a token in a flat
+    distribution. The group draws its q rows from its own generator in one call, so its tokens
+    depend neither on the rest of the batch nor on the number of stages. q = -log(u) costs ~5x
+    less than torch's exponential_ on CPU."""
     device = logits.device
     probs = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=device))
     probs = probs.softmax(dim=-1)
-    vocab = probs.shape[1]
-    num_unseeded = sum(end - start for start, end, g in spans if g.generator is None)
-    tokens: list[int] = []
-    if num_unseeded:
-        # Unseeded rows promise no reproducibility, so they take inverse-CDF sampling: one
-        # uniform per row instead of one per vocabulary entry (~6x cheaper at 128 x 49k).
-        cdf = probs[:num_unseeded].cumsum(dim=-1)
-        # u > 0, so a leading zero-probability token (cdf 0) can never be picked.
-        u = torch.rand(num_unseeded, 1, device=device).clamp_(min=1e-12) * cdf[:, -1:]
-        picked = torch.searchsorted(cdf, u).clamp_(max=vocab - 1).squeeze(1)
-        tokens.extend(picked.tolist())
-    seeded = [
-        torch.rand(end - start, vocab, generator=group.generator, device=device)
-        for start, end, group in spans
-        if group.generator is not None
-    ]
-    if seeded:
-        # u in [0, 1): -log(u) is in (0, inf], so q is never 0 and p / q never NaN (a
-        # filtered token has p = 0 and can never win).
-        q = (seeded[0] if len(seeded) == 1 else torch.cat(seeded)).log_().neg_()
-        tokens.extend(probs[num_unseeded:].div_(q).argmax(dim=-1).tolist())
-    out: dict[int, list[Draw]] = {}
-    for start, end, group in spans:
-        out[id(group)] = [(rows[i], parents[i], tokens[i]) for i in range(start, end)]
-    return out
+    # u in [0, 1): -log(u) is in (0, inf], so q is never 0 and p / q never NaN (a filtered
+    # token has p = 0 and can never win).
+    q = torch.rand(probs.shape, generator=group.generator, device=device).log_().neg_()
+    return probs.div_(q).argmax(dim=-1).tolist()
 
 
 class Sampler:
@@ -116,29 +112,54 @@ class Sampler:
         apply_penalties(logits, md)
         apply_temperature_and_filters(logits, md)
         vocab = logits.shape[1]
-        # One fused pass; on CPU it costs less than logsumexp alone (measured), and every
-        # logprob below is a gather from it.
-        logprobs = torch.log_softmax(logits, dim=-1)
 
-        draws: dict[int, list[Draw]] = {}
-        greedy_groups = []
-        random_groups = []
+        greedy_groups: list[SeqGroupRows] = []
+        beam_groups: list[SeqGroupRows] = []
+        random_groups: list[SeqGroupRows] = []
         for group in md.groups:
             kind = group.params.sampling_type
             if kind == SamplingType.GREEDY:
                 greedy_groups.append(group)
             elif kind == SamplingType.BEAM:
-                draws[id(group)] = _beam_candidates(logprobs, group, vocab)
+                beam_groups.append(group)
             else:
                 random_groups.append(group)
-        if greedy_groups:
-            argmax = logits.argmax(dim=-1).tolist()
-            for group in greedy_groups:
-                draws[id(group)] = [
-                    (row, seq_id, argmax[row]) for seq_id, row in zip(group.seq_ids, group.rows)
-                ]
-        if random_groups:
-            draws.update(_random_draws(logits, random_groups))
+        plan = _draw_plan(random_groups)
+        # Unseeded requests promise no reproducibility, so they take inverse-CDF sampling:
+        # one uniform per draw instead of one per vocabulary entry.
+        unseeded_rows = [r for rows, _, g in plan if g.generator is None for r in rows]
+
+        # Per-row passes over the vocabulary: argmax, logsumexp and the unseeded draws, in one
+        # C++ call on CPU (~10x less than torch's softmax + cumsum), else in torch.
+        if ops.supports_sampling(logits):
+            # 1 - u: torch.rand is in [0, 1), the kernel wants (0, 1].
+            uniforms = 1.0 - torch.rand(len(unseeded_rows))
+            drawn_t, argmax_t, lse = ops.sample_from_logits(
+                logits, torch.tensor(unseeded_rows, dtype=torch.long), uniforms
+            )
+            drawn = drawn_t.tolist()
+            argmax = argmax_t.tolist() if greedy_groups else []
+        else:
+            lse = torch.logsumexp(logits, dim=-1)
+            drawn = _inverse_cdf_draws(logits, unseeded_rows) if unseeded_rows else []
+            argmax = logits.argmax(dim=-1).tolist() if greedy_groups else []
+        logprobs = StepLogprobs(logits, lse, logprob_rows_needed(md.groups, beam_groups))
+
+        draws: dict[int, list[Draw]] = {}
+        for group in greedy_groups:
+            draws[id(group)] = [
+                (row, seq_id, argmax[row]) for seq_id, row in zip(group.seq_ids, group.rows)
+            ]
+        for group in beam_groups:
+            draws[id(group)] = _beam_candidates(logprobs, group, vocab)
+        next_drawn = 0
+        for rows, parents, group in plan:
+            if group.generator is None:
+                tokens = drawn[next_drawn : next_drawn + len(rows)]
+                next_drawn += len(rows)
+            else:
+                tokens = _seeded_draws(logits, rows, group)
+            draws[id(group)] = list(zip(rows, parents, tokens))
 
         ordered = [draws[id(group)] for group in md.groups]
         entries = build_logprob_entries(logprobs, [g.params.logprobs for g in md.groups], ordered)
