@@ -73,6 +73,21 @@ struct Simd {
 
   static VLLM_PP_INLINE void store(float* p, f32 v) { std::memcpy(p, &v, sizeof(v)); }
 
+  // v rounded to bfloat16 (the result's low 16 bits are zero), exactly as c10::BFloat16(float)
+  // rounds: to nearest, ties to even, by adding 0x7FFF plus the lowest kept bit; NaN becomes
+  // the canonical quiet NaN (the sign and payload of NaN are not preserved, as in c10).
+  static VLLM_PP_INLINE f32 round_bf16(f32 v) {
+    const u32 bits = (u32)v;
+    const u32 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    return v != v ? (f32)(u32{} + 0x7FC00000u) : (f32)rounded;
+  }
+
+  // Narrowing store: each lane rounded to bfloat16 as round_bf16 does.
+  static VLLM_PP_INLINE void store(c10::BFloat16* p, f32 v) {
+    const u16 h = __builtin_convertvector((u32)round_bf16(v) >> 16, u16);
+    std::memcpy(p, &h, sizeof(h));
+  }
+
   static VLLM_PP_INLINE f32 max(f32 a, f32 b) { return a > b ? a : b; }
 
   // Sum of the lanes by halving down to four, then a fixed order.

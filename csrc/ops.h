@@ -18,6 +18,21 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
 void write_to_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping);
 
+// Fused elementwise ops of the LLaMA layers (elementwise.cpp), float32 or bfloat16, rows
+// [T, width] with any row stride and a unit last stride; each repeats the casts of the torch
+// code it replaces (vllm/model_executor/layers/). rms_norm: out = weight * (x * rsqrt(mean(x^2)
+// + eps)) with HF LlamaRMSNorm's casts. fused_add_rms_norm, in place: residual = x + residual,
+// then x = rms_norm(residual). rotary_embedding, in place: rotate-half RoPE of query [T, H*D]
+// and key [T, Hkv*D] at positions[T] (int64) from float32 caches [max_position, D].
+// silu_and_mul: x [T, 2I] = (gate, up) -> out [T, I] = silu(gate) * up.
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps);
+void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                      int64_t head_size, const at::Tensor& cos_cache,
+                      const at::Tensor& sin_cache);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+
 // The sampler's vocabulary passes (sampler.cpp) over logits [N, V] float32: argmax[N] (first
 // maximum), lse[N] = logsumexp of each row, and for each draw m an inverse-CDF sample
 // tokens[m] from row draw_rows[m] with uniform uniforms[m] in (0, 1].

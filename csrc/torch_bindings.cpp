@@ -14,6 +14,12 @@ TORCH_LIBRARY(vllm_pp, m) {
   m.def(
       "write_to_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, "
+      "Tensor cos_cache, Tensor sin_cache) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def(
       "sample_from_logits(Tensor logits, Tensor draw_rows, Tensor uniforms, Tensor(a!) tokens, "
       "Tensor(b!) argmax, Tensor(c!) lse) -> ()");
@@ -25,6 +31,10 @@ TORCH_LIBRARY(vllm_pp, m) {
 TORCH_LIBRARY_IMPL(vllm_pp, CPU, m) {
   m.impl("paged_attention_decode", &vllm_pp::paged_attention_decode);
   m.impl("write_to_kv_cache", &vllm_pp::write_to_kv_cache);
+  m.impl("rms_norm", &vllm_pp::rms_norm);
+  m.impl("fused_add_rms_norm", &vllm_pp::fused_add_rms_norm);
+  m.impl("rotary_embedding", &vllm_pp::rotary_embedding);
+  m.impl("silu_and_mul", &vllm_pp::silu_and_mul);
   m.impl("sample_from_logits", &vllm_pp::sample_from_logits);
 }
 

@@ -68,7 +68,12 @@ def test_greedy_logprobs_and_prompt_logprobs_match_hf(llm, hf):
             entry = plp[i]
             actual = entry[ids[i]]
             assert abs(actual.logprob - float(row[ids[i]])) < 1e-3
-            assert actual.rank == int((row > row[ids[i]]).sum()) + 1
+            # The rank HF's logits give, up to ties within fp32 noise: tokens whose logprob is
+            # within 1e-5 of this one may fall on either side (kernels and oneDNN round
+            # differently from HF; rank ~19000 of 49k has such near-ties).
+            target = float(row[ids[i]])
+            assert int((row > target + 1e-5).sum()) + 1 <= actual.rank
+            assert actual.rank <= int((row > target - 1e-5).sum()) + 1
             top = row.topk(4).indices.tolist()
             assert set(entry) == set(top) | {ids[i]}
             assert [entry[t].rank for t in top] == [1, 2, 3, 4]

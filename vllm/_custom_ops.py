@@ -2,7 +2,7 @@
 
 Importing `vllm._C` registers the ops as `torch.ops.vllm_pp.*`. When the extension was not
 built (no compiler, a failed build, an install without torch), `is_available()` is False and
-the attention layer keeps its pure-torch path. `VLLM_PP_DISABLE_KERNELS=1` forces that
+the layers keep their pure-torch paths. `VLLM_PP_DISABLE_KERNELS=1` forces that
 fallback at any time (it is read on every call, so tests and benchmarks can compare both).
 """
 
@@ -20,6 +20,8 @@ DISABLE_ENV = "VLLM_PP_DISABLE_KERNELS"
 
 # dtypes the attention kernel implements (the cache write copies bytes and takes any dtype).
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+# dtypes the fused elementwise kernels (RMSNorm, RoPE, SwiGLU; csrc/elementwise.cpp) implement.
+ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)
 
 try:
     import vllm._C  # noqa: F401  (registers torch.ops.vllm_pp)
@@ -28,9 +30,9 @@ try:
 except (ImportError, OSError) as exc:
     _LOADED = False
     if isinstance(exc, ModuleNotFoundError) and exc.name == "vllm._C":
-        logger.info("C++ CPU kernels not built (no vllm._C); using the torch attention.")
+        logger.info("C++ CPU kernels not built (no vllm._C); using the torch code.")
     else:  # built, but for another torch, or a broken toolchain: worth a warning
-        logger.warning("C++ CPU kernels failed to load (%s); using the torch attention.", exc)
+        logger.warning("C++ CPU kernels failed to load (%s); using the torch code.", exc)
 
 _disabled_logged = False
 
@@ -42,7 +44,7 @@ def is_available() -> bool:
         return False
     if os.environ.get(DISABLE_ENV, "0") == "1":
         if not _disabled_logged:
-            logger.info("%s=1: using the torch attention instead of the C++ kernels.", DISABLE_ENV)
+            logger.info("%s=1: using the torch code instead of the C++ kernels.", DISABLE_ENV)
             _disabled_logged = True
         return False
     return True
@@ -112,6 +114,86 @@ def write_to_kv_cache(
     torch.ops.vllm_pp.write_to_kv_cache(
         key, value, key_cache, value_cache, slot_mapping.to(torch.int64).contiguous()
     )
+
+
+def supports_elementwise(*tensors: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels (rms_norm, fused_add_rms_norm, silu_and_mul) can
+    run these tensors: all on the CPU, of one dtype, float32 or bfloat16."""
+    # Called several times per decoder layer: a plain loop and `is_cpu` (a generator and
+    # `device.type` cost a microsecond or so more per call).
+    dtype = tensors[0].dtype
+    if dtype not in ELEMENTWISE_DTYPES:
+        return False
+    for t in tensors:
+        if t.dtype != dtype or not t.is_cpu:
+            return False
+    return is_available()
+
+
+def supports_rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor
+) -> bool:
+    """Whether rotary_embedding can run: CPU float32/bfloat16 q/k of one dtype, with the
+    float32 cos/sin caches RotaryEmbedding builds."""
+    return (
+        cos_cache.is_cpu and cos_cache.dtype == torch.float32 and supports_elementwise(query, key)
+    )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., width] as a 2-D [T, width] with a unit last stride (a view when possible)."""
+    if x.dim() == 2 and x.stride(1) == 1:  # the model's case: no reshape, no copy
+        return x
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)) with HF LlamaRMSNorm's casts; see
+    csrc/elementwise.cpp. x [..., hidden] (rows may be strided); weight [hidden], contiguous.
+    Returns a new contiguous tensor of x's shape."""
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    torch.ops.vllm_pp.rms_norm.default(out, x2, weight, eps)
+    return out if x2 is x else out.view(x.shape)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place: residual = x + residual, then x = rms_norm(residual, weight, eps).
+
+    x, residual [T, hidden] with a unit last stride (rows may be strided): both are written.
+    weight [hidden], contiguous.
+    """
+    torch.ops.vllm_pp.fused_add_rms_norm.default(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
+    """In place: rotate-half RoPE of query [T, H*D] and key [T, Hkv*D] (unit last stride, rows
+    may be strided, e.g. column slices of a fused qkv) at positions [T], from float32 caches
+    [max_position, D], contiguous. RuntimeError, leaving q/k untouched, if a position is out of
+    range."""
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    torch.ops.vllm_pp.rotary_embedding.default(
+        positions, query, key, head_size, cos_cache, sin_cache
+    )
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2*I] holding (gate, up) -> new contiguous silu(gate) * up, [..., I]."""
+    x2 = _rows(x)
+    out = torch.empty(x2.shape[0], x2.shape[1] // 2, dtype=x.dtype, device=x.device)
+    torch.ops.vllm_pp.silu_and_mul.default(out, x2)
+    return out if x2 is x else out.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
 def supports_sampling(logits: torch.Tensor) -> bool:

@@ -8,11 +8,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm import _custom_ops as ops
+
 
 class SiluAndMul(nn.Module):
-    """x [T, 2*I] holding (gate, up) -> silu(gate) * up, [T, I]."""
+    """x [T, 2*I] holding (gate, up) -> silu(gate) * up, [T, I].
+
+    CPU float32 runs the fused C++ kernel (csrc/elementwise.cpp) when it is built;
+    like the torch code, it rounds silu(gate) to the dtype before the multiply (as HF does).
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # bf16 stays on torch: the kernel rounds to bf16 in software, which costs more than
+        # torch's native conversion on this project's CPU (0.7x at 128 rows, measured).
+        if x.dtype == torch.float32 and ops.supports_elementwise(x):
+            return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -2,20 +2,55 @@
 
 from __future__ import annotations
 
+from typing import Optional, Union
+
 import torch
 from torch import nn
 
+from vllm import _custom_ops as ops
+
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm; matches HF LlamaRMSNorm's order of casts exactly."""
+    """Root-mean-square layer norm; matches HF LlamaRMSNorm's order of casts exactly.
+
+    With a `residual`, the residual add in front of the norm is fused into it (as in vLLM):
+    `forward(x, residual)` returns `(norm(residual + x), residual + x)`. CPU float32/bfloat16
+    runs the C++ kernels of csrc/elementwise.cpp when they are built, else the torch code below.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x [T, hidden] -> normed [T, hidden]; or, with residual [T, hidden], the pair
+        (normed sum, sum) of the residual stream's sum = residual + x.
+
+        With a residual the kernel works in place: x receives the normed output and residual
+        the sum, and both are returned. Pass only activations this forward owns.
+        """
+        if residual is None:
+            if ops.supports_elementwise(x, self.weight):
+                return ops.rms_norm(x, self.weight, self.variance_epsilon)
+            return self._norm(x)
+        if (
+            ops.supports_elementwise(x, residual, self.weight)
+            and x.dim() == 2
+            and x.shape == residual.shape
+            and x.stride(-1) == 1
+            and residual.stride(-1) == 1
+        ):
+            ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+            return x, residual
+        # The decoder layer's `h = residual + h` (one dtype add), then the norm of the sum.
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch path, HF LlamaRMSNorm verbatim."""
         input_dtype = x.dtype
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)

@@ -7,6 +7,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from vllm import _custom_ops as ops
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -40,7 +42,25 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; query [T, H*D]; key [T, Hkv*D] -> rotated (same shapes)."""
+        """positions [T]; query [T, H*D]; key [T, Hkv*D] -> rotated (same shapes).
+
+        CPU float32/bfloat16 runs the C++ kernel (csrc/elementwise.cpp) when it is built: it
+        rotates query and key in place and returns them. In LLaMA they are column slices of the
+        qkv projection's fresh output, read by nothing before the rotation, so no copy is
+        needed (and none is made: the slices keep their row stride). Otherwise the torch code
+        below returns new tensors and leaves its inputs alone.
+        """
+        if (
+            query.dim() == 2
+            and key.dim() == 2
+            and query.stride(-1) == 1
+            and key.stride(-1) == 1
+            and ops.supports_rotary_embedding(query, key, self.cos_cache)
+        ):
+            ops.rotary_embedding(
+                positions, query, key, self.head_size, self.cos_cache, self.sin_cache
+            )
+            return query, key
         num_tokens = positions.shape[0]
         cos = self.cos_cache[positions].to(query.dtype)[:, None, :]  # [T, 1, D]
         sin = self.sin_cache[positions].to(query.dtype)[:, None, :]

@@ -77,7 +77,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The residual stream is carried vLLM-style: a layer returns (mlp output, residual) without
+    adding them; the next layer's input norm adds them (fused with the norm, in place, by the
+    C++ kernel), and so does the final norm. The sums and their roundings are those of the
+    plain `x + f(x)` (one add of the same two operands), so results do not change.
+    """
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -92,11 +98,22 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         kv_cache: Optional[KVCache],
         md: InputMetadata,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        h = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, md)
-        h = residual + h
-        return h + self.mlp(self.post_attention_layernorm(h))
+        residual: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states [T, hidden]: the stream itself (residual None: first layer of the
+        stage) or the previous layer's MLP output to add to `residual` [T, hidden].
+        Returns (this layer's MLP output, residual), the stream being their sum.
+
+        `residual` (and, when given, hidden_states) may be overwritten in place.
+        """
+        if residual is None:
+            residual = hidden_states
+            h = self.input_layernorm(hidden_states)
+        else:
+            h, residual = self.input_layernorm(hidden_states, residual)
+        h = self.self_attn(positions, h, kv_cache, md)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -134,14 +151,27 @@ class LlamaForCausalLM(nn.Module):
         md: InputMetadata,
         hidden_states: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """input_ids [T] on the first stage, else hidden_states [T, hidden]; -> [T, hidden]."""
+        """input_ids [T] on the first stage, else hidden_states [T, hidden] (the residual
+        stream from the previous stage; not modified); -> [T, hidden]: the final norm's output
+        on the last stage, else the residual stream for the next stage."""
         if self.layout.is_first:
-            hidden_states = self.model.embed_tokens(input_ids)
-        assert hidden_states is not None
+            hidden_states = self.model.embed_tokens(input_ids)  # a fresh tensor
+        else:
+            assert hidden_states is not None
+            # The layers update the residual stream in place (fused add + norm): work on a
+            # copy, not on the caller's tensor (one [T, hidden] copy per step).
+            hidden_states = hidden_states.clone()
+        residual: Optional[torch.Tensor] = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden_states = layer(positions, hidden_states, kv_cache, md)
+            hidden_states, residual = layer(positions, hidden_states, kv_cache, md, residual)
         if self.layout.is_last:
-            hidden_states = self.model.norm(hidden_states)
+            if residual is None:  # a stage without layers
+                return self.model.norm(hidden_states)
+            hidden_states, _ = self.model.norm(hidden_states, residual)
+        elif residual is not None:
+            # What goes to the next stage is the stream itself, materialised: the same
+            # `residual + mlp output` add the last layer would have made.
+            hidden_states = residual + hidden_states
         return hidden_states
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
