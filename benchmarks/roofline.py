@@ -9,7 +9,7 @@ import torch
 
 
 def gemm_flops_per_s(
-    shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, repeats: int = 5
+    shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, repeats: int = 15
 ) -> float:
     """FLOP/s of x[rows, in] @ W[out, in]^T over `shapes` (each with its own weight)."""
     from torch import nn
