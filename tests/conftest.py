@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
+
+from vllm import _custom_ops as ops
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(params=ops.supported_isas())
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs a test with each instruction-set variant of the C++ kernels this CPU can execute
+    (generic, AVX2, AVX-512), restoring the best one afterwards."""
+    best = ops.cpu_isa()
+    ops.set_cpu_isa(request.param)
+    yield request.param
+    ops.set_cpu_isa(best)
 
 
 @pytest.fixture(scope="session")

@@ -49,12 +49,6 @@ F32_TOL = dict(rtol=1e-6, atol=1e-6)
 BF16_MAX_ULP_SHARE = 0.01
 
 
-def _supported_isas() -> list[str]:
-    if not ops._LOADED:
-        return []
-    order = ["generic", "avx2", "avx512"]
-    return order[: order.index(ops.cpu_isa()) + 1]
-
 
 @pytest.fixture(autouse=True)
 def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
@@ -66,14 +60,6 @@ def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     torch.set_num_threads(threads)
 
-
-@pytest.fixture(params=_supported_isas())
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Runs a test with each instruction-set variant of the kernels this CPU can execute."""
-    best = ops.cpu_isa()
-    ops.set_cpu_isa(request.param)
-    yield request.param
-    ops.set_cpu_isa(best)
 
 
 @contextmanager

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -33,25 +32,11 @@ BATCH_SIZES = [1, 2, 7, 33]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _supported_isas() -> list[str]:
-    if not ops._LOADED:
-        return []
-    order = ["generic", "avx2", "avx512"]
-    return order[: order.index(ops.cpu_isa()) + 1]
-
 
 @pytest.fixture(autouse=True)
 def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ops.DISABLE_ENV, raising=False)
 
-
-@pytest.fixture(params=_supported_isas())
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Runs a test with each instruction-set variant of the kernel this CPU can execute."""
-    best = ops.cpu_isa()
-    ops.set_cpu_isa(request.param)
-    yield request.param
-    ops.set_cpu_isa(best)
 
 
 @dataclass

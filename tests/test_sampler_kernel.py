@@ -4,8 +4,6 @@ vocabulary sizes around the kernel's block widths, and rows with -inf (filtered)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -24,19 +22,6 @@ def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ops.DISABLE_ENV, raising=False)
 
 
-def _supported_isas() -> list[str]:
-    if not ops._LOADED:
-        return []
-    order = ["generic", "avx2", "avx512"]
-    return order[: order.index(ops.cpu_isa()) + 1]
-
-
-@pytest.fixture(params=_supported_isas())
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    best = ops.cpu_isa()
-    ops.set_cpu_isa(request.param)
-    yield request.param
-    ops.set_cpu_isa(best)
 
 
 def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:

@@ -236,6 +236,14 @@ def cpu_isa() -> str:
     return torch.ops.vllm_pp.cpu_isa()
 
 
+def supported_isas() -> list[str]:
+    """The kernel variants this CPU can run, lowest first ([] without the extension)."""
+    if not _LOADED:
+        return []
+    order = ["generic", "avx2", "avx512"]
+    return order[: order.index(cpu_isa()) + 1]
+
+
 def set_cpu_isa(isa: str) -> None:
     """Run the attention kernel with a lower instruction set (for tests); ValueError if the CPU
     lacks it."""
