@@ -24,11 +24,9 @@ CASES = [
 
 @pytest.fixture(scope="module", params=["llama-gqa-untied", "opt-post"])
 def setup(request, tiny_model_dirs):
-    from transformers import AutoModelForCausalLM
-
     path = tiny_model_dirs[request.param]
     llm = LLM(path, kv_cache_space=0.05, swap_space=0.02)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = tiny_models.load_hf(path)
     yield llm, hf
     llm.shutdown()
 

@@ -23,9 +23,7 @@ def llm(tiny_model_dirs):
 
 @pytest.fixture(scope="module")
 def hf(tiny_model_dirs):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dirs[KIND], dtype=torch.float32).eval()
+    return tiny_models.load_hf(tiny_model_dirs[KIND])
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:

@@ -25,9 +25,7 @@ def llm(tiny_model_dirs):
 
 @pytest.fixture(scope="module")
 def hf(tiny_model_dirs):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dirs[KIND], dtype=torch.float32).eval()
+    return tiny_models.load_hf(tiny_model_dirs[KIND])
 
 
 @pytest.fixture(scope="module")

@@ -96,13 +96,19 @@ def build_model(
     return out_dir
 
 
+def load_hf(model_dir: str) -> Any:
+    """The HF transformers model of a saved directory, float32, in eval mode: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def hf_greedy(model_dir: str, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt of a saved HF model directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return hf_greedy_with(model, tokenizer, prompts, max_new_tokens)
+    return hf_greedy_with(load_hf(model_dir), tokenizer, prompts, max_new_tokens)
 
 
 def hf_smollm2_greedy(prompts: list[str], max_new_tokens: int) -> list[list[int]]:
