@@ -111,13 +111,6 @@ def run_vllm(args: argparse.Namespace, prompts: list[Prompt]) -> dict[str, Any]:
                                 max_tokens=args.output_len)
         inputs = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
         llm.generate(inputs[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-        prefill_s = None
-        if args.roofline:
-            # Prefill alone (one token each), so decode time = total - prefill.
-            one = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=1)
-            start = time.perf_counter()
-            llm.generate(inputs, one, use_tqdm=False)
-            prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=True)
         elapsed = time.perf_counter() - start
@@ -127,12 +120,29 @@ def run_vllm(args: argparse.Namespace, prompts: list[Prompt]) -> dict[str, Any]:
     prompt_toks = sum(len(o.prompt_token_ids) for o in outputs)
     out_toks = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     result = report("vllm", len(prompts), prompt_toks, out_toks, elapsed, threads)
-    if prefill_s is not None:
-        result.update(roofline(args, model_config, out_toks, elapsed - prefill_s, threads))
+    if args.roofline:
+        decode_s, decode_toks = decode_window(outputs)
+        result.update(roofline(args, model_config, decode_toks, decode_s, threads))
     return result
 
 
-def roofline(args: argparse.Namespace, model_config: Any, out_toks: int, decode_s: float,
+def decode_window(outputs: list[Any]) -> tuple[float, int]:
+    """(seconds, tokens) of the decode phase, from the requests' own timings (vLLM's
+    RequestOutput.metrics): from the last first token to the last finish.
+
+    Every token after a request's first comes out of a decode step. When all prompts are
+    admitted at once (num_prompts <= max_num_seqs and the cache holds them), the scheduler
+    prefills them all before any decode, so all those tokens fall inside this window."""
+    first = max(o.metrics.first_token_time for o in outputs)
+    last = max(o.metrics.finished_time for o in outputs)
+    if min(o.metrics.finished_time for o in outputs) <= first:
+        raise RuntimeError("some requests finished before the last prefill: the decode "
+                           "window is not one batch (use --num-prompts <= --max-num-seqs)")
+    tokens = sum(len(c.token_ids) - 1 for o in outputs for c in o.outputs)
+    return last - first, tokens
+
+
+def roofline(args: argparse.Namespace, model_config: Any, decode_toks: int, decode_s: float,
              threads: int) -> dict[str, Any]:
     """Decode GEMM FLOP/s reached vs the same GEMMs timed alone at the decode batch size."""
     import torch
@@ -144,8 +154,7 @@ def roofline(args: argparse.Namespace, model_config: Any, out_toks: int, decode_
     rows = min(args.num_prompts, args.max_num_seqs)
     peak, flops_per_token = model_gemm_roofline(
         model_config, rows, get_torch_dtype(model_config.dtype))
-    # The first generated token of each request came from the prefill run.
-    achieved = (out_toks - args.num_prompts) * flops_per_token / decode_s
+    achieved = decode_toks * flops_per_token / decode_s
     print(f"Roofline: model GEMMs at batch {rows}: {peak / 1e9:.1f} GFLOP/s; decode reached "
           f"{achieved / 1e9:.1f} GFLOP/s = {100 * achieved / peak:.0f}% of it "
           f"(decode {decode_s:.2f} s)")

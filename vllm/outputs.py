@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from vllm.engine.beam_search import beam_score
+from vllm.sampling_params import RequestOutputKind
 from vllm.sequence import (
     Logprob,
     PromptLogprobs,
+    RequestMetrics,
     SampleLogprobs,
     Sequence,
     SequenceGroup,
     SequenceStatus,
 )
 
-__all__ = ["CompletionOutput", "Logprob", "RequestOutput"]
+__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
 
 
 @dataclass
@@ -53,11 +56,38 @@ def _text_to_return(seq: Sequence, buffer_length: int) -> str:
     return seq.output_text
 
 
+def _completion(
+    seq: Sequence, index: int, buffer_length: int, want_logprobs: bool, delta: bool
+) -> CompletionOutput:
+    text = _text_to_return(seq, buffer_length)
+    token_ids = seq.get_output_token_ids()
+    logprobs = seq.output_logprobs if want_logprobs else None
+    if delta:
+        # Only what this sequence's previous output did not carry; the held-back text of a
+        # possible stop string is never returned, so the text sent so far is always a prefix.
+        text_start, token_start = seq.delta_offsets
+        seq.delta_offsets = (len(text), len(token_ids))
+        text = text[text_start:]
+        token_ids = token_ids[token_start:]
+        logprobs = logprobs[token_start:] if logprobs is not None else None
+    return CompletionOutput(
+        index=index,
+        text=text,
+        token_ids=list(token_ids),
+        cumulative_logprob=seq.get_cumulative_logprob(),
+        logprobs=logprobs,
+        finish_reason=SequenceStatus.get_finished_reason(seq.status),
+        stop_reason=seq.stop_reason,
+    )
+
+
 @dataclass
 class RequestOutput:
     """The state of one request: its prompt and its (best `n`) completions so far.
 
-    `prompt_logprobs` (when asked for) starts with None for the first prompt token."""
+    `prompt_logprobs` (when asked for) starts with None for the first prompt token. `metrics`
+    is a snapshot of the request's timings when this output was built. With
+    `output_kind=DELTA` the completions hold only what is new since the previous output."""
 
     request_id: str
     prompt: Optional[str]
@@ -65,6 +95,7 @@ class RequestOutput:
     prompt_logprobs: Optional[PromptLogprobs]
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: Optional[RequestMetrics] = None
 
     @classmethod
     def from_seq_group(cls, seq_group: SequenceGroup) -> RequestOutput:
@@ -80,16 +111,14 @@ class RequestOutput:
         else:
             top = sorted(seqs, key=lambda s: s.get_cumulative_logprob(), reverse=True)[: params.n]
         position = {seq.seq_id: i for i, seq in enumerate(seqs)}
-        buffer_length = params.output_text_buffer_length
+        delta = params.output_kind == RequestOutputKind.DELTA
         outputs = [
-            CompletionOutput(
-                index=position[seq.seq_id],
-                text=_text_to_return(seq, buffer_length),
-                token_ids=list(seq.get_output_token_ids()),
-                cumulative_logprob=seq.get_cumulative_logprob(),
-                logprobs=seq.output_logprobs if params.logprobs is not None else None,
-                finish_reason=SequenceStatus.get_finished_reason(seq.status),
-                stop_reason=seq.stop_reason,
+            _completion(
+                seq,
+                position[seq.seq_id],
+                params.output_text_buffer_length,
+                params.logprobs is not None,
+                delta,
             )
             for seq in top
         ]
@@ -100,6 +129,7 @@ class RequestOutput:
             prompt_logprobs=seq_group.prompt_logprobs,
             outputs=outputs,
             finished=seq_group.is_finished(),
+            metrics=copy.copy(seq_group.metrics),
         )
 
     def __repr__(self) -> str:
@@ -107,5 +137,5 @@ class RequestOutput:
             f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
             f"prompt_token_ids={self.prompt_token_ids}, "
             f"prompt_logprobs={self.prompt_logprobs}, outputs={self.outputs}, "
-            f"finished={self.finished})"
+            f"finished={self.finished}, metrics={self.metrics})"
         )

@@ -52,6 +52,18 @@ class SamplingType(IntEnum):
     BEAM = 3
 
 
+class RequestOutputKind(IntEnum):
+    """What each RequestOutput of a request carries (vLLM's names).
+
+    CUMULATIVE: everything generated so far, every step. DELTA: only the tokens and text that
+    are new since the request's previous output. FINAL_ONLY: one output, when it finishes
+    (what `LLM.generate` uses: it never looks at the partial ones, so none are built)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingParamsTypeError(TypeError, ValueError):
     """A sampling parameter of the wrong type.
 
@@ -125,6 +137,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logits_processors: list[LogitsProcessor] | None = None
     truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Derived in __post_init__, not constructor arguments.
     output_text_buffer_length: int = field(default=0, init=False)
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False)
@@ -189,6 +202,16 @@ class SamplingParams:
             raise SamplingParamsTypeError("stop must be a string or a list of strings")
         ids = [] if self.stop_token_ids is None else _as_list("stop_token_ids", self.stop_token_ids)
         self.stop_token_ids = [_as_int("stop_token_ids", t) for t in ids]
+        kind = self.output_kind
+        if isinstance(kind, bool) or not isinstance(kind, numbers.Integral):
+            raise SamplingParamsTypeError(
+                f"output_kind must be a RequestOutputKind, but is of type {type(kind)}"
+            )
+        if kind not in tuple(RequestOutputKind):
+            raise ValueError(
+                f"output_kind must be one of {[k.name for k in RequestOutputKind]}, got {kind}."
+            )
+        self.output_kind = RequestOutputKind(kind)
         if self.logits_processors is not None:
             self.logits_processors = _as_list("logits_processors", self.logits_processors)
             if not all(callable(lp) for lp in self.logits_processors):
@@ -259,6 +282,9 @@ class SamplingParams:
             raise ValueError("top_p must be 1 when using beam search.")
         if self.top_k != -1:
             raise ValueError("top_k must be -1 when using beam search.")
+        if self.output_kind == RequestOutputKind.DELTA:
+            # Beams are re-forked every step: a beam's "new tokens" have no stable meaning.
+            raise ValueError("output_kind=DELTA is not supported with beam search.")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(
                 f"early_stopping must be True, False, or 'never', got {self.early_stopping}."

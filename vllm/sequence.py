@@ -57,6 +57,22 @@ class SequenceStatus(enum.IntEnum):
 
 
 @dataclass
+class RequestMetrics:
+    """When things happened to a request (vLLM's fields; `time.time()` seconds).
+
+    `first_token_time` is when its first generated token came back, `last_token_time` the
+    latest; `time_in_queue` is first_scheduled_time - arrival_time; `finished_time` stays None
+    until the request finishes."""
+
+    arrival_time: float
+    last_token_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    time_in_queue: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclass
 class SequenceData:
     """The token ids of one sequence: what workers need to run and sample it."""
 
@@ -112,6 +128,8 @@ class Sequence:
         self.tokens: Optional[list[str]] = None
         self.prefix_offset = 0
         self.read_offset = 0
+        # (characters of text, output tokens) already returned under output_kind=DELTA.
+        self.delta_offsets = (0, 0)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -213,6 +231,7 @@ class SequenceGroup:
         self.seqs_dict = {seq.seq_id: seq for seq in seqs}
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
+        self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
         self.prompt_logprobs: Optional[PromptLogprobs] = None
         # How many sequences of this group ever got preempted (reported by masstest).
         self.num_preemptions = 0
@@ -224,6 +243,20 @@ class SequenceGroup:
     @property
     def prompt_token_ids(self) -> list[int]:
         return next(iter(self.seqs_dict.values())).prompt_token_ids
+
+    def maybe_set_first_scheduled_time(self, now: float) -> None:
+        """Record the first time the scheduler picked this group (a recompute keeps it)."""
+        if self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = now
+            self.metrics.time_in_queue = now - self.metrics.arrival_time
+
+    def record_token_time(self, now: float) -> None:
+        """A step brought this group new tokens; finishing stamps `finished_time` too."""
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+        if self.metrics.finished_time is None and self.is_finished():
+            self.metrics.finished_time = now
 
     def get_max_num_running_seqs(self) -> int:
         """The most sequences this group can have running at once (for the seq budget)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -144,7 +145,9 @@ class Scheduler:
         self._batch_cap = max_batch_seqs if max_batch_seqs is not None else 1 << 62
         outputs = self._schedule()
         metadata = []
+        now = time.time()
         for seq_group in outputs.scheduled_seq_groups:
+            seq_group.maybe_set_first_scheduled_time(now)
             seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
             metadata.append(
                 SequenceGroupMetadata(

@@ -163,6 +163,7 @@ class LLMEngine:
         while len(self._in_flight) < self.max_in_flight:
             metadata_list, sched_out = self.scheduler.schedule(self._micro_batch_cap())
             for group in sched_out.ignored_seq_groups:
+                group.metrics.finished_time = time.time()
                 ignored.append(RequestOutput.from_seq_group(group))
                 self._finished_request_ids.append(group.request_id)
             if not sched_out.scheduled_seq_groups and not _has_block_ops(sched_out):

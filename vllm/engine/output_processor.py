@@ -3,6 +3,7 @@ check stop conditions, free finished sequences, and build RequestOutputs (torch-
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -16,7 +17,7 @@ from vllm.engine.detokenizer import (
 )
 from vllm.engine.stop_checker import check_stop
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.sequence import (
     SamplerOutput,
     Sequence,
@@ -25,6 +26,8 @@ from vllm.sequence import (
     SequenceOutput,
     SequenceStatus,
 )
+
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 class OutputProcessor:
@@ -50,13 +53,15 @@ class OutputProcessor:
                 f"sampler returned {len(output)} group outputs for {len(groups)} groups"
             )
         results = []
+        now = time.time()
         for group, group_output in zip(groups, output):
-            if group.is_finished():
-                # Aborted while its batch was inside the pipeline: discard the tokens.
+            # Aborted while its batch was inside the pipeline: the tokens are discarded.
+            if not group.is_finished():
+                self._process_group(group, group_output)
+                group.record_token_time(now)
+            # FINAL_ONLY requests (all of LLM.generate's) get no partial outputs built.
+            if group.is_finished() or group.sampling_params.output_kind != FINAL_ONLY:
                 results.append(RequestOutput.from_seq_group(group))
-                continue
-            self._process_group(group, group_output)
-            results.append(RequestOutput.from_seq_group(group))
         return results
 
     def _process_group(self, group: SequenceGroup, group_output: SequenceGroupOutput) -> None:

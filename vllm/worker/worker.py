@@ -218,7 +218,7 @@ class Worker:
         cpu_started = time.thread_time()
         stats["recv_s"] += started - entered
         to_send, output = self.model_runner.execute_stage(
-            cache.gpu_cache, request.seq_group_metadata_list, received
+            cache.gpu_cache, request.seq_group_metadata_list, received, cache.prepare_slots
         )
         computed = time.perf_counter()
         stats["compute_s"] += computed - started
