@@ -1,4 +1,5 @@
-"""Host memory for the CPU KV cache: anonymous mappings backed by transparent huge pages.
+"""Host memory on CPU: the KV cache on transparent huge pages, and glibc malloc kept from
+handing memory back to the kernel.
 
 Decode attention reads each sequence's blocks from anywhere in a multi-GiB cache. With 4 KiB
 pages nearly every block costs a TLB miss (and in a VM a two-level page walk); with 2 MiB pages
@@ -10,8 +11,12 @@ starts, for every allocation, so the cache maps its own memory instead.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
+import os
+import platform
 
 import torch
 
@@ -38,3 +43,35 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     whole = torch.frombuffer(buf, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE
     return whole[skip : skip + nbytes].view(dtype).view(shape)
+
+
+# glibc mallopt() parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
+
+
+def tune_malloc() -> bool:
+    """Make glibc malloc keep and reuse freed memory instead of returning it to the kernel.
+
+    By default glibc serves blocks over its mmap threshold (128 KiB to 32 MiB) with a fresh
+    mapping and unmaps it on free, and trims the heap top; every forward then faults its big
+    activations in again, page by page, and the kernel zeroes each page. On the README's VM
+    (where a first touch also faults on the host), a repeated 128 x 64 SmolLM2 batch took
+    1.86M page faults and 3.7 s of system time per 20.4 s run; with the heap kept, 163 faults,
+    0.25 s and 19.0 s (prefill ~15% faster, decode unchanged), for 9% more peak memory. This is
+    what vLLM's CPU guide gets from preloading tcmalloc, without the extra library.
+
+    Applies to this process (the worker's; with PP=1 that is the caller's process).
+    VLLM_CPU_MALLOC_TUNING=0 leaves malloc alone. Returns whether the settings took effect
+    (False off glibc)."""
+    if os.environ.get("VLLM_CPU_MALLOC_TUNING", "1") == "0" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    settings = (
+        (_M_MMAP_MAX, 0),  # every block from the heap, so freed memory is reused
+        (_M_TRIM_THRESHOLD, 2**31 - 1),  # never give the heap top back
+        (_M_TOP_PAD, 64 << 20),  # grow the heap 64 MiB at a time
+    )
+    return all(libc.mallopt(param, value) == 1 for param, value in settings)

@@ -18,6 +18,7 @@ from vllm.model_executor.parallel_utils.communication import recv_tensor_dict, s
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import ExecuteModelRequest, SamplerOutput
 from vllm.worker.cache_engine import CacheEngine, cache_block_bytes
+from vllm.worker.cpu_memory import tune_malloc
 from vllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("vllm.worker")
@@ -65,6 +66,8 @@ class Worker:
             self.device = torch.device("cpu")
             if self.num_threads:
                 torch.set_num_threads(self.num_threads)
+            if tune_malloc():
+                logger.debug("glibc malloc: heap only, never trimmed (VLLM_CPU_MALLOC_TUNING)")
         torch.manual_seed(self.model_config.seed)
         pc = self.parallel_config
         if pc.world_size > 1:

@@ -1,0 +1,55 @@
+"""tune_malloc: with it, memory freed by one forward is reused by the next instead of being
+unmapped and faulted in again; VLLM_CPU_MALLOC_TUNING=0 leaves glibc's defaults. Run in
+subprocesses: the settings are process-wide."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+# A "forward": activations of several sizes (up to 40 MiB) alive at once, then freed. After a
+# few warm-up forwards, prints the page faults that five more took.
+SCRIPT = """
+import resource, torch
+from vllm.worker.cpu_memory import tune_malloc
+print(tune_malloc())
+def forward():
+    live = [torch.empty(n).fill_(1.0) for n in (10 << 20, 5 << 20, 1 << 18, 3 << 20)]
+    out = torch.empty(1 << 20).fill_(2.0)
+    del live
+    return out
+for _ in range(3):
+    forward()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    forward()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+# One forward touches 19.25M floats = 77 MiB = 19712 pages of 4 KiB.
+PAGES_PER_FORWARD = 19712
+
+
+def run(tuning: str) -> tuple[str, int]:
+    env = dict(os.environ, VLLM_CPU_MALLOC_TUNING=tuning)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    return out[0], int(out[1])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_freed_memory_is_reused_not_faulted_in_again():
+    took, faults = run("1")
+    assert took == "True" and faults < PAGES_PER_FORWARD // 10
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_opt_out_keeps_glibc_defaults():
+    took, faults = run("0")
+    # glibc's defaults map the big blocks afresh (and fault them in) every forward.
+    assert took == "False" and faults > 2 * PAGES_PER_FORWARD
