@@ -178,6 +178,8 @@ class Scheduler:
     def _schedule_prompts(self) -> SchedulerOutputs:
         config = self.scheduler_config
         out = SchedulerOutputs(prompt_run=True)
+        if not self.waiting:
+            return out
         num_seqs = self._num_running_seqs()
         batch_seqs = 0
         while self.waiting:
@@ -258,7 +260,7 @@ class Scheduler:
                 batch_seqs += group_seqs
 
         # Resuming swapped groups right after preempting would only thrash.
-        if out.num_preempted == 0:
+        if out.num_preempted == 0 and self.swapped:
             self.swapped = collections.deque(sorted(self.swapped, key=lambda g: g.arrival_time))
             num_seqs = self._num_running_seqs()
             while self.swapped:
