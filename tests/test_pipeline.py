@@ -101,12 +101,16 @@ def test_pp_size_errors_are_prompt(ray_session, tiny_model_dirs):
     assert time.monotonic() - start < 30
 
 
-def test_shutdown_kills_stage_actors(ray_session, tiny_model_dirs):
+def test_stage_actors_freeze_their_startup_objects_and_die_on_shutdown(
+    ray_session, tiny_model_dirs
+):
     import ray
 
     llm = LLM(tiny_model_dirs["opt-pre"], pipeline_parallel_size=2, kv_cache_space=0.05)
     workers = list(llm.llm_engine.executor.workers)
     assert ray.get([w.get_node_ip.remote() for w in workers])
+    # Out of the cyclic GC after initialize_cache: torch, the model, the cache (>10k objects).
+    assert min(ray.get([w.gc_frozen_objects.remote() for w in workers])) > 10_000
     llm.shutdown()
     for w in workers:
         with pytest.raises(ray.exceptions.RayActorError):

@@ -50,6 +50,8 @@ class RayExecutor(ExecutorBase):
             "VLLM_CONFIGURE_LOGGING",
             "VLLM_PP_CACHE_DIR",
             "VLLM_PP_DISABLE_KERNELS",
+            "VLLM_CPU_MALLOC_TUNING",
+            "VLLM_CPU_PACKED_LINEAR",
         ):
             if key in os.environ:
                 env[key] = os.environ[key]
