@@ -27,6 +27,7 @@ class _Params:
     n: int = 1
     best_of: int = 1
     use_beam_search: bool = False
+    max_tokens: Optional[int] = 16
 
 
 def _scheduler(
@@ -331,3 +332,23 @@ def test_micro_batch_cap_splits_prompts_and_decodes() -> None:
     # A cap below one group's size still lets that group run alone.
     _, single = sched.schedule(max_batch_seqs=0)
     assert _ids(single.scheduled_seq_groups) == ["r2"]
+
+
+def test_kv_blocks_bound_covers_every_admitted_sequence_at_its_longest():
+    sched = _scheduler(gpu=64, max_model_len=40)
+    assert sched.kv_blocks_bound() == 0
+    _add(sched, "a", 6)  # 6 + 16 tokens -> 6 blocks of 4
+    _add(sched, "b", 30)  # 30 + 16 capped at 40 -> 10 blocks
+    group = _add(sched, "c", 3, best_of=2)  # forks into 2 sequences of 3 + 16 -> 2 x 5
+    group.sampling_params.max_tokens = None  # up to max_model_len: 2 x 10 blocks
+    sched.schedule()
+    assert sched.kv_blocks_bound() == 6 + 10 + 20
+    # Decode steps do not move it; it never exceeds the cache.
+    for g in sched.running:
+        sched.finish_in_flight([g.request_id])
+    sched.schedule()
+    assert sched.kv_blocks_bound() == 36
+    small = _scheduler(gpu=8)
+    _add(small, "x", 20)
+    small.schedule()
+    assert small.kv_blocks_bound() == 8

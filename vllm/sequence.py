@@ -356,3 +356,5 @@ class ExecuteModelRequest:
     blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
     # Requests finished since the last step: the last stage drops their seeded generators.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Scheduler.kv_blocks_bound(): how far into its cache a stage should have memory mapped.
+    kv_blocks_bound: int = 0

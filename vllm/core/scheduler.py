@@ -74,6 +74,8 @@ class Scheduler:
         self._aborted_in_flight: dict[str, SequenceGroup] = {}
         self.num_cumulative_preemption = 0
         self._batch_cap = 1 << 62
+        # See kv_blocks_bound(); recomputed when requests are admitted or swapped back in.
+        self._kv_blocks_bound = 0
 
     # -- queue management ------------------------------------------------------------------
 
@@ -144,6 +146,8 @@ class Scheduler:
         """
         self._batch_cap = max_batch_seqs if max_batch_seqs is not None else 1 << 62
         outputs = self._schedule()
+        if outputs.prompt_run or outputs.blocks_to_swap_in:
+            self._kv_blocks_bound = self._bound_running_blocks()
         metadata = []
         now = time.time()
         for seq_group in outputs.scheduled_seq_groups:
@@ -170,6 +174,30 @@ class Scheduler:
             if prompt_outputs.scheduled_seq_groups or prompt_outputs.ignored_seq_groups:
                 return prompt_outputs
         return self._schedule_decodes()
+
+    def kv_blocks_bound(self) -> int:
+        """A bound on the device block ids the admitted requests can reach before the next
+        admission: the blocks of every running sequence at its longest.
+
+        The block manager hands out the lowest free block first, so a block id never reaches
+        the peak number of blocks in use, which these sequences cannot exceed. Workers use
+        it to map and zero their cache ahead of the writes (CacheEngine.reserve)."""
+        return self._kv_blocks_bound
+
+    def _bound_running_blocks(self) -> int:
+        max_model_len = self.scheduler_config.max_model_len
+        block_size = self.cache_config.block_size
+        total = 0
+        for group in self.running:
+            max_tokens = group.sampling_params.max_tokens
+            # Sequences still to fork (best_of) count like the one they fork from.
+            seqs = max(group.num_seqs(), group.get_max_num_running_seqs())
+            longest = max(
+                min(seq.get_prompt_len() + (max_tokens or max_model_len), max_model_len)
+                for seq in group.get_seqs()
+            )
+            total += seqs * -(-longest // block_size)
+        return min(total, self.block_manager.num_total_gpu_blocks)
 
     def _num_running_seqs(self) -> int:
         # In-flight groups keep their slots: they come back for more tokens.

@@ -142,6 +142,7 @@ class LLMEngine:
             blocks_to_swap_out=scheduler_outputs.blocks_to_swap_out,
             blocks_to_copy=scheduler_outputs.blocks_to_copy,
             finished_request_ids=self._finished_request_ids,
+            kv_blocks_bound=self.scheduler.kv_blocks_bound(),
         )
         self._finished_request_ids = []
         handle = self.executor.execute_model_async(request)

@@ -21,17 +21,17 @@ class CacheEngine:
     """Owns the device cache and the swap space of one stage.
 
     Each layer's cache is a (key, value) pair of [num_blocks, block_size, num_kv_heads,
-    head_size] tensors. The device cache is allocated with torch.empty: attention never reads a
-    slot before writing it except in masked positions, which it zeroes out.
+    head_size] tensors. On CUDA the device cache is allocated with torch.empty: attention never
+    reads a slot before writing it except in masked positions, which it zeroes out.
 
-    On CPU the memory behind torch.empty is only mapped when first written. A decode step
-    writes one token to each of a few fresh blocks, so the page faults (slow in a VM: the host
-    backs the page too) came one 4 KiB page at a time inside the attention layers, costing up
-    to 15% of a late decode step. `prepare_write` instead zeroes blocks ahead of use in large
-    sequential chunks (the block manager hands out the lowest free block first, so the used
-    blocks stay at the front), one chunk ahead of the highest block in use, and the cost moves
-    out of the hot loop without touching memory the workload never needs. The CPU device cache
-    lives on huge pages (worker/cpu_memory.py).
+    On CPU the device cache lives on 2 MiB huge pages (worker/cpu_memory.py), and `reserve`
+    zeroes it ahead of use: every step brings the scheduler's bound on the blocks its admitted
+    requests can reach (Scheduler.kv_blocks_bound), so the pages are mapped in the step that
+    admits the requests (a prefill, long anyway), never inside the decode loop. Left to fault
+    in on first write, each decode step wrote one token into a few fresh blocks and took their
+    page faults inside the attention layers (slow in a VM, where the host backs each page too):
+    up to 15% of a late decode step. Zeroing the whole cache up front (vLLM V1's torch.zeros)
+    cost 4-12 s of start-up per 4 GiB stage on the same VM, mostly for memory a run never used.
     """
 
     def __init__(
@@ -46,19 +46,19 @@ class CacheEngine:
         device: torch.device,
     ) -> None:
         self.device = device
-        self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
-        # Blocks [0, touched_blocks) of the device cache have been written at least once.
-        self.touched_blocks = num_gpu_blocks if device.type != "cpu" else 0
-        self._touch_chunk = max(1, num_gpu_blocks // 16)
+        # Blocks [0, reserved_blocks) of the device cache are mapped (all of them off CPU).
+        self.reserved_blocks = 0 if device.type == "cpu" else num_gpu_blocks
         shape = (num_gpu_blocks, block_size, num_kv_heads, head_size)
 
-        def empty() -> torch.Tensor:
+        def device_tensor() -> torch.Tensor:
             if device.type == "cpu":
                 return huge_page_empty(shape, dtype)
             return torch.empty(shape, dtype=dtype, device=device)
 
-        self.gpu_cache: list[KVCache] = [(empty(), empty()) for _ in range(num_layers)]
+        self.gpu_cache: list[KVCache] = [
+            (device_tensor(), device_tensor()) for _ in range(num_layers)
+        ]
         # Pinned host memory makes CUDA swaps asynchronous; plain memory on CPU.
         pin = device.type == "cuda"
         self.cpu_cache: list[KVCache] = [
@@ -69,24 +69,15 @@ class CacheEngine:
             for _ in range(num_layers)
         ]
 
-    def prepare_write(self, last_block: int) -> None:
-        """Make sure blocks up to `last_block` have been touched before a write lands there:
-        zero the untouched ones up to the next chunk boundary (see the class docstring)."""
-        if last_block < self.touched_blocks:
+    def reserve(self, num_blocks: int) -> None:
+        """Map (by zeroing) the device blocks below `num_blocks` not mapped yet (CPU only)."""
+        end = min(num_blocks, self.num_gpu_blocks)
+        if end <= self.reserved_blocks:
             return
-        # One chunk of headroom: a cache that grows a block at a time (decode) then meets a
-        # zeroing step only once per chunk, not at every chunk boundary it crosses.
-        chunks = last_block // self._touch_chunk + 2
-        end = min(self.num_gpu_blocks, chunks * self._touch_chunk)
         for key_cache, value_cache in self.gpu_cache:
-            key_cache[self.touched_blocks : end].zero_()
-            value_cache[self.touched_blocks : end].zero_()
-        self.touched_blocks = end
-
-    def prepare_slots(self, slot_mapping: torch.Tensor) -> None:
-        """`prepare_write` for a step's KV writes (flat slots; -1 marks padding)."""
-        if self.touched_blocks < self.num_gpu_blocks and slot_mapping.numel():
-            self.prepare_write(int(slot_mapping.max()) // self.block_size)
+            key_cache[self.reserved_blocks : end].zero_()
+            value_cache[self.reserved_blocks : end].zero_()
+        self.reserved_blocks = end
 
     @staticmethod
     def _copy_blocks(
@@ -104,8 +95,6 @@ class CacheEngine:
 
     def swap_in(self, mapping: dict[int, int]) -> None:
         """Host blocks -> device blocks (mapping: cpu block -> gpu block)."""
-        if mapping:
-            self.prepare_write(max(mapping.values()))
         self._copy_blocks(self.cpu_cache, self.gpu_cache, mapping, self.device)
 
     def swap_out(self, mapping: dict[int, int]) -> None:
@@ -117,7 +106,6 @@ class CacheEngine:
         pairs = {dst: src for src, dsts in mapping.items() for dst in dsts}
         if not pairs:
             return
-        self.prepare_write(max(pairs))
         src_idx = torch.tensor(list(pairs.values()), dtype=torch.long, device=self.device)
         dst_idx = torch.tensor(list(pairs.keys()), dtype=torch.long, device=self.device)
         for key_cache, value_cache in self.gpu_cache:

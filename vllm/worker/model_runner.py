@@ -6,7 +6,7 @@ per decoding sequence; there is no per-sequence loop around the layers.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -97,25 +97,20 @@ class ModelRunner:
         kv_caches: list[KVCache],
         metadata_list: Optional[list[SequenceGroupMetadata]],
         received: Optional[dict[str, Any]],
-        prepare_slots: Optional[Callable[[torch.Tensor], None]] = None,
     ) -> tuple[Optional[dict[str, Any]], Optional[SamplerOutput]]:
         """Run this stage. Returns (what to send to the next stage, sampler output if last).
 
         The first stage builds inputs from `metadata_list`; later stages take the hidden
-        states and metadata in `received` (from the previous stage). `prepare_slots` sees
-        the step's KV slots before the forward writes them (CacheEngine.prepare_slots)."""
+        states and metadata in `received` (from the previous stage)."""
         if self.layout.is_first:
             assert metadata_list is not None
             input_ids, positions, md = prepare_inputs(metadata_list, self.block_size, self.device)
-            hidden_states = None
+            hidden = self.model(input_ids, positions, kv_caches, md)
         else:
             assert received is not None
-            input_ids, positions = None, received["positions"]
+            positions = received["positions"]
             md = InputMetadata.from_dict(received)
-            hidden_states = received["hidden"]
-        if prepare_slots is not None:
-            prepare_slots(md.slot_mapping)
-        hidden = self.model(input_ids, positions, kv_caches, md, hidden_states=hidden_states)
+            hidden = self.model(None, positions, kv_caches, md, hidden_states=received["hidden"])
         if not self.layout.is_last:
             return {"hidden": hidden, "positions": positions, **md.to_dict()}, None
         assert metadata_list is not None

@@ -207,6 +207,7 @@ class Worker:
             # Time between steps: this stage was waiting for the driver's next call.
             stats["idle_s"] += entered - self._last_exit
         cache = self.cache_engine
+        cache.reserve(request.kv_blocks_bound)
         # Block operations come before the forward: this step's batch may use moved blocks.
         cache.swap_in(request.blocks_to_swap_in)
         cache.swap_out(request.blocks_to_swap_out)
@@ -221,7 +222,7 @@ class Worker:
         cpu_started = time.thread_time()
         stats["recv_s"] += started - entered
         to_send, output = self.model_runner.execute_stage(
-            cache.gpu_cache, request.seq_group_metadata_list, received, cache.prepare_slots
+            cache.gpu_cache, request.seq_group_metadata_list, received
         )
         computed = time.perf_counter()
         stats["compute_s"] += computed - started
