@@ -153,11 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["config", "gen tok/s", "wall s", "vs (a)", "PP eff.", "GPU blocks",
                  "peak RSS per stage", "load"], rows)
     print("\nWhere the time went (seconds per stage: compute / waiting to receive / send / "
-          "idle between steps; driver = engine process CPU time):")
+          "idle between steps / cache ops; driver = engine process CPU time):")
     for r in results:
         parts = [f"stage {int(st['pp_rank'])}: {st['compute_s']:.1f} "
                  f"(cpu {st.get('compute_cpu_s', 0):.1f}) / {st['recv_s']:.1f} / "
-                 f"{st['send_s']:.1f} / {st['idle_s']:.1f}" for st in r["stage_stats"]]
+                 f"{st['send_s']:.1f} / {st['idle_s']:.1f} / {st.get('cache_s', 0):.1f}"
+                 for st in r["stage_stats"]]
         print(f"  {r['label']}: " + "; ".join(parts) + f"; driver CPU {r['driver_cpu_s']:.1f}")
     pp_run = results[2]
     print(f"pipeline efficiency = tput(PP={n}) / ({n} x tput(PP=1, 1 thread)) = "

@@ -25,7 +25,7 @@ logger = logging.getLogger("vllm.worker")
 
 
 def _new_stats() -> dict[str, float]:
-    keys = ("steps", "idle_s", "recv_s", "compute_s", "compute_cpu_s", "send_s")
+    keys = ("steps", "idle_s", "cache_s", "recv_s", "compute_s", "compute_cpu_s", "send_s")
     return dict.fromkeys(keys, 0.0)
 
 
@@ -213,6 +213,9 @@ class Worker:
         cache.swap_out(request.blocks_to_swap_out)
         cache.copy(request.blocks_to_copy)
         self.model_runner.drop_requests(request.finished_request_ids)
+        # Cache work first: on a later stage it overlaps with the previous stage's compute.
+        cached = time.perf_counter()
+        stats["cache_s"] += cached - entered
         received = None
         if not self.layout.is_first:
             received = recv_tensor_dict(
@@ -220,7 +223,7 @@ class Worker:
             )
         started = time.perf_counter()
         cpu_started = time.thread_time()
-        stats["recv_s"] += started - entered
+        stats["recv_s"] += started - cached
         to_send, output = self.model_runner.execute_stage(
             cache.gpu_cache, request.seq_group_metadata_list, received
         )
@@ -242,8 +245,9 @@ class Worker:
         return output
 
     def get_stage_stats(self, reset: bool = True) -> dict[str, float]:
-        """Where this stage's time went since the last reset: compute, waiting to receive from
-        the previous stage, sending, and idle between steps (waiting for the driver)."""
+        """Where this stage's time went since the last reset: cache operations (mapping the
+        cache ahead of use, swaps, copies), waiting to receive from the previous stage, compute,
+        sending, and idle between steps (waiting for the driver)."""
         stats = dict(self.stats, pp_rank=ps.get_pipeline_model_parallel_rank())
         if reset:
             self.stats = _new_stats()
