@@ -21,8 +21,9 @@ class CacheEngine:
     """Owns the device cache and the swap space of one stage.
 
     Each layer's cache is a (key, value) pair of [num_blocks, block_size, num_kv_heads,
-    head_size] tensors. On CUDA the device cache is allocated with torch.empty: attention never
-    reads a slot before writing it except in masked positions, which it zeroes out.
+    head_size] tensors. The device cache may hold anything where nothing was written yet
+    (torch.empty on CUDA): attention never reads a slot before writing it except in masked
+    positions, which it zeroes out.
 
     On CPU the device cache lives on 2 MiB huge pages (worker/cpu_memory.py), and `reserve`
     zeroes it ahead of use: every step brings the scheduler's bound on the blocks its admitted
