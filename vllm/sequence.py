@@ -230,11 +230,14 @@ class SequenceGroup:
         self.request_id = request_id
         self.seqs_dict = {seq.seq_id: seq for seq in seqs}
         self.sampling_params = sampling_params
-        self.arrival_time = arrival_time
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
         self.prompt_logprobs: Optional[PromptLogprobs] = None
         # How many sequences of this group ever got preempted (reported by masstest).
         self.num_preemptions = 0
+
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
 
     @property
     def prompt(self) -> Optional[str]:
@@ -248,7 +251,7 @@ class SequenceGroup:
         """Record the first time the scheduler picked this group (a recompute keeps it)."""
         if self.metrics.first_scheduled_time is None:
             self.metrics.first_scheduled_time = now
-            self.metrics.time_in_queue = now - self.metrics.arrival_time
+            self.metrics.time_in_queue = now - self.arrival_time
 
     def record_token_time(self, now: float) -> None:
         """A step brought this group new tokens; finishing stamps `finished_time` too."""
