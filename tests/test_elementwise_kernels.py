@@ -119,6 +119,16 @@ def assert_bf16_rms_norm(
     assert share <= BF16_MAX_ULP_SHARE, f"{share:.2%} of the rows' values are one ulp off"
 
 
+def assert_rms_norm_matches(
+    out: torch.Tensor, expected: torch.Tensor, h: torch.Tensor, weight: torch.Tensor
+) -> None:
+    """fp32: within F32_TOL of the torch path; bf16: as assert_bf16_rms_norm says."""
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, expected, **F32_TOL)
+    else:
+        assert_bf16_rms_norm(out, expected, h, weight)
+
+
 def make_norm(hidden: int, dtype: torch.dtype, seed: int) -> RMSNorm:
     norm = RMSNorm(hidden, EPS).to(dtype)
     gen = torch.Generator().manual_seed(seed)
@@ -143,10 +153,7 @@ def test_rms_norm_matches_fallback(
         expected = norm(x)
     out = norm(x)
     assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, expected, **F32_TOL)
-    else:
-        assert_bf16_rms_norm(out, expected, x, norm.weight)
+    assert_rms_norm_matches(out, expected, x, norm.weight)
 
 
 @torch.inference_mode()
@@ -168,10 +175,7 @@ def test_fused_add_rms_norm_matches_fallback(
     assert torch.equal(x, x_in) and torch.equal(residual, res_in)  # the fallback left them
     # The add is one correctly rounded op in both: bit-identical.
     assert torch.equal(new_residual, expected_sum)
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, expected_out, **F32_TOL)
-    else:
-        assert_bf16_rms_norm(out, expected_out, expected_sum, norm.weight)
+    assert_rms_norm_matches(out, expected_out, expected_sum, norm.weight)
 
 
 @torch.inference_mode()
