@@ -23,6 +23,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "180",
         "Deadline (seconds) for replacing failed stages (start, load, rejoin) before giving up.",
     ),
+    "VLLM_PP_HEARTBEAT_TIMEOUT_S": (
+        "5",
+        "A stage that leaves a health check unanswered this long (seconds) while a step is "
+        "slow counts as frozen and is replaced.",
+    ),
     "VLLM_PP_PLACEMENT_TIMEOUT": (
         "30",
         "Seconds to wait for the Ray placement group before failing with a clear error.",

@@ -28,12 +28,12 @@ from vllm.executor.ray_utils import (
     init_ray,
 )
 from vllm.executor.stage_supervisor import (
-    PING_TIMEOUT_S,
     StageFailedError,
     StageFailure,
     describe_stage,
     kill_local_process,
     local_process_problem,
+    ping_timeout_s,
     wait_process_gone,
 )
 from vllm.logger import init_logger
@@ -216,8 +216,8 @@ class RayExecutor(ExecutorBase):
     def _check_heartbeat(
         self, heartbeat: Optional[tuple[list[Any], float]], started: float
     ) -> Optional[tuple[list[Any], float]]:
-        """Ping every stage (on its health thread) and fail when one has not answered for
-        PING_TIMEOUT_S: a frozen stage is found in seconds, not at the step deadline."""
+        """Ping every stage (on its health thread) and fail when one has not answered within
+        VLLM_PP_HEARTBEAT_TIMEOUT_S: a frozen stage is found in seconds, not at the deadline."""
         now = time.monotonic()
         if heartbeat is None:
             return [w.ping.remote() for w in self.workers], now
@@ -225,7 +225,7 @@ class RayExecutor(ExecutorBase):
         answered, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         if len(answered) == len(refs):
             return None  # all alive; ping again next round
-        if now - sent > PING_TIMEOUT_S:
+        if now - sent > ping_timeout_s():
             raise self._stage_failure(None, now - started, "did not answer a heartbeat")
         return heartbeat
 
@@ -254,7 +254,8 @@ class RayExecutor(ExecutorBase):
     def _diagnose(self, waited_s: float) -> dict[int, str]:
         """rank -> problem for every stage that is dead, frozen, or stuck in one step."""
         refs = {rank: w.ping.remote() for rank, w in enumerate(self.workers)}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_TIMEOUT_S)
+        timeout = ping_timeout_s()
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
         ready_set = set(ready)
         problems: dict[int, str] = {}
         stuck: dict[int, str] = {}
@@ -263,7 +264,7 @@ class RayExecutor(ExecutorBase):
             local = local_process_problem(info.get("pid"), info.get("host"))
             if ref not in ready_set:
                 problems[rank] = local or (
-                    f"did not answer a health check within {PING_TIMEOUT_S:g} s (frozen?)"
+                    f"did not answer a health check within {timeout:g} s (frozen?)"
                 )
                 continue
             try:

@@ -15,8 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-# How long a stage may take to answer a ping before it counts as frozen (seconds).
-PING_TIMEOUT_S = 3.0
+from vllm import envs
+
+
+def ping_timeout_s() -> float:
+    """How long a stage may take to answer a ping before it counts as frozen (seconds)."""
+    return envs.get_float("VLLM_PP_HEARTBEAT_TIMEOUT_S")
 
 
 def describe_stage(info: dict[str, Any]) -> str:
