@@ -84,8 +84,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="CPU threads of the PP=1 reference (default: the engine's default).")
     p.add_argument("--kill-stage-every", "--kill_stage_every", dest="kill_stage_every",
                    type=float, default=None, metavar="S",
-                   help="Fault injection: kill a random stage every S seconds during RUN ALL "
-                        "(needs PP > 1); the engine must replace it and lose nothing.")
+                   help="Fault injection: kill a random stage every S seconds of service during "
+                        "RUN ALL (the clock restarts after each recovery; needs PP > 1); the "
+                        "engine must replace it and lose nothing.")
     p.add_argument("--kill-mode", "--kill_mode", dest="kill_mode", default="mixed",
                    choices=["mixed", "sigkill", "ray.kill", "sigstop"],
                    help="How stages are killed: SIGKILL of the process, ray.kill of the actor, "
@@ -200,8 +201,8 @@ def run_all(llm: Any, reqs: list[Req], rng: random.Random, verbose: bool) -> Run
 
 
 class StageKiller:
-    """Kills a random stage every `every` seconds while the engine runs (one fault at a
-    time: the next kill waits until the engine has replaced the last victim)."""
+    """Kills a random stage every `every` seconds of service while the engine runs (one
+    fault at a time: the clock restarts when the engine has replaced the last victim)."""
 
     def __init__(self, llm: Any, every: float, mode: str, seed: int) -> None:
         self.llm, self.every, self.mode = llm, every, mode
@@ -223,13 +224,16 @@ class StageKiller:
 
         engine = self.llm.llm_engine
         modes = ["sigkill", "ray.kill", "sigstop"]
-        while not self._stop.wait(self.every):
-            # One fault at a time: wait until the last one was recovered from.
+        while True:
+            # One fault at a time, S seconds of service after the engine recovered from the
+            # last one (a restart under load can take longer than S).
             while len(engine.fault_events) < len(self.kills) or (
                 engine.fault_events and engine.fault_events[-1].recovery_s is None
             ):
                 if self._stop.wait(0.05) or engine.is_dead:
                     return
+            if self._stop.wait(self.every):
+                return
             executor = engine.executor
             rank = self.rng.randrange(len(executor.workers))
             how = modes[len(self.kills) % 3] if self.mode == "mixed" else self.mode

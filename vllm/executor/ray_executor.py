@@ -89,8 +89,9 @@ class RayExecutor(ExecutorBase):
         env.update({k: v for k, v in os.environ.items() if k.startswith("VLLM_")})
         return env
 
-    def _start_actors(self, ranks: Iterable[int]) -> None:
-        """A new actor for each rank, on that rank's placement-group bundle."""
+    def _start_actors(self, ranks: Iterable[int], timeout: float = _SETUP_TIMEOUT_S) -> None:
+        """A new actor for each rank, on that rank's placement-group bundle (Ray moves the
+        bundle to another node with room if its node is gone)."""
         actor_cls = ray.remote(
             num_cpus=0 if self._use_gpu else 1,
             num_gpus=1 if self._use_gpu else 0,
@@ -106,17 +107,19 @@ class RayExecutor(ExecutorBase):
             self.workers[rank] = actor_cls.options(
                 scheduling_strategy=strategy, runtime_env={"env_vars": env}
             ).remote()
-        ips = self._wait_all([self.workers[r].get_node_ip.remote() for r in ranks])
-        nodes = self._wait_all([self.workers[r].get_node_id.remote() for r in ranks])
+        ips = self._wait_all([self.workers[r].get_node_ip.remote() for r in ranks], timeout)
+        nodes = self._wait_all([self.workers[r].get_node_id.remote() for r in ranks], timeout)
         for rank, ip, node in zip(ranks, ips, nodes):
             self.stage_infos[rank].update(ip=ip, node_id=node)
             logger.info("Rank %d: Ray actor on node %s (id %s)", rank, ip, node[:12])
 
-    def _join(self, ranks: Iterable[int], survivors: list[int]) -> None:
+    def _join(
+        self, ranks: Iterable[int], survivors: list[int], timeout: float = _SETUP_TIMEOUT_S
+    ) -> None:
         """Build Workers on the new `ranks` and form the process groups with the survivors
         (who leave their old groups and join the new ones at the same time)."""
         ranks = list(ranks)
-        port = self._wait_all([self.workers[0].get_open_port.remote()])[0]
+        port = self._wait_all([self.workers[0].get_open_port.remote()], timeout)[0]
         init_method = get_distributed_init_method(self.stage_infos[0]["ip"], port)
         threads = None if self._use_gpu else _threads_per_stage()
         self._wait_all(
@@ -132,7 +135,8 @@ class RayExecutor(ExecutorBase):
                     num_threads=threads,
                 )
                 for rank in ranks
-            ]
+            ],
+            timeout,
         )
         # Process-group rendezvous needs every rank at once: submit all, then wait.
         refs = [self.workers[r].execute_method.remote("init_device") for r in ranks]
@@ -140,7 +144,7 @@ class RayExecutor(ExecutorBase):
             self.workers[r].execute_method.remote("rejoin_process_groups", init_method)
             for r in survivors
         ]
-        self._wait_all(refs, timeout=_SETUP_TIMEOUT_S)
+        self._wait_all(refs, timeout)
 
     def _run_workers(
         self, method: str, *args: Any, timeout: float = _SETUP_TIMEOUT_S, **kwargs: Any
@@ -293,8 +297,8 @@ class RayExecutor(ExecutorBase):
         self._outstanding.clear()
         self._unclaimed.clear()
         survivors = [r for r in range(len(self.workers)) if r not in ranks]
-        self._start_actors(ranks)
-        self._join(ranks, survivors)
+        self._start_actors(ranks, budget)
+        self._join(ranks, survivors, budget)
         # The survivors ran (and failed) their old steps before rejoining: collect those
         # errors here, or Ray reports each as an "unhandled error" when the ref is dropped.
         _drain(abandoned)
@@ -306,7 +310,7 @@ class RayExecutor(ExecutorBase):
             refs.append(w.execute_method.remote("initialize_cache", num_gpu, num_cpu))
         self._wait_all(refs, timeout=budget)
         infos = self._wait_all(
-            [self.workers[r].execute_method.remote("get_stage_info") for r in ranks]
+            [self.workers[r].execute_method.remote("get_stage_info") for r in ranks], budget
         )
         for rank, info in zip(ranks, infos):
             self.stage_infos[rank].update(info)
