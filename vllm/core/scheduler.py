@@ -406,16 +406,19 @@ class Scheduler:
 
     # -- chunked prefill -------------------------------------------------------------------
 
-    def _token_budget(self) -> int:
-        """This micro-batch's token budget. With N pipeline stages every stage runs every
-        micro-batch, so the pipeline moves at the pace of the largest one: each takes ~1/N of
-        the tokens one round through the pipeline can do (every decoding sequence once, plus
-        prefill chunks up to max_num_batched_tokens), so one long prompt is spread over the
-        micro-batches instead of stalling the one that holds it."""
+    def _token_budget(self) -> tuple[int, int]:
+        """(this micro-batch's token budget, the most of it decodes may take).
+
+        With N pipeline stages every stage runs every micro-batch, so the pipeline moves at
+        the pace of the largest one. One round through the pipeline runs every decoding
+        sequence once plus prefill chunks up to max_num_batched_tokens; each micro-batch takes
+        ~1/N of the decodes and ~1/N of that prefill work (more if fewer decodes are ready), so
+        a long prompt is spread over several micro-batches instead of stalling the one that
+        holds it, and prefills always progress next to many decodes."""
         budget = self.scheduler_config.max_num_batched_tokens
         stages = self.pipeline_parallel_size
         if stages == 1:
-            return budget
+            return budget, budget
         decode_tokens = 0
         prefill_tokens = 0
         for group in self.running:
@@ -426,15 +429,16 @@ class Scheduler:
                     decode_tokens += 1
         for group in self.waiting:
             prefill_tokens += sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
-        work = decode_tokens + min(prefill_tokens, budget)
-        return max(1, min(budget, -(-work // stages)))
+        decode_share = -(-decode_tokens // stages)
+        prefill_share = -(-min(prefill_tokens, budget) // stages)
+        return max(1, min(budget, decode_share + prefill_share)), max(1, decode_share)
 
     def _schedule_chunked(self) -> SchedulerOutputs:
         """vLLM 0.5's chunked-prefill policy: running decodes first, then prefill chunks of
         running groups, swapped groups, and new prompts, within one token budget."""
         config = self.scheduler_config
         out = SchedulerOutputs()
-        budget = self._token_budget()
+        budget, decode_budget = self._token_budget()
         used = 0
         batch_seqs = 0
         decodes: collections.deque[SequenceGroup] = collections.deque()
@@ -454,7 +458,7 @@ class Scheduler:
             seq_group = decodes.popleft()
             group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
             over_cap = scheduled_decodes and batch_seqs + group_seqs > self._batch_cap
-            if used + group_seqs > budget or over_cap:
+            if used + group_seqs > min(budget, decode_budget) or over_cap:
                 self.running.append(seq_group)
                 continue
             while not self.block_manager.can_append_slots(seq_group):
