@@ -182,7 +182,7 @@ def _scheduler(gpu: int, cpu: int, caching: bool = False, **kwargs) -> Scheduler
     return Scheduler(config, cache)
 
 
-def test_scheduler_prefix_hit_skips_computed_tokens_and_marks_on_return() -> None:
+def test_scheduler_prefix_hit_waits_for_in_flight_prefix_and_skips_computed_tokens() -> None:
     sched = _scheduler(16, 0, caching=True)
     prompt = list(range(50, 61))  # 11 tokens, 2 full blocks
     a = _group("a", prompt)
@@ -191,19 +191,24 @@ def test_scheduler_prefix_hit_skips_computed_tokens_and_marks_on_return() -> Non
     assert metadata[0].token_chunk_size == 11 and metadata[0].do_sample
     b = _group("b", prompt)
     sched.add_seq_group(b)
-    _, out = sched.schedule()  # a is still in flight: its blocks are not computed yet
-    assert out.num_batched_tokens == 11
-    sched.finish_in_flight(["a", "b"])
-    c = _group("c", prompt)
-    sched.add_seq_group(c)
+    # a is still in flight: its blocks are not computed yet, so b waits to reuse them
+    # instead of computing the same prefix a second time.
+    _, out = sched.schedule()
+    assert out.is_empty() and list(sched.waiting) == [b]
+    sched.finish_in_flight(["a"])
     metadata, out = sched.schedule()
-    assert [m.request_id for m in metadata] == ["c"]
+    assert [m.request_id for m in metadata] == ["b"]
     assert metadata[0].is_prompt and metadata[0].token_chunk_size == 3
     assert out.num_batched_tokens == 3
-    seq_c = c.get_seqs()[0]
-    assert seq_c.data.get_num_computed_tokens() == 8
-    assert metadata[0].block_tables[seq_c.seq_id][:2] == [0, 1]
-    assert sched.get_stats()["gpu_prefix_cache_hit_rate"] == pytest.approx(2 / 6)
+    seq_b = b.get_seqs()[0]
+    assert seq_b.data.get_num_computed_tokens() == 8
+    assert metadata[0].block_tables[seq_b.seq_id][:2] == [0, 1]
+    # A prompt logprobs request computes everything and does not wait.
+    c = _group("c", prompt, _Params(prompt_logprobs=1))
+    sched.add_seq_group(c)
+    metadata, out = sched.schedule()
+    assert [m.request_id for m in metadata] == ["c"] and out.num_batched_tokens == 11
+    assert sched.get_stats()["gpu_prefix_cache_hit_rate"] == pytest.approx(2 / 4)
 
 
 def test_infeasible_swapped_beam_group_is_ignored_not_hung(caplog) -> None:

@@ -202,6 +202,22 @@ class BlockSpaceManager:
                 hits.append(block)
         return hashes, hits
 
+    def prefix_pending(self, seq_group: SequenceGroup) -> bool:
+        """Whether the waiting prompt's next block after its cached prefix is being computed
+        right now by another request (registered, KV not written yet): admitted later, the
+        prompt reuses it instead of computing the same prefix a second time."""
+        hashes, hits = self._cached_prefix(seq_group)
+        waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
+        if not hashes or not waiting:
+            return False
+        if getattr(seq_group.sampling_params, "prompt_logprobs", None) is not None:
+            return False
+        index = len(hits)
+        if index >= (waiting[0].get_len() - 1) // self.block_size:
+            return False
+        block = self._hash_to_block.get(hashes[index])
+        return block is not None and block not in self._computed
+
     def num_cached_tokens(self, seq_group: SequenceGroup) -> int:
         """Leading tokens of the waiting prompt whose KV `allocate` would take from the cache."""
         return len(self._cached_prefix(seq_group)[1]) * self.block_size

@@ -284,7 +284,8 @@ class Scheduler:
                 self._ignore(seq_group, out.ignored_seq_groups)
                 continue
             status = self.block_manager.can_allocate(seq_group)
-            if status == AllocStatus.LATER:
+            if status == AllocStatus.LATER or self.block_manager.prefix_pending(seq_group):
+                # (Its prefix is being computed in flight: it waits to reuse it.)
                 break
             if status == AllocStatus.NEVER:
                 logger.warning(
@@ -504,7 +505,8 @@ class Scheduler:
                     self._ignore(seq_group, out.ignored_seq_groups)
                     continue
                 status = self.block_manager.can_allocate(seq_group)
-                if status == AllocStatus.LATER:
+                if status == AllocStatus.LATER or self.block_manager.prefix_pending(seq_group):
+                    # (Its prefix is being computed in flight: it waits to reuse it.)
                     break
                 if status == AllocStatus.NEVER:
                     logger.warning(
