@@ -235,10 +235,12 @@ class Scheduler:
 
     def kv_blocks_bound(self) -> int:
         """A bound on the device block ids the admitted requests can reach before the next
-        admission: the blocks of every running sequence at its longest.
+        admission: the blocks of every running sequence at its longest, plus the free blocks
+        that still hold prefix-cache KV.
 
-        The block manager hands out the lowest free block first, so a block id never reaches
-        the peak number of blocks in use, which these sequences cannot exceed. Workers use
+        The block manager hands out the lowest free block first (a cached block is reused
+        only when no other is free), so a block id never reaches the peak number of blocks in
+        use or cached, which these cannot exceed. Workers use
         it to map and zero their cache ahead of the writes (CacheEngine.reserve)."""
         return self._kv_blocks_bound
 
