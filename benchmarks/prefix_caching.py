@@ -76,9 +76,7 @@ def run(args: argparse.Namespace, caching: bool, requests: list[list[int]] | Non
         llm.generate("Warm up the kernels.", SamplingParams(max_tokens=4), use_tqdm=False)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         start = time.perf_counter()
-        outputs = llm.generate(
-            [{"prompt_token_ids": r} for r in requests], params, use_tqdm=False
-        )
+        outputs = llm.generate([{"prompt_token_ids": r} for r in requests], params, use_tqdm=False)
         wall = time.perf_counter() - start
         stats = llm.llm_engine.scheduler.get_stats()
         bm = llm.llm_engine.scheduler.block_manager
