@@ -102,12 +102,11 @@ class SequenceData:
     def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
         """A step wrote the KV of `num_new_computed_tokens` more tokens; the prefill ends when
         every token is computed."""
-        self._num_computed_tokens += num_new_computed_tokens
-        if self._num_computed_tokens > self.get_len():
-            raise ValueError(
-                f"num_computed_tokens ({self._num_computed_tokens}) exceeds the sequence length "
-                f"({self.get_len()})."
-            )
+        # Never beyond the tokens that exist (a defensive bound: the KV of a token cannot be
+        # written before the token is known).
+        self._num_computed_tokens = min(
+            self._num_computed_tokens + num_new_computed_tokens, self.get_len()
+        )
         if self._stage == SequenceStage.PREFILL and self._num_computed_tokens == self.get_len():
             self._stage = SequenceStage.DECODE
 

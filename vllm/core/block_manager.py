@@ -187,10 +187,13 @@ class BlockSpaceManager:
     def _cached_prefix(self, seq_group: SequenceGroup) -> tuple[list[int], list[int]]:
         """(hashes of the full blocks of the group's waiting prompt, the computed cached
         blocks of its leading full blocks, at most up to the block before its last token)."""
-        waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
-        if not self.enable_caching or not waiting:
+        if not self.enable_caching:
             return [], []
-        tokens = waiting[0].get_token_ids()
+        prompt_sets = self._prompt_sets(seq_group)
+        # Samples that diverged before a recompute get blocks of their own, uncached.
+        if len(prompt_sets) != 1:
+            return [], []
+        tokens = prompt_sets[0][0].get_token_ids()
         hashes = self._block_hashes(tokens)
         hits: list[int] = []
         # Prompt logprobs need the logits of every prompt position: nothing may be skipped.
@@ -257,10 +260,23 @@ class BlockSpaceManager:
 
     # -- admission -------------------------------------------------------------------------
 
+    def _prompt_sets(self, seq_group: SequenceGroup) -> list[list[Sequence]]:
+        """The group's WAITING sequences, grouped by identical token lists.
+
+        A new request's sequences share one prompt, so they share one set of blocks. After a
+        recompute (a lost stage, an interrupt) the samples of a group have diverged and each
+        needs blocks of its own."""
+        sets: dict[tuple[int, ...], list[Sequence]] = {}
+        for seq in seq_group.get_seqs(status=SequenceStatus.WAITING):
+            sets.setdefault(tuple(seq.get_token_ids()), []).append(seq)
+        return list(sets.values())
+
+    def _blocks_to_allocate(self, seq_group: SequenceGroup) -> int:
+        return sum(self._blocks_for(seqs[0].get_len()) for seqs in self._prompt_sets(seq_group))
+
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
-        """Whether the prompt of the group's WAITING sequences (one shared copy) fits."""
-        waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
-        required = self._blocks_for(waiting[0].get_len()) if waiting else 0
+        """Whether the group's WAITING sequences fit (one copy per distinct token list)."""
+        required = self._blocks_to_allocate(seq_group)
         if self.num_total_gpu_blocks - required < self.watermark_blocks:
             return AllocStatus.NEVER
         # Cached blocks already in use cost nothing; parked ones count as free already.
@@ -271,14 +287,16 @@ class BlockSpaceManager:
         return AllocStatus.LATER
 
     def allocate(self, seq_group: SequenceGroup) -> int:
-        """Give the group's WAITING sequences one shared set of blocks for their prompt.
+        """Give the group's WAITING sequences blocks for their tokens, one shared set per
+        distinct token list.
 
         Returns how many leading tokens found their KV in the prefix cache (0 without prefix
-        caching): the caller records them as computed."""
-        waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
-        if not waiting:
+        caching, or for sequences that diverged before a recompute): the caller records them
+        as computed."""
+        prompt_sets = self._prompt_sets(seq_group)
+        if not prompt_sets:
             return 0
-        num_blocks = self._blocks_for(waiting[0].get_len())
+        num_blocks = self._blocks_to_allocate(seq_group)
         hashes, hits = self._cached_prefix(seq_group)
         parked = sum(1 for block in hits if self._gpu.ref_count(block) == 0)
         if num_blocks - len(hits) + parked > self._gpu.num_free():
@@ -286,29 +304,28 @@ class BlockSpaceManager:
             raise ValueError(
                 f"Out of memory! Need {num_blocks} gpu blocks, {self._gpu.num_free()} free."
             )
-        if (
-            self.enable_caching
-            and getattr(seq_group.sampling_params, "prompt_logprobs", None) is None
-        ):
-            self.num_queried_blocks += (waiting[0].get_len() - 1) // self.block_size
+        if hashes and getattr(seq_group.sampling_params, "prompt_logprobs", None) is None:
+            self.num_queried_blocks += (prompt_sets[0][0].get_len() - 1) // self.block_size
             self.num_hit_blocks += len(hits)
-        table = []
-        for block in hits:
-            self._gpu.revive(block)
-            table.append(block)
-        for index in range(len(hits), num_blocks):
-            block = self._gpu.allocate()
-            # A prefix being computed elsewhere right now keeps its first block; this copy
-            # stays private.
-            if index < len(hashes) and hashes[index] not in self._hash_to_block:
-                self._hash_to_block[hashes[index]] = block
-                self._block_to_hash[block] = hashes[index]
-            table.append(block)
-        for block in table:
-            for _ in waiting[1:]:
-                self._gpu.incref(block)
-        for seq in waiting:
-            self._gpu_tables[seq.seq_id] = list(table)
+        for seqs in prompt_sets:
+            table: list[int] = []
+            # `hashes` and `hits` are empty unless there is a single token list.
+            for block in hits:
+                self._gpu.revive(block)
+                table.append(block)
+            for index in range(len(hits), self._blocks_for(seqs[0].get_len())):
+                block = self._gpu.allocate()
+                # A prefix being computed elsewhere right now keeps its first block; this copy
+                # stays private.
+                if index < len(hashes) and hashes[index] not in self._hash_to_block:
+                    self._hash_to_block[hashes[index]] = block
+                    self._block_to_hash[block] = hashes[index]
+                table.append(block)
+            for block in table:
+                for _ in seqs[1:]:
+                    self._gpu.incref(block)
+            for seq in seqs:
+                self._gpu_tables[seq.seq_id] = list(table)
         return len(hits) * self.block_size
 
     # -- decode growth ---------------------------------------------------------------------

@@ -38,6 +38,8 @@ class EngineArgs:
     enable_prefix_caching: bool = False
     device: str = "auto"
     disable_log_stats: bool = False
+    max_stage_restarts: int = 3
+    step_timeout_s: Optional[float] = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -175,6 +177,21 @@ class EngineArgs:
             help="Device type for execution.",
         )
         add("--disable-log-stats", action="store_true", help="Disable logging statistics.")
+        add(
+            "--max-stage-restarts",
+            type=int,
+            default=d.max_stage_restarts,
+            help="How many times a failed pipeline stage is replaced (its requests recomputed, "
+            "none lost) before the engine gives up; 0 = fail-stop, like vLLM.",
+        )
+        add(
+            "--step-timeout-s",
+            type=float,
+            default=d.step_timeout_s,
+            help="Base deadline (s) for a micro-batch to come back from the pipeline, plus "
+            "VLLM_PP_STEP_TIMEOUT_PER_TOKEN_S per token; a stage that misses it is declared "
+            "failed. Default: VLLM_PP_STEP_TIMEOUT_S or 60.",
+        )
         return parser
 
     @classmethod
@@ -192,6 +209,8 @@ class EngineArgs:
             self.tensor_parallel_size,
             self.distributed_executor_backend,
             self.pp_layer_partition,
+            max_stage_restarts=self.max_stage_restarts,
+            step_timeout_s=self.step_timeout_s,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -201,6 +220,7 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
         )
+        cache_config.verify_memory(device_config.device, parallel_config.tensor_parallel_size)
         model_config = ModelConfig(
             model=self.model,
             tokenizer=self.tokenizer,

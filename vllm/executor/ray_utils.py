@@ -4,18 +4,31 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from typing import Any
 
+import ray
+
+from vllm import envs
 from vllm.logger import init_logger
 
 logger = init_logger("vllm.executor.ray_utils")
 
 # How long to wait for the placement group before failing with a clear error (seconds).
-_PLACEMENT_TIMEOUT_S = float(os.environ.get("VLLM_PP_PLACEMENT_TIMEOUT", "30"))
+_PLACEMENT_TIMEOUT_S = envs.get_float("VLLM_PP_PLACEMENT_TIMEOUT")
+
+
+# Ray concurrency group whose thread answers health checks while a step runs.
+HEALTH_GROUP = "health"
 
 
 class RayWorkerWrapper:
-    """The actor body: builds a Worker lazily inside the actor process and runs its methods."""
+    """The actor body: builds a Worker lazily inside the actor process and runs its methods.
+
+    Steps and set-up run one at a time, in submission order, on the actor's default thread;
+    `ping` runs on a thread of its own (concurrency group "health"), so it answers while a
+    step is running -- or is stuck waiting on a neighbour -- and only a dead or frozen process
+    leaves it unanswered."""
 
     def __init__(self) -> None:
         from vllm.logger import configure_logging
@@ -34,8 +47,6 @@ class RayWorkerWrapper:
         return get_ip()
 
     def get_node_id(self) -> str:
-        import ray
-
         return ray.get_runtime_context().get_node_id()
 
     def get_open_port(self) -> int:
@@ -54,6 +65,13 @@ class RayWorkerWrapper:
             gc.freeze()
         return result
 
+    @ray.method(concurrency_group=HEALTH_GROUP)
+    def ping(self) -> dict[str, Any]:
+        """Liveness: this process's pid and how long its current step has run (None if idle)."""
+        busy_since = getattr(self.worker, "busy_since", None)
+        busy_s = None if busy_since is None else time.perf_counter() - busy_since
+        return {"pid": os.getpid(), "busy_s": busy_s}
+
     def gc_frozen_objects(self) -> int:
         """How many objects are frozen out of the cyclic GC in this actor (diagnostics)."""
         return gc.get_freeze_count()
@@ -66,8 +84,6 @@ def init_ray(world_size: int, use_gpu: bool) -> bool:
     local instance gets at least `world_size` logical CPUs, so PP=4 runs on a 2-core machine
     (oversubscribed, with a warning) instead of never placing.
     """
-    import ray
-
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
@@ -85,7 +101,6 @@ def init_ray(world_size: int, use_gpu: bool) -> bool:
 
 def create_placement_group(world_size: int, use_gpu: bool) -> Any:
     """One bundle per rank ({"GPU": 1} or {"CPU": 1}); a clear error if it cannot be placed."""
-    import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     resource = "GPU" if use_gpu else "CPU"
