@@ -177,3 +177,23 @@ def test_sequence_data_computed_tokens_and_forks() -> None:
     assert not light.is_prefill() and light.data.get_num_computed_tokens() == 10
     seq.reset_for_recompute()
     assert seq.is_prefill() and seq.get_num_new_tokens() == 11
+
+
+def test_diverged_recompute_group_too_big_for_a_step_is_ignored_not_hung() -> None:
+    """After a recompute, samples that diverged are prefilled whole (never chunked): if they
+    cannot fit one step together they end as ignored instead of waiting forever."""
+    sched = _scheduler(budget=8)
+    seqs = [Sequence(next(_seq_ids), "p", list(range(5)), block_size=4) for _ in range(2)]
+    seqs[1].append_token_id(9, {9: Logprob(0.0)})  # 5 + 6 tokens > 8
+    group = SequenceGroup("div", seqs, _Params(n=2, best_of=2), arrival_time=0.0)
+    sched.add_seq_group(group)
+    small = [Sequence(next(_seq_ids), "p", [1, 2, 3], block_size=4) for _ in range(2)]
+    small[1].append_token_id(9, {9: Logprob(0.0)})
+    fits = SequenceGroup("fits", small, _Params(n=2, best_of=2), arrival_time=1.0)
+    sched.add_seq_group(fits)
+    metadata, out = sched.schedule()
+    assert out.ignored_seq_groups == [group]
+    assert [(m.request_id, len(m.seq_data), m.do_sample) for m in metadata] == [("fits", 2, True)]
+    assert out.num_batched_tokens == 7
+    sched.finish_in_flight(["fits"])
+    assert all(not s.is_prefill() for s in small)

@@ -573,10 +573,21 @@ class Scheduler:
                     break
                 cached = self.block_manager.num_cached_tokens(seq_group)
                 new_tokens = num_prompt_tokens - cached
+                max_tokens = config.max_num_batched_tokens
                 if len(waiting_seqs) == 1:
                     chunk = min(new_tokens, budget - used)
-                elif used + new_tokens <= budget:
-                    chunk = new_tokens  # several sequences: never chunked (vLLM's rule)
+                elif new_tokens > max_tokens:
+                    # Several sequences (diverged before a recompute) are never chunked: if
+                    # together they exceed a step's tokens they could never run.
+                    logger.warning(
+                        "Input prompt (%d tokens) is too long and exceeds limit of %d",
+                        new_tokens,
+                        max_tokens,
+                    )
+                    self._ignore(seq_group, out.ignored_seq_groups)
+                    continue
+                elif used + new_tokens <= max_tokens:
+                    chunk = new_tokens
                 else:
                     break
                 self.waiting.popleft()
