@@ -171,7 +171,7 @@ def test_swap_out_and_in_round_trip_preserves_mapping() -> None:
 
     bm.free(other)
     _admit(bm, _group("squatter", 4))  # takes gpu 0, so swap-in lands elsewhere
-    assert bm.can_swap_in(group)  # 3 blocks + 1 per seq <= 7 free
+    assert bm.can_swap_in(group) == AllocStatus.OK  # 3 blocks + 1 per seq <= 7 free
     back = bm.swap_in(group)
     assert back == {0: 1, 1: 2, 2: 3}
     for seq in (parent, child):
@@ -196,9 +196,9 @@ def test_can_swap_in_reserves_next_token_and_can_swap_out_needs_cpu_room() -> No
     bm.swap_out(group)
     group.get_seqs()[0].status = SequenceStatus.SWAPPED
     assert bm.get_num_free_gpu_blocks() == 2
-    assert not bm.can_swap_in(group)  # 2 blocks + 1 for the next token > 2 free
+    assert bm.can_swap_in(group) == AllocStatus.LATER  # 2 blocks + 1 for the next token > 2 free
     bm.free(big.get_seqs()[0])
-    assert bm.can_swap_in(group)
+    assert bm.can_swap_in(group) == AllocStatus.OK
 
 
 def test_reset_frees_everything() -> None:

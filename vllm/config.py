@@ -199,6 +199,8 @@ class CacheConfig:
     num_gpu_blocks_override: Optional[int] = None
     num_gpu_blocks: Optional[int] = None
     num_cpu_blocks: Optional[int] = None
+    # Automatic prefix caching: full blocks are shared by hash of their tokens and prefix.
+    enable_prefix_caching: bool = False
 
     def verify_memory(self, device: str, tensor_parallel_size: int) -> None:
         """Refuse budgets this node's memory cannot hold, before any worker starts.
@@ -318,19 +320,32 @@ class ParallelConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Batching limits per step and the preemption mode."""
+    """Batching limits per step, the preemption mode and chunked prefill.
+
+    With `enable_chunked_prefill` a step takes the running decodes first, then prefill chunks
+    up to `max_num_batched_tokens` (default 512, as in vLLM 0.5), so a prompt longer than the
+    budget is prefilled over several steps and `max_num_batched_tokens` may be smaller than
+    `max_model_len`."""
 
     max_num_batched_tokens: Optional[int] = None
     max_num_seqs: int = 256
     max_model_len: int = 2048
     preemption_mode: Optional[str] = None
+    enable_chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(self.max_model_len, 2048)
+            if self.enable_chunked_prefill:
+                self.max_num_batched_tokens = 512
+            else:
+                self.max_num_batched_tokens = max(self.max_model_len, 2048)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}."
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
                 f"max_model_len ({self.max_model_len}). This effectively limits the maximum "
@@ -346,6 +361,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}."
             )
+
+    @property
+    def chunked_prefill_enabled(self) -> bool:
+        """vLLM's attribute name for `enable_chunked_prefill`."""
+        return self.enable_chunked_prefill
 
 
 @dataclass

@@ -72,15 +72,55 @@ class RequestMetrics:
     finished_time: Optional[float] = None
 
 
+class SequenceStage(enum.Enum):
+    """PREFILL until every token of the sequence has its KV in the cache (possibly over several
+    chunks), then DECODE: one new token per step."""
+
+    PREFILL = enum.auto()
+    DECODE = enum.auto()
+
+
 @dataclass
 class SequenceData:
-    """The token ids of one sequence: what workers need to run and sample it."""
+    """The token ids of one sequence: what workers need to run and sample it.
+
+    `_num_computed_tokens` counts the leading tokens whose KV is already in the cache (a
+    chunked prefill's earlier chunks, or a prefix found in the prefix cache); the next step
+    feeds the tokens after them (vLLM's names and semantics)."""
 
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     # The sequence's EOS id: the sampler suppresses it (with the stop ids) during min_tokens.
     eos_token_id: Optional[int] = None
+    _num_computed_tokens: int = 0
+    _stage: SequenceStage = SequenceStage.PREFILL
+
+    def get_num_computed_tokens(self) -> int:
+        return self._num_computed_tokens
+
+    def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
+        """A step wrote the KV of `num_new_computed_tokens` more tokens; the prefill ends when
+        every token is computed."""
+        # Never beyond the tokens that exist (a defensive bound: the KV of a token cannot be
+        # written before the token is known).
+        self._num_computed_tokens = min(
+            self._num_computed_tokens + num_new_computed_tokens, self.get_len()
+        )
+        if self._stage == SequenceStage.PREFILL and self._num_computed_tokens == self.get_len():
+            self._stage = SequenceStage.DECODE
+
+    def reset_state_for_recompute(self) -> None:
+        """Its KV was dropped: every token is prefilled again."""
+        self._num_computed_tokens = 0
+        self._stage = SequenceStage.PREFILL
+
+    def get_num_uncomputed_tokens(self) -> int:
+        return self.get_len() - self._num_computed_tokens
+
+    @property
+    def stage(self) -> SequenceStage:
+        return self._stage
 
     def append_token_id(self, token_id: int, logprob: float) -> None:
         self.output_token_ids.append(token_id)
@@ -202,6 +242,8 @@ class Sequence:
             list(self.data.output_token_ids),
             self.data.cumulative_logprob,
             self.data.eos_token_id,
+            self.data._num_computed_tokens,
+            self.data._stage,
         )
         new_seq.output_logprobs = list(self.output_logprobs)
         new_seq.tokens = None if self.tokens is None else list(self.tokens)
@@ -210,6 +252,17 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Preempted by recompute: its whole token list is prefilled again when rescheduled."""
         self.status = SequenceStatus.WAITING
+        self.data.reset_state_for_recompute()
+
+    def is_prefill(self) -> bool:
+        return self.data.stage == SequenceStage.PREFILL
+
+    def get_num_new_tokens(self) -> int:
+        """Tokens the next step feeds for this sequence: one when decoding, else every
+        token whose KV is not in the cache yet."""
+        if self.data.stage == SequenceStage.DECODE:
+            return 1
+        return self.data.get_num_uncomputed_tokens()
 
     def __repr__(self) -> str:
         return (
@@ -232,6 +285,8 @@ class SequenceGroup:
         self.sampling_params = sampling_params
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
         self.prompt_logprobs: Optional[PromptLogprobs] = None
+        # Prompt logprobs of the prefill chunks received so far (complete: prompt_logprobs).
+        self.partial_prompt_logprobs: PromptLogprobs = []
         # How many sequences of this group ever got preempted (reported by masstest).
         self.num_preemptions = 0
 
@@ -260,6 +315,11 @@ class SequenceGroup:
         self.metrics.last_token_time = now
         if self.metrics.finished_time is None and self.is_finished():
             self.metrics.finished_time = now
+
+    def is_prefill(self) -> bool:
+        """Whether the group's (single) unfinished sequence still has prompt KV to compute."""
+        seqs = self.get_unfinished_seqs()
+        return bool(seqs) and seqs[0].is_prefill()
 
     def get_max_num_running_seqs(self) -> int:
         """The most sequences this group can have running at once (for the seq budget)."""
@@ -316,8 +376,11 @@ class SequenceGroup:
 class SequenceGroupMetadata:
     """What a worker needs to run one group for one step (pickled to the stage workers).
 
-    `is_prompt` groups feed all their tokens (a prefill, also after recompute-preemption);
-    the others feed only their last token (a decode).
+    `is_prompt` groups feed `token_chunk_size` tokens after the ones already computed
+    (`SequenceData.get_num_computed_tokens`): the whole prompt, one chunk of it (chunked
+    prefill), or the part after a cached prefix (prefix caching); also after recompute-
+    preemption. The others feed only their last token (a decode). `do_sample` is False for a
+    prefill chunk that does not reach the end of the prompt: nothing is sampled for it.
     """
 
     request_id: str
@@ -325,6 +388,16 @@ class SequenceGroupMetadata:
     seq_data: dict[int, SequenceData]
     sampling_params: SamplingParams
     block_tables: dict[int, list[int]]
+    token_chunk_size: Optional[int] = None
+    do_sample: bool = True
+
+    def __post_init__(self) -> None:
+        if self.token_chunk_size is None:
+            if self.is_prompt:
+                data = next(iter(self.seq_data.values()))
+                self.token_chunk_size = data.get_num_uncomputed_tokens()
+            else:
+                self.token_chunk_size = 1
 
 
 @dataclass

@@ -7,10 +7,11 @@ they diverge (copy-on-write). Imports no torch.
 
 from __future__ import annotations
 
+import collections
 import enum
 import heapq
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Optional
 
 from vllm.sequence import SequenceStatus
 
@@ -30,7 +31,10 @@ class _BlockAllocator:
     """Free list and reference counts of one device's blocks.
 
     The lowest free number is handed out first so block tables are deterministic and easy to
-    read in tests and logs.
+    read in tests and logs. With prefix caching, a block whose last reference goes away while
+    it holds cached KV (`cached` says which) is not freed but parked in an LRU evictor: it can
+    be revived by a later request with the same prefix, and is reused for other data only when
+    no never-used or plain free block is left (least recently freed first).
     """
 
     def __init__(self, device: str, num_blocks: int) -> None:
@@ -38,11 +42,22 @@ class _BlockAllocator:
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
         self._free = list(range(num_blocks))  # already a valid heap
+        # Free blocks that still hold cached KV, least recently freed first.
+        self.evictor: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # Called with a block taken out of the evictor for other data (forget its hash).
+        self.on_evict: Optional[Callable[[int], None]] = None
+        # Called when a block's last reference is dropped: True parks it in the evictor.
+        self.keep_cached: Optional[Callable[[int], bool]] = None
 
     def allocate(self) -> int:
-        if not self._free:
+        if self._free:
+            block = heapq.heappop(self._free)
+        elif self.evictor:
+            block, _ = self.evictor.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block)
+        else:
             raise ValueError(f"Out of memory! No free {self.device} blocks are available.")
-        block = heapq.heappop(self._free)
         self._ref_counts[block] = 1
         return block
 
@@ -52,12 +67,30 @@ class _BlockAllocator:
             raise ValueError(f"Cannot share free {self.device} block {block}.")
         self._ref_counts[block] += 1
 
+    def revive(self, block: int) -> None:
+        """Take a reference on a cached block, in use or parked in the evictor."""
+        self._check(block)
+        if self._ref_counts[block] == 0:
+            del self.evictor[block]
+        self._ref_counts[block] += 1
+
     def free(self, block: int) -> None:
         self._check(block)
         if self._ref_counts[block] == 0:
             raise ValueError(f"Double free! {self.device} block {block} is already freed.")
         self._ref_counts[block] -= 1
         if self._ref_counts[block] == 0:
+            if self.keep_cached is not None and self.keep_cached(block):
+                self.evictor[block] = None
+            else:
+                heapq.heappush(self._free, block)
+
+    def drop_evictor(self) -> None:
+        """Return every parked block to the free list."""
+        while self.evictor:
+            block, _ = self.evictor.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block)
             heapq.heappush(self._free, block)
 
     def ref_count(self, block: int) -> int:
@@ -65,7 +98,8 @@ class _BlockAllocator:
         return self._ref_counts[block]
 
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks available for new data: never used, freed, or cached but unreferenced."""
+        return len(self._free) + len(self.evictor)
 
     def _check(self, block: int) -> None:
         if not isinstance(block, int) or not 0 <= block < self.num_blocks:
@@ -74,13 +108,27 @@ class _BlockAllocator:
 
 class BlockSpaceManager:
     """Paged KV blocks: block tables per sequence, reference counts, copy-on-write fork,
-    append, free, swap.
+    append, free, swap, and (optional) automatic prefix caching.
 
     A sequence's table lives either on the GPU (running) or on the CPU (swapped out), never both.
+
+    Prefix caching (vLLM's automatic prefix caching): a full block of a prompt is identified by
+    hash((hash of the block before it, its token ids)), so equal hashes mean equal prefixes. A
+    new prompt takes, instead of fresh blocks, the cached blocks of its longest cached full-block
+    prefix whose KV is written ("computed", reported by the scheduler when the batch that wrote
+    them returns), but never the block of its last token: at least one token is computed, and
+    no shared block is ever written. Cached blocks nobody references wait in an LRU evictor and
+    are reused for other data only when no plain free block is left. Block ids are the same on
+    every pipeline stage, so every stage finds the cached KV of its own layers in them.
     """
 
     def __init__(
-        self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, watermark: float = 0.01
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        watermark: float = 0.01,
+        enable_caching: bool = False,
     ) -> None:
         if watermark < 0:
             raise ValueError(f"watermark must be non-negative, got {watermark}.")
@@ -88,19 +136,127 @@ class BlockSpaceManager:
         self.num_total_gpu_blocks = num_gpu_blocks
         self.num_total_cpu_blocks = num_cpu_blocks
         self.watermark = watermark
+        self.enable_caching = enable_caching
         # Kept free on admission so running sequences can still grow without instant preemption.
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.reset()
 
     def reset(self) -> None:
-        """Forget every table and mark all blocks of both devices free."""
+        """Forget every table and cached block and mark all blocks of both devices free."""
         self._gpu = _BlockAllocator("gpu", self.num_total_gpu_blocks)
         self._cpu = _BlockAllocator("cpu", self.num_total_cpu_blocks)
         self._gpu_tables: dict[int, list[int]] = {}
         self._cpu_tables: dict[int, list[int]] = {}
+        self._hash_to_block: dict[int, int] = {}
+        self._block_to_hash: dict[int, int] = {}
+        self._computed: set[int] = set()
+        self.num_queried_blocks = 0
+        self.num_hit_blocks = 0
+        if self.enable_caching:
+            self._gpu.keep_cached = self._keep_cached
+            self._gpu.on_evict = self._forget
 
     def _blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
+
+    # -- prefix caching --------------------------------------------------------------------
+
+    def _keep_cached(self, block: int) -> bool:
+        if block in self._computed:
+            return True
+        # Registered but never written (its request was aborted or preempted first).
+        self._forget(block)
+        return False
+
+    def _forget(self, block: int) -> None:
+        block_hash = self._block_to_hash.pop(block, None)
+        if block_hash is not None:
+            del self._hash_to_block[block_hash]
+        self._computed.discard(block)
+
+    def _block_hashes(self, token_ids: list[int]) -> list[int]:
+        """hash((parent hash, block tokens)) of each full block of `token_ids`."""
+        size = self.block_size
+        hashes: list[int] = []
+        parent: Optional[int] = None
+        for start in range(0, len(token_ids) - size + 1, size):
+            parent = hash((parent, tuple(token_ids[start : start + size])))
+            hashes.append(parent)
+        return hashes
+
+    def _cached_prefix(self, seq_group: SequenceGroup) -> tuple[list[int], list[int]]:
+        """(hashes of the full blocks of the group's waiting prompt, the computed cached
+        blocks of its leading full blocks, at most up to the block before its last token)."""
+        if not self.enable_caching:
+            return [], []
+        prompt_sets = self._prompt_sets(seq_group)
+        # Samples that diverged before a recompute get blocks of their own, uncached.
+        if len(prompt_sets) != 1:
+            return [], []
+        tokens = prompt_sets[0][0].get_token_ids()
+        hashes = self._block_hashes(tokens)
+        hits: list[int] = []
+        # Prompt logprobs need the logits of every prompt position: nothing may be skipped.
+        if getattr(seq_group.sampling_params, "prompt_logprobs", None) is None:
+            for block_hash in hashes[: (len(tokens) - 1) // self.block_size]:
+                block = self._hash_to_block.get(block_hash)
+                if block is None or block not in self._computed:
+                    break
+                hits.append(block)
+        return hashes, hits
+
+    def prefix_pending(self, seq_group: SequenceGroup) -> bool:
+        """Whether the waiting prompt's next block after its cached prefix is being computed
+        right now by another request (registered, KV not written yet): admitted later, the
+        prompt reuses it instead of computing the same prefix a second time."""
+        hashes, hits = self._cached_prefix(seq_group)
+        waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
+        if not hashes or not waiting:
+            return False
+        if getattr(seq_group.sampling_params, "prompt_logprobs", None) is not None:
+            return False
+        index = len(hits)
+        if index >= (waiting[0].get_len() - 1) // self.block_size:
+            return False
+        block = self._hash_to_block.get(hashes[index])
+        return block is not None and block not in self._computed
+
+    def num_cached_tokens(self, seq_group: SequenceGroup) -> int:
+        """Leading tokens of the waiting prompt whose KV `allocate` would take from the cache."""
+        return len(self._cached_prefix(seq_group)[1]) * self.block_size
+
+    def mark_blocks_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """The KV of the first `num_computed_tokens` tokens is written: their full blocks may
+        now serve other requests."""
+        if not self.enable_caching:
+            return
+        table = self._gpu_tables.get(seq.seq_id)
+        if table is None:
+            return
+        for block in table[: num_computed_tokens // self.block_size]:
+            if block in self._block_to_hash:
+                self._computed.add(block)
+
+    def get_prefix_cache_hit_rate(self) -> float:
+        """Cached blocks found / full prompt blocks looked up, over all admissions (-1 when
+        prefix caching is off, as vLLM reports)."""
+        if not self.enable_caching:
+            return -1.0
+        if self.num_queried_blocks == 0:
+            return 0.0
+        return self.num_hit_blocks / self.num_queried_blocks
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. after a stage lost its KV): blocks in use stay
+        with their sequences but are never shared again; parked blocks become plain free."""
+        self._gpu.drop_evictor()
+        self._hash_to_block.clear()
+        self._block_to_hash.clear()
+        self._computed.clear()
+
+    def get_num_cached_free_blocks(self) -> int:
+        """Unreferenced blocks that still hold cached KV (counted as free)."""
+        return len(self._gpu.evictor)
 
     # -- admission -------------------------------------------------------------------------
 
@@ -123,26 +279,54 @@ class BlockSpaceManager:
         required = self._blocks_to_allocate(seq_group)
         if self.num_total_gpu_blocks - required < self.watermark_blocks:
             return AllocStatus.NEVER
+        # Cached blocks already in use cost nothing; parked ones count as free already.
+        _, hits = self._cached_prefix(seq_group)
+        required -= sum(1 for block in hits if self._gpu.ref_count(block) > 0)
         if self._gpu.num_free() - required >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, seq_group: SequenceGroup) -> None:
+    def allocate(self, seq_group: SequenceGroup) -> int:
         """Give the group's WAITING sequences blocks for their tokens, one shared set per
-        distinct token list."""
+        distinct token list.
+
+        Returns how many leading tokens found their KV in the prefix cache (0 without prefix
+        caching, or for sequences that diverged before a recompute): the caller records them
+        as computed."""
+        prompt_sets = self._prompt_sets(seq_group)
+        if not prompt_sets:
+            return 0
         num_blocks = self._blocks_to_allocate(seq_group)
-        if num_blocks > self._gpu.num_free():
+        hashes, hits = self._cached_prefix(seq_group)
+        parked = sum(1 for block in hits if self._gpu.ref_count(block) == 0)
+        if num_blocks - len(hits) + parked > self._gpu.num_free():
             # Checked up front so a failed allocation leaks no blocks.
             raise ValueError(
                 f"Out of memory! Need {num_blocks} gpu blocks, {self._gpu.num_free()} free."
             )
-        for seqs in self._prompt_sets(seq_group):
-            table = [self._gpu.allocate() for _ in range(self._blocks_for(seqs[0].get_len()))]
+        if hashes and getattr(seq_group.sampling_params, "prompt_logprobs", None) is None:
+            self.num_queried_blocks += (prompt_sets[0][0].get_len() - 1) // self.block_size
+            self.num_hit_blocks += len(hits)
+        for seqs in prompt_sets:
+            table: list[int] = []
+            # `hashes` and `hits` are empty unless there is a single token list.
+            for block in hits:
+                self._gpu.revive(block)
+                table.append(block)
+            for index in range(len(hits), self._blocks_for(seqs[0].get_len())):
+                block = self._gpu.allocate()
+                # A prefix being computed elsewhere right now keeps its first block; this copy
+                # stays private.
+                if index < len(hashes) and hashes[index] not in self._hash_to_block:
+                    self._hash_to_block[hashes[index]] = block
+                    self._block_to_hash[block] = hashes[index]
+                table.append(block)
             for block in table:
                 for _ in seqs[1:]:
                     self._gpu.incref(block)
             for seq in seqs:
                 self._gpu_tables[seq.seq_id] = list(table)
+        return len(hits) * self.block_size
 
     # -- decode growth ---------------------------------------------------------------------
 
@@ -186,11 +370,16 @@ class BlockSpaceManager:
             blocks.update(tables.get(seq.seq_id, ()))
         return blocks
 
-    def can_swap_in(self, seq_group: SequenceGroup) -> bool:
-        """Room for the group's swapped blocks plus one new block per sequence (next token)."""
+    def can_swap_in(self, seq_group: SequenceGroup) -> AllocStatus:
+        """Room for the group's swapped blocks plus one new block per sequence (next token):
+        now (OK), once others free blocks (LATER), or never, even with the cache empty."""
         seqs = seq_group.get_seqs(status=SequenceStatus.SWAPPED)
         required = len(self._unique_blocks(seqs, self._cpu_tables)) + len(seqs)
-        return self._gpu.num_free() - required >= self.watermark_blocks
+        if self.num_total_gpu_blocks - required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self._gpu.num_free() - required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
 
     def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
         """Move the SWAPPED sequences' blocks to the GPU; returns {cpu block: gpu block}."""
@@ -236,7 +425,9 @@ class BlockSpaceManager:
         for tables, allocator in ((self._gpu_tables, self._gpu), (self._cpu_tables, self._cpu)):
             table = tables.pop(seq.seq_id, None)
             if table is not None:
-                for block in table:
+                # Last block first: the LRU evictor then reuses the deepest blocks of a
+                # prefix before the ones it starts with.
+                for block in reversed(table):
                     allocator.free(block)
 
     def get_block_table(self, seq: Sequence) -> list[int]:

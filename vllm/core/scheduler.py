@@ -3,6 +3,14 @@
 With pipeline parallelism the engine keeps several batches inside the pipeline at once; a group
 that is in flight has not produced its next token yet, so it must not be scheduled, preempted or
 swapped until the engine reports its batch back (`finish_in_flight`). Imports no torch.
+
+Two policies, as in vLLM 0.5: by default a step runs either new prompts (whole) or decodes;
+with `enable_chunked_prefill` a step takes the running decodes first, then prefill chunks up to
+`max_num_batched_tokens`, so a long prompt is prefilled over several steps next to the decodes
+(between two chunks its group is in flight like a decode: chunks reach the cache in order).
+With pipeline parallelism the chunked policy also balances the micro-batches by tokens.
+A group that can never fit the cache (a prompt, or a swapped group that can never be swapped
+back in) is finished as FINISHED_IGNORED with a warning instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ class SchedulerOutputs:
     blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
     ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
     num_preempted: int = 0
+    # request id -> tokens this step feeds for the group (1 per sequence for a decode).
+    token_chunk_sizes: dict[str, int] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         """True when there is nothing to run and no block to move or copy."""
@@ -54,22 +64,35 @@ class SchedulerOutputs:
 class Scheduler:
     """Decides, step by step, which sequence groups run, and owns their KV blocks."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        pipeline_parallel_size: int = 1,
+    ) -> None:
         if cache_config.num_gpu_blocks is None or cache_config.num_cpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks and num_cpu_blocks must be set.")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
-        # A prompt must fit both the context window and one step's token budget.
-        self.prompt_limit = min(
-            scheduler_config.max_model_len, scheduler_config.max_num_batched_tokens
-        )
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.chunked_prefill = scheduler_config.enable_chunked_prefill
+        # A prompt must fit the context window and, unless chunked, one step's token budget.
+        self.prompt_limit = scheduler_config.max_model_len
+        if not self.chunked_prefill:
+            self.prompt_limit = min(self.prompt_limit, scheduler_config.max_num_batched_tokens)
         self.block_manager = BlockSpaceManager(
-            cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks
+            cache_config.block_size,
+            cache_config.num_gpu_blocks,
+            cache_config.num_cpu_blocks,
+            enable_caching=cache_config.enable_prefix_caching,
         )
         self.waiting: collections.deque[SequenceGroup] = collections.deque()
         self.running: collections.deque[SequenceGroup] = collections.deque()
         self.swapped: collections.deque[SequenceGroup] = collections.deque()
         self.in_flight: set[str] = set()
+        # In-flight groups with the number of tokens their batch feeds for them.
+        self._in_flight_groups: dict[str, tuple[SequenceGroup, int]] = {}
+        self._admitted = False
         # Aborted while in flight: their blocks are still being written by the pipeline.
         self._aborted_in_flight: dict[str, SequenceGroup] = {}
         self.num_cumulative_preemption = 0
@@ -118,12 +141,40 @@ class Scheduler:
         self.running = collections.deque(g for g in self.running if not g.is_finished())
 
     def finish_in_flight(self, request_ids: Iterable[str]) -> None:
-        """The batch holding these groups left the pipeline: they may be scheduled again."""
+        """The batch holding these groups left the pipeline: their tokens' KV is in the cache
+        (counted as computed; full prompt blocks become shareable) and they may be scheduled
+        again."""
         for request_id in request_ids:
             self.in_flight.discard(request_id)
+            entry = self._in_flight_groups.pop(request_id, None)
             aborted = self._aborted_in_flight.pop(request_id, None)
             if aborted is not None:
                 self._free_group(aborted)
+                continue
+            if entry is None:
+                continue
+            group, num_tokens = entry
+            running = group.get_seqs(status=SequenceStatus.RUNNING)
+            for seq in running:
+                if seq.is_prefill():
+                    # Several sequences (diverged before a recompute) are never chunked.
+                    if len(running) > 1:
+                        num_tokens = seq.data.get_num_uncomputed_tokens()
+                    seq.data.update_num_computed_tokens(num_tokens)
+                    self.block_manager.mark_blocks_computed(seq, seq.data.get_num_computed_tokens())
+                elif seq.data.get_num_uncomputed_tokens() > 0:
+                    seq.data.update_num_computed_tokens(1)
+
+    def get_stats(self) -> dict[str, float]:
+        """Counters for metrics: preemptions so far and the prefix cache hit rate (-1 off)."""
+        return {
+            "num_cumulative_preemption": self.num_cumulative_preemption,
+            "gpu_prefix_cache_hit_rate": self.block_manager.get_prefix_cache_hit_rate(),
+        }
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (for a stage that lost its KV cache)."""
+        self.block_manager.reset_prefix_cache()
 
     def requeue_in_flight(self) -> list[str]:
         """Put every group inside the pipeline back in the waiting queue for recompute.
@@ -140,6 +191,7 @@ class Scheduler:
             g for g in self.running if g.request_id not in self.in_flight
         )
         self.in_flight.clear()
+        self._in_flight_groups.clear()
         self._requeue(requeued, free_blocks=True)
         return [g.request_id for g in requeued]
 
@@ -151,6 +203,7 @@ class Scheduler:
         re-queued request ids."""
         self._aborted_in_flight.clear()
         self.in_flight.clear()
+        self._in_flight_groups.clear()
         groups = [g for g in (*self.running, *self.swapped) if not g.is_finished()]
         self.running.clear()
         self.swapped.clear()
@@ -189,26 +242,37 @@ class Scheduler:
         with pipelining the engine splits the work into micro-batches so every stage has one.
         """
         self._batch_cap = max_batch_seqs if max_batch_seqs is not None else 1 << 62
-        outputs = self._schedule()
-        if outputs.prompt_run or outputs.blocks_to_swap_in:
+        self._admitted = False
+        outputs = self._schedule_chunked() if self.chunked_prefill else self._schedule()
+        if self._admitted or outputs.blocks_to_swap_in:
             self._kv_blocks_bound = self._bound_running_blocks()
         metadata = []
         now = time.time()
         for seq_group in outputs.scheduled_seq_groups:
             seq_group.maybe_set_first_scheduled_time(now)
             seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
+            is_prompt = seq_group.is_prefill()
+            chunk = outputs.token_chunk_sizes[seq_group.request_id]
+            do_sample = True
+            if is_prompt:
+                data = seqs[0].data
+                # A chunk that stops before the end of the prompt samples nothing.
+                do_sample = data.get_num_computed_tokens() + chunk >= data.get_len()
             metadata.append(
                 SequenceGroupMetadata(
                     request_id=seq_group.request_id,
-                    is_prompt=outputs.prompt_run,
+                    is_prompt=is_prompt,
                     seq_data={seq.seq_id: seq.data for seq in seqs},
                     sampling_params=seq_group.sampling_params,
                     block_tables={
                         seq.seq_id: self.block_manager.get_block_table(seq) for seq in seqs
                     },
+                    token_chunk_size=chunk if is_prompt else 1,
+                    do_sample=do_sample,
                 )
             )
             self.in_flight.add(seq_group.request_id)
+            self._in_flight_groups[seq_group.request_id] = (seq_group, chunk if is_prompt else 1)
         return metadata, outputs
 
     def _schedule(self) -> SchedulerOutputs:
@@ -221,10 +285,12 @@ class Scheduler:
 
     def kv_blocks_bound(self) -> int:
         """A bound on the device block ids the admitted requests can reach before the next
-        admission: the blocks of every running sequence at its longest.
+        admission: the blocks of every running sequence at its longest, plus the free blocks
+        that still hold prefix-cache KV.
 
-        The block manager hands out the lowest free block first, so a block id never reaches
-        the peak number of blocks in use, which these sequences cannot exceed. Workers use
+        The block manager hands out the lowest free block first (a cached block is reused
+        only when no other is free), so a block id never reaches the peak number of blocks in
+        use or cached, which these cannot exceed. Workers use
         it to map and zero their cache ahead of the writes (CacheEngine.reserve)."""
         return self._kv_blocks_bound
 
@@ -241,6 +307,8 @@ class Scheduler:
                 for seq in group.get_seqs()
             )
             total += seqs * -(-longest // block_size)
+        # Parked prefix-cache blocks keep their ids until they are evicted.
+        total += self.block_manager.get_num_cached_free_blocks()
         return min(total, self.block_manager.num_total_gpu_blocks)
 
     def _num_running_seqs(self) -> int:
@@ -268,7 +336,8 @@ class Scheduler:
                 self._ignore(seq_group, out.ignored_seq_groups)
                 continue
             status = self.block_manager.can_allocate(seq_group)
-            if status == AllocStatus.LATER:
+            if status == AllocStatus.LATER or self.block_manager.prefix_pending(seq_group):
+                # (Its prefix is being computed in flight: it waits to reuse it.)
                 break
             if status == AllocStatus.NEVER:
                 logger.warning(
@@ -278,7 +347,9 @@ class Scheduler:
                 )
                 self._ignore(seq_group, out.ignored_seq_groups)
                 continue
-            if out.num_batched_tokens + num_prompt_tokens > config.max_num_batched_tokens:
+            # A prefix found in the prefix cache is not computed again.
+            num_new_tokens = num_prompt_tokens - self.block_manager.num_cached_tokens(seq_group)
+            if out.num_batched_tokens + num_new_tokens > config.max_num_batched_tokens:
                 break
             num_new_seqs = seq_group.get_max_num_running_seqs()
             if num_seqs + num_new_seqs > config.max_num_seqs:
@@ -287,20 +358,41 @@ class Scheduler:
                 break
             batch_seqs += num_new_seqs
             self.waiting.popleft()
-            self.block_manager.allocate(seq_group)
-            for seq in waiting_seqs:
-                seq.status = SequenceStatus.RUNNING
-            self.running.append(seq_group)
+            self._admit(seq_group, waiting_seqs)
             out.scheduled_seq_groups.append(seq_group)
-            out.num_batched_tokens += num_prompt_tokens
+            out.token_chunk_sizes[seq_group.request_id] = waiting_seqs[0].get_num_new_tokens()
+            out.num_batched_tokens += num_new_tokens
             num_seqs += num_new_seqs
         return out
+
+    def _admit(self, seq_group: SequenceGroup, waiting_seqs: list[Sequence]) -> None:
+        cached = self.block_manager.allocate(seq_group)
+        for seq in waiting_seqs:
+            seq.status = SequenceStatus.RUNNING
+            if cached:
+                seq.data.update_num_computed_tokens(cached)
+        self.running.append(seq_group)
+        self._admitted = True
 
     def _ignore(self, seq_group: SequenceGroup, ignored: list[SequenceGroup]) -> None:
         for seq in seq_group.get_seqs(status=SequenceStatus.WAITING):
             seq.status = SequenceStatus.FINISHED_IGNORED
         ignored.append(seq_group)
         self.waiting.popleft()
+
+    def _ignore_swapped(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
+        """vLLM's rule for a swapped group that needs more blocks than the whole cache: it
+        can never run again, so it ends (FINISHED_IGNORED, finish_reason "length")."""
+        logger.warning(
+            "Failing the request %s because there's not enough kv cache blocks to run the "
+            "entire sequence.",
+            seq_group.request_id,
+        )
+        self.swapped.popleft()
+        for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
+            seq.status = SequenceStatus.FINISHED_IGNORED
+            self.block_manager.free(seq)
+        out.ignored_seq_groups.append(seq_group)
 
     def _schedule_decodes(self) -> SchedulerOutputs:
         out = SchedulerOutputs()
@@ -329,6 +421,7 @@ class Scheduler:
                 self._append_slots(seq_group, out)
                 self.running.append(seq_group)
                 scheduled.append(seq_group)
+                out.token_chunk_sizes[seq_group.request_id] = group_seqs
                 batch_seqs += group_seqs
 
         # Resuming swapped groups right after preempting would only thrash.
@@ -338,7 +431,11 @@ class Scheduler:
             while self.swapped:
                 seq_group = self.swapped[0]
                 num_new_seqs = seq_group.get_max_num_running_seqs()
-                if not self.block_manager.can_swap_in(seq_group):
+                status = self.block_manager.can_swap_in(seq_group)
+                if status == AllocStatus.NEVER:
+                    self._ignore_swapped(seq_group, out)
+                    continue
+                if status == AllocStatus.LATER:
                     break
                 if num_seqs + num_new_seqs > self.scheduler_config.max_num_seqs:
                     break
@@ -352,10 +449,218 @@ class Scheduler:
                 self._append_slots(seq_group, out)
                 self.running.append(seq_group)
                 scheduled.append(seq_group)
+                out.token_chunk_sizes[seq_group.request_id] = seq_group.num_seqs(
+                    status=SequenceStatus.RUNNING
+                )
                 num_seqs += num_new_seqs
 
         out.num_batched_tokens = sum(g.num_seqs(status=SequenceStatus.RUNNING) for g in scheduled)
         return out
+
+    # -- chunked prefill -------------------------------------------------------------------
+
+    def _token_budget(self) -> tuple[int, int]:
+        """(this micro-batch's token budget, the most of it decodes may take).
+
+        With N pipeline stages every stage runs every micro-batch, so the pipeline moves at
+        the pace of the largest one. One round through the pipeline runs every decoding
+        sequence once plus prefill chunks up to max_num_batched_tokens; each micro-batch takes
+        ~1/N of the decodes and ~1/N of that prefill work (more if fewer decodes are ready), so
+        a long prompt is spread over several micro-batches instead of stalling the one that
+        holds it, and prefills always progress next to many decodes."""
+        budget = self.scheduler_config.max_num_batched_tokens
+        stages = self.pipeline_parallel_size
+        if stages == 1:
+            return budget, budget
+        decode_tokens = 0
+        prefill_tokens = 0
+        for group in self.running:
+            for seq in group.get_seqs(status=SequenceStatus.RUNNING):
+                if seq.is_prefill():
+                    prefill_tokens += seq.get_num_new_tokens()
+                else:
+                    decode_tokens += 1
+        for group in self.waiting:
+            prefill_tokens += sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
+        decode_share = -(-decode_tokens // stages)
+        prefill_share = -(-min(prefill_tokens, budget) // stages)
+        return max(1, min(budget, decode_share + prefill_share)), max(1, decode_share)
+
+    def _schedule_chunked(self) -> SchedulerOutputs:
+        """vLLM 0.5's chunked-prefill policy: running decodes first, then prefill chunks of
+        running groups, swapped groups, and new prompts, within one token budget."""
+        config = self.scheduler_config
+        out = SchedulerOutputs()
+        budget, decode_budget = self._token_budget()
+        used = 0
+        batch_seqs = 0
+        decodes: collections.deque[SequenceGroup] = collections.deque()
+        prefills: collections.deque[SequenceGroup] = collections.deque()
+        pending = sorted(self.running, key=lambda g: g.arrival_time)
+        self.running = collections.deque()
+        for seq_group in pending:
+            if seq_group.request_id in self.in_flight or seq_group.is_finished():
+                self.running.append(seq_group)
+            elif seq_group.is_prefill():
+                prefills.append(seq_group)
+            else:
+                decodes.append(seq_group)
+
+        scheduled_decodes: list[SequenceGroup] = []
+        while decodes:
+            seq_group = decodes.popleft()
+            group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
+            over_cap = scheduled_decodes and batch_seqs + group_seqs > self._batch_cap
+            if used + group_seqs > min(budget, decode_budget) or over_cap:
+                self.running.append(seq_group)
+                continue
+            while not self.block_manager.can_append_slots(seq_group):
+                victim = self._pop_chunked_victim(decodes, prefills)
+                if victim is None:
+                    self._preempt(seq_group, out)
+                    break
+                self._preempt(victim, out)
+            else:
+                self._append_slots(seq_group, out)
+                self.running.append(seq_group)
+                scheduled_decodes.append(seq_group)
+                out.token_chunk_sizes[seq_group.request_id] = group_seqs
+                used += group_seqs
+                batch_seqs += group_seqs
+
+        scheduled_prefills: list[SequenceGroup] = []
+        for seq_group in prefills:
+            self.running.append(seq_group)
+            chunk = self._chunk(seq_group, SequenceStatus.RUNNING, budget - used)
+            if chunk > 0:
+                scheduled_prefills.append(seq_group)
+                out.token_chunk_sizes[seq_group.request_id] = chunk
+                used += chunk
+
+        if out.num_preempted == 0 and self.swapped:
+            used = self._swap_in_chunked(out, budget, used, scheduled_prefills, scheduled_decodes)
+
+        # New prompts only when nothing waits to be swapped back in (it would starve) and
+        # nothing was just preempted for lack of blocks.
+        if out.num_preempted == 0 and not self.swapped:
+            num_seqs = self._num_running_seqs()
+            while self.waiting and used < budget:
+                seq_group = self.waiting[0]
+                waiting_seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
+                num_prompt_tokens = sum(seq.get_len() for seq in waiting_seqs)
+                if num_prompt_tokens > self.prompt_limit:
+                    logger.warning(
+                        "Input prompt (%d tokens) is too long and exceeds limit of %d",
+                        num_prompt_tokens,
+                        self.prompt_limit,
+                    )
+                    self._ignore(seq_group, out.ignored_seq_groups)
+                    continue
+                status = self.block_manager.can_allocate(seq_group)
+                if status == AllocStatus.LATER or self.block_manager.prefix_pending(seq_group):
+                    # (Its prefix is being computed in flight: it waits to reuse it.)
+                    break
+                if status == AllocStatus.NEVER:
+                    logger.warning(
+                        "Input prompt (%d tokens) is too long and exceeds the capacity of "
+                        "block_manager",
+                        num_prompt_tokens,
+                    )
+                    self._ignore(seq_group, out.ignored_seq_groups)
+                    continue
+                num_new_seqs = seq_group.get_max_num_running_seqs()
+                if num_seqs + num_new_seqs > config.max_num_seqs:
+                    break
+                cached = self.block_manager.num_cached_tokens(seq_group)
+                new_tokens = num_prompt_tokens - cached
+                max_tokens = config.max_num_batched_tokens
+                if len(waiting_seqs) == 1:
+                    chunk = min(new_tokens, budget - used)
+                elif new_tokens > max_tokens:
+                    # Several sequences (diverged before a recompute) are never chunked: if
+                    # together they exceed a step's tokens they could never run.
+                    logger.warning(
+                        "Input prompt (%d tokens) is too long and exceeds limit of %d",
+                        new_tokens,
+                        max_tokens,
+                    )
+                    self._ignore(seq_group, out.ignored_seq_groups)
+                    continue
+                elif used + new_tokens <= max_tokens:
+                    chunk = new_tokens
+                else:
+                    break
+                self.waiting.popleft()
+                self._admit(seq_group, waiting_seqs)
+                scheduled_prefills.append(seq_group)
+                out.token_chunk_sizes[seq_group.request_id] = chunk
+                used += chunk
+                num_seqs += num_new_seqs
+
+        out.scheduled_seq_groups = scheduled_prefills + scheduled_decodes
+        out.prompt_run = bool(scheduled_prefills)
+        out.num_batched_tokens = used
+        return out
+
+    def _chunk(self, seq_group: SequenceGroup, status: SequenceStatus, room: int) -> int:
+        """Tokens of a prefilling group this step can take (0 if none fit)."""
+        seqs = seq_group.get_seqs(status=status)
+        new_tokens = sum(seq.get_num_new_tokens() for seq in seqs)
+        if len(seqs) == 1:
+            return max(0, min(new_tokens, room))
+        return new_tokens if new_tokens <= room else 0
+
+    def _swap_in_chunked(
+        self,
+        out: SchedulerOutputs,
+        budget: int,
+        used: int,
+        scheduled_prefills: list[SequenceGroup],
+        scheduled_decodes: list[SequenceGroup],
+    ) -> int:
+        self.swapped = collections.deque(sorted(self.swapped, key=lambda g: g.arrival_time))
+        num_seqs = self._num_running_seqs()
+        while self.swapped:
+            seq_group = self.swapped[0]
+            status = self.block_manager.can_swap_in(seq_group)
+            if status == AllocStatus.NEVER:
+                self._ignore_swapped(seq_group, out)
+                continue
+            if status == AllocStatus.LATER:
+                break
+            num_new_seqs = seq_group.get_max_num_running_seqs()
+            if num_seqs + num_new_seqs > self.scheduler_config.max_num_seqs:
+                break
+            is_prefill = seq_group.is_prefill()
+            if is_prefill:
+                tokens = self._chunk(seq_group, SequenceStatus.SWAPPED, budget - used)
+                if tokens == 0:
+                    break
+            else:
+                tokens = seq_group.num_seqs(status=SequenceStatus.SWAPPED)
+                if used + tokens > budget:
+                    break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
+            for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+            self._append_slots(seq_group, out)
+            self.running.append(seq_group)
+            (scheduled_prefills if is_prefill else scheduled_decodes).append(seq_group)
+            out.token_chunk_sizes[seq_group.request_id] = tokens
+            used += tokens
+            num_seqs += num_new_seqs
+        return used
+
+    def _pop_chunked_victim(
+        self, decodes: collections.deque[SequenceGroup], prefills: collections.deque[SequenceGroup]
+    ) -> SequenceGroup | None:
+        """The latest-arriving group not scheduled yet, prefilling or decoding."""
+        if not decodes and not prefills:
+            return None
+        if not prefills or (decodes and decodes[-1].arrival_time >= prefills[-1].arrival_time):
+            return decodes.pop()
+        return prefills.pop()
 
     def _pop_victim(self, pending: collections.deque[SequenceGroup]) -> SequenceGroup | None:
         """Remove and return the lowest-priority pending group that is not in flight."""

@@ -34,6 +34,8 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_logprobs: int = 20
     preemption_mode: Optional[str] = None
+    enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = False
     device: str = "auto"
     disable_log_stats: bool = False
     max_stage_restarts: int = 3
@@ -156,6 +158,18 @@ class EngineArgs:
             help="Preemption by recompute or swap (default: recompute for single sequences).",
         )
         add(
+            "--enable-chunked-prefill",
+            action="store_true",
+            help="Prefill long prompts in chunks of at most max_num_batched_tokens (default "
+            "512 then), batched with the running decodes.",
+        )
+        add(
+            "--enable-prefix-caching",
+            action="store_true",
+            help="Enables automatic prefix caching: requests reuse the KV blocks of a shared "
+            "prompt prefix.",
+        )
+        add(
             "--device",
             type=str,
             default=d.device,
@@ -204,6 +218,7 @@ class EngineArgs:
             swap_space=self.swap_space,
             kv_cache_space=self.kv_cache_space,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
         cache_config.verify_memory(device_config.device, parallel_config.tensor_parallel_size)
         model_config = ModelConfig(
@@ -223,5 +238,6 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_model_len=model_config.max_model_len,
             preemption_mode=self.preemption_mode,
+            enable_chunked_prefill=self.enable_chunked_prefill,
         )
         return model_config, cache_config, parallel_config, scheduler_config, device_config

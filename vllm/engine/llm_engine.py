@@ -74,7 +74,9 @@ class LLMEngine:
         self.executor = _make_executor(
             model_config, cache_config, parallel_config, scheduler_config, device_config
         )
-        self.scheduler = Scheduler(scheduler_config, cache_config)
+        self.scheduler = Scheduler(
+            scheduler_config, cache_config, parallel_config.pipeline_parallel_size
+        )
         self.output_processor = OutputProcessor(
             self.scheduler, self.tokenizer, scheduler_config.max_model_len, self._new_seq_id
         )

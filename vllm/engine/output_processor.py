@@ -19,6 +19,7 @@ from vllm.engine.stop_checker import check_stop
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.sequence import (
+    PromptLogprobs,
     SamplerOutput,
     Sequence,
     SequenceGroup,
@@ -57,6 +58,11 @@ class OutputProcessor:
         for group, group_output in zip(groups, output):
             # Aborted while its batch was inside the pipeline: the tokens are discarded.
             if not group.is_finished():
+                if group_output.prompt_logprobs is not None:
+                    self._add_prompt_logprobs(group, group_output.prompt_logprobs)
+                if group.is_prefill():
+                    # A prefill chunk before the end of the prompt: nothing was sampled.
+                    continue
                 self._process_group(group, group_output)
                 group.record_token_time(now)
             # FINAL_ONLY requests (all of LLM.generate's) get no partial outputs built.
@@ -64,19 +70,32 @@ class OutputProcessor:
                 results.append(RequestOutput.from_seq_group(group))
         return results
 
+    def _add_prompt_logprobs(self, group: SequenceGroup, chunk: PromptLogprobs) -> None:
+        """Join the prompt logprobs of one prefill chunk; set them once all have arrived (on
+        the first prefill only: a recompute re-prefill does not bring them)."""
+        if group.prompt_logprobs is not None:
+            return
+        if chunk and chunk[0] is None:
+            # The prompt's first chunk (again, if a preemption restarted the prefill).
+            group.partial_prompt_logprobs = []
+        group.partial_prompt_logprobs.extend(chunk)
+        if len(group.partial_prompt_logprobs) < len(group.prompt_token_ids):
+            return
+        params = group.sampling_params
+        complete = group.partial_prompt_logprobs
+        group.partial_prompt_logprobs = []
+        if params.detokenize and self.tokenizer_info is not None:
+            decode_prompt_logprobs(
+                self.tokenizer_info,
+                group.prompt_token_ids,
+                complete,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+            )
+        group.prompt_logprobs = complete
+
     def _process_group(self, group: SequenceGroup, group_output: SequenceGroupOutput) -> None:
         params = group.sampling_params
-        # Set once, on the first prompt step (a recompute re-prefill does not bring them).
-        if group_output.prompt_logprobs is not None and group.prompt_logprobs is None:
-            if params.detokenize and self.tokenizer_info is not None:
-                decode_prompt_logprobs(
-                    self.tokenizer_info,
-                    group.prompt_token_ids,
-                    group_output.prompt_logprobs,
-                    params.skip_special_tokens,
-                    params.spaces_between_special_tokens,
-                )
-            group.prompt_logprobs = group_output.prompt_logprobs
         if params.use_beam_search:
             process_beam_step(self, group, group_output.samples)
             return

@@ -14,7 +14,9 @@ class InputMetadata:
     """Where each token of the flat batch goes in the paged KV cache and what it attends to.
 
     The batch is flattened: first the prefill tokens of `num_prefills` sequences (back to back),
-    then one token per decoding sequence.
+    then one token per decoding sequence. A prefill may start after tokens whose KV is already
+    in the cache (a later chunk of a chunked prefill, or a prompt whose prefix was found in the
+    prefix cache): its queries then attend over that cached context too.
     """
 
     num_prefills: int
@@ -28,9 +30,15 @@ class InputMetadata:
     decode_context_lens: torch.Tensor
     # [num_decodes, max_blocks] int64: block tables of the decoding sequences, zero-padded.
     decode_block_tables: torch.Tensor
+    # [num_prefills] int64: tokens of each prefill sequence already in the cache (its context).
+    prefill_context_lens: Optional[torch.Tensor] = None
+    # [num_prefills, max_blocks] int64: block tables of the prefills, zero-padded; [0, 0] when
+    # no prefill has a cached context (the plain prefill path reads no cache).
+    prefill_block_tables: Optional[torch.Tensor] = None
     # Python copies of small tensors, derived once per step so layers do not sync per call.
     _prefill_lens_list: Optional[list[int]] = field(default=None, repr=False)
     _decode_max_len: Optional[int] = field(default=None, repr=False)
+    _prefill_context_list: Optional[list[int]] = field(default=None, repr=False)
 
     _INT_FIELDS = ("num_prefills", "num_prefill_tokens", "num_decode_tokens")
     _TENSOR_FIELDS = (
@@ -38,7 +46,15 @@ class InputMetadata:
         "prefill_seq_lens",
         "decode_context_lens",
         "decode_block_tables",
+        "prefill_context_lens",
+        "prefill_block_tables",
     )
+
+    def __post_init__(self) -> None:
+        if self.prefill_context_lens is None:
+            self.prefill_context_lens = torch.zeros(self.num_prefills, dtype=torch.long)
+        if self.prefill_block_tables is None:
+            self.prefill_block_tables = torch.zeros(0, 0, dtype=torch.long)
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +65,14 @@ class InputMetadata:
         if self._prefill_lens_list is None:
             self._prefill_lens_list = self.prefill_seq_lens.tolist()
         return self._prefill_lens_list
+
+    @property
+    def prefill_context_list(self) -> list[int]:
+        """Cached context length of each prefill (all zero for plain prompts)."""
+        if self._prefill_context_list is None:
+            assert self.prefill_context_lens is not None
+            self._prefill_context_list = self.prefill_context_lens.tolist()
+        return self._prefill_context_list
 
     @property
     def decode_max_len(self) -> int:

@@ -13,8 +13,10 @@ from vllm.sequence import SequenceData, SequenceGroupMetadata
 
 @dataclass
 class SeqGroupRows:
-    """The logits rows of one scheduled group: one per running sequence (one for a prompt),
-    plus, on a first prompt step with `prompt_logprobs`, one per prompt position but the last."""
+    """The logits rows of one scheduled group: one per running sequence (one for a prompt;
+    none for a prefill chunk that does not end the prompt), plus, on the first prefill of a
+    request with `prompt_logprobs`, one per prompt position of this chunk but the prompt's last.
+    """
 
     request_id: str
     seq_ids: list[int]
@@ -26,9 +28,13 @@ class SeqGroupRows:
     # The request's very first step (a prompt run before any token exists): best_of samples
     # are drawn and prompt logprobs computed only then, never again after a recompute.
     first_step: bool = False
-    # Logits rows of prompt positions 0..P-2 (each predicts prompt token i+1); empty unless
-    # prompt_logprobs was asked for, so the common path never computes them.
+    # Logits rows of prompt positions prompt_start.. (each predicts prompt token i+1, up to
+    # P-1); empty unless prompt_logprobs was asked for, so the common path never computes them.
     prompt_rows: list[int] = field(default_factory=list)
+    # The first prefill of a request with prompt_logprobs: this step returns the prompt
+    # logprobs of its chunk (prompt_start is the chunk's first position).
+    want_prompt_logprobs: bool = False
+    prompt_start: int = 0
 
 
 @dataclass
@@ -84,18 +90,33 @@ def build_sampling_metadata(
             gen.manual_seed(step_seed(params.seed, step))
         rows: list[int] = []
         prompt_rows: list[int] = []
-        first_step = meta.is_prompt and all(meta.seq_data[s].get_output_len() == 0 for s in seq_ids)
+        prompt_start = 0
+        # The request's first prefill (no token generated yet); it samples best_of tokens
+        # on its last chunk only.
+        first_prefill = meta.is_prompt and all(
+            meta.seq_data[s].get_output_len() == 0 for s in seq_ids
+        )
+        first_step = first_prefill and meta.do_sample
+        want_prompt_logprobs = first_prefill and params.prompt_logprobs is not None
         if meta.is_prompt:
             # A prompt group has one sequence (or several sharing one prompt after a
             # recompute preemption of forked samples); sample each from its last token.
-            for seq_id in seq_ids:
-                seq_len = meta.seq_data[seq_id].get_len()
-                if first_step and params.prompt_logprobs is not None and not prompt_rows:
-                    prompt_rows = list(range(len(selected), len(selected) + seq_len - 1))
-                    selected.extend(range(offset, offset + seq_len - 1))
-                offset += seq_len
-                rows.append(len(selected))
-                selected.append(offset - 1)
+            for index, seq_id in enumerate(seq_ids):
+                data = meta.seq_data[seq_id]
+                start = data.get_num_computed_tokens()
+                length = data.get_len() - start
+                if len(seq_ids) == 1 and meta.token_chunk_size is not None:
+                    length = meta.token_chunk_size
+                if want_prompt_logprobs and index == 0:
+                    # Positions start .. up to P-2 of this chunk predict prompt tokens.
+                    num = max(0, min(start + length, data.get_prompt_len() - 1) - start)
+                    prompt_rows = list(range(len(selected), len(selected) + num))
+                    selected.extend(range(offset, offset + num))
+                    prompt_start = start
+                offset += length
+                if meta.do_sample:
+                    rows.append(len(selected))
+                    selected.append(offset - 1)
         else:
             for _ in seq_ids:
                 rows.append(len(selected))
@@ -112,6 +133,8 @@ def build_sampling_metadata(
                 gen,
                 first_step,
                 prompt_rows,
+                want_prompt_logprobs,
+                prompt_start,
             )
         )
     # Put groups back in the scheduler's order: outputs are matched to groups positionally.

@@ -16,7 +16,7 @@ from vllm.model_executor.layers.attention import KVCache
 from vllm.model_executor.layers.sampler import Sampler
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.sampling_metadata import build_sampling_metadata
-from vllm.sequence import SamplerOutput, SequenceGroupMetadata
+from vllm.sequence import SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput
 
 
 def prepare_inputs(
@@ -27,21 +27,31 @@ def prepare_inputs(
     positions: list[int] = []
     slots: list[int] = []
     prefill_lens: list[int] = []
+    prefill_contexts: list[int] = []
+    prefill_tables: list[list[int]] = []
     context_lens: list[int] = []
     tables: list[list[int]] = []
     for meta in metadata_list:
         if not meta.is_prompt:
             continue
         for seq_id, data in meta.seq_data.items():
-            # A prompt (or a recompute-preempted sequence) feeds all its tokens.
-            tokens = data.get_token_ids()
+            # A prompt (or a recompute-preempted sequence) feeds its tokens after the ones
+            # already in the cache: all of them, one chunk, or the part after a cached prefix.
+            start = data.get_num_computed_tokens()
+            length = data.get_len() - start
+            if len(meta.seq_data) == 1 and meta.token_chunk_size is not None:
+                length = meta.token_chunk_size
+            tokens = data.get_token_ids()[start : start + length]
             table = meta.block_tables[seq_id]
             input_ids.extend(tokens)
-            positions.extend(range(len(tokens)))
+            positions.extend(range(start, start + length))
             slots.extend(
-                table[p // block_size] * block_size + p % block_size for p in range(len(tokens))
+                table[p // block_size] * block_size + p % block_size
+                for p in range(start, start + length)
             )
-            prefill_lens.append(len(tokens))
+            prefill_lens.append(length)
+            prefill_contexts.append(start)
+            prefill_tables.append(table)
     for meta in metadata_list:
         if meta.is_prompt:
             continue
@@ -53,11 +63,18 @@ def prepare_inputs(
             slots.append(table[pos // block_size] * block_size + pos % block_size)
             context_lens.append(pos + 1)
             tables.append(table)
-    max_blocks = max((len(t) for t in tables), default=0)
-    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
 
     def long_tensor(values: Any) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    max_blocks = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    if any(prefill_contexts):
+        width = max(len(t) for t in prefill_tables)
+        prefill_padded = [t + [0] * (width - len(t)) for t in prefill_tables]
+        prefill_block_tables = long_tensor(prefill_padded).view(len(prefill_padded), width)
+    else:
+        prefill_block_tables = torch.zeros(0, 0, dtype=torch.long, device=device)
 
     md = InputMetadata(
         num_prefills=len(prefill_lens),
@@ -67,8 +84,11 @@ def prepare_inputs(
         prefill_seq_lens=torch.tensor(prefill_lens, dtype=torch.long),
         decode_context_lens=long_tensor(context_lens),
         decode_block_tables=long_tensor(padded).view(len(padded), max_blocks),
+        prefill_context_lens=torch.tensor(prefill_contexts, dtype=torch.long),
+        prefill_block_tables=prefill_block_tables,
     )
     md._prefill_lens_list = prefill_lens
+    md._prefill_context_list = prefill_contexts
     md._decode_max_len = max(context_lens, default=0)
     return long_tensor(input_ids), long_tensor(positions), md
 
@@ -115,6 +135,9 @@ class ModelRunner:
             return {"hidden": hidden, "positions": positions, **md.to_dict()}, None
         assert metadata_list is not None
         sampling_md = build_sampling_metadata(metadata_list, self.generators, self.device)
+        if sampling_md.num_rows == 0:
+            # Only prefill chunks that end before their prompts do: nothing to sample.
+            return None, [SequenceGroupOutput([]) for _ in metadata_list]
         logits = self.model.compute_logits(
             hidden.index_select(0, sampling_md.selected_token_indices)
         )

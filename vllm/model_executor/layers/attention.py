@@ -105,6 +105,40 @@ def prefill_attention(
     return out
 
 
+def prefill_attention_with_context(
+    query: torch.Tensor,
+    kv_cache: KVCache,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one prefill chunk over its cached context plus itself.
+
+    query [L, H, D] holds positions context_len .. context_len + L - 1; their K/V are already
+    written to the cache, so the keys and values of all context_len + L positions are read
+    back through `block_table` ([>= n_blocks] int64). Query i sees keys 0 .. context_len + i
+    (causal, aligned to the end). Returns [L, H, D]."""
+    key_cache, value_cache = kv_cache
+    length, num_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    total = context_len + length
+    table = block_table[: (total + block_size - 1) // block_size]
+    # [n_blocks, block_size, Hkv, D] -> [total, Hkv, D]: only written slots are kept.
+    keys = key_cache.index_select(0, table).view(-1, num_kv_heads, head_size)[:total]
+    values = value_cache.index_select(0, table).view(-1, num_kv_heads, head_size)[:total]
+    rows = torch.arange(length, device=query.device)[:, None] + context_len
+    mask = torch.arange(total, device=query.device)[None, :] <= rows  # [L, total]
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out[0].transpose(0, 1)
+
+
 class PagedAttention(nn.Module):
     """Multi-head / grouped-query attention over a paged KV cache."""
 
@@ -138,9 +172,14 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         n_pre = md.num_prefill_tokens
         if md.num_prefills > 0:
-            out[:n_pre] = prefill_attention(
-                q[:n_pre], k[:n_pre], v[:n_pre], md.prefill_lens, self.scale
-            )
+            contexts = md.prefill_context_list
+            if not any(contexts):
+                out[:n_pre] = prefill_attention(
+                    q[:n_pre], k[:n_pre], v[:n_pre], md.prefill_lens, self.scale
+                )
+            else:
+                assert kv_cache is not None, "a prefill with cached context needs the cache"
+                self._prefill_with_contexts(q, k, v, kv_cache, md, out)
         if md.num_decode_tokens > 0:
             assert kv_cache is not None, "decoding needs a KV cache"
             out[n_pre:] = paged_decode_attention(
@@ -152,3 +191,28 @@ class PagedAttention(nn.Module):
                 self.scale,
             )
         return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _prefill_with_contexts(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        md: InputMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Prefills of a batch where some continue after cached tokens (chunks, prefix hits):
+        those attend over the cache, the others take the plain path."""
+        start = 0
+        for index, (length, context) in enumerate(zip(md.prefill_lens, md.prefill_context_list)):
+            end = start + length
+            if context == 0:
+                out[start:end] = prefill_attention(
+                    q[start:end], k[start:end], v[start:end], [length], self.scale
+                )
+            else:
+                assert md.prefill_block_tables is not None
+                out[start:end] = prefill_attention_with_context(
+                    q[start:end], kv_cache, md.prefill_block_tables[index], context, self.scale
+                )
+            start = end

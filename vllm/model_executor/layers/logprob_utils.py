@@ -80,7 +80,7 @@ def logprob_rows_needed(groups: list[SeqGroupRows], beam_groups: list[SeqGroupRo
     for group in groups:
         if group.params.logprobs is not None or id(group) in beam:
             rows.extend(group.rows)
-        if group.first_step and group.params.prompt_logprobs is not None:
+        if group.want_prompt_logprobs:
             rows.extend(group.prompt_rows)
     return sorted(set(rows))
 
@@ -131,10 +131,14 @@ def build_logprob_entries(
 
 def build_prompt_logprobs(logprobs: StepLogprobs, group: SeqGroupRows) -> PromptLogprobs:
     """[None, then per prompt token 1..P-1 its entry: the actual token (logprob, rank) and the
-    `prompt_logprobs` most likely tokens]. The first token has no context, hence None."""
+    `prompt_logprobs` most likely tokens]. The first token has no context, hence None.
+
+    A prefill chunk returns the entries of its own positions only (the None only with the
+    first chunk); the engine joins the chunks in order."""
     data = group.seq_data[group.seq_ids[0]]
-    targets = data.prompt_token_ids[1:]
-    result: PromptLogprobs = [None]
+    start = group.prompt_start
+    targets = data.prompt_token_ids[start + 1 : start + 1 + len(group.prompt_rows)]
+    result: PromptLogprobs = [None] if start == 0 else []
     if not targets:
         return result
     token_lp_t = logprobs.gather(group.prompt_rows, targets)

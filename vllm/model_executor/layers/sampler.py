@@ -117,6 +117,8 @@ class Sampler:
         beam_groups: list[SeqGroupRows] = []
         random_groups: list[SeqGroupRows] = []
         for group in md.groups:
+            if not group.rows:
+                continue  # a prefill chunk before the end of its prompt: nothing to sample
             kind = group.params.sampling_type
             if kind == SamplingType.GREEDY:
                 greedy_groups.append(group)
@@ -161,7 +163,7 @@ class Sampler:
                 tokens = _seeded_draws(logits, rows, group)
             draws[id(group)] = list(zip(rows, parents, tokens))
 
-        ordered = [draws[id(group)] for group in md.groups]
+        ordered = [draws.get(id(group), []) for group in md.groups]
         entries = build_logprob_entries(logprobs, [g.params.logprobs for g in md.groups], ordered)
         outputs: SamplerOutput = []
         for group, group_draws, group_entries in zip(md.groups, ordered, entries):
@@ -170,7 +172,7 @@ class Sampler:
                 for (_, parent, token), entry in zip(group_draws, group_entries)
             ]
             prompt_logprobs = None
-            if group.first_step and group.params.prompt_logprobs is not None:
+            if group.want_prompt_logprobs:
                 prompt_logprobs = build_prompt_logprobs(logprobs, group)
             outputs.append(SequenceGroupOutput(samples, prompt_logprobs))
         return outputs
