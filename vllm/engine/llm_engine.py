@@ -43,6 +43,8 @@ class LLMEngine:
         parallel_config: ParallelConfig,
         scheduler_config: SchedulerConfig,
         device_config: DeviceConfig,
+        log_stats: bool = False,
+        served_model_name: Optional[str] = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -75,10 +77,25 @@ class LLMEngine:
         self.max_in_flight = parallel_config.pipeline_parallel_size
         self._in_flight: deque[_InFlightBatch] = deque()
         self._finished_request_ids: list[str] = []
+        self.log_stats = log_stats
+        # Metrics are labelled with the name clients use (the server's --served-model-name).
+        self.served_model_name = served_model_name or model_config.model
+        self.stats = (
+            _make_stats_collector(self.scheduler, self.served_model_name) if log_stats else None
+        )
 
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> LLMEngine:
-        return cls(*engine_args.create_engine_configs())
+        return cls(
+            *engine_args.create_engine_configs(),
+            log_stats=not getattr(engine_args, "disable_log_stats", True),
+            served_model_name=getattr(engine_args, "served_model_name", None),
+        )
+
+    def do_log_stats(self) -> None:
+        """Refresh the metrics (queue sizes, cache usage) outside a step."""
+        if self.stats is not None:
+            self.stats.refresh()
 
     def _new_seq_id(self) -> int:
         return next(self.seq_counter)
@@ -161,20 +178,25 @@ class LLMEngine:
         Returns the RequestOutputs of the groups in that batch (and of prompts ignored as
         too long)."""
         ignored: list[RequestOutput] = []
+        ignored_groups: list[SequenceGroup] = []
         while len(self._in_flight) < self.max_in_flight:
             metadata_list, sched_out = self.scheduler.schedule(self._micro_batch_cap())
             for group in sched_out.ignored_seq_groups:
                 group.metrics.finished_time = time.time()
                 ignored.append(RequestOutput.from_seq_group(group))
+                ignored_groups.append(group)
                 self._finished_request_ids.append(group.request_id)
             if not sched_out.scheduled_seq_groups and not _has_block_ops(sched_out):
                 break
             self._submit(sched_out, metadata_list)
         if not self._in_flight:
+            if self.stats is not None and ignored_groups:
+                self.stats.after_batch(None, None, [], ignored_groups)
             return ignored
         batch = self._in_flight.popleft()
         output = self.executor.get_output(batch.handle)
         sched_out = batch.scheduler_outputs
+        before = self.stats.before_batch(sched_out.scheduled_seq_groups) if self.stats else []
         # Out of flight first: this releases groups aborted meanwhile (their blocks too).
         self.scheduler.finish_in_flight([g.request_id for g in sched_out.scheduled_seq_groups])
         request_outputs = self.output_processor.process(sched_out.scheduled_seq_groups, output)
@@ -182,6 +204,8 @@ class LLMEngine:
             g.request_id for g in sched_out.scheduled_seq_groups if g.is_finished()
         )
         self.scheduler.free_finished_seq_groups()
+        if self.stats is not None:
+            self.stats.after_batch(sched_out, output, before, ignored_groups)
         return ignored + request_outputs
 
     def shutdown(self) -> None:
@@ -196,6 +220,12 @@ class LLMEngine:
             self.shutdown()
         except Exception:  # interpreter teardown: nothing left to clean up with
             pass
+
+
+def _make_stats_collector(scheduler: Scheduler, model_name: str) -> Any:
+    from vllm.engine.metrics import EngineStatsCollector, StatLogger
+
+    return EngineStatsCollector(scheduler, StatLogger(model_name))
 
 
 def _has_block_ops(sched_out: SchedulerOutputs) -> bool:
