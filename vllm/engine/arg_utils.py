@@ -36,6 +36,10 @@ class EngineArgs:
     preemption_mode: Optional[str] = None
     device: str = "auto"
     disable_log_stats: bool = False
+    # Accepted for vLLM compatibility: there are no CUDA graphs to skip on this engine.
+    enforce_eager: bool = False
+    # The model name in the API and the metrics' model_name label (default: model).
+    served_model_name: Optional[str] = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -161,6 +165,17 @@ class EngineArgs:
             help="Device type for execution.",
         )
         add("--disable-log-stats", action="store_true", help="Disable logging statistics.")
+        add(
+            "--enforce-eager",
+            action="store_true",
+            help="Accepted for vLLM compatibility (no CUDA graphs are captured here).",
+        )
+        add(
+            "--served-model-name",
+            type=str,
+            default=d.served_model_name,
+            help="The model name used in the API and in metrics (default: --model).",
+        )
         return parser
 
     @classmethod
@@ -205,3 +220,37 @@ class EngineArgs:
             preemption_mode=self.preemption_mode,
         )
         return model_config, cache_config, parallel_config, scheduler_config, device_config
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """Arguments for AsyncLLMEngine: EngineArgs plus the online-serving options."""
+
+    disable_log_requests: bool = False
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser = EngineArgs.add_cli_args(parser)
+        parser.add_argument(
+            "--disable-log-requests",
+            "--disable_log_requests",
+            action="store_true",
+            help="Disable logging requests.",
+        )
+        return parser
+
+    def create_engine_config(self) -> EngineConfig:
+        """The validated configs as one object (newer vLLM's name; Ray Data reads
+        `.scheduler_config` and `.parallel_config` from it)."""
+        return EngineConfig(*self.create_engine_configs())
+
+
+@dataclass
+class EngineConfig:
+    """All of an engine's configs together."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    parallel_config: ParallelConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
