@@ -37,7 +37,8 @@ class ServerThread:
 
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kw)
 
-    def stop(self) -> None:
+    def stop(self, shutdown_engine: bool = True) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
-        self.engine.shutdown()
+        if shutdown_engine:
+            self.engine.shutdown()
