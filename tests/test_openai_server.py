@@ -128,9 +128,7 @@ def test_streaming_completion_concatenates_to_the_whole(server, reference):
 def test_chat_greedy_equals_llm_chat_streamed_or_not(server, reference):
     client = server.client()
     expected = reference.chat(CHAT, SamplingParams(temperature=0, max_tokens=20))[0]
-    whole = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=20, temperature=0
-    )
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == expected.outputs[0].text
     assert whole.usage.prompt_tokens == len(expected.prompt_token_ids)
@@ -336,7 +334,8 @@ def test_tokenize_detokenize(server, reference):
     back = httpx.post(server.url + "/detokenize", json={"tokens": got.json()["tokens"]})
     assert back.json()["prompt"] == "Hello world"
     chat = httpx.post(server.url + "/tokenize", json={"messages": CHAT}).json()
-    assert chat["count"] == len(reference.chat(CHAT, SamplingParams(max_tokens=1))[0].prompt_token_ids)
+    expected = reference.chat(CHAT, SamplingParams(max_tokens=1))[0]
+    assert chat["count"] == len(expected.prompt_token_ids)
     bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and "out of vocabulary" in bad.json()["message"]
 
