@@ -66,19 +66,33 @@ def test_concurrent_requests_with_random_cancellations(pp, request, tiny_model_d
     n = 60
     prompts = tiny_models.PROMPTS
 
+    started: set[int] = set()
+
     async def one(i: int):
         await asyncio.sleep(rng.random() * 0.3)  # staggered arrivals
-        return await final(engine, prompts[i % len(prompts)], GREEDY, f"req-{i}")
+        last = None
+        async for out in engine.generate(prompts[i % len(prompts)], GREEDY, f"req-{i}"):
+            started.add(i)
+            last = out
+        return last
 
     async def main():
         tasks = [asyncio.create_task(one(i)) for i in range(n)]
-        cancelled = set(rng.sample(range(n), n // 3))
-        for i in sorted(cancelled):
-            await asyncio.sleep(rng.random() * 0.02)
+        mid = set(rng.sample(range(n), n // 4))  # cancelled once they are generating
+        early = set(rng.sample(sorted(set(range(n)) - mid), n // 10))  # before they start
+        for i in early:
             tasks[i].cancel()
+        pending = set(mid)
+        while pending:
+            for i in sorted(pending):
+                if i in started or tasks[i].done():
+                    await asyncio.sleep(rng.random() * 0.005)
+                    tasks[i].cancel()
+                    pending.discard(i)
+            await asyncio.sleep(0.001)
         results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT)
         await settle(engine)
-        return cancelled, results
+        return mid | early, results
 
     try:
         cancelled, results = asyncio.run(main())
@@ -92,6 +106,9 @@ def test_concurrent_requests_with_random_cancellations(pp, request, tiny_model_d
             assert result.outputs[0].token_ids == expected[i % len(prompts)], i
             done += 1
         assert done >= n - len(cancelled)
+        # Requests were cancelled mid-generation, not only before they started.
+        cut = {i for i, r in enumerate(results) if isinstance(r, asyncio.CancelledError)}
+        assert len(cut & started) >= 3, (cut, started)
         assert_no_leaks(engine)
     finally:
         engine.shutdown()
