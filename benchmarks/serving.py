@@ -199,6 +199,39 @@ def launch_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server did not become healthy in time")
 
 
+def offline_reference(args: argparse.Namespace, prompts: list[str]) -> float:
+    """Output tok/s of LLM.generate on the same prompts and settings, in a fresh process
+    after the server has stopped: what the engine does without HTTP, at the same load."""
+    code = (
+        "import json, shlex, sys, time\n"
+        "from vllm import LLM, SamplingParams\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "from vllm.entrypoints.openai.api_server import make_arg_parser\n"
+        "a = json.loads(sys.argv[1])\n"
+        "ns = make_arg_parser().parse_args(['--model', a['model'], *shlex.split(a['extra'])])\n"
+        "ea = EngineArgs.from_cli_args(ns)\n"
+        "import dataclasses\n"
+        "llm = LLM(**{k: v for k, v in dataclasses.asdict(ea).items()})\n"
+        "p = SamplingParams(temperature=0, max_tokens=a['out'], ignore_eos=True)\n"
+        "llm.generate(a['prompts'][:4], SamplingParams(max_tokens=8), use_tqdm=False)\n"
+        "t = time.perf_counter()\n"
+        "outs = llm.generate(a['prompts'], p, use_tqdm=False)\n"
+        "dt = time.perf_counter() - t\n"
+        "print('RESULT', sum(len(o.outputs[0].token_ids) for o in outs) / dt)\n"
+    )
+    payload = json.dumps(
+        {"model": args.model, "extra": args.server_args, "out": args.output_len, "prompts": prompts}
+    )
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, payload], env=env, capture_output=True, text=True
+    )
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT"):
+            return float(line.split()[1])
+    raise RuntimeError(f"offline reference failed: {out.stderr[-2000:]}")
+
+
 def served_model(base_url: str) -> str:
     return httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
 
@@ -218,6 +251,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=4, help="Requests sent before timing.")
     p.add_argument("--json", default=None, help="Write the results to this file.")
+    p.add_argument(
+        "--offline-reference",
+        action="store_true",
+        help="After the run, time LLM.generate on the same prompts (same flags) for comparison.",
+    )
     args = p.parse_args(argv)
     proc = None
     base_url = args.base_url
@@ -246,9 +284,6 @@ def main(argv: Optional[list[str]] = None) -> None:
                 f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
                 f"{r['mean_tpot_ms']:.1f} / {r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} |"
             )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
     finally:
         if proc is not None:
             proc.terminate()
@@ -256,6 +291,18 @@ def main(argv: Optional[list[str]] = None) -> None:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    if args.offline_reference:
+        offline = offline_reference(args, prompts)
+        best = max(r["output_throughput"] for r in results)
+        print(
+            f"offline LLM.generate, same prompts and flags: {offline:.1f} output tok/s; "
+            f"best served rate reached {best / offline:.2f}x of it"
+        )
+        for r in results:
+            r["offline_output_throughput"] = offline
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":
