@@ -69,6 +69,11 @@ class AsyncStream:
             yield item
 
 
+def _put_all(items: list[tuple[AsyncStream, Any]]) -> None:
+    for stream, item in items:
+        stream._queue.put_nowait(item)
+
+
 @dataclass
 class _NewRequest:
     stream: AsyncStream
@@ -247,8 +252,9 @@ class AsyncLLMEngine:
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
-                for output in engine.step():
-                    self._deliver(output)
+                outputs = engine.step()
+                if outputs:
+                    self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             logger.exception("Engine background loop failed")
             self._fail_all(exc)
@@ -283,15 +289,26 @@ class AsyncLLMEngine:
             if not self.engine.has_unfinished_requests():
                 self.engine.do_log_stats()  # no step will refresh the gauges now
 
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is None:  # aborted meanwhile
-            return
-        stream.put(output)
-        if output.finished:
-            del self._streams[output.request_id]
-            self._forget(output.request_id)
-            stream.finish()
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per event loop, not one per
+        request (a step can finish a token for hundreds of requests)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[AsyncStream, Any]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            items = by_loop.setdefault(stream._loop, [])
+            items.append((stream, output))
+            if output.finished:
+                del self._streams[output.request_id]
+                self._forget(output.request_id)
+                stream.finished = True
+                items.append((stream, _FINISHED))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
