@@ -248,6 +248,14 @@ def test_bad_requests_do_not_disturb_concurrent_ones(server, reference):
     wait_idle(server)
 
 
+def test_too_long_prompt_is_a_400(server):
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().completions.create(model=MODEL, prompt=[7] * 600, max_tokens=2)
+    assert info.value.body["param"] == "prompt"
+    assert "maximum context length is 512 tokens" in info.value.body["message"]
+    wait_idle(server)
+
+
 def test_wrong_model_and_malformed_body(server):
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="nope", prompt="Hi", max_tokens=2)

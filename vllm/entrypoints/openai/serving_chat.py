@@ -128,7 +128,7 @@ class OpenAIServingChat(OpenAIServing):
         generator = self.engine.generate(
             {"prompt": prompt, "prompt_token_ids": token_ids}, params, request_id
         )
-        firsts, error = await start_all(raw_request, [generator])
+        firsts, error = await start_all(raw_request, [generator], self.prompt_limit, "messages")
         if error is not None:
             return error
         stream = _chain(*firsts[0])

@@ -98,7 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)
         ]
 
-        firsts, error = await start_all(raw_request, generators)
+        firsts, error = await start_all(raw_request, generators, self.prompt_limit)
         if error is not None:
             return error
         streams = [_chain(first, gen) for first, gen in firsts]
@@ -249,16 +249,37 @@ async def _chain(first: Optional[RequestOutput], rest: Generator) -> Generator:
 
 
 async def start_all(
-    raw_request: Request, generators: list[Generator]
+    raw_request: Request,
+    generators: list[Generator],
+    prompt_limit: Optional[int] = None,
+    param: str = "prompt",
 ) -> tuple[list[tuple[Optional[RequestOutput], Generator]], Optional[JSONResponse]]:
     """The first output of every request, or a 400 if the engine refused one of them (then
-    the others are aborted)."""
+    the others are aborted). A prompt longer than `prompt_limit` (which the scheduler
+    ignores) is a 400 too, with vLLM's message."""
 
     async def start() -> list[Any]:
         return await asyncio.gather(*(first_output(g) for g in generators), return_exceptions=True)
 
     results = await until_disconnected(raw_request, start())
     errors = [r for r in results if isinstance(r, BaseException)]
+    for result in results:
+        first = None if isinstance(result, BaseException) else result[0]
+        if (
+            prompt_limit is not None
+            and first is not None
+            and first.finished
+            and len(first.prompt_token_ids) > prompt_limit
+            and not any(o.token_ids for o in first.outputs)
+        ):
+            errors.append(
+                ParameterError(
+                    f"This model's maximum context length is {prompt_limit} tokens. However, "
+                    f"you requested {len(first.prompt_token_ids)} tokens in the {param}. "
+                    f"Please reduce the length of the {param}.",
+                    param,
+                )
+            )
     if not errors:
         return results, None
     for gen in generators:

@@ -69,6 +69,8 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.model_config = engine.engine.model_config
         self.max_model_len = engine.engine.scheduler_config.max_model_len
+        # Longer prompts are ignored by the scheduler; the server refuses them with a 400.
+        self.prompt_limit = engine.engine.scheduler.prompt_limit
         self.tokenizer = engine.engine.get_tokenizer()
 
     def show_models(self) -> ModelList:
