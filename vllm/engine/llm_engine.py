@@ -89,7 +89,8 @@ class LLMEngine:
         return cls(
             *engine_args.create_engine_configs(),
             log_stats=not getattr(engine_args, "disable_log_stats", True),
-            served_model_name=getattr(engine_args, "served_model_name", None),
+            # As vLLM: the name the user gave (`smollm2`, not the resolved GGUF path).
+            served_model_name=getattr(engine_args, "served_model_name", None) or engine_args.model,
         )
 
     def do_log_stats(self) -> None:
