@@ -81,5 +81,6 @@ setup(
     description="A vLLM-compatible inference engine built around pipeline parallelism",
     packages=find_packages(include=["vllm", "vllm.*"]),
     python_requires=">=3.10",
+    entry_points={"console_scripts": ["vllm = vllm.scripts:main"]},
     **_kernel_build(),
 )

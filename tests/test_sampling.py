@@ -79,19 +79,37 @@ def test_greedy_logprobs_and_prompt_logprobs_match_hf(llm, hf):
         assert tok.decode(ids[:1]) + joined == tok.decode(ids)
 
 
+def keep_engine_cumulative_logprob(monkeypatch) -> None:
+    """Without `logprobs`, CompletionOutput.cumulative_logprob is None (vLLM 0.5.4); the
+    engine still sums the sampled tokens' logprobs. Keep that sum on each output as
+    `engine_cumulative_logprob` so tests can check it."""
+    import vllm.outputs
+
+    real = vllm.outputs._completion
+
+    def completion(seq, *args):
+        out = real(seq, *args)
+        out.engine_cumulative_logprob = seq.get_cumulative_logprob()
+        return out
+
+    monkeypatch.setattr(vllm.outputs, "_completion", completion)
+
+
 @pytest.mark.parametrize("kernels", ["on", "off"])
 def test_cumulative_logprob_without_logprobs_matches_hf(llm, hf, kernels, monkeypatch):
     """Without `logprobs` no log_softmax row is built: the sampled token's logprob is its
-    logit minus the row's logsumexp (C++ kernel or torch); it must still equal HF's."""
+    logit minus the row's logsumexp (C++ kernel or torch); it must still equal HF's. The
+    output's cumulative_logprob is None then (vLLM 0.5.4); the engine's sum is checked."""
     monkeypatch.setenv("VLLM_PP_DISABLE_KERNELS", "1" if kernels == "off" else "0")
+    keep_engine_cumulative_logprob(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=10)
     for out in llm.generate(PROMPTS, params, use_tqdm=False):
         ids, comp = out.prompt_token_ids, out.outputs[0]
-        assert comp.logprobs is None
+        assert comp.logprobs is None and comp.cumulative_logprob is None
         ref = hf_logits(hf, ids + comp.token_ids).log_softmax(-1)
         assert comp.token_ids == ref[len(ids) - 1 : -1].argmax(-1).tolist()
         expected = sum(float(ref[len(ids) - 1 + i, t]) for i, t in enumerate(comp.token_ids))
-        assert abs(comp.cumulative_logprob - expected) < 1e-3
+        assert abs(comp.engine_cumulative_logprob - expected) < 1e-3
 
 
 def test_logprobs_zero_and_none(llm):

@@ -18,6 +18,11 @@ _EXPORTS = {
     "CompletionOutput": "vllm.outputs",
     "EngineArgs": "vllm.engine.arg_utils",
     "LLMEngine": "vllm.engine.llm_engine",
+    "AsyncLLMEngine": "vllm.engine.async_llm_engine",
+    "AsyncEngineArgs": "vllm.engine.arg_utils",
+    "TextPrompt": "vllm.inputs",
+    "TokensPrompt": "vllm.inputs",
+    "PromptInputs": "vllm.inputs",
 }
 
 __all__ = list(_EXPORTS)

@@ -26,13 +26,14 @@ class CompletionOutput:
     """One generated sequence of a request.
 
     `index` is the sequence's position in its group; `logprobs` (when asked for) holds one
-    `{token_id: Logprob}` dict per generated token; `finish_reason` is "stop", "length" or
+    `{token_id: Logprob}` dict per generated token, and `cumulative_logprob` their sum (None
+    when logprobs were not asked for, as in vLLM 0.5.4); `finish_reason` is "stop", "length" or
     "abort" once finished; `stop_reason` is the stop string or stop token id that ended it."""
 
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float
+    cumulative_logprob: Optional[float]
     logprobs: Optional[SampleLogprobs]
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
@@ -74,7 +75,7 @@ def _completion(
         index=index,
         text=text,
         token_ids=list(token_ids),
-        cumulative_logprob=seq.get_cumulative_logprob(),
+        cumulative_logprob=seq.get_cumulative_logprob() if want_logprobs else None,
         logprobs=logprobs,
         finish_reason=SequenceStatus.get_finished_reason(seq.status),
         stop_reason=seq.stop_reason,

@@ -40,6 +40,10 @@ class EngineArgs:
     disable_log_stats: bool = False
     max_stage_restarts: int = 3
     step_timeout_s: Optional[float] = None
+    # Accepted for vLLM compatibility: there are no CUDA graphs to skip on this engine.
+    enforce_eager: bool = False
+    # The model name in the API and the metrics' model_name label (default: model).
+    served_model_name: Optional[str] = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -192,6 +196,17 @@ class EngineArgs:
             "VLLM_PP_STEP_TIMEOUT_PER_TOKEN_S per token; a stage that misses it is declared "
             "failed. Default: VLLM_PP_STEP_TIMEOUT_S or 60.",
         )
+        add(
+            "--enforce-eager",
+            action="store_true",
+            help="Accepted for vLLM compatibility (no CUDA graphs are captured here).",
+        )
+        add(
+            "--served-model-name",
+            type=str,
+            default=d.served_model_name,
+            help="The model name used in the API and in metrics (default: --model).",
+        )
         return parser
 
     @classmethod
@@ -241,3 +256,37 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
         return model_config, cache_config, parallel_config, scheduler_config, device_config
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """Arguments for AsyncLLMEngine: EngineArgs plus the online-serving options."""
+
+    disable_log_requests: bool = False
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser = EngineArgs.add_cli_args(parser)
+        parser.add_argument(
+            "--disable-log-requests",
+            "--disable_log_requests",
+            action="store_true",
+            help="Disable logging requests.",
+        )
+        return parser
+
+    def create_engine_config(self) -> EngineConfig:
+        """The validated configs as one object (newer vLLM's name; Ray Data reads
+        `.scheduler_config` and `.parallel_config` from it)."""
+        return EngineConfig(*self.create_engine_configs())
+
+
+@dataclass
+class EngineConfig:
+    """All of an engine's configs together."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    parallel_config: ParallelConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig

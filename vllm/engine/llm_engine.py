@@ -50,6 +50,8 @@ class LLMEngine:
         parallel_config: ParallelConfig,
         scheduler_config: SchedulerConfig,
         device_config: DeviceConfig,
+        log_stats: bool = False,
+        served_model_name: Optional[str] = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -91,10 +93,26 @@ class LLMEngine:
         # Stage failures seen, each with its detection and recovery times.
         self.fault_events: list[FaultEvent] = []
         self._dead: Optional[EngineDeadError] = None
+        self.log_stats = log_stats
+        # Metrics are labelled with the name clients use (the server's --served-model-name).
+        self.served_model_name = served_model_name or model_config.model
+        self.stats = (
+            _make_stats_collector(self.scheduler, self.served_model_name) if log_stats else None
+        )
 
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> LLMEngine:
-        return cls(*engine_args.create_engine_configs())
+        return cls(
+            *engine_args.create_engine_configs(),
+            log_stats=not getattr(engine_args, "disable_log_stats", True),
+            # As vLLM: the name the user gave (`smollm2`, not the resolved GGUF path).
+            served_model_name=getattr(engine_args, "served_model_name", None) or engine_args.model,
+        )
+
+    def do_log_stats(self) -> None:
+        """Refresh the metrics (queue sizes, cache usage) outside a step."""
+        if self.stats is not None:
+            self.stats.refresh()
 
     def _new_seq_id(self) -> int:
         return next(self.seq_counter)
@@ -203,27 +221,34 @@ class LLMEngine:
             raise
 
     def _step(self) -> list[RequestOutput]:
+        ignored_groups: list[SequenceGroup] = []
         while len(self._in_flight) < self.max_in_flight:
             with sigint_deferred():
                 metadata_list, sched_out = self.scheduler.schedule(self._micro_batch_cap())
                 for group in sched_out.ignored_seq_groups:
                     group.metrics.finished_time = time.time()
                     self._pending_outputs.append(RequestOutput.from_seq_group(group))
+                    ignored_groups.append(group)
                     self._finished_request_ids.append(group.request_id)
             if sched_out.is_empty():
                 break
             self._submit(sched_out, metadata_list)
         if not self._in_flight:
+            if self.stats is not None and ignored_groups:
+                self.stats.after_batch(None, None, [], ignored_groups)
             return self._take_pending_outputs()
         output = self.executor.get_output(self._in_flight[0].handle)
         with sigint_deferred():
             sched_out = self._in_flight.popleft().scheduler_outputs
             groups = sched_out.scheduled_seq_groups
+            before = self.stats.before_batch(groups) if self.stats is not None else []
             # Out of flight first: this releases groups aborted meanwhile (their blocks too).
             self.scheduler.finish_in_flight([g.request_id for g in groups])
             request_outputs = self.output_processor.process(groups, output)
             self._finished_request_ids.extend(g.request_id for g in groups if g.is_finished())
             self.scheduler.free_finished_seq_groups()
+            if self.stats is not None:
+                self.stats.after_batch(sched_out, output, before, ignored_groups)
         return self._take_pending_outputs() + request_outputs
 
     def _take_pending_outputs(self) -> list[RequestOutput]:
@@ -303,6 +328,12 @@ class LLMEngine:
             self.shutdown()
         except Exception:  # interpreter teardown: nothing left to clean up with
             pass
+
+
+def _make_stats_collector(scheduler: Scheduler, model_name: str) -> Any:
+    from vllm.engine.metrics import EngineStatsCollector, StatLogger
+
+    return EngineStatsCollector(scheduler, StatLogger(model_name))
 
 
 def _load_generation_config(model_config: ModelConfig) -> dict[str, Any]:

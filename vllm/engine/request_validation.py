@@ -44,7 +44,9 @@ def validate_request(
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}.")
         if tokenizer is None:
-            raise ValueError("prompt_token_ids are required when skip_tokenizer_init=True.")
+            raise ValueError(
+                "prompts must be None if skip_tokenizer_init is True (pass prompt_token_ids)."
+            )
         prompt_token_ids = tokenizer.encode(prompt)
     else:
         if not isinstance(prompt_token_ids, (list, tuple)) or not all(
@@ -57,9 +59,10 @@ def validate_request(
     vocab = model_config.get_vocab_size()
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
     if bad:
+        # vLLM's wording first (scripts match on "out of vocabulary").
         raise ValueError(
-            f"prompt_token_ids contains out-of-vocabulary token ids {bad[:5]} "
-            f"(vocab_size is {vocab})."
+            f"Token id {max(bad)} is out of vocabulary (prompt_token_ids contains "
+            f"out-of-vocabulary token ids {bad[:5]}; vocab_size is {vocab})."
         )
     if sampling_params.detokenize and tokenizer is None and sampling_params.stop:
         raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True was set).")

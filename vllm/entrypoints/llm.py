@@ -5,14 +5,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import warnings
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 from tqdm.auto import tqdm
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
+from vllm.inputs import is_token_list, parse_prompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -25,6 +27,19 @@ class LLM:
     `LLM(model="smollm2", pipeline_parallel_size=2)` splits the decoder layers over two Ray
     workers. Keyword arguments are EngineArgs fields (vLLM's names).
     """
+
+    # vLLM 0.5: the legacy `prompts=` / `prompt_token_ids=` keywords warn only inside
+    # `with LLM.deprecate_legacy_api():`.
+    DEPRECATE_LEGACY: ClassVar[bool] = False
+
+    @classmethod
+    @contextlib.contextmanager
+    def deprecate_legacy_api(cls) -> Iterator[None]:
+        cls.DEPRECATE_LEGACY = True
+        try:
+            yield
+        finally:
+            cls.DEPRECATE_LEGACY = False
 
     def __init__(self, model: str = "smollm2", **kwargs: Any) -> None:
         kwargs.setdefault("disable_log_stats", True)
@@ -39,14 +54,39 @@ class LLM:
         self,
         prompts: Union[PromptType, SequenceABC[PromptType], None] = None,
         sampling_params: Union[SamplingParams, SequenceABC[SamplingParams], None] = None,
-        prompt_token_ids: Optional[list[list[int]]] = None,
+        prompt_token_ids: Optional[Union[list[int], list[list[int]]]] = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
+        *,
+        inputs: Union[PromptType, SequenceABC[PromptType], None] = None,
     ) -> list[RequestOutput]:
         """Run all prompts to completion; outputs come back in input order.
 
-        Prompts may be strings, `{"prompt": str}` or `{"prompt_token_ids": [...]}` dicts, or
-        token-id lists via `prompt_token_ids`. `sampling_params` is one SamplingParams for all
-        or a list with one per prompt (default: SamplingParams())."""
+        A prompt is a string, a `TextPrompt` / `TokensPrompt` dict, or a list of token ids;
+        pass one or a list of them (`inputs=` is vLLM 0.5's keyword for the same thing). The
+        legacy `prompt_token_ids=` takes one list of ids or a list of them.
+        `sampling_params` is one SamplingParams for all or a list with one per prompt
+        (default: SamplingParams())."""
+        if lora_request is not None:
+            raise ValueError("LoRA is not supported by this engine.")
+        if self.DEPRECATE_LEGACY:
+            legacy = [
+                name
+                for name, value in (("prompts", prompts), ("prompt_token_ids", prompt_token_ids))
+                if value is not None
+            ]
+            if legacy:
+                warnings.warn(
+                    DeprecationWarning(
+                        f"The keyword arguments {set(legacy)} are deprecated and will be "
+                        "removed in a future update. Please use the 'inputs' parameter instead."
+                    ),
+                    stacklevel=2,
+                )
+        if inputs is not None:
+            if prompts is not None:
+                raise ValueError("Pass prompts or inputs, not both.")
+            prompts = inputs
         items = self._normalize_prompts(prompts, prompt_token_ids)
         params_list = _final_only(self._normalize_params(sampling_params, len(items)))
         # Validate everything first: a bad prompt must not leave half the batch queued.
@@ -70,6 +110,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and
         generate a reply for each."""
+        if isinstance(messages, str) or not isinstance(messages, (list, tuple)):
+            raise TypeError(
+                "messages must be a list of message dicts ({'role': ..., 'content': ...}) or a "
+                f"list of such conversations, got {type(messages).__name__}; for a plain "
+                "string prompt use generate()."
+            )
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was set).")
@@ -90,32 +136,36 @@ class LLM:
 
     @staticmethod
     def _normalize_prompts(
-        prompts: Any, prompt_token_ids: Optional[list[list[int]]]
+        prompts: Any, prompt_token_ids: Any
     ) -> list[tuple[Optional[str], Optional[list[int]]]]:
         if prompts is None and prompt_token_ids is None:
             raise ValueError("Either prompts or prompt_token_ids must be provided.")
-        if prompts is not None and prompt_token_ids is not None:
-            raise ValueError("Pass prompts or prompt_token_ids, not both.")
         if prompt_token_ids is not None:
-            return [(None, list(ids)) for ids in prompt_token_ids]
-        if isinstance(prompts, (str, dict)):
+            # vLLM's legacy form: a list of ids is one prompt, a list of lists is a batch;
+            # with text prompts too, the two lists pair up (the ids are used, the text kept).
+            ids_list = [prompt_token_ids] if is_token_list(prompt_token_ids) else prompt_token_ids
+            if not isinstance(ids_list, (list, tuple)):
+                raise TypeError("prompt_token_ids must be a list of ints or a list of such lists.")
+            if prompts is None:
+                return [(None, list(ids)) for ids in ids_list]
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            if len(texts) != len(ids_list):
+                raise ValueError("The lengths of prompts and prompt_token_ids must be the same.")
+            return [(text, list(ids)) for text, ids in zip(texts, ids_list)]
+        if isinstance(prompts, (str, dict)) or is_token_list(prompts):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(
+                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}."
+            )
         items: list[tuple[Optional[str], Optional[list[int]]]] = []
         for prompt in prompts:
-            if isinstance(prompt, str):
-                items.append((prompt, None))
-            elif isinstance(prompt, dict):
-                if "prompt_token_ids" in prompt:
-                    items.append((prompt.get("prompt"), prompt["prompt_token_ids"]))
-                elif "prompt" in prompt:
-                    items.append((prompt["prompt"], None))
-                else:
-                    raise ValueError(
-                        "a prompt dict needs a 'prompt' or 'prompt_token_ids' key, got "
-                        f"{sorted(prompt)}."
-                    )
-            else:
-                raise TypeError(f"prompts must be strings or dicts, got {type(prompt).__name__}.")
+            if not isinstance(prompt, (str, dict)) and not is_token_list(prompt):
+                raise TypeError(
+                    "prompts must be strings or dicts (TextPrompt, TokensPrompt) or lists of "
+                    f"token ids, got {type(prompt).__name__}."
+                )
+            items.append(parse_prompt(prompt))
         return items
 
     @staticmethod

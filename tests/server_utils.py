@@ -1,0 +1,44 @@
+"""Run the OpenAI server in a thread of the test process, on a free local port."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional
+
+from vllm.engine.async_llm_engine import AsyncLLMEngine
+from vllm.model_executor.parallel_utils.parallel_state import get_open_port
+
+
+class ServerThread:
+    """uvicorn serving `build_app(engine)` on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, engine: AsyncLLMEngine, api_key: Optional[str] = None, **kw: Any):
+        import uvicorn
+
+        from vllm.entrypoints.openai.api_server import build_app
+
+        self.engine = engine
+        self.port = get_open_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = build_app(engine, api_key=api_key, **kw)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.time() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+
+    def client(self, api_key: str = "EMPTY", **kw: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kw)
+
+    def stop(self, shutdown_engine: bool = True) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        if shutdown_engine:
+            self.engine.shutdown()

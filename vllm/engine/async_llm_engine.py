@@ -1,0 +1,346 @@
+"""AsyncLLMEngine: the engine behind an asyncio API, for servers and Ray Data.
+
+One background thread owns the LLMEngine and runs its `step()` loop; `step()` blocks on the
+oldest micro-batch in the pipeline, so it cannot run on the event loop. Callers never touch the
+engine: `generate` queues the request and `abort` queues the id, and the thread applies both
+between steps (vLLM V0's `_new_requests` / `_finished_requests`). With pipeline parallelism the
+batch queue keeps up to `pipeline_parallel_size` micro-batches in flight while requests arrive
+and leave: a request added during a step joins the next micro-batch the engine schedules.
+
+Outputs go back to each request's own event loop with `call_soon_threadsafe`. A caller that
+stops iterating (a cancelled task, a closed generator) aborts its request. If the engine
+raises, every pending request fails with AsyncEngineDeadError (the cause chained) and so does
+every later call: no wait is left without an end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncGenerator, Iterable
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.engine.llm_engine import LLMEngine
+from vllm.inputs import PromptInputs, parse_prompt
+from vllm.logger import init_logger
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+logger = init_logger("vllm.engine.async_llm_engine")
+
+_FINISHED = object()  # end-of-stream marker
+
+
+class AsyncEngineDeadError(RuntimeError):
+    """The engine's background loop has stopped with an error; the engine cannot serve."""
+
+
+class AsyncStream:
+    """The outputs of one request, passed from the engine thread to the caller's loop."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: Any) -> None:
+        """Thread-safe: hand an output (or an exception, or the end marker) to the caller."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+    def finish(self, error: Optional[BaseException] = None) -> None:
+        if not self.finished:
+            self.finished = True
+            self.put(error if error is not None else _FINISHED)
+
+    async def __aiter__(self) -> AsyncGenerator[RequestOutput, None]:
+        while True:
+            item = await self._queue.get()
+            if item is _FINISHED:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+def _put_all(items: list[tuple[AsyncStream, Any]]) -> None:
+    for stream, item in items:
+        stream._queue.put_nowait(item)
+
+
+@dataclass
+class _NewRequest:
+    stream: AsyncStream
+    prompt: Optional[str]
+    prompt_token_ids: Optional[list[int]]
+    params: SamplingParams
+    arrival_time: float
+
+
+class AsyncLLMEngine:
+    """An LLMEngine driven by a background thread, with `async generate` (vLLM's API).
+
+    `AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=..., pipeline_parallel_size=2))`;
+    then `async for out in engine.generate(prompt, params, request_id): ...` yields
+    RequestOutputs (cumulative by default; set `params.output_kind` for deltas or the final
+    output only). `abort(request_id)`, `check_health()`, `get_model_config()`."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        log_requests: bool = True,
+        start_engine_loop: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.log_requests = log_requests
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._new_requests: list[_NewRequest] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, AsyncStream] = {}  # owned by the engine thread
+        self._active: set[str] = set()  # ids generating (under _lock)
+        self._errored_with: Optional[BaseException] = None
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+        if start_engine_loop:
+            self.start_background_loop()
+
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True, **kwargs: Any
+    ) -> AsyncLLMEngine:
+        """Build the engine (workers, KV caches) and start its loop. Extra keywords vLLM
+        accepts (`stat_loggers`, `usage_context`) are ignored."""
+        engine = LLMEngine.from_engine_args(engine_args)
+        log_requests = not getattr(engine_args, "disable_log_requests", False)
+        return cls(engine, log_requests=log_requests, start_engine_loop=start_engine_loop)
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self.errored
+
+    @property
+    def errored(self) -> bool:
+        return self._errored_with is not None
+
+    @property
+    def dead_error(self) -> AsyncEngineDeadError:
+        err = AsyncEngineDeadError(
+            "Background loop has errored already: "
+            f"{type(self._errored_with).__name__}: {self._errored_with}"
+        )
+        err.__cause__ = self._errored_with
+        return err
+
+    def start_background_loop(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("Background loop is already running.")
+        self._thread = threading.Thread(target=self._run, name="vllm-engine-loop", daemon=True)
+        self._thread.start()
+
+    async def check_health(self) -> None:
+        """Raise AsyncEngineDeadError if the background loop has died."""
+        if self.errored:
+            raise self.dead_error
+        if self._thread is None or not self._thread.is_alive():
+            raise AsyncEngineDeadError("Background loop is not running.")
+
+    async def get_model_config(self) -> Any:
+        return self.engine.model_config
+
+    async def get_tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    async def do_log_stats(self) -> None:
+        """Metrics are refreshed by the background loop; kept for vLLM's API."""
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Optional[PromptInputs] = None,
+        sampling_params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        lora_request: Any = None,
+        *,
+        inputs: Optional[PromptInputs] = None,
+        arrival_time: Optional[float] = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's RequestOutputs until it finishes.
+
+        `prompt` is a string, `{"prompt": ...}`, `{"prompt_token_ids": [...]}` or a list of
+        token ids (`inputs=` is vLLM 0.5's name for it). Bad input raises ValueError/TypeError
+        from the first iteration; stopping the iteration early aborts the request."""
+        if lora_request is not None:
+            raise ValueError("LoRA is not supported by this engine.")
+        if prompt is None:
+            prompt = inputs
+        if request_id is None:
+            raise ValueError("request_id is required.")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        request_id = str(request_id)
+        stream = self._add_request(request_id, prompt, sampling_params, arrival_time)
+        done = False
+        try:
+            async for output in stream:
+                done = output.finished
+                yield output
+            done = True
+        finally:
+            if not done:
+                self._abort(request_id)
+
+    async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
+        """Abort requests (their generate() iterations end)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            self._abort(rid)
+
+    def _add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: Optional[float],
+    ) -> AsyncStream:
+        text, token_ids = parse_prompt(prompt)
+        stream = AsyncStream(request_id, asyncio.get_running_loop())
+        with self._lock:
+            if self._errored_with is not None:
+                raise self.dead_error
+            if self._stopping:
+                raise AsyncEngineDeadError("The engine has been shut down.")
+            if request_id in self._active:
+                raise ValueError(f"Request {request_id} already exists.")
+            self._active.add(request_id)
+            self._new_requests.append(
+                _NewRequest(stream, text, token_ids, params, arrival_time or time.time())
+            )
+        self._wakeup.set()
+        if self.log_requests:
+            logger.info("Received request %s: params: %s.", request_id, params)
+        return stream
+
+    def _abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id not in self._active:
+                return
+            self._aborts.append(request_id)
+        self._wakeup.set()
+        if self.log_requests:
+            logger.info("Aborted request %s.", request_id)
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._apply_pending()
+                if self._stopping:
+                    return
+                if not engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                outputs = engine.step()
+                if outputs:
+                    self._deliver(outputs)
+        except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
+            logger.exception("Engine background loop failed")
+            self._fail_all(exc)
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            new, self._new_requests = self._new_requests, []
+            aborts, self._aborts = self._aborts, []
+        for req in new:
+            rid = req.stream.request_id
+            try:
+                self.engine.add_request(
+                    rid,
+                    req.prompt,
+                    req.params,
+                    prompt_token_ids=req.prompt_token_ids,
+                    arrival_time=req.arrival_time,
+                )
+            except (ValueError, TypeError) as exc:
+                # A bad request is refused alone; the engine and the others go on.
+                self._forget(rid)
+                req.stream.finish(exc)
+                continue
+            self._streams[rid] = req.stream
+        if aborts:
+            self.engine.abort_request(aborts)
+            for rid in aborts:
+                stream = self._streams.pop(rid, None)
+                self._forget(rid)
+                if stream is not None:
+                    stream.finish()
+            if not self.engine.has_unfinished_requests():
+                self.engine.do_log_stats()  # no step will refresh the gauges now
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per event loop, not one per
+        request (a step can finish a token for hundreds of requests)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[AsyncStream, Any]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            items = by_loop.setdefault(stream._loop, [])
+            items.append((stream, output))
+            if output.finished:
+                del self._streams[output.request_id]
+                self._forget(output.request_id)
+                stream.finished = True
+                items.append((stream, _FINISHED))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._active.discard(request_id)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            self._errored_with = exc
+            pending = [r.stream for r in self._new_requests]
+            self._new_requests = []
+            self._active.clear()
+        error = self.dead_error
+        for stream in [*self._streams.values(), *pending]:
+            stream.finish(error)
+        self._streams.clear()
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the loop (pending requests fail with AsyncEngineDeadError) and the workers."""
+        with self._lock:
+            self._stopping = True
+        self._wakeup.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=60)
+        error = AsyncEngineDeadError("The engine has been shut down.")
+        with self._lock:
+            pending = [r.stream for r in self._new_requests]
+            self._new_requests = []
+            self._active.clear()
+        for stream in [*self._streams.values(), *pending]:
+            stream.finish(error)
+        self._streams.clear()
+        self.engine.shutdown()

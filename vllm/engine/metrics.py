@@ -1,0 +1,314 @@
+"""Engine statistics with vLLM's metric names: a `Stats` snapshot per step, Prometheus
+collectors (`vllm:num_requests_running`, `vllm:num_preemptions_total`, ...) and vLLM's
+periodic throughput log line.
+
+The offline engine and the server share this. Collection is cheap (a few counters per step,
+one pass over the batch's groups) and only happens when stats are enabled
+(`disable_log_stats=False`). The Prometheus registry is process-global: each engine that logs
+stats registers fresh collectors (labelled by model name) in place of the previous engine's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from vllm.logger import init_logger
+from vllm.sequence import SequenceStatus
+
+logger = init_logger("vllm.engine.metrics")
+
+# vLLM V0 logs the throughput line at most this often.
+LOCAL_LOGGING_INTERVAL_SEC = 5.0
+
+_REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                            40.0, 50.0, 60.0]  # fmt: skip
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0]  # fmt: skip
+_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+_TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+
+
+@dataclass
+class Stats:
+    """What one engine step (or an idle refresh) reports: queue sizes and cache usage now,
+    plus the tokens, latencies and finished requests of the batch it completed."""
+
+    now: float
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    gpu_cache_usage: float  # fraction of device KV blocks in use
+    cpu_cache_usage: float  # fraction of swap blocks in use
+    num_preemptions: int = 0  # new preemptions since the previous Stats
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    time_per_output_tokens: list[float] = field(default_factory=list)
+    e2e_latencies: list[float] = field(default_factory=list)
+    finished_prompt_tokens: list[int] = field(default_factory=list)
+    finished_generation_tokens: list[int] = field(default_factory=list)
+    finished_reasons: list[str] = field(default_factory=list)
+
+
+class PrometheusMetrics:
+    """vLLM's Prometheus collectors (see `new_prometheus_metrics`)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        label = ["model_name"]
+        self.num_requests_running = Gauge(
+            "vllm:num_requests_running", "Number of requests currently running.", label
+        )
+        self.num_requests_waiting = Gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", label
+        )
+        self.num_requests_swapped = Gauge(
+            "vllm:num_requests_swapped", "Number of requests swapped to CPU.", label
+        )
+        self.gpu_cache_usage = Gauge(
+            "vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", label
+        )
+        self.cpu_cache_usage = Gauge(
+            "vllm:cpu_cache_usage_perc", "CPU swap usage. 1 means 100 percent usage.", label
+        )
+        self.num_preemptions = Counter(
+            "vllm:num_preemptions", "Cumulative number of preemptions from the engine.", label
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", label
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", label
+        )
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            label,
+            buckets=_TTFT_BUCKETS,
+        )
+        self.time_per_output_token = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            label,
+            buckets=_TPOT_BUCKETS,
+        )
+        self.e2e_request_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.",
+            label,
+            buckets=_REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            label,
+            buckets=_TOKEN_BUCKETS,
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            label,
+            buckets=_TOKEN_BUCKETS,
+        )
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+        )
+        self.avg_prompt_throughput = Gauge(
+            "vllm:avg_prompt_throughput_toks_per_s",
+            "Average prefill throughput in tokens/s.",
+            label,
+        )
+        self.avg_generation_throughput = Gauge(
+            "vllm:avg_generation_throughput_toks_per_s",
+            "Average generation throughput in tokens/s.",
+            label,
+        )
+
+
+_metrics_lock = threading.Lock()
+
+
+def new_prometheus_metrics() -> PrometheusMetrics:
+    """Fresh collectors in prometheus_client's default REGISTRY, replacing any earlier
+    engine's (as vLLM does): the registry is process-global, and the newest engine's counts
+    are the ones a scrape or a test reads."""
+    import prometheus_client
+
+    # Counters would otherwise also export `*_created` timestamp samples.
+    prometheus_client.disable_created_metrics()
+    registry = prometheus_client.REGISTRY
+    with _metrics_lock:
+        for collector in list(registry._collector_to_names):
+            names = registry._collector_to_names.get(collector, ())
+            if any(name.startswith("vllm:") for name in names):
+                registry.unregister(collector)
+        return PrometheusMetrics()
+
+
+class StatLogger:
+    """Feeds each step's Stats to Prometheus and prints vLLM's throughput line every
+    `local_interval` seconds."""
+
+    def __init__(self, model_name: str, local_interval: float = LOCAL_LOGGING_INTERVAL_SEC):
+        self.model_name = model_name
+        self.local_interval = local_interval
+        self.last_local_log = time.time()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        metrics = new_prometheus_metrics()
+        self.metrics = metrics
+        # Children bound once: .labels() looks up a dict under a lock on every call.
+        m = model_name
+        self._running = metrics.num_requests_running.labels(m)
+        self._waiting = metrics.num_requests_waiting.labels(m)
+        self._swapped = metrics.num_requests_swapped.labels(m)
+        self._gpu = metrics.gpu_cache_usage.labels(m)
+        self._cpu = metrics.cpu_cache_usage.labels(m)
+        self._preempt = metrics.num_preemptions.labels(m)
+        self._prompt = metrics.prompt_tokens.labels(m)
+        self._gen = metrics.generation_tokens.labels(m)
+        self._ttft = metrics.time_to_first_token.labels(m)
+        self._tpot = metrics.time_per_output_token.labels(m)
+        self._e2e = metrics.e2e_request_latency.labels(m)
+        self._req_prompt = metrics.request_prompt_tokens.labels(m)
+        self._req_gen = metrics.request_generation_tokens.labels(m)
+
+    def log(self, stats: Stats) -> None:
+        """Record one Stats; log the throughput line when the interval has passed."""
+        self._running.set(stats.num_running)
+        self._waiting.set(stats.num_waiting)
+        self._swapped.set(stats.num_swapped)
+        self._gpu.set(stats.gpu_cache_usage)
+        self._cpu.set(stats.cpu_cache_usage)
+        if stats.num_preemptions:
+            self._preempt.inc(stats.num_preemptions)
+        if stats.num_prompt_tokens:
+            self._prompt.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self._gen.inc(stats.num_generation_tokens)
+        for value in stats.time_to_first_tokens:
+            self._ttft.observe(value)
+        for value in stats.time_per_output_tokens:
+            self._tpot.observe(value)
+        for value in stats.e2e_latencies:
+            self._e2e.observe(value)
+        for value in stats.finished_prompt_tokens:
+            self._req_prompt.observe(value)
+        for value in stats.finished_generation_tokens:
+            self._req_gen.observe(value)
+        for reason in stats.finished_reasons:
+            self.metrics.request_success.labels(self.model_name, reason).inc()
+        self.num_prompt_tokens += stats.num_prompt_tokens
+        self.num_generation_tokens += stats.num_generation_tokens
+        elapsed = stats.now - self.last_local_log
+        if elapsed >= self.local_interval:
+            prompt_tput = self.num_prompt_tokens / elapsed
+            gen_tput = self.num_generation_tokens / elapsed
+            self.metrics.avg_prompt_throughput.labels(self.model_name).set(prompt_tput)
+            self.metrics.avg_generation_throughput.labels(self.model_name).set(gen_tput)
+            logger.info(format_log_line(stats, prompt_tput, gen_tput))
+            self.num_prompt_tokens = self.num_generation_tokens = 0
+            self.last_local_log = stats.now
+
+
+def format_log_line(stats: Stats, prompt_throughput: float, generation_throughput: float) -> str:
+    """vLLM V0's periodic line (same wording, so log scrapers keep working)."""
+    return (
+        f"Avg prompt throughput: {prompt_throughput:.1f} tokens/s, "
+        f"Avg generation throughput: {generation_throughput:.1f} tokens/s, "
+        f"Running: {stats.num_running} reqs, Swapped: {stats.num_swapped} reqs, "
+        f"Pending: {stats.num_waiting} reqs, "
+        f"GPU KV cache usage: {stats.gpu_cache_usage * 100:.1f}%, "
+        f"CPU KV cache usage: {stats.cpu_cache_usage * 100:.1f}%."
+    )
+
+
+class EngineStatsCollector:
+    """Builds Stats from the engine's scheduler around each completed batch.
+
+    `before_batch` notes the batch's groups' token times (for TTFT and TPOT) before their new
+    tokens are applied; `after_batch` builds the Stats and hands them to the StatLogger."""
+
+    def __init__(self, scheduler: Any, stat_logger: StatLogger) -> None:
+        self.scheduler = scheduler
+        self.stat_logger = stat_logger
+        self._preemptions_seen = scheduler.num_cumulative_preemption
+
+    def before_batch(self, groups: list[Any]) -> list[tuple[Optional[float], float]]:
+        return [(g.metrics.first_token_time, g.metrics.last_token_time) for g in groups]
+
+    def snapshot(self) -> Stats:
+        """Queue sizes, cache usage and the preemptions since the previous snapshot."""
+        sched = self.scheduler
+        bm = sched.block_manager
+        total_gpu = bm.num_total_gpu_blocks
+        total_cpu = bm.num_total_cpu_blocks
+        gpu = 1.0 - bm.get_num_free_gpu_blocks() / total_gpu if total_gpu else 0.0
+        cpu = 1.0 - bm.get_num_free_cpu_blocks() / total_cpu if total_cpu else 0.0
+        preemptions = sched.num_cumulative_preemption
+        stats = Stats(
+            now=time.time(),
+            num_running=sum(1 for g in sched.running if not g.is_finished()),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            gpu_cache_usage=gpu,
+            cpu_cache_usage=cpu,
+            num_preemptions=preemptions - self._preemptions_seen,
+        )
+        self._preemptions_seen = preemptions
+        return stats
+
+    def after_batch(
+        self,
+        sched_out: Any,
+        output: Any,
+        before: list[tuple[Optional[float], float]],
+        ignored: list[Any],
+    ) -> None:
+        """Record a completed batch (`output` is its SamplerOutput) and the ignored groups."""
+        stats = self.snapshot()
+        if sched_out is not None:
+            if sched_out.prompt_run:
+                stats.num_prompt_tokens = sched_out.num_batched_tokens
+            stats.num_generation_tokens = sum(len(o.samples) for o in output)
+            for group, (first, last) in zip(sched_out.scheduled_seq_groups, before):
+                m = group.metrics
+                if m.first_token_time is None:
+                    continue  # aborted while in flight
+                if first is None:
+                    stats.time_to_first_tokens.append(m.first_token_time - m.arrival_time)
+                elif m.last_token_time != last:
+                    stats.time_per_output_tokens.append(m.last_token_time - last)
+                if group.is_finished() and not _aborted(group):
+                    self._finished(stats, group)
+        for group in ignored:
+            self._finished(stats, group)
+        self.stat_logger.log(stats)
+
+    def refresh(self) -> None:
+        """Update the gauges without a batch (after aborts on an idle engine)."""
+        self.stat_logger.log(self.snapshot())
+
+    @staticmethod
+    def _finished(stats: Stats, group: Any) -> None:
+        m = group.metrics
+        end = m.finished_time if m.finished_time is not None else stats.now
+        stats.e2e_latencies.append(end - m.arrival_time)
+        stats.finished_prompt_tokens.append(len(group.prompt_token_ids))
+        stats.finished_generation_tokens.append(
+            sum(len(s.get_output_token_ids()) for s in group.get_seqs())
+        )
+        seq = group.get_seqs()[0]
+        reason = SequenceStatus.get_finished_reason(seq.status)
+        if reason is not None:
+            stats.finished_reasons.append(reason)
+
+
+def _aborted(group: Any) -> bool:
+    return any(s.status == SequenceStatus.FINISHED_ABORTED for s in group.get_seqs())

@@ -1,0 +1,290 @@
+"""POST /v1/completions: one engine request per prompt, `n` choices each (index
+`prompt_index * n + i`), streamed as server-sent events in vLLM's chunk format or returned
+whole."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vllm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    ParameterError,
+    UsageInfo,
+    random_uuid,
+)
+from vllm.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    bad_request,
+    first_output,
+    merge_streams,
+    sse,
+    until_disconnected,
+)
+from vllm.inputs import is_token_list
+from vllm.outputs import RequestOutput
+from vllm.sequence import Logprob
+
+Generator = AsyncGenerator[RequestOutput, None]
+
+
+def _prompts(prompt: Any) -> list[Union[str, list[int]]]:
+    """The request's prompts: a string, a list of strings, token ids, or lists of them."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if is_token_list(prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt) or all(is_token_list(p) for p in prompt):
+            return list(prompt)
+    raise ParameterError(
+        "prompt must be a string, a list of strings, a list of token ids or a list of such "
+        "lists, and not empty.",
+        "prompt",
+    )
+
+
+def token_text(logprob: Optional[Logprob], token_id: int, tokenizer: Any) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    steps: list[dict[int, Logprob]],
+    tokenizer: Any,
+    text_offset: int,
+) -> CompletionLogProbs:
+    """OpenAI's legacy logprobs object for some generated tokens."""
+    result = CompletionLogProbs()
+    for token_id, step in zip(token_ids, steps):
+        chosen = step.get(token_id)
+        token = token_text(chosen, token_id, tokenizer)
+        result.tokens.append(token)
+        result.token_logprobs.append(chosen.logprob if chosen is not None else None)
+        result.top_logprobs.append(
+            {token_text(lp, tid, tokenizer): max(lp.logprob, -9999.0) for tid, lp in step.items()}
+        )
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Handles /v1/completions."""
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Any:
+        error = self.check_model(request.model)
+        if error is not None:
+            return error
+        try:
+            params = request.to_sampling_params()
+            prompts = _prompts(request.prompt)
+        except ValueError as exc:
+            return bad_request(exc)
+        request_id = f"cmpl-{random_uuid()}"
+        created = int(time.time())
+        generators = [
+            self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)
+        ]
+
+        firsts, error = await start_all(raw_request, generators, self.prompt_limit)
+        if error is not None:
+            return error
+        streams = [_chain(first, gen) for first, gen in firsts]
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, request_id, created, streams),
+                media_type="text/event-stream",
+            )
+        finals: list[Optional[RequestOutput]] = [None] * len(streams)
+
+        async def collect() -> None:
+            async for i, output in merge_streams(streams):
+                finals[i] = output
+
+        await until_disconnected(raw_request, collect())
+        return JSONResponse(self._response(request, request_id, created, finals).model_dump())
+
+    def _response(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        created: int,
+        finals: list[Optional[RequestOutput]],
+    ) -> CompletionResponse:
+        choices = []
+        prompt_tokens = completion_tokens = 0
+        for i, final in enumerate(finals):
+            if final is None:
+                continue
+            prompt_tokens += len(final.prompt_token_ids)
+            prompt_text = self._prompt_text(final) if request.echo else ""
+            for out in final.outputs:
+                completion_tokens += len(out.token_ids)
+                logprobs = None
+                if request.logprobs is not None and out.logprobs is not None:
+                    logprobs = completion_logprobs(
+                        out.token_ids, out.logprobs, self.tokenizer, len(prompt_text)
+                    )
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * request.n + out.index,
+                        text=prompt_text + out.text,
+                        logprobs=logprobs,
+                        finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason,
+                    )
+                )
+        choices.sort(key=lambda c: c.index)
+        usage = UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+        return CompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+        )
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return self.tokenizer.decode(output.prompt_token_ids) if self.tokenizer else ""
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        created: int,
+        streams: list[Generator],
+    ) -> AsyncIterator[str]:
+        n = request.n
+        offsets: dict[int, int] = {}  # choice index -> characters sent (logprobs text_offset)
+        finished: set[int] = set()
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        try:
+            async for i, output in merge_streams(streams):
+                prompt_tokens[i] = len(output.prompt_token_ids)
+                for out in output.outputs:
+                    index = i * n + out.index
+                    if index in finished:
+                        continue
+                    text = out.text
+                    if request.echo and index not in offsets:
+                        text = self._prompt_text(output) + text
+                    if not text and not out.token_ids and out.finish_reason is None:
+                        continue
+                    completion_tokens += len(out.token_ids)
+                    logprobs = None
+                    if request.logprobs is not None and out.logprobs is not None:
+                        start = offsets.get(index, 0) + len(text) - len(out.text)
+                        logprobs = completion_logprobs(
+                            out.token_ids, out.logprobs, self.tokenizer, start
+                        )
+                    offsets[index] = offsets.get(index, 0) + len(text)
+                    if out.finish_reason is not None:
+                        finished.add(index)
+                    chunk = CompletionStreamResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[
+                            CompletionResponseChoice(
+                                index=index,
+                                text=text,
+                                logprobs=logprobs,
+                                finish_reason=out.finish_reason,
+                                stop_reason=out.stop_reason,
+                            )
+                        ],
+                    )
+                    yield sse(chunk)
+            if request.stream_options is not None and request.stream_options.include_usage:
+                total_prompt = sum(prompt_tokens.values())
+                usage = UsageInfo(
+                    prompt_tokens=total_prompt,
+                    completion_tokens=completion_tokens,
+                    total_tokens=total_prompt + completion_tokens,
+                )
+                yield sse(
+                    CompletionStreamResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[],
+                        usage=usage,
+                    )
+                )
+        except Exception as exc:  # after the headers: report it in the stream, as vLLM does
+            yield sse(bad_request_body(exc))
+        yield sse("[DONE]")
+
+
+def bad_request_body(exc: BaseException) -> Any:
+    from vllm.entrypoints.openai.protocol import ErrorResponse
+    from vllm.entrypoints.openai.serving_engine import error_param
+
+    return ErrorResponse(message=str(exc), type="BadRequestError", param=error_param(exc), code=400)
+
+
+async def _chain(first: Optional[RequestOutput], rest: Generator) -> Generator:
+    if first is not None:
+        yield first
+        if first.finished:
+            await rest.aclose()
+            return
+    async for output in rest:
+        yield output
+
+
+async def start_all(
+    raw_request: Request,
+    generators: list[Generator],
+    prompt_limit: Optional[int] = None,
+    param: str = "prompt",
+) -> tuple[list[tuple[Optional[RequestOutput], Generator]], Optional[JSONResponse]]:
+    """The first output of every request, or a 400 if the engine refused one of them (then
+    the others are aborted). A prompt longer than `prompt_limit` (which the scheduler
+    ignores) is a 400 too, with vLLM's message."""
+
+    async def start() -> list[Any]:
+        return await asyncio.gather(*(first_output(g) for g in generators), return_exceptions=True)
+
+    results = await until_disconnected(raw_request, start())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    for result in results:
+        first = None if isinstance(result, BaseException) else result[0]
+        if (
+            prompt_limit is not None
+            and first is not None
+            and first.finished
+            and len(first.prompt_token_ids) > prompt_limit
+            and not any(o.token_ids for o in first.outputs)
+        ):
+            errors.append(
+                ParameterError(
+                    f"This model's maximum context length is {prompt_limit} tokens. However, "
+                    f"you requested {len(first.prompt_token_ids)} tokens in the {param}. "
+                    f"Please reduce the length of the {param}.",
+                    param,
+                )
+            )
+    if not errors:
+        return results, None
+    for gen in generators:
+        await gen.aclose()
+    for exc in errors:
+        if not isinstance(exc, (ValueError, TypeError)):
+            raise exc
+    return [], bad_request(errors[0])

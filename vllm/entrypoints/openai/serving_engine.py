@@ -1,0 +1,177 @@
+"""What the completion and chat handlers share: the model name check, OpenAI error bodies
+(400 naming the parameter), running a request until it finishes or its client goes away,
+and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncGenerator, AsyncIterator
+from http import HTTPStatus
+from typing import Any, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from vllm.engine.async_llm_engine import AsyncLLMEngine
+from vllm.entrypoints.openai.protocol import ErrorResponse, ModelCard, ModelList, ParameterError
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+_PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {"max_completion_tokens", "messages"}
+# Engine messages that do not start with the parameter's name.
+_MESSAGE_PARAMS = [
+    (re.compile(r"^Requested sample logprobs"), "logprobs"),
+    (re.compile(r"^Requested prompt logprobs"), "prompt_logprobs"),
+    (re.compile(r"out of vocabulary|^Prompt cannot be empty|^prompt"), "prompt"),
+    (re.compile(r"^best_of"), "best_of"),
+]
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its request finished (the request was aborted)."""
+
+
+def error_param(exc: BaseException) -> Optional[str]:
+    """The request parameter an error is about (the engine's messages name it first)."""
+    if isinstance(exc, ParameterError):
+        return exc.param
+    message = str(exc)
+    first = message.split(" ", 1)[0].rstrip(":,.")
+    if first in _PARAM_NAMES:
+        return first
+    for pattern, param in _MESSAGE_PARAMS:
+        if pattern.search(message):
+            return param
+    return None
+
+
+def error_response(
+    message: str,
+    err_type: str = "BadRequestError",
+    status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+    param: Optional[str] = None,
+) -> JSONResponse:
+    body = ErrorResponse(message=message, type=err_type, param=param, code=status.value)
+    return JSONResponse(body.model_dump(), status_code=status.value)
+
+
+def bad_request(exc: BaseException) -> JSONResponse:
+    return error_response(str(exc), param=error_param(exc))
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.model_config = engine.engine.model_config
+        self.max_model_len = engine.engine.scheduler_config.max_model_len
+        # Longer prompts are ignored by the scheduler; the server refuses them with a 400.
+        self.prompt_limit = engine.engine.scheduler.prompt_limit
+        self.tokenizer = engine.engine.get_tokenizer()
+
+    def show_models(self) -> ModelList:
+        root = self.model_config.model
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=root, max_model_len=self.max_model_len)
+                for name in self.served_model_names
+            ]
+        )
+
+    def check_model(self, model: Optional[str]) -> Optional[JSONResponse]:
+        """None if the request's model is served (or not given), else a 404 body."""
+        if model is None or model in self.served_model_names:
+            return None
+        return error_response(
+            f"The model `{model}` does not exist.",
+            err_type="NotFoundError",
+            status=HTTPStatus.NOT_FOUND,
+            param="model",
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+async def first_output(
+    generator: AsyncGenerator[RequestOutput, None],
+) -> tuple[Optional[RequestOutput], AsyncGenerator[RequestOutput, None]]:
+    """Wait for a request's first output, so a bad request fails before any response byte
+    is sent (the engine validates it); None if the stream ended without one (aborted)."""
+    try:
+        first = await generator.__anext__()
+    except StopAsyncIteration:
+        return None, generator
+    return first, generator
+
+
+async def merge_streams(
+    generators: list[AsyncGenerator[RequestOutput, None]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come: (index of the generator, output)."""
+    if len(generators) == 1:
+        async for output in generators[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
+        try:
+            async for output in gen:
+                await queue.put((i, output))
+            await queue.put(done)
+        except Exception as exc:  # handed to the consumer
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()  # each generate() aborts its request when cancelled
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return when the client closes the connection (its body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnected(request: Request, coro: Any) -> Any:
+    """Await `coro`, cancelling it (and so aborting its requests) if the client leaves."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise ClientDisconnected()
+
+
+def sse(data: Any) -> str:
+    """One server-sent event (`data` is a pydantic model or the string [DONE])."""
+    if isinstance(data, str):
+        return f"data: {data}\n\n"
+    return f"data: {json.dumps(data.model_dump(exclude_unset=False))}\n\n"

@@ -1,0 +1,31 @@
+"""The `vllm` command line (console script): `vllm serve MODEL [engine and server flags]`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Optional
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from vllm.entrypoints.openai.api_server import make_arg_parser, serve
+
+    parser = argparse.ArgumentParser(prog="vllm", description="vLLM CLI")
+    subparsers = parser.add_subparsers(dest="subcommand", required=True)
+    serve_parser = subparsers.add_parser(
+        "serve",
+        help="Start the OpenAI-compatible server.",
+        usage="vllm serve <model_tag> [options]",
+    )
+    serve_parser.add_argument("model_tag", type=str, help="The model to serve.")
+    make_arg_parser(serve_parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.subcommand == "serve":
+        # The positional model wins over --model (as in vLLM).
+        args.model = args.model_tag
+        asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()
