@@ -18,7 +18,7 @@ long as the driver; leaving the `with` block (or `processor.shutdown()`) removes
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
 from vllm.batch.predictor import LLMPredictor
@@ -92,17 +92,20 @@ class BatchProcessor:
         self.placement_groups: list[Any] = []
 
     def scheduling_strategy(self) -> dict[str, Any]:
-        """Ray Data's `ray_remote_args_fn`: a new placement group for each actor it starts."""
+        """Ray Data's `ray_remote_args_fn`: each actor it starts gets a new placement group.
+
+        Ray Data also calls this function when it is not starting an actor (its memory issue
+        detector reads the remote args at start and every 30 s). A group made for such a call
+        would hold its CPUs until the driver exits, so the group is created only when Ray
+        reads the strategy's `placement_group` to start an actor."""
+        return {"scheduling_strategy": _group_on_first_use(self._create_group)}
+
+    def _create_group(self) -> Any:
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pg = placement_group(self.bundles, strategy=self.placement_strategy)
         self.placement_groups.append(pg)
-        return {
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                pg, placement_group_capture_child_tasks=True
-            )
-        }
+        return pg
 
     def __call__(self, dataset: Any) -> Any:
         import ray.data
@@ -147,6 +150,35 @@ def build_processor(model: str, **kwargs: Any) -> BatchProcessor:
     """A processor for `model`: `processor(dataset)` returns the dataset with the generated
     columns (see LLMPredictor). Keyword arguments: those of BatchProcessor."""
     return BatchProcessor(model, **kwargs)
+
+
+def _group_on_first_use(create: Callable[[], Any]) -> Any:
+    """A PlacementGroupSchedulingStrategy (capturing child tasks) whose group is created by
+    `create()` the first time Ray reads it."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    class GroupOnFirstUse(PlacementGroupSchedulingStrategy):
+        def __init__(self) -> None:
+            self._group: Any = None
+            super().__init__(None, placement_group_capture_child_tasks=True)
+
+        @property  # type: ignore[override]
+        def placement_group(self) -> Any:
+            if self._group is None:
+                self._group = create()
+            return self._group
+
+        @placement_group.setter
+        def placement_group(self, value: Any) -> None:
+            self._group = value
+
+        def __deepcopy__(self, memo: dict) -> Any:
+            return self  # one strategy, one group, however often Ray Data copies the args
+
+        def __reduce__(self) -> Any:
+            return (PlacementGroupSchedulingStrategy, (self.placement_group, -1, True))
+
+    return GroupOnFirstUse()
 
 
 def _actor_env(cpus_per_rank: int) -> dict[str, str]:
