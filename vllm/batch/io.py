@@ -74,5 +74,10 @@ def read_outputs(path: str, fmt: Optional[str] = None) -> Any:
     if fmt == "parquet":
         return pd.read_parquet(path)
     files = sorted(f for f in glob.glob(os.path.join(path, "*")) if os.path.isfile(f))
-    frames = [pd.read_json(f, lines=True) for f in files if os.path.getsize(f) > 0]
+    frames = [
+        # JSON types as written: no guessing (a prompt "42" stays a string)
+        pd.read_json(f, lines=True, dtype=False)
+        for f in files
+        if os.path.getsize(f) > 0
+    ]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
