@@ -117,10 +117,12 @@ class BatchProcessor:
             compute=ray.data.ActorPoolStrategy(size=self.num_instances),
             batch_size=self.batch_size,
             batch_format="numpy",
-            # The actor takes nothing: its group's bundles are for the engine's ranks (a PP=1
-            # engine runs inside the actor, on the first bundle's CPUs).
+            # The actor takes no CPU: its group's bundles are for the engine's ranks (a PP=1
+            # engine runs inside the actor, on its bundle's CPUs). On GPU a one-rank engine
+            # runs in the actor too, so the actor takes that bundle's GPU (Ray then makes it
+            # visible to the actor, as the seed's num_gpus=1); a PP/TP engine's ranks take theirs.
             num_cpus=0,
-            num_gpus=0,
+            num_gpus=1 if self.use_gpu and len(self.bundles) == 1 else 0,
             ray_remote_args_fn=self.scheduling_strategy,
             runtime_env={"env_vars": _actor_env(cpus)},
         )
