@@ -203,3 +203,17 @@ def test_ray_data_llm_gap_is_stated_by_code():
     missing = ray_llm_compat.missing_required()
     assert all(r.required and not r.ok for r in missing)
     assert bool(missing) or has_async
+
+
+def test_instance_bundles_per_layout():
+    from vllm.batch import BatchProcessor, instance_bundles
+
+    assert instance_bundles(2, 1) == [{"CPU": 1}, {"CPU": 1}]
+    assert instance_bundles(1, 3, use_gpu=True) == [{"GPU": 1, "CPU": 1}] * 3
+    gpu = BatchProcessor("m", pipeline_parallel_size=2, tensor_parallel_size=2, device="cuda")
+    assert gpu.bundles == [{"GPU": 1, "CPU": 1}] * 4
+    assert gpu.predictor_kwargs["engine_kwargs"]["distributed_executor_backend"] == "ray"
+    cpu = BatchProcessor("m", device="cpu")
+    assert cpu.bundles == [{"CPU": 1}] and cpu.predictor_kwargs["engine_kwargs"]["device"] == "cpu"
+    with pytest.raises(ValueError, match="num_instances"):
+        BatchProcessor("m", num_instances=0, device="cpu")
