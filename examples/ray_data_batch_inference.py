@@ -79,7 +79,9 @@ def start_ray(args: argparse.Namespace) -> None:
     num_cpus = args.num_cpus or max(os.cpu_count() or 1, need)
     if num_cpus > (os.cpu_count() or 1):
         print(f"note: {num_cpus} logical CPUs on {os.cpu_count()} cores (oversubscribed)")
-    ray.init(num_cpus=num_cpus, include_dashboard=False)
+    # address="local": a new instance even if `ray start` left a cluster on this machine
+    # (ray.init() would join that one, and refuse num_cpus).
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
 
 
 def report(name: str, rows: int, gen_tokens: int, seconds: float) -> None:
