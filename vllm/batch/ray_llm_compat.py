@@ -6,7 +6,8 @@ user of `LLM`. This module lists each call that stage makes and whether the inst
 (this package) provides it, so the gap is stated by the code rather than by a document that
 goes stale:
 
-    python -m vllm.batch.ray_llm_compat
+    python -m vllm.batch.ray_llm_compat                    # the list
+    python -m vllm.batch.ray_llm_compat --run HF_MODEL_DIR # and a run of ray.data.llm on CPU
 
 Calls needed only for features this engine does not have (LoRA, pooling/embeddings, guided
 decoding) are listed as optional. Resource placement is not an engine call but is listed too:
@@ -121,8 +122,9 @@ CHECKS: list[tuple[str, str, bool, Callable[[], tuple[bool, str]]]] = [
      False, lambda: _has("vllm.AsyncLLMEngine.do_log_stats")),
     ("AsyncLLMEngine.shutdown()", "actor teardown", True,
      lambda: _has("vllm.AsyncLLMEngine.shutdown")),
-    ("vllm.SamplingParams(**row['sampling_params'])", "every request", True,
-     lambda: _has("vllm.SamplingParams")),
+    ("vllm.SamplingParams(**row['sampling_params'], structured_outputs=None)",
+     "every request (the keyword is always passed)", True,
+     lambda: _accepts("vllm.SamplingParams", "structured_outputs")),
     ("vllm.outputs.RequestOutput with dataclass .metrics (dataclasses.asdict)",
      "every output", True, _metrics_is_dataclass),
     ("vllm.sampling_params.StructuredOutputsParams", "guided decoding only", False,
@@ -135,6 +137,9 @@ CHECKS: list[tuple[str, str, bool, Callable[[], tuple[bool, str]]]] = [
 
 # Not engine calls: what a user must pass to run the stage on CPU with a local model.
 NOTES = [
+    "Install: `ray[llm]` cannot be installed next to this package: it requires "
+    "vllm[audio]==0.29.0 (PyPI's vLLM, which would replace this `vllm`) and nixl-cu13 (CUDA "
+    "wheels). `import ray.data.llm` needs only `ray[data]` plus aiohttp, installed by hand.",
     "Resources: by default each replica asks for {'GPU': 1, 'CPU': 1} bundles (num_gpus=1 "
     "at PP x TP = 1). On CPU pass placement_group_config={'bundles': [{'CPU': 1}] * (PP*TP), "
     "'strategy': 'STRICT_PACK'} in vLLMEngineProcessorConfig.",
@@ -162,7 +167,43 @@ def missing_required() -> list[Requirement]:
     return [r for r in check() if r.required and not r.ok]
 
 
+def run_ray_data_llm(model_dir: str, num_rows: int = 8, pipeline_parallel_size: int = 1) -> list:
+    """Run `ray.data.llm`'s vLLM processor on this engine, on CPU, with the settings the
+    notes above list; returns the output rows. Needs Ray initialised (CPUs for the bundles
+    plus one) and aiohttp installed."""
+    import ray.data
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+
+    world = pipeline_parallel_size
+    config = vLLMEngineProcessorConfig(
+        model_source=model_dir,
+        engine_kwargs={"device": "cpu", "kv_cache_space": 0.05, "swap_space": 0.01,
+                       "disable_log_stats": True, "pipeline_parallel_size": world},
+        placement_group_config={"bundles": [{"CPU": 1}] * world, "strategy": "STRICT_PACK"},
+        log_engine_metrics=False,
+        concurrency=1,
+        batch_size=8,
+    )
+    processor = build_processor(
+        config,
+        preprocess=lambda row: {
+            "messages": [{"role": "user", "content": row["prompt"]}],
+            "sampling_params": {"temperature": 0.0, "max_tokens": 8},
+        },
+        postprocess=lambda row: {"prompt": row["prompt"], "text": row["generated_text"]},
+    )
+    ds = ray.data.from_items([{"prompt": f"Hello {i}"} for i in range(num_rows)])
+    return processor(ds).take_all()
+
+
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run", metavar="HF_MODEL_DIR", default=None,
+                        help="also run ray.data.llm's processor on this model (CPU)")
+    parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    args = parser.parse_args()
     results = check()
     for r in results:
         mark = "ok     " if r.ok else ("MISSING" if r.required else "absent ")
@@ -173,6 +214,13 @@ def main() -> None:
     gaps = [r for r in results if r.required and not r.ok]
     print(f"\nray.data.llm's vLLM processor: {len(gaps)} required call(s) missing"
           + (" -- it cannot run on this engine yet." if gaps else "."))
+    if args.run:
+        import ray
+
+        ray.init(address="local", num_cpus=args.pipeline_parallel_size + 1,
+                 include_dashboard=False)
+        rows = run_ray_data_llm(args.run, pipeline_parallel_size=args.pipeline_parallel_size)
+        print(f"ray.data.llm processed {len(rows)} rows; first: {rows[0]}")
 
 
 if __name__ == "__main__":
