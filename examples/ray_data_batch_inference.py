@@ -51,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
     p.add_argument("--kv-cache-space", type=float, default=1.0, help="KV GiB per stage (CPU)")
+    p.add_argument("--swap-space", type=float, default=1.0, help="swap GiB per stage (CPU)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--num-cpus", type=int, default=None,
@@ -67,7 +68,8 @@ def sampling(args: argparse.Namespace) -> dict:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {"kv_cache_space": args.kv_cache_space, "max_num_seqs": args.max_num_seqs}
+    return {"kv_cache_space": args.kv_cache_space, "swap_space": args.swap_space,
+            "max_num_seqs": args.max_num_seqs}
 
 
 def start_ray(args: argparse.Namespace) -> None:
@@ -115,6 +117,10 @@ def compare_llm(args: argparse.Namespace, prompts: list, df) -> None:
 
 def main() -> None:
     args = parse_args()
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     start_ray(args)
     ds = read_dataset(args.input)
     if args.num_rows:

@@ -58,26 +58,65 @@ def reference(model_dir) -> dict[str, tuple[str, int, int, str]]:
 
 
 def _run(ray, model_dir, out_path, num_instances, pp):
-    """One Ray Data run; returns (output DataFrame, placement groups it created)."""
+    """One Ray Data run through the package; returns (output DataFrame, groups it created)."""
     import ray.data
+
+    ds = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(_prompts())])
+
+    def job():
+        with build_processor(
+            model_dir,
+            num_instances=num_instances,
+            pipeline_parallel_size=pp,
+            batch_size=8,
+            sampling_params=GREEDY,
+            engine_kwargs=ENGINE,
+            device="cpu",
+        ) as processor:
+            write_dataset(processor(ds), str(out_path))
+
+    created = _groups_created_by(job)
+    return read_outputs(str(out_path)), created
+
+
+def _groups_created_by(job):
+    """Run `job`; the placement groups it created, checked to be removed when it returns."""
     from ray.util import placement_group_table
 
     before = set(placement_group_table())
-    ds = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(_prompts())])
-    with build_processor(
-        model_dir,
-        num_instances=num_instances,
-        pipeline_parallel_size=pp,
-        batch_size=8,
-        sampling_params=GREEDY,
-        engine_kwargs=ENGINE,
-        device="cpu",
-    ) as processor:
-        write_dataset(processor(ds), str(out_path))
-        created = [pg_id for pg_id in placement_group_table() if pg_id not in before]
+    job()
     table = placement_group_table()
+    created = [pg_id for pg_id in table if pg_id not in before]
     assert all(table[pg_id]["state"] == "REMOVED" for pg_id in created), "groups left behind"
-    return read_outputs(str(out_path)), created
+    return created
+
+
+def _run_example(model_dir, tmp_path, num_instances):
+    """The same run through examples/ray_data_batch_inference.py, from a JSONL file."""
+    import importlib.util
+    import json
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "ray_data_batch_inference.py")
+    spec = importlib.util.spec_from_file_location("ray_data_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                              for i, p in enumerate(_prompts())))
+    out = tmp_path / "out.parquet"
+    argv = ["--input", str(source), "--output", str(out), "--model", model_dir,
+            "--num-instances", str(num_instances), "--batch-size", "8", "--temperature", "0",
+            "--max-tokens", str(MAX_TOKENS), "--kv-cache-space", "0.05", "--swap-space", "0.01",
+            "--device", "cpu"]
+    saved = sys.argv
+    sys.argv = ["ray_data_batch_inference.py", *argv]
+    try:
+        created = _groups_created_by(lambda: example.run(example.parse_args()))
+    finally:
+        sys.argv = saved
+    return read_outputs(str(out)), created
 
 
 def _check(df, reference):
@@ -93,7 +132,8 @@ def _check(df, reference):
 
 
 def test_two_instances_pp1(ray_session, model_dir, reference, tmp_path):
-    df, created = _run(ray_session, model_dir, tmp_path / "out.parquet", 2, 1)
+    # Through the example script (JSONL in, Parquet out), as a user runs it.
+    df, created = _run_example(model_dir, tmp_path, 2)
     _check(df, reference)
     assert len(created) == 2  # one group per instance
 
