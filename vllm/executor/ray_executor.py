@@ -14,7 +14,8 @@ from typing import Any
 from vllm.executor.base import ExecutorBase
 from vllm.executor.ray_utils import (
     RayWorkerWrapper,
-    create_placement_group,
+    get_actor_ips,
+    get_or_create_placement_group,
     init_ray,
 )
 from vllm.logger import init_logger
@@ -39,7 +40,9 @@ class RayExecutor(ExecutorBase):
         world = self.parallel_config.world_size
         use_gpu = self.device_config.device == "cuda"
         self._owns_ray = init_ray(world, use_gpu)
-        self.placement_group = create_placement_group(world, use_gpu)
+        self.placement_group, bundles, self._owns_pg = get_or_create_placement_group(
+            world, use_gpu
+        )
         # Actors import vllm from the same source tree as the driver, installed or not.
         src_root = os.path.dirname(os.path.dirname(os.path.abspath(vllm.__file__)))
         python_path = os.pathsep.join(p for p in (src_root, os.environ.get("PYTHONPATH")) if p)
@@ -63,14 +66,14 @@ class RayExecutor(ExecutorBase):
         for rank in range(world):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group,
-                placement_group_bundle_index=rank,
+                placement_group_bundle_index=bundles[rank],
             )
             self.workers.append(
                 actor_cls.options(
                     scheduling_strategy=strategy, runtime_env={"env_vars": env}
                 ).remote()
             )
-        ips = ray.get([w.get_node_ip.remote() for w in self.workers])
+        ips = get_actor_ips(self.workers)
         self.node_ids: list[str] = ray.get([w.get_node_id.remote() for w in self.workers])
         for rank, (ip, node) in enumerate(zip(ips, self.node_ids)):
             logger.info("Rank %d: Ray actor on node %s (id %s)", rank, ip, node[:12])
@@ -156,7 +159,8 @@ class RayExecutor(ExecutorBase):
                 ray.kill(w)
         self.workers = []
         if getattr(self, "placement_group", None) is not None and ray.is_initialized():
-            remove_placement_group(self.placement_group)
+            if getattr(self, "_owns_pg", True):  # never the caller's own group
+                remove_placement_group(self.placement_group)
             self.placement_group = None
         if getattr(self, "_owns_ray", False) and ray.is_initialized():
             ray.shutdown()

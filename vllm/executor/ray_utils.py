@@ -83,6 +83,15 @@ def init_ray(world_size: int, use_gpu: bool) -> bool:
     return True
 
 
+def _missing_message(resource: str, world_size: int, free: float) -> str:
+    missing = max(world_size - free, 0)
+    return (
+        f"{world_size} {resource}s are needed (one per rank: pipeline_parallel_size x "
+        f"tensor_parallel_size = {world_size}) but only {free:g} are free: {missing:g} "
+        f"{resource}{'s' if missing != 1 else ''} missing"
+    )
+
+
 def create_placement_group(world_size: int, use_gpu: bool) -> Any:
     """One bundle per rank ({"GPU": 1} or {"CPU": 1}); a clear error if it cannot be placed."""
     import ray
@@ -95,16 +104,72 @@ def create_placement_group(world_size: int, use_gpu: bool) -> Any:
             f"The number of required {resource}s exceeds the total number of available "
             f"{resource}s in the cluster: pipeline_parallel_size x tensor_parallel_size = "
             f"{world_size} ranks need {world_size} {resource} bundles, the Ray cluster has "
-            f"{total:g}."
+            f"{total:g} ({world_size - total:g} {resource}s missing)."
         )
+    # PACK keeps the TP ranks of a stage (adjacent ranks, adjacent bundles) on one node.
     pg = placement_group([{resource: 1}] * world_size, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
+        free = ray.available_resources().get(resource, 0)
         raise ValueError(
             f"Could not place {world_size} {resource} bundles within "
             f"{_PLACEMENT_TIMEOUT_S:g} s: the cluster has {total:g} {resource}s but "
-            f"only {ray.available_resources().get(resource, 0):g} are free."
+            f"only {free:g} are free ({_missing_message(resource, world_size, free)}). "
+            "Free them (another engine or actor may hold them), or run the engine inside a "
+            "Ray task/actor that holds a placement group sized for it: it then uses that "
+            "group's bundles."
         ) from None
     return pg
+
+
+def get_or_create_placement_group(world_size: int, use_gpu: bool) -> tuple[Any, list[int], bool]:
+    """The placement group the ranks go into: (group, bundle index per rank, owned by us).
+
+    Inside a Ray task or actor that already runs in a placement group (vLLM's Ray Data
+    pattern: the caller sized a group for the engine), its bundles are used as they are and
+    no second group is created -- which could never be placed when the first holds every
+    CPU/GPU of the cluster. Otherwise a new group of one bundle per rank is created; only that
+    one is removed at shutdown.
+    """
+    from ray.util import get_current_placement_group
+
+    resource = "GPU" if use_gpu else "CPU"
+    current = get_current_placement_group()
+    if current is None:
+        return create_placement_group(world_size, use_gpu), list(range(world_size)), True
+    bundles = [
+        i for i, bundle in enumerate(current.bundle_specs) if bundle.get(resource, 0) >= 1
+    ]
+    if len(bundles) < world_size:
+        raise ValueError(
+            f"The number of required {resource}s exceeds the total number of available "
+            f"{resource}s in the placement group: this Ray task/actor runs in a placement "
+            f"group with {len(bundles)} bundle(s) holding a {resource}, and "
+            f"pipeline_parallel_size x tensor_parallel_size = {world_size} ranks need one "
+            f"each ({world_size - len(bundles)} missing)."
+        )
+    logger.info(
+        "Using the current placement group's bundles %s (the caller's; none is created)",
+        bundles[:world_size],
+    )
+    return current, bundles[:world_size], False
+
+
+def get_actor_ips(workers: list[Any], timeout: float = _PLACEMENT_TIMEOUT_S) -> list[str]:
+    """Each rank actor's node IP; a clear error instead of a hang when an actor cannot start
+    (e.g. a bundle of the caller's placement group whose CPU the caller itself holds)."""
+    import ray
+
+    refs = [w.get_node_ip.remote() for w in workers]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    if len(ready) < len(refs):
+        started = {r.hex() for r in ready}
+        missing = [rank for rank, r in enumerate(refs) if r.hex() not in started]
+        raise ValueError(
+            f"Ray actors of ranks {missing} did not start within {timeout:g} s: their "
+            "placement-group bundles have no free resources (does the calling task/actor hold "
+            "them? give it num_cpus=0 inside the group)."
+        )
+    return ray.get(refs)
