@@ -13,6 +13,7 @@ from typing import Any
 
 from vllm.executor.base import ExecutorBase
 from vllm.executor.ray_utils import (
+    ACTOR_START_TIMEOUT_S,
     RayWorkerWrapper,
     get_actor_ips,
     get_or_create_placement_group,
@@ -73,7 +74,7 @@ class RayExecutor(ExecutorBase):
                     scheduling_strategy=strategy, runtime_env={"env_vars": env}
                 ).remote()
             )
-        ips = get_actor_ips(self.workers)
+        ips = get_actor_ips(self.workers, None if self._owns_pg else ACTOR_START_TIMEOUT_S)
         self.node_ids: list[str] = ray.get([w.get_node_id.remote() for w in self.workers])
         for rank, (ip, node) in enumerate(zip(ips, self.node_ids)):
             logger.info("Rank %d: Ray actor on node %s (id %s)", rank, ip, node[:12])
@@ -118,14 +119,20 @@ class RayExecutor(ExecutorBase):
 
     def execute_model_async(self, request: ExecuteModelRequest) -> Any:
         # Middle stages take their batch from the previous stage; only block ops go to them.
+        # With TP every rank of the first and last stage gets the batch (each builds its own
+        # inputs); the last stage's TP driver (tp_rank 0) returns the sampler output.
         light = replace(request, seq_group_metadata_list=None)
-        last = len(self.workers) - 1
+        tp = self.parallel_config.tensor_parallel_size
+        last_stage = self.parallel_config.pipeline_parallel_size - 1
         refs = [
-            w.execute_method.remote("execute_model", request if rank in (0, last) else light)
+            w.execute_method.remote(
+                "execute_model", request if rank // tp in (0, last_stage) else light
+            )
             for rank, w in enumerate(self.workers)
         ]
-        self._outstanding.extend(refs[:-1])
-        return refs[-1]
+        driver = last_stage * tp
+        self._outstanding.extend(refs[:driver] + refs[driver + 1 :])
+        return refs[driver]
 
     def get_output(self, handle: Any) -> SamplerOutput:
         import ray

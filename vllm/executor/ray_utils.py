@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
-from typing import Any
+from typing import Any, Optional
 
 from vllm.logger import init_logger
 
@@ -12,6 +12,8 @@ logger = init_logger("vllm.executor.ray_utils")
 
 # How long to wait for the placement group before failing with a clear error (seconds).
 _PLACEMENT_TIMEOUT_S = float(os.environ.get("VLLM_PP_PLACEMENT_TIMEOUT", "30"))
+# How long rank actors may take to start inside a caller's placement group (seconds).
+ACTOR_START_TIMEOUT_S = float(os.environ.get("VLLM_PP_ACTOR_START_TIMEOUT", "180"))
 
 
 class RayWorkerWrapper:
@@ -157,9 +159,11 @@ def get_or_create_placement_group(world_size: int, use_gpu: bool) -> tuple[Any, 
     return current, bundles[:world_size], False
 
 
-def get_actor_ips(workers: list[Any], timeout: float = _PLACEMENT_TIMEOUT_S) -> list[str]:
-    """Each rank actor's node IP; a clear error instead of a hang when an actor cannot start
-    (e.g. a bundle of the caller's placement group whose CPU the caller itself holds)."""
+def get_actor_ips(workers: list[Any], timeout: Optional[float]) -> list[str]:
+    """Each rank actor's node IP. With a timeout (used for a caller's placement group), a
+    clear error instead of a hang when an actor cannot start: e.g. a bundle whose CPU the
+    calling actor itself holds. Starting actors can take long on a loaded machine, so the
+    engine's own group waits without a limit (as before)."""
     import ray
 
     refs = [w.get_node_ip.remote() for w in workers]
@@ -168,8 +172,9 @@ def get_actor_ips(workers: list[Any], timeout: float = _PLACEMENT_TIMEOUT_S) -> 
         started = {r.hex() for r in ready}
         missing = [rank for rank, r in enumerate(refs) if r.hex() not in started]
         raise ValueError(
-            f"Ray actors of ranks {missing} did not start within {timeout:g} s: their "
-            "placement-group bundles have no free resources (does the calling task/actor hold "
-            "them? give it num_cpus=0 inside the group)."
+            f"Ray actors of ranks {missing} did not start within {timeout:g} s in the "
+            "caller's placement group: their bundles have no free resources (does the "
+            "calling task/actor hold them? give it num_cpus=0 inside the group), or "
+            f"VLLM_PP_ACTOR_START_TIMEOUT={timeout:g} s is too short for this machine."
         )
     return ray.get(refs)
