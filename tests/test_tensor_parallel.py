@@ -198,3 +198,11 @@ def test_cli_accepts_tp_and_mp():
     )
 
 
+
+
+def test_ray_ranks_grouped_by_node():
+    from vllm.executor.ray_utils import group_ranks_by_node
+
+    # Bundles placed A, B, A, B: the TP pairs become (A, A) and (B, B).
+    assert group_ranks_by_node(["A", "B", "A", "B"]) == [0, 2, 1, 3]
+    assert group_ranks_by_node(["A", "A", "B", "B"]) == [0, 1, 2, 3]

@@ -69,6 +69,8 @@ def _rank_main(conn: Connection, rank: int, num_threads: int) -> None:
     import signal
 
     os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+    # One node: the rank is the local rank, i.e. this process's GPU (cuda:rank) on CUDA.
+    os.environ["LOCAL_RANK"] = str(rank)
     # Ctrl-C reaches the whole process group; the engine's process decides what to do.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()

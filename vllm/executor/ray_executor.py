@@ -15,8 +15,10 @@ from vllm.executor.base import ExecutorBase
 from vllm.executor.ray_utils import (
     ACTOR_START_TIMEOUT_S,
     RayWorkerWrapper,
+    check_tp_groups_on_one_node,
     get_actor_ips,
     get_or_create_placement_group,
+    group_ranks_by_node,
     init_ray,
 )
 from vllm.logger import init_logger
@@ -76,6 +78,12 @@ class RayExecutor(ExecutorBase):
             )
         ips = get_actor_ips(self.workers, None if self._owns_pg else ACTOR_START_TIMEOUT_S)
         self.node_ids: list[str] = ray.get([w.get_node_id.remote() for w in self.workers])
+        # TP ranks of a stage are consecutive: keep each node's actors together.
+        order = group_ranks_by_node(self.node_ids)
+        self.workers = [self.workers[i] for i in order]
+        ips = [ips[i] for i in order]
+        self.node_ids = [self.node_ids[i] for i in order]
+        check_tp_groups_on_one_node(self.node_ids, self.parallel_config.tensor_parallel_size)
         for rank, (ip, node) in enumerate(zip(ips, self.node_ids)):
             logger.info("Rank %d: Ray actor on node %s (id %s)", rank, ip, node[:12])
         port = ray.get(self.workers[0].get_open_port.remote())

@@ -178,3 +178,27 @@ def get_actor_ips(workers: list[Any], timeout: Optional[float]) -> list[str]:
             f"VLLM_PP_ACTOR_START_TIMEOUT={timeout:g} s is too short for this machine."
         )
     return ray.get(refs)
+
+
+def group_ranks_by_node(node_ids: list[str]) -> list[int]:
+    """An order of the actors that puts those on the same node next to each other (nodes in
+    order of first appearance, actors in bundle order within a node), so the consecutive ranks
+    of a stage's TP group share a node, as vLLM assigns ranks. PACK already places bundles
+    node by node in most cases; this makes it hold when it does not."""
+    first_seen: dict[str, int] = {}
+    for node in node_ids:
+        first_seen.setdefault(node, len(first_seen))
+    return sorted(range(len(node_ids)), key=lambda i: (first_seen[node_ids[i]], i))
+
+
+def check_tp_groups_on_one_node(node_ids: list[str], tp_size: int) -> None:
+    """Warn when a stage's TP ranks span nodes: every layer then all-reduces across them."""
+    for start in range(0, len(node_ids), tp_size):
+        if len(set(node_ids[start : start + tp_size])) > 1:
+            logger.warning(
+                "the TP ranks %d-%d of one stage run on different nodes: each layer's "
+                "all-reduce crosses the network (give each node a multiple of "
+                "tensor_parallel_size CPUs/GPUs)",
+                start,
+                start + tp_size - 1,
+            )

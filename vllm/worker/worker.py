@@ -73,7 +73,12 @@ class Worker:
         pc = self.parallel_config
         if pc.world_size > 1:
             assert self.distributed_init_method is not None
-            ps.init_distributed_environment(pc.world_size, self.rank, self.distributed_init_method)
+            ps.init_distributed_environment(
+                pc.world_size,
+                self.rank,
+                self.distributed_init_method,
+                local_rank=self.device.index or 0,  # NCCL binds to this rank's own GPU
+            )
             ps.initialize_model_parallel(pc.pipeline_parallel_size, pc.tensor_parallel_size)
         pp_rank = ps.get_pipeline_model_parallel_rank()
         sizes = self.model_config.get_pp_layer_sizes(pc)
