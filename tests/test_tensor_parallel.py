@@ -5,6 +5,7 @@ messages; the mp backend's failure and shutdown behaviour."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -206,3 +207,43 @@ def test_ray_ranks_grouped_by_node():
     # Bundles placed A, B, A, B: the TP pairs become (A, A) and (B, B).
     assert group_ranks_by_node(["A", "B", "A", "B"]) == [0, 2, 1, 3]
     assert group_ranks_by_node(["A", "A", "B", "B"]) == [0, 1, 2, 3]
+
+
+MP_SCRIPT = """
+import json, sys
+import psutil
+from vllm import LLM, SamplingParams
+
+# No `if __name__ == "__main__":` guard, as in most user scripts: spawn must not re-run this.
+llm = LLM(model=sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="mp",
+          kv_cache_space=0.05, swap_space=0.01)
+outs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=8))
+ids = outs[0].outputs[0].token_ids
+del llm, outs
+import gc
+gc.collect()
+# Python's own multiprocessing resource tracker (started with the first spawn) lives until
+# the interpreter exits; anything else left would be a rank.
+children = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            and "resource_tracker" not in " ".join(p.cmdline())]
+print("RESULT " + json.dumps({"ids": ids, "children": children}))
+"""
+
+
+def test_mp_script_without_main_guard_cleans_up(model_dirs, reference, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "user_script.py"
+    script.write_text(MP_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(script), model_dirs["llama-gqa-tied"]],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=repo)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["ids"] == reference("llama-gqa-tied")[0][:8]
+    assert result["children"] == []
