@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default=None, choices=["ray", "mp"],
                    help="Executor of the multi-rank runs (default: the engine's, Ray if "
                    "installed).")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="Rounds over all configurations (interleaved); each keeps its best.")
     p.add_argument("--timeout", type=float, default=1800, help="Seconds allowed per config.")
     p.add_argument("--output-json", default=None, help="Write every figure to this file.")
     # Internal: run one configuration in this (fresh) process and write its result here.
@@ -153,7 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     configs += [(f"PP={m}, 1 thread/stage", m, 1) for m in args.also_pp if m != n]
     if args.with_tp:
         configs.append((f"TP={n}, 1 thread/rank", 1, 1, n))
-    results = [run_config(args, *config) for config in configs]
+    # --repeat: the configurations run in rounds (interleaved), each keeping its best run, so
+    # a shared machine's load swings hit every configuration alike.
+    runs: list[list[dict[str, Any]]] = [[] for _ in configs]
+    for _ in range(args.repeat):
+        for i, config in enumerate(configs):
+            runs[i].append(run_config(args, *config))
+    results = [max(r, key=lambda x: x["generated_tokens_per_s"]) for r in runs]
+    for result, all_runs in zip(results, runs):
+        result["all_generated_tokens_per_s"] = [x["generated_tokens_per_s"] for x in all_runs]
     base = results[0]["generated_tokens_per_s"]
     multi = results[1]["generated_tokens_per_s"]
     print(f"\n=== PP scaling: {args.num_prompts} prompts x {args.output_len} new tokens, "
@@ -169,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-",
                      r["num_gpu_blocks"],
                      " / ".join(fmt_bytes(b) for b in r["peak_rss_bytes_per_stage"]),
-                     f"{r['load_avg_before']:.1f}"])
+                     f"{r['load_avg_before']:.1f}",
+                     " ".join(f"{t:.0f}" for t in r["all_generated_tokens_per_s"])])
     print_table(["config", "gen tok/s", "wall s", "vs (a)", "efficiency", "GPU blocks",
-                 "peak RSS per rank", "load"], rows)
+                 "peak RSS per rank", "load", "all runs"], rows)
     print("\nWhere the time went (seconds per stage: compute / waiting to receive / send / "
           "idle between steps / cache ops; driver = engine process CPU time):")
     for r in results:

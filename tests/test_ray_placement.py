@@ -85,3 +85,21 @@ def test_engine_in_actor_uses_the_current_placement_group(tiny_model_dirs, hf_re
     assert result["init_s"] < 25, "placement waited (for a group that could never be placed?)"
     assert result["ray_up_in_actor"], "the engine must not shut down the caller's Ray"
     assert result["pg_alive"], "the engine must not remove the caller's placement group"
+
+
+@pytest.mark.ray
+def test_unplaceable_group_names_what_is_missing(ray_session, tiny_model_dirs, monkeypatch):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from vllm import LLM
+    from vllm.executor import ray_utils
+
+    monkeypatch.setattr(ray_utils, "_PLACEMENT_TIMEOUT_S", 2.0)
+    hog = placement_group([{"CPU": 1}] * 3)  # 3 of the session's 4 CPUs
+    ray_session.get(hog.ready())
+    try:
+        with pytest.raises(ValueError, match=r"only 1 are free \(2 CPUs are needed .* 1 CPU "
+                           r"missing\)"):
+            LLM(tiny_model_dirs["opt-pre"], pipeline_parallel_size=2, kv_cache_space=0.05)
+    finally:
+        remove_placement_group(hog)
