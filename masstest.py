@@ -16,7 +16,10 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import math
+import os
 import random
+import signal
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -79,6 +82,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="Block count under --squeeze_kv (default: ~1/8 of the total demand).")
     p.add_argument("--ref_threads", "--ref-threads", type=int, default=None,
                    help="CPU threads of the PP=1 reference (default: the engine's default).")
+    p.add_argument("--kill-stage-every", "--kill_stage_every", dest="kill_stage_every",
+                   type=float, default=None, metavar="S",
+                   help="Fault injection: kill a random stage every S seconds of service during "
+                        "RUN ALL (the clock restarts after each recovery; needs PP > 1); the "
+                        "engine must replace it and lose nothing.")
+    p.add_argument("--kill-mode", "--kill_mode", dest="kill_mode", default="mixed",
+                   choices=["mixed", "sigkill", "ray.kill", "sigstop"],
+                   help="How stages are killed: SIGKILL of the process, ray.kill of the actor, "
+                        "SIGSTOP (frozen), or each in turn (mixed).")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="Dump all stacks and exit non-zero after this many seconds (hangs).")
     p.add_argument("--corrupt-for-test", "--corrupt_for_test", dest="corrupt_for_test",
@@ -93,6 +105,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             p.error(f"--{name} must be in [0, 1]")
     if args.corrupt_for_test and not args.verify:
         p.error("--corrupt-for-test only makes sense with --verify")
+    if args.kill_stage_every is not None and args.pipeline_parallel_size < 2:
+        p.error("--kill-stage-every needs --pipeline_parallel_size >= 2 (stages to kill)")
     return args
 
 
@@ -186,6 +200,52 @@ def run_all(llm: Any, reqs: list[Req], rng: random.Random, verbose: bool) -> Run
     return state
 
 
+class StageKiller:
+    """Kills a random stage every `every` seconds of service while the engine runs (one
+    fault at a time: the clock restarts when the engine has replaced the last victim)."""
+
+    def __init__(self, llm: Any, every: float, mode: str, seed: int) -> None:
+        self.llm, self.every, self.mode = llm, every, mode
+        self.rng = random.Random(seed)
+        self.kills: list[tuple[int, str, int]] = []  # (rank, how, pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> StageKiller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        import ray
+
+        engine = self.llm.llm_engine
+        modes = ["sigkill", "ray.kill", "sigstop"]
+        while True:
+            # One fault at a time, S seconds of service after the engine recovered from the
+            # last one (a restart under load can take longer than S).
+            while len(engine.fault_events) < len(self.kills) or (
+                engine.fault_events and engine.fault_events[-1].recovery_s is None
+            ):
+                if self._stop.wait(0.05) or engine.is_dead:
+                    return
+            if self._stop.wait(self.every):
+                return
+            executor = engine.executor
+            rank = self.rng.randrange(len(executor.workers))
+            how = modes[len(self.kills) % 3] if self.mode == "mixed" else self.mode
+            pid = executor.stage_infos[rank]["pid"]
+            if how == "ray.kill":
+                ray.kill(executor.workers[rank])
+            else:
+                os.kill(pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+            self.kills.append((rank, how, pid))
+            tqdm.write(f"fault injection: {how} of stage {rank} (pid {pid})")
+
+
 def check(llm: Any, reqs: list[Req], state: RunState) -> list[str]:
     errors = list(state.errors)
     for r in reqs:
@@ -265,10 +325,28 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"--squeeze_kv: {engine_kwargs}")
     from vllm import LLM
 
+    if args.kill_stage_every is not None:
+        # Every injected fault must be survived: no restart limit for the stress run.
+        engine_kwargs["max_stage_restarts"] = 1_000_000
     llm = LLM(pipeline_parallel_size=args.pipeline_parallel_size, **engine_kwargs)
+    engine_kwargs.pop("max_stage_restarts", None)
+    faults: list[Any] = []
     try:
-        state = run_all(llm, reqs, rng, args.verbose)
+        if args.kill_stage_every is not None:
+            with StageKiller(llm, args.kill_stage_every, args.kill_mode, args.seed) as killer:
+                state = run_all(llm, reqs, rng, args.verbose)
+            faults = llm.llm_engine.fault_events
+            print(f"\n=== {len(killer.kills)} stages killed, {len(faults)} failures handled ===")
+            for (rank, how, pid), event in zip(killer.kills, faults):
+                print(f"  {how:8s} stage {rank} (pid {pid}): detected after "
+                      f"{event.detected_after_s:.2f} s, serving again after "
+                      f"{event.recovery_s or float('nan'):.2f} s, "
+                      f"{event.requeued_requests} requests recomputed")
+        else:
+            state = run_all(llm, reqs, rng, args.verbose)
         errors = check(llm, reqs, state)
+        if len(faults) != (len(killer.kills) if args.kill_stage_every is not None else 0):
+            errors.append(f"{len(killer.kills)} stages killed but {len(faults)} failures seen")
         preemptions = llm.llm_engine.scheduler.num_cumulative_preemption
         num_blocks = llm.llm_engine.cache_config.num_gpu_blocks
     finally:
@@ -290,6 +368,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "gpu_blocks": num_blocks, "steps": state.steps, "run_all_seconds": state.seconds,
         "output_tokens_per_s": out_toks / state.seconds,
         "requests_per_s": len(reqs) / state.seconds, "verified": verified,
+        "stage_faults": len(faults),
+        "max_detection_s": max((f.detected_after_s for f in faults), default=0.0),
+        "max_recovery_s": max((f.recovery_s or 0.0 for f in faults), default=0.0),
         "errors": len(errors),
     }
     print(f"\nRUN ALL: {state.seconds:.2f} s")

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from vllm import envs
+
 logger = logging.getLogger("vllm.config")
 
 _GiB = 1 << 30
@@ -221,6 +223,31 @@ class CacheConfig:
     num_gpu_blocks: Optional[int] = None
     num_cpu_blocks: Optional[int] = None
 
+    def verify_memory(self, device: str, tensor_parallel_size: int) -> None:
+        """Refuse budgets this node's memory cannot hold, before any worker starts.
+
+        Swap space follows vLLM's rule (per node, counted for the TP ranks there): over 70% of
+        the CPU memory is an error, over 40% a warning. A CPU KV cache larger than 90% of the
+        memory could never be mapped either."""
+        import psutil
+
+        total = psutil.virtual_memory().total
+        swap = self.swap_space_bytes * tensor_parallel_size
+        msg = (
+            f"{swap / _GiB:.2f} GiB out of the {total / _GiB:.2f} GiB total CPU memory is "
+            "allocated for the swap space."
+        )
+        if swap > 0.7 * total:
+            raise ValueError("Too large swap space. " + msg)
+        if swap > 0.4 * total:
+            logger.warning("Possibly too large swap space. %s", msg)
+        if device == "cpu" and self.kv_cache_space_bytes > 0.9 * total:
+            raise ValueError(
+                f"Too large KV cache space. kv_cache_space={self.kv_cache_space:g} GiB per "
+                f"stage does not fit in the {total / _GiB:.2f} GiB total CPU memory of this "
+                "node; lower kv_cache_space."
+            )
+
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(
@@ -253,6 +280,10 @@ class ParallelConfig:
     distributed_executor_backend: Optional[str] = None
     # Optional user split of decoder layers over stages, e.g. "8,8,7,7" (VLLM_PP_LAYER_PARTITION).
     pp_layer_partition: Optional[str] = None
+    # A failed stage is replaced up to this many times per engine; 0 = fail-stop (vLLM).
+    max_stage_restarts: int = 3
+    # Base deadline of one micro-batch (VLLM_PP_STEP_TIMEOUT_S when None); see step_deadline_s.
+    step_timeout_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_size", "tensor_parallel_size"):
@@ -274,10 +305,33 @@ class ParallelConfig:
                 f"world size {self.world_size} needs 'ray' or 'mp'."
             )
         self.distributed_executor_backend = backend
+        if (
+            not isinstance(self.max_stage_restarts, int)
+            or isinstance(self.max_stage_restarts, bool)
+            or self.max_stage_restarts < 0
+        ):
+            raise ValueError(
+                f"max_stage_restarts must be an integer >= 0, got {self.max_stage_restarts!r}."
+            )
+        if self.step_timeout_s is None:
+            self.step_timeout_s = envs.get_float("VLLM_PP_STEP_TIMEOUT_S")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be positive, got {self.step_timeout_s!r}.")
 
     @property
     def world_size(self) -> int:
         return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    def step_deadline_s(self, num_tokens: int) -> float:
+        """How long one micro-batch of `num_tokens` tokens may take to come back: the base
+        timeout plus an allowance per token (a long prefill legitimately takes longer)."""
+        per_token = envs.get_float("VLLM_PP_STEP_TIMEOUT_PER_TOKEN_S")
+        return self.step_timeout_s + per_token * num_tokens
+
+    def comm_timeout_s(self, max_num_batched_tokens: int) -> float:
+        """Timeout of the stages' process groups: a receive waits at most one whole step of
+        the previous stage, so it can never block past the largest step's deadline."""
+        return self.step_deadline_s(max_num_batched_tokens)
 
 
 def _default_backend(world_size: int) -> str:
@@ -333,7 +387,15 @@ class DeviceConfig:
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
-        if self.device == "auto":
-            import torch
+        if self.device == "cpu":
+            return
+        import torch
 
+        if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif not torch.cuda.is_available():
+            raise ValueError(
+                "device='cuda' was requested but no CUDA GPU is available "
+                f"(torch {torch.__version__}: torch.cuda.is_available() is False). "
+                "Use device='cpu' or device='auto'."
+            )

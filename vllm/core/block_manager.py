@@ -104,10 +104,23 @@ class BlockSpaceManager:
 
     # -- admission -------------------------------------------------------------------------
 
+    def _prompt_sets(self, seq_group: SequenceGroup) -> list[list[Sequence]]:
+        """The group's WAITING sequences, grouped by identical token lists.
+
+        A new request's sequences share one prompt, so they share one set of blocks. After a
+        recompute (a lost stage, an interrupt) the samples of a group have diverged and each
+        needs blocks of its own."""
+        sets: dict[tuple[int, ...], list[Sequence]] = {}
+        for seq in seq_group.get_seqs(status=SequenceStatus.WAITING):
+            sets.setdefault(tuple(seq.get_token_ids()), []).append(seq)
+        return list(sets.values())
+
+    def _blocks_to_allocate(self, seq_group: SequenceGroup) -> int:
+        return sum(self._blocks_for(seqs[0].get_len()) for seqs in self._prompt_sets(seq_group))
+
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
-        """Whether the prompt of the group's WAITING sequences (one shared copy) fits."""
-        waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
-        required = self._blocks_for(waiting[0].get_len()) if waiting else 0
+        """Whether the group's WAITING sequences fit (one copy per distinct token list)."""
+        required = self._blocks_to_allocate(seq_group)
         if self.num_total_gpu_blocks - required < self.watermark_blocks:
             return AllocStatus.NEVER
         if self._gpu.num_free() - required >= self.watermark_blocks:
@@ -115,22 +128,21 @@ class BlockSpaceManager:
         return AllocStatus.LATER
 
     def allocate(self, seq_group: SequenceGroup) -> None:
-        """Give the group's WAITING sequences one shared set of blocks for their prompt."""
-        waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
-        if not waiting:
-            return
-        num_blocks = self._blocks_for(waiting[0].get_len())
+        """Give the group's WAITING sequences blocks for their tokens, one shared set per
+        distinct token list."""
+        num_blocks = self._blocks_to_allocate(seq_group)
         if num_blocks > self._gpu.num_free():
             # Checked up front so a failed allocation leaks no blocks.
             raise ValueError(
                 f"Out of memory! Need {num_blocks} gpu blocks, {self._gpu.num_free()} free."
             )
-        table = [self._gpu.allocate() for _ in range(num_blocks)]
-        for block in table:
-            for _ in waiting[1:]:
-                self._gpu.incref(block)
-        for seq in waiting:
-            self._gpu_tables[seq.seq_id] = list(table)
+        for seqs in self._prompt_sets(seq_group):
+            table = [self._gpu.allocate() for _ in range(self._blocks_for(seqs[0].get_len()))]
+            for block in table:
+                for _ in seqs[1:]:
+                    self._gpu.incref(block)
+            for seq in seqs:
+                self._gpu_tables[seq.seq_id] = list(table)
 
     # -- decode growth ---------------------------------------------------------------------
 

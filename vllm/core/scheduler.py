@@ -125,6 +125,50 @@ class Scheduler:
             if aborted is not None:
                 self._free_group(aborted)
 
+    def requeue_in_flight(self) -> list[str]:
+        """Put every group inside the pipeline back in the waiting queue for recompute.
+
+        For a step whose result will never be processed (an interrupt while it ran, a lost
+        stage): the KV it wrote may be partial, so the group re-prefills all its tokens,
+        keeping the ones it already generated. Groups aborted while in flight are released.
+        Returns the re-queued request ids."""
+        for group in self._aborted_in_flight.values():
+            self._free_group(group)
+        self._aborted_in_flight.clear()
+        requeued = [g for g in self.running if g.request_id in self.in_flight]
+        self.running = collections.deque(
+            g for g in self.running if g.request_id not in self.in_flight
+        )
+        self.in_flight.clear()
+        self._requeue(requeued, free_blocks=True)
+        return [g.request_id for g in requeued]
+
+    def requeue_all(self) -> list[str]:
+        """Recompute everything: the KV cache of a stage was lost (it was replaced).
+
+        Every running, in-flight or swapped group goes back to the waiting queue with the
+        tokens it generated; all blocks (device and swap) are free afterwards. Returns the
+        re-queued request ids."""
+        self._aborted_in_flight.clear()
+        self.in_flight.clear()
+        groups = [g for g in (*self.running, *self.swapped) if not g.is_finished()]
+        self.running.clear()
+        self.swapped.clear()
+        self.block_manager.reset()
+        self._requeue(groups, free_blocks=False)
+        return [g.request_id for g in groups]
+
+    def _requeue(self, groups: list[SequenceGroup], free_blocks: bool) -> None:
+        for group in groups:
+            for seq in group.get_unfinished_seqs():
+                if free_blocks:
+                    self.block_manager.free(seq)
+                seq.reset_for_recompute()
+        # FCFS: the re-queued groups take their place by arrival among the waiting ones.
+        merged = sorted([*groups, *self.waiting], key=lambda g: g.arrival_time)
+        self.waiting = collections.deque(merged)
+        self._kv_blocks_bound = self._bound_running_blocks()
+
     def _free_group(self, seq_group: SequenceGroup) -> None:
         for seq in seq_group.get_seqs():
             self.block_manager.free(seq)

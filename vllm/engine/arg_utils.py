@@ -36,6 +36,8 @@ class EngineArgs:
     preemption_mode: Optional[str] = None
     device: str = "auto"
     disable_log_stats: bool = False
+    max_stage_restarts: int = 3
+    step_timeout_s: Optional[float] = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -163,6 +165,21 @@ class EngineArgs:
             help="Device type for execution.",
         )
         add("--disable-log-stats", action="store_true", help="Disable logging statistics.")
+        add(
+            "--max-stage-restarts",
+            type=int,
+            default=d.max_stage_restarts,
+            help="How many times a failed pipeline stage is replaced (its requests recomputed, "
+            "none lost) before the engine gives up; 0 = fail-stop, like vLLM.",
+        )
+        add(
+            "--step-timeout-s",
+            type=float,
+            default=d.step_timeout_s,
+            help="Base deadline (s) for a micro-batch to come back from the pipeline, plus "
+            "VLLM_PP_STEP_TIMEOUT_PER_TOKEN_S per token; a stage that misses it is declared "
+            "failed. Default: VLLM_PP_STEP_TIMEOUT_S or 60.",
+        )
         return parser
 
     @classmethod
@@ -180,6 +197,8 @@ class EngineArgs:
             self.tensor_parallel_size,
             self.distributed_executor_backend,
             self.pp_layer_partition,
+            max_stage_restarts=self.max_stage_restarts,
+            step_timeout_s=self.step_timeout_s,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -188,6 +207,7 @@ class EngineArgs:
             kv_cache_space=self.kv_cache_space,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
         )
+        cache_config.verify_memory(device_config.device, parallel_config.tensor_parallel_size)
         model_config = ModelConfig(
             model=self.model,
             tokenizer=self.tokenizer,

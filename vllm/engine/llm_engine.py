@@ -3,6 +3,11 @@
 Each `step` keeps the pipeline full: it schedules and submits batches of requests that are not
 already in flight until `pipeline_parallel_size` batches are inside the pipeline (or nothing
 more can be scheduled), then collects the oldest batch and processes its tokens.
+
+Failures: an exception escaping `step` (a KeyboardInterrupt included) re-queues what was in
+flight for recompute, so the engine stays usable. A failed stage (StageFailedError) is replaced
+and every request recomputed with the tokens it already has, up to `max_stage_restarts` times;
+after that the engine aborts everything, releases its workers and raises EngineDeadError.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from typing import Any, Iterable, Optional, Union
 
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
+from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.request_validation import validate_request
+from vllm.executor.stage_supervisor import EngineDeadError, FaultEvent, StageFailedError
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -75,6 +82,13 @@ class LLMEngine:
         self.max_in_flight = parallel_config.pipeline_parallel_size
         self._in_flight: deque[_InFlightBatch] = deque()
         self._finished_request_ids: list[str] = []
+        # Outputs made while scheduling (ignored prompts), returned by this or the next step
+        # even if the step fails after making them.
+        self._pending_outputs: list[RequestOutput] = []
+        self.num_steps = 0
+        # Stage failures seen, each with its detection and recovery times.
+        self.fault_events: list[FaultEvent] = []
+        self._dead: Optional[EngineDeadError] = None
 
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> LLMEngine:
@@ -95,6 +109,7 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
     ) -> None:
         """Queue a request; bad input raises ValueError/TypeError and leaves the engine as is."""
+        self._check_alive()
         prompt_token_ids = validate_request(
             request_id,
             prompt,
@@ -126,14 +141,28 @@ class LLMEngine:
     def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
         """Abort requests; one still inside the pipeline has its result discarded on return."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self.scheduler.abort_seq_group(ids)
+        with sigint_deferred():
+            self.scheduler.abort_seq_group(ids)
         self._finished_request_ids.extend(ids)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_seqs() or bool(self._in_flight)
+        return (
+            self.scheduler.has_unfinished_seqs()
+            or bool(self._in_flight)
+            or bool(self._pending_outputs)
+        )
+
+    @property
+    def is_dead(self) -> bool:
+        """True once a stage failure could not be recovered (see EngineDeadError)."""
+        return self._dead is not None
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead)) from self._dead.__cause__
 
     def _submit(self, scheduler_outputs: SchedulerOutputs, metadata_list: list[Any]) -> None:
         request = ExecuteModelRequest(
@@ -145,7 +174,7 @@ class LLMEngine:
             kv_blocks_bound=self.scheduler.kv_blocks_bound(),
         )
         self._finished_request_ids = []
-        handle = self.executor.execute_model_async(request)
+        handle = self.executor.execute_model_async(request, scheduler_outputs.num_batched_tokens)
         self._in_flight.append(_InFlightBatch(handle, scheduler_outputs))
 
     def _micro_batch_cap(self) -> Optional[int]:
@@ -159,30 +188,106 @@ class LLMEngine:
         """Fill the pipeline with new batches, then finish the oldest one.
 
         Returns the RequestOutputs of the groups in that batch (and of prompts ignored as
-        too long)."""
-        ignored: list[RequestOutput] = []
+        too long). Raises EngineDeadError once a stage failure could not be recovered."""
+        self._check_alive()
+        self.num_steps += 1
+        try:
+            return self._step()
+        except StageFailedError as error:
+            return self._recover(error)
+        except BaseException:
+            # An interrupt or an error: the batches in flight will never be processed.
+            self._discard_in_flight()
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         while len(self._in_flight) < self.max_in_flight:
-            metadata_list, sched_out = self.scheduler.schedule(self._micro_batch_cap())
-            for group in sched_out.ignored_seq_groups:
-                group.metrics.finished_time = time.time()
-                ignored.append(RequestOutput.from_seq_group(group))
-                self._finished_request_ids.append(group.request_id)
-            if not sched_out.scheduled_seq_groups and not _has_block_ops(sched_out):
+            with sigint_deferred():
+                metadata_list, sched_out = self.scheduler.schedule(self._micro_batch_cap())
+                for group in sched_out.ignored_seq_groups:
+                    group.metrics.finished_time = time.time()
+                    self._pending_outputs.append(RequestOutput.from_seq_group(group))
+                    self._finished_request_ids.append(group.request_id)
+            if sched_out.is_empty():
                 break
             self._submit(sched_out, metadata_list)
         if not self._in_flight:
-            return ignored
-        batch = self._in_flight.popleft()
-        output = self.executor.get_output(batch.handle)
-        sched_out = batch.scheduler_outputs
-        # Out of flight first: this releases groups aborted meanwhile (their blocks too).
-        self.scheduler.finish_in_flight([g.request_id for g in sched_out.scheduled_seq_groups])
-        request_outputs = self.output_processor.process(sched_out.scheduled_seq_groups, output)
-        self._finished_request_ids.extend(
-            g.request_id for g in sched_out.scheduled_seq_groups if g.is_finished()
+            return self._take_pending_outputs()
+        output = self.executor.get_output(self._in_flight[0].handle)
+        with sigint_deferred():
+            sched_out = self._in_flight.popleft().scheduler_outputs
+            groups = sched_out.scheduled_seq_groups
+            # Out of flight first: this releases groups aborted meanwhile (their blocks too).
+            self.scheduler.finish_in_flight([g.request_id for g in groups])
+            request_outputs = self.output_processor.process(groups, output)
+            self._finished_request_ids.extend(g.request_id for g in groups if g.is_finished())
+            self.scheduler.free_finished_seq_groups()
+        return self._take_pending_outputs() + request_outputs
+
+    def _take_pending_outputs(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    def _discard_in_flight(self) -> None:
+        """Forget the batches inside the pipeline and recompute their requests.
+
+        Stages still run the abandoned steps, but before any later one (an actor runs its
+        calls in order), so blocks the abandoned steps write are rewritten by the recompute
+        or by their next owner afterwards."""
+        self._in_flight.clear()
+        if self.executor is not None:
+            self.executor.discard_steps()
+        requeued = self.scheduler.requeue_in_flight()
+        if requeued:
+            logger.warning(
+                "Step interrupted: %d in-flight requests re-queued for recompute", len(requeued)
+            )
+
+    def _recover(self, error: StageFailedError) -> list[RequestOutput]:
+        """Replace the failed stages and recompute every request; or, when restarts are used
+        up or replacing fails, abort everything, release the workers and raise."""
+        event = FaultEvent(error.ranks, str(error), error.detected_after_s)
+        self.fault_events.append(event)
+        self._in_flight.clear()
+        requeued = self.scheduler.requeue_all()
+        event.requeued_requests = len(requeued)
+        limit = self.parallel_config.max_stage_restarts
+        restarts = sum(1 for e in self.fault_events[:-1] if e.recovery_s is not None)
+        if restarts >= limit:
+            self._fail(error, f"max_stage_restarts={limit} restarts used up")
+        logger.warning(
+            "Replacing failed stage(s) %s (restart %d of %d); %d requests will be recomputed "
+            "with the tokens they have",
+            error.ranks,
+            restarts + 1,
+            limit,
+            len(requeued),
         )
-        self.scheduler.free_finished_seq_groups()
-        return ignored + request_outputs
+        try:
+            event.recovery_s = self.executor.replace_stages(error.ranks)
+        except Exception as exc:
+            logger.error("Replacing stage(s) %s failed: %s", error.ranks, exc)
+            self._fail(error, f"replacing the stage failed ({type(exc).__name__}: {exc})")
+        logger.info(
+            "Pipeline serving again %.1f s after the failure was detected (detection took %.1f s)",
+            event.recovery_s,
+            event.detected_after_s,
+        )
+        return self._take_pending_outputs()
+
+    def _fail(self, error: StageFailedError, why: str) -> None:
+        """Fail-stop: abort every unfinished request, release the workers, raise."""
+        groups = [*self.scheduler.waiting, *self.scheduler.running, *self.scheduler.swapped]
+        self.scheduler.abort_seq_group([g.request_id for g in groups])
+        self._dead = EngineDeadError(
+            f"{error} -- the engine stopped ({why}); {len(groups)} unfinished requests were "
+            "aborted and the workers released. Build a new LLM to continue."
+        )
+        self._dead.__cause__ = error
+        if self.executor is not None:
+            self.executor.shutdown(graceful=False)
+            self.executor = None
+        raise self._dead from error
 
     def shutdown(self) -> None:
         """Stop the workers (Ray actors and process groups); safe to call twice."""
@@ -196,12 +301,6 @@ class LLMEngine:
             self.shutdown()
         except Exception:  # interpreter teardown: nothing left to clean up with
             pass
-
-
-def _has_block_ops(sched_out: SchedulerOutputs) -> bool:
-    return bool(
-        sched_out.blocks_to_swap_in or sched_out.blocks_to_swap_out or sched_out.blocks_to_copy
-    )
 
 
 def _load_generation_config(model_config: ModelConfig) -> dict[str, Any]:

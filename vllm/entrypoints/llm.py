@@ -144,7 +144,7 @@ class LLM:
             disable=not use_tqdm,
         )
         in_toks = out_toks = 0
-        with bar, _gc_frozen():
+        with bar, _gc_frozen(), _abort_unfinished_on_error(engine, request_ids, finished):
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if not output.finished or output.request_id not in wanted:
@@ -187,6 +187,21 @@ def _final_only(params_list: list[SamplingParams]) -> list[SamplingParams]:
             copies[id(params)] = copy
         result.append(copies[id(params)])
     return result
+
+
+@contextlib.contextmanager
+def _abort_unfinished_on_error(
+    engine: LLMEngine, request_ids: list[str], finished: dict[str, RequestOutput]
+) -> Iterator[None]:
+    """If generate() is left by an exception (Ctrl-C included), its unfinished requests are
+    aborted: nobody will collect them, and the next generate() must not run them."""
+    try:
+        yield
+    except BaseException:
+        unfinished = [r for r in request_ids if r not in finished]
+        if unfinished and not engine.is_dead:
+            engine.abort_request(unfinished)
+        raise
 
 
 @contextlib.contextmanager

@@ -97,15 +97,28 @@ class ExecutorBase(ABC):
         return self._run_workers("get_memory_stats")
 
     @abstractmethod
-    def execute_model_async(self, request: ExecuteModelRequest) -> Any:
-        """Submit one step to the pipeline; returns a handle for `get_output`."""
+    def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
+        """Submit one step to the pipeline; returns a handle for `get_output`. `num_tokens`
+        (the step's batched tokens) sizes the step's deadline."""
 
     @abstractmethod
     def get_output(self, handle: Any) -> SamplerOutput:
-        """Wait for a submitted step and return the last stage's sampler output."""
+        """Wait for a submitted step and return the last stage's sampler output.
+
+        Raises StageFailedError (naming the stages) when a stage dies, freezes or raises, or
+        the step misses its deadline."""
 
     def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
         return self.get_output(self.execute_model_async(request))
 
+    def discard_steps(self) -> None:  # noqa: B027  (optional hook: nothing to do in-process)
+        """Forget the outputs of every submitted step (the engine will not collect them)."""
+
+    def replace_stages(self, ranks: list[int]) -> float:
+        """Replace failed stages with fresh ones (same layers, caches of the engine's size);
+        returns the seconds it took. Executors without separate stage processes cannot."""
+        raise NotImplementedError(f"{type(self).__name__} cannot replace a stage")
+
     @abstractmethod
-    def shutdown(self) -> None: ...
+    def shutdown(self, graceful: bool = True) -> None:
+        """Release the workers; `graceful=False` kills them without waiting on them."""

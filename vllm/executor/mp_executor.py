@@ -5,7 +5,9 @@ runs them on its Worker and writes the results back, in order. The engine's side
 to every rank without waiting (the pipes keep the order, like Ray's per-actor call order), so
 several micro-batches can be inside the pipeline at once; one reader thread drains every
 rank's results as they arrive, and `get_output` waits for the step it wants in short slices,
-failing at once when any rank reports an error or its process dies.
+failing at once when any rank reports an error or its process dies (a StageFailedError
+naming the rank, as on Ray). This backend does not replace failed ranks: the engine then stops
+(EngineDeadError) and a new LLM must be built.
 
 Ports come from the OS (`get_open_port`); shutdown asks every rank to stop, then terminates and
 finally kills whatever is left, so no process outlives the engine. A rank also exits by itself
@@ -25,15 +27,15 @@ from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import Any, Iterator, Optional
 
+from vllm import envs
 from vllm.executor.base import ExecutorBase
+from vllm.executor.stage_supervisor import StageFailedError, StageFailure, describe_stage
 from vllm.logger import init_logger
 from vllm.sequence import ExecuteModelRequest, SamplerOutput
 
 logger = init_logger("vllm.executor.mp_executor")
 
-# Seconds a single call may take before the engine gives up on it (0: no limit). Death of a
-# rank is noticed within _POLL_S regardless.
-_CALL_TIMEOUT_S = float(os.environ.get("VLLM_MP_CALL_TIMEOUT", "600"))
+# Death of a rank is noticed within this many seconds, whatever the call's deadline.
 _POLL_S = 0.5
 _SHUTDOWN_GRACE_S = 10.0
 
@@ -58,10 +60,6 @@ def _main_module_hidden() -> Iterator[None]:
         if main is not None:
             main.__dict__.pop("__spec__", None)
             main.__dict__.update(saved)
-
-
-class RankError(RuntimeError):
-    """A rank process failed (an exception in a call, or the process died)."""
 
 
 def _rank_main(conn: Connection, rank: int, num_threads: int) -> None:
@@ -145,6 +143,11 @@ class MultiprocessingExecutor(ExecutorBase):
         # rank -> call id -> (ok, value); filled by the reader thread.
         self._results: list[dict[int, tuple[bool, Any]]] = [{} for _ in range(world)]
         self._dead: dict[int, str] = {}
+        tp = pc.tensor_parallel_size
+        # Replaced by the ranks' own get_stage_info once they are up (ExecutorBase).
+        self.stage_infos = [
+            {"rank": r, "pp_rank": r // tp, "tp_rank": r % tp} for r in range(world)
+        ]
         self._closing = False
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
@@ -173,6 +176,7 @@ class MultiprocessingExecutor(ExecutorBase):
             ids.append(self._send(rank, "init_worker", configs, kwargs))
         self._wait_all(ids)
         for rank, proc in enumerate(self.procs):
+            self.stage_infos[rank]["pid"] = proc.pid
             logger.info("Rank %d: local process (pid %d)", rank, proc.pid)
         # Process-group rendezvous needs every rank at once: send all, then wait.
         self._run_workers("init_device")
@@ -236,18 +240,19 @@ class MultiprocessingExecutor(ExecutorBase):
 
     def _send_id(self, rank: int, call_id: int, method: str, args: Any, kwargs: Any) -> None:
         if rank in self._dead:
-            raise self._rank_error(rank, self._dead[rank])
+            raise self._rank_error(rank, f"the process died ({self._dead[rank]})")
         try:
             self.conns[rank].send((call_id, method, args, kwargs))
         except (BrokenPipeError, OSError) as exc:
             raise self._rank_error(rank, f"its pipe is closed ({exc})") from None
 
-    def _rank_error(self, rank: int, what: str) -> RankError:
-        tp = self.parallel_config.tensor_parallel_size
-        pid = self.procs[rank].pid if rank < len(self.procs) else None
-        return RankError(
-            f"rank {rank} (stage {rank // tp}, tp_rank {rank % tp}, pid {pid}) failed: {what}"
-        )
+    def _rank_error(self, rank: int, what: str) -> StageFailedError:
+        """The engine's stage-failure error, naming the rank (stage, TP rank, layers, pid)."""
+        info = dict(self.stage_infos[rank])
+        info.setdefault("pid", self.procs[rank].pid if rank < len(self.procs) else None)
+        name = f"{describe_stage(info)} tp_rank {info.get('tp_rank', 0)}"
+        waited = time.monotonic() - getattr(self, "_wait_started", time.monotonic())
+        return StageFailedError([StageFailure(rank, name, what)], waited)
 
     def _check_failures(self) -> None:
         """Raise for the first rank that reported an error or died (call under _cond)."""
@@ -259,9 +264,13 @@ class MultiprocessingExecutor(ExecutorBase):
             rank = min(self._dead)
             raise self._rank_error(rank, f"the process died ({self._dead[rank]})")
 
-    def _wait_for(self, rank: int, call_id: int) -> Any:
-        """Wait for one call's result, failing fast on any rank's error or death."""
-        deadline = time.monotonic() + _CALL_TIMEOUT_S if _CALL_TIMEOUT_S > 0 else None
+    def _wait_for(self, rank: int, call_id: int, timeout: Optional[float] = None) -> Any:
+        """Wait for one call's result, failing fast on any rank's error or death. `timeout`
+        defaults to VLLM_MP_CALL_TIMEOUT (0: none)."""
+        if timeout is None:
+            timeout = envs.get_float("VLLM_MP_CALL_TIMEOUT")
+        self._wait_started = time.monotonic()
+        deadline = self._wait_started + timeout if timeout > 0 else None
         with self._cond:
             while True:
                 entry = self._results[rank].get(call_id)
@@ -270,9 +279,7 @@ class MultiprocessingExecutor(ExecutorBase):
                     return entry[1]
                 self._check_failures()
                 if deadline is not None and time.monotonic() > deadline:
-                    raise self._rank_error(
-                        rank, f"no result within {_CALL_TIMEOUT_S:g} s (VLLM_MP_CALL_TIMEOUT)"
-                    )
+                    raise self._rank_error(rank, f"missed the {timeout:.0f} s deadline")
                 self._cond.wait(_POLL_S)
 
     def _wait_all(self, call_ids: list[int]) -> list[Any]:
@@ -286,7 +293,7 @@ class MultiprocessingExecutor(ExecutorBase):
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def execute_model_async(self, request: ExecuteModelRequest) -> Any:
+    def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
         # As on Ray: every rank of the first and last stage gets the batch, middle stages only
         # the block operations; the last stage's TP driver returns the sampler output.
         light = replace(request, seq_group_metadata_list=None)
@@ -297,37 +304,42 @@ class MultiprocessingExecutor(ExecutorBase):
             req = request if rank // tp in (0, last_stage) else light
             self._send_id(rank, call_id, "execute_model", (req,), {})
         self._in_flight.append(call_id)
-        return call_id
+        return call_id, self.parallel_config.step_deadline_s(num_tokens)
 
     def get_output(self, handle: Any) -> SamplerOutput:
+        call_id, deadline_s = handle
         tp = self.parallel_config.tensor_parallel_size
         driver = (self.parallel_config.pipeline_parallel_size - 1) * tp
-        output = self._wait_for(driver, handle)
-        # The other ranks' results for this step (None) are dropped as they come in; an
-        # error among them was raised above.
+        output = self._wait_for(driver, call_id, deadline_s)
+        # The other ranks' results for this step (None), and outputs of discarded earlier
+        # steps, are dropped; an error among them was raised above.
         with self._cond:
-            for rank, results in enumerate(self._results):
-                if rank != driver:
-                    for cid in [c for c, (ok, _) in results.items() if ok and c <= handle]:
-                        del results[cid]
-        self._in_flight = [c for c in self._in_flight if c > handle]
+            for results in self._results:
+                for cid in [c for c, (ok, _) in results.items() if ok and c <= call_id]:
+                    del results[cid]
+        self._in_flight = [c for c in self._in_flight if c > call_id]
         return output
+
+    def discard_steps(self) -> None:
+        """The engine will not collect the submitted steps: their outputs are dropped when a
+        later step is collected; an error in them still fails the next wait."""
+        self._in_flight = []
 
     # ---- shutdown --------------------------------------------------------------------------
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         procs: list[Any] = getattr(self, "procs", [])
         if not procs:
             return
         conns = self.conns
         call_id = next(self._ids)
         for rank, conn in enumerate(conns):
-            if procs[rank].is_alive():
+            if graceful and procs[rank].is_alive():
                 try:
                     conn.send((call_id, "shutdown", (), {}))
                 except (BrokenPipeError, OSError):
                     pass
-        deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+        deadline = time.monotonic() + (_SHUTDOWN_GRACE_S if graceful else 0.0)
         for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in procs:

@@ -3,94 +3,156 @@
 Each step is submitted to every stage actor without waiting. Ray runs an actor's calls in
 submission order, and stages hand hidden states to each other over torch.distributed, so
 several submitted steps flow through the stages like a pipeline.
+
+Every wait has a deadline. A stage that dies, freezes or raises is named (rank, layers, node,
+pid) in a StageFailedError; `replace_stages` then kills it, starts a new actor on the same
+placement-group bundle, loads its layers and re-forms the process groups with the survivors.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
-from typing import Any
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Optional
 
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from vllm import envs
 from vllm.executor.base import ExecutorBase
 from vllm.executor.ray_utils import (
     ACTOR_START_TIMEOUT_S,
+    HEALTH_GROUP,
     RayWorkerWrapper,
+    caller_group_start_error,
     check_tp_groups_on_one_node,
-    get_actor_ips,
     get_or_create_placement_group,
     group_ranks_by_node,
     init_ray,
 )
+from vllm.executor.stage_supervisor import (
+    StageFailedError,
+    StageFailure,
+    describe_stage,
+    kill_local_process,
+    local_process_problem,
+    ping_timeout_s,
+    wait_process_gone,
+)
 from vllm.logger import init_logger
+from vllm.model_executor.parallel_utils.parallel_state import get_distributed_init_method
 from vllm.sequence import ExecuteModelRequest, SamplerOutput
 
 logger = init_logger("vllm.executor.ray_executor")
+
+# Set-up calls (start, load, cache) get this long before the engine gives up on a stage.
+_SETUP_TIMEOUT_S = 600.0
+# A step that takes longer than this has its stages pinged (and pinged again each interval).
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 def _threads_per_stage() -> int:
     return int(os.environ.get("VLLM_CPU_THREADS_PER_STAGE", "1"))
 
 
+@dataclass
+class _Step:
+    """One submitted micro-batch: a result ref per rank; the last stage's TP driver's ref
+    (`output_rank`) carries the output."""
+
+    refs: list[Any]
+    deadline_s: float
+    output_rank: int
+
+
 class RayExecutor(ExecutorBase):
     """Runs each pipeline stage in its own Ray actor (possibly on another node)."""
 
     def _init_workers(self) -> None:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        world = self.parallel_config.world_size
+        self._use_gpu = self.device_config.device == "cuda"
+        self._owns_ray = init_ray(world, self._use_gpu)
+        # The caller's group when the engine runs inside a Ray task/actor that holds one.
+        self.placement_group, self._bundles, self._owns_pg = get_or_create_placement_group(
+            world, self._use_gpu
+        )
+        self.workers: list[Any] = [None] * world
+        tp = self.parallel_config.tensor_parallel_size
+        self.stage_infos = [
+            {"rank": r, "pp_rank": r // tp, "tp_rank": r % tp} for r in range(world)
+        ]
+        # Earlier stages' refs of submitted steps, watched so a failure is seen at once.
+        self._outstanding: dict[Any, int] = {}
+        # Last-stage refs of submitted steps whose output was not collected yet.
+        self._unclaimed: set[Any] = set()
+        self._start_actors(range(world))
+        self._join(range(world), survivors=[])
+        self._run_workers("load_model", timeout=_SETUP_TIMEOUT_S)
 
+    def _actor_env(self) -> dict[str, str]:
         import vllm
 
-        world = self.parallel_config.world_size
-        use_gpu = self.device_config.device == "cuda"
-        self._owns_ray = init_ray(world, use_gpu)
-        self.placement_group, bundles, self._owns_pg = get_or_create_placement_group(
-            world, use_gpu
-        )
         # Actors import vllm from the same source tree as the driver, installed or not.
         src_root = os.path.dirname(os.path.dirname(os.path.abspath(vllm.__file__)))
         python_path = os.pathsep.join(p for p in (src_root, os.environ.get("PYTHONPATH")) if p)
-        threads = _threads_per_stage()
-        env = {"PYTHONPATH": python_path, "OMP_NUM_THREADS": str(threads)}
-        for key in (
-            "VLLM_LOGGING_LEVEL",
-            "VLLM_CONFIGURE_LOGGING",
-            "VLLM_PP_CACHE_DIR",
-            "VLLM_PP_DISABLE_KERNELS",
-            "VLLM_CPU_MALLOC_TUNING",
-            "VLLM_CPU_PACKED_LINEAR",
-        ):
-            if key in os.environ:
-                env[key] = os.environ[key]
+        env = {"PYTHONPATH": python_path, "OMP_NUM_THREADS": str(_threads_per_stage())}
+        # Every engine setting made through the environment reaches the stages.
+        env.update({k: v for k, v in os.environ.items() if k.startswith("VLLM_")})
+        return env
+
+    def _start_actors(self, ranks: Iterable[int], timeout: float = _SETUP_TIMEOUT_S) -> None:
+        """A new actor for each rank, on that rank's placement-group bundle (Ray moves the
+        bundle to another node with room if its node is gone)."""
         actor_cls = ray.remote(
-            num_cpus=0 if use_gpu else 1,
-            num_gpus=1 if use_gpu else 0,
+            num_cpus=0 if self._use_gpu else 1,
+            num_gpus=1 if self._use_gpu else 0,
+            concurrency_groups={HEALTH_GROUP: 1},
         )(RayWorkerWrapper)
-        self.workers = []
-        for rank in range(world):
+        env = self._actor_env()
+        ranks = list(ranks)
+        for rank in ranks:
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group,
-                placement_group_bundle_index=bundles[rank],
+                placement_group_bundle_index=self._bundles[rank],
             )
-            self.workers.append(
-                actor_cls.options(
-                    scheduling_strategy=strategy, runtime_env={"env_vars": env}
-                ).remote()
+            self.workers[rank] = actor_cls.options(
+                scheduling_strategy=strategy, runtime_env={"env_vars": env}
+            ).remote()
+        start_timeout = timeout if self._owns_pg else min(timeout, ACTOR_START_TIMEOUT_S)
+        try:
+            ips = self._wait_all(
+                [self.workers[r].get_node_ip.remote() for r in ranks], start_timeout
             )
-        ips = get_actor_ips(self.workers, None if self._owns_pg else ACTOR_START_TIMEOUT_S)
-        self.node_ids: list[str] = ray.get([w.get_node_id.remote() for w in self.workers])
-        # TP ranks of a stage are consecutive: keep each node's actors together.
-        order = group_ranks_by_node(self.node_ids)
-        self.workers = [self.workers[i] for i in order]
-        ips = [ips[i] for i in order]
-        self.node_ids = [self.node_ids[i] for i in order]
-        check_tp_groups_on_one_node(self.node_ids, self.parallel_config.tensor_parallel_size)
-        for rank, (ip, node) in enumerate(zip(ips, self.node_ids)):
+        except TimeoutError:
+            if self._owns_pg:
+                raise
+            raise caller_group_start_error(start_timeout) from None
+        nodes = self._wait_all([self.workers[r].get_node_id.remote() for r in ranks], timeout)
+        if len(ranks) == len(self.workers):
+            # First start: a stage's TP ranks are consecutive, so keep each node's actors
+            # together (rank -> bundle follows, for later replacements on the same bundle).
+            order = group_ranks_by_node(nodes)
+            self.workers = [self.workers[i] for i in order]
+            self._bundles = [self._bundles[i] for i in order]
+            ips, nodes = [ips[i] for i in order], [nodes[i] for i in order]
+            check_tp_groups_on_one_node(nodes, self.parallel_config.tensor_parallel_size)
+        for rank, ip, node in zip(ranks, ips, nodes):
+            self.stage_infos[rank].update(ip=ip, node_id=node)
             logger.info("Rank %d: Ray actor on node %s (id %s)", rank, ip, node[:12])
-        port = ray.get(self.workers[0].get_open_port.remote())
-        init_method = f"tcp://{ips[0]}:{port}"
-        ray.get(
+
+    def _join(
+        self, ranks: Iterable[int], survivors: list[int], timeout: float = _SETUP_TIMEOUT_S
+    ) -> None:
+        """Build Workers on the new `ranks` and form the process groups with the survivors
+        (who leave their old groups and join the new ones at the same time)."""
+        ranks = list(ranks)
+        port = self._wait_all([self.workers[0].get_open_port.remote()], timeout)[0]
+        init_method = get_distributed_init_method(self.stage_infos[0]["ip"], port)
+        threads = None if self._use_gpu else _threads_per_stage()
+        self._wait_all(
             [
-                w.init_worker.remote(
+                self.workers[rank].init_worker.remote(
                     model_config=self.model_config,
                     parallel_config=self.parallel_config,
                     scheduler_config=self.scheduler_config,
@@ -98,34 +160,46 @@ class RayExecutor(ExecutorBase):
                     cache_config=self.cache_config,
                     rank=rank,
                     distributed_init_method=init_method,
-                    num_threads=None if use_gpu else threads,
+                    num_threads=threads,
                 )
-                for rank, w in enumerate(self.workers)
-            ]
+                for rank in ranks
+            ],
+            timeout,
         )
         # Process-group rendezvous needs every rank at once: submit all, then wait.
-        self._run_workers("init_device")
-        self._run_workers("load_model")
-        self._outstanding: list[Any] = []
+        refs = [self.workers[r].execute_method.remote("init_device") for r in ranks]
+        refs += [
+            self.workers[r].execute_method.remote("rejoin_process_groups", init_method)
+            for r in survivors
+        ]
+        self._wait_all(refs, timeout)
 
-    def _run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-
+    def _run_workers(
+        self, method: str, *args: Any, timeout: float = _SETUP_TIMEOUT_S, **kwargs: Any
+    ) -> list[Any]:
         refs = [w.execute_method.remote(method, *args, **kwargs) for w in self.workers]
-        return self._wait_all(refs)
+        return self._wait_all(refs, timeout)
 
     @staticmethod
-    def _wait_all(refs: list[Any]) -> list[Any]:
-        """ray.get that fails fast: an error on any rank is raised at once, not after a
-        hang of the ranks waiting on it."""
-        import ray
-
+    def _wait_all(refs: list[Any], timeout: float = _SETUP_TIMEOUT_S) -> list[Any]:
+        """ray.get that fails fast (an error on any rank is raised at once, not after a hang
+        of the ranks waiting on it) and never waits past `timeout` seconds."""
+        deadline = time.monotonic() + timeout
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            ray.get(ready[0])
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"{len(pending)} of {len(refs)} stage calls did not finish within {timeout:g} s"
+                )
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if ready:
+                ray.get(ready[0])
         return ray.get(refs)
 
-    def execute_model_async(self, request: ExecuteModelRequest) -> Any:
+    # -- steps -----------------------------------------------------------------------------
+
+    def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
         # Middle stages take their batch from the previous stage; only block ops go to them.
         # With TP every rank of the first and last stage gets the batch (each builds its own
         # inputs); the last stage's TP driver (tp_rank 0) returns the sampler output.
@@ -139,39 +213,184 @@ class RayExecutor(ExecutorBase):
             for rank, w in enumerate(self.workers)
         ]
         driver = last_stage * tp
-        self._outstanding.extend(refs[:driver] + refs[driver + 1 :])
-        return refs[driver]
+        for rank, ref in enumerate(refs):
+            if rank != driver:
+                self._outstanding[ref] = rank
+        self._unclaimed.add(refs[driver])
+        return _Step(refs, self.parallel_config.step_deadline_s(num_tokens), driver)
 
     def get_output(self, handle: Any) -> SamplerOutput:
-        import ray
-
+        step: _Step = handle
+        started = time.monotonic()
+        deadline = started + step.deadline_s
+        output_ref = step.refs[step.output_rank]
         # Watch earlier stages too: if one fails, the last stage would wait on it forever.
-        pending = [handle, *self._outstanding]
+        pending = [output_ref, *self._outstanding]
+        heartbeat: Optional[tuple[list[Any], float]] = None
         while True:
-            ready, _ = ray.wait(pending, num_returns=1)
-            ray.get(ready[0])  # raises the stage's error, if any
-            pending = [r for r in pending if r is not ready[0]]
-            if ready[0] is handle:
-                break
-        done, _ = ray.wait(self._outstanding, num_returns=len(self._outstanding), timeout=0)
-        for ref in done:
-            ray.get(ref)
-        done_ids = {id(r) for r in done}
-        self._outstanding = [r for r in self._outstanding if id(r) not in done_ids]
-        return ray.get(handle)
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._stage_failure(
+                    None, now - started, f"missed the {step.deadline_s:.0f} s step deadline"
+                )
+            ready, _ = ray.wait(
+                pending, num_returns=1, timeout=min(deadline - now, HEARTBEAT_INTERVAL_S)
+            )
+            if not ready:
+                # A slow step: make sure every stage is still alive while it runs.
+                heartbeat = self._check_heartbeat(heartbeat, started)
+                continue
+            ref = ready[0]
+            try:
+                result = ray.get(ref)
+            except Exception as exc:
+                rank = self._outstanding.get(ref, step.output_rank)
+                raise self._stage_failure(exc, time.monotonic() - started, None, rank) from exc
+            pending.remove(ref)
+            self._outstanding.pop(ref, None)
+            if ref is output_ref:
+                self._unclaimed.discard(ref)
+                return result
 
-    def shutdown(self) -> None:
-        import ray
+    def _check_heartbeat(
+        self, heartbeat: Optional[tuple[list[Any], float]], started: float
+    ) -> Optional[tuple[list[Any], float]]:
+        """Ping every stage (on its health thread) and fail when one has not answered within
+        VLLM_PP_HEARTBEAT_TIMEOUT_S: a frozen stage is found in seconds, not at the deadline."""
+        now = time.monotonic()
+        if heartbeat is None:
+            return [w.ping.remote() for w in self.workers], now
+        refs, sent = heartbeat
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if len(answered) == len(refs):
+            return None  # all alive; ping again next round
+        if now - sent > ping_timeout_s():
+            raise self._stage_failure(None, now - started, "did not answer a heartbeat")
+        return heartbeat
+
+    def _stage_failure(
+        self,
+        exc: Optional[BaseException],
+        waited_s: float,
+        timeout_problem: Optional[str],
+        raising_rank: int = -1,
+    ) -> StageFailedError:
+        """Name the failed stages: dead or frozen ones first; else the one that raised; else
+        (a missed deadline with every stage alive) the ones stuck in a step."""
+        problems = self._diagnose(waited_s)
+        if not problems and exc is not None:
+            problems = {raising_rank: f"raised {type(exc).__name__}: {str(exc).strip()[-500:]}"}
+        if not problems:
+            problems = {r: timeout_problem or "failed" for r in range(len(self.workers))}
+        failures = [
+            StageFailure(rank, describe_stage(self.stage_infos[rank]), problem)
+            for rank, problem in sorted(problems.items())
+        ]
+        error = StageFailedError(failures, waited_s)
+        logger.error("%s", error)
+        return error
+
+    def _diagnose(self, waited_s: float) -> dict[int, str]:
+        """rank -> problem for every stage that is dead, frozen, or stuck in one step."""
+        refs = {rank: w.ping.remote() for rank, w in enumerate(self.workers)}
+        timeout = ping_timeout_s()
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        ready_set = set(ready)
+        problems: dict[int, str] = {}
+        stuck: dict[int, str] = {}
+        for rank, ref in refs.items():
+            info = self.stage_infos[rank]
+            local = local_process_problem(info.get("pid"), info.get("host"))
+            if ref not in ready_set:
+                problems[rank] = local or (
+                    f"did not answer a health check within {timeout:g} s (frozen?)"
+                )
+                continue
+            try:
+                state = ray.get(ref)
+            except Exception as exc:
+                problems[rank] = local or f"actor died ({type(exc).__name__})"
+                continue
+            if local:
+                problems[rank] = local
+            elif state["busy_s"] is not None and state["busy_s"] >= waited_s > 0:
+                stuck[rank] = f"stuck in one step for {state['busy_s']:.1f} s"
+        # A stage stuck in a receive from a dead one is a victim, not a cause.
+        return problems or stuck
+
+    # -- recovery --------------------------------------------------------------------------
+
+    def replace_stages(self, ranks: list[int]) -> float:
+        """Kill the stages at `ranks`, start new actors on their bundles, load their layers,
+        re-form the process groups with the survivors and give the new stages caches of the
+        engine's size. Returns the seconds it took. The survivors keep their weights; every
+        request is recomputed by the engine, so no KV from before the failure is read."""
+        started = time.monotonic()
+        budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
+        self._kill_ranks(ranks)
+        abandoned = [*self._outstanding, *self._unclaimed]
+        self._outstanding.clear()
+        self._unclaimed.clear()
+        survivors = [r for r in range(len(self.workers)) if r not in ranks]
+        self._start_actors(ranks, budget)
+        self._join(ranks, survivors, budget)
+        # The survivors ran (and failed) their old steps before rejoining: collect those
+        # errors here, or Ray reports each as an "unhandled error" when the ref is dropped.
+        _drain(abandoned)
+        num_gpu, num_cpu = self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks
+        refs = []
+        for rank in ranks:
+            w = self.workers[rank]
+            refs.append(w.execute_method.remote("load_model"))
+            refs.append(w.execute_method.remote("initialize_cache", num_gpu, num_cpu))
+        self._wait_all(refs, timeout=budget)
+        infos = self._wait_all(
+            [self.workers[r].execute_method.remote("get_stage_info") for r in ranks], budget
+        )
+        for rank, info in zip(ranks, infos):
+            self.stage_infos[rank].update(info)
+            logger.info("Replaced %s", describe_stage(self.stage_infos[rank]))
+        return time.monotonic() - started
+
+    def _kill_ranks(self, ranks: Iterable[int]) -> None:
+        """Kill the actors (and, on this node, their processes: a frozen one ignores
+        everything but SIGKILL), then wait for the processes to be gone."""
+        ranks = list(ranks)
+        for rank in ranks:
+            info = self.stage_infos[rank]
+            if self.workers[rank] is not None:
+                try:
+                    ray.kill(self.workers[rank], no_restart=True)
+                except Exception:  # already dead
+                    pass
+            kill_local_process(info.get("pid"), info.get("host"))
+        for rank in ranks:
+            info = self.stage_infos[rank]
+            if not wait_process_gone(info.get("pid"), info.get("host"), 10.0):
+                logger.warning("%s: process still there 10 s after SIGKILL", describe_stage(info))
+            self.workers[rank] = None
+
+    def discard_steps(self) -> None:
+        """The engine gave up on the steps in flight (an interrupt): their outputs are no
+        longer wanted. The stages still run them, in order, before anything submitted later;
+        their refs stay watched (an error in them is a stage failure) until they finish."""
+        pc = self.parallel_config
+        driver = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        self._outstanding.update(dict.fromkeys(self._unclaimed, driver))
+        self._unclaimed.clear()
+
+    def shutdown(self, graceful: bool = True) -> None:
         from ray.util.placement_group import remove_placement_group
 
         workers = getattr(self, "workers", [])
-        if workers and ray.is_initialized():
-            try:
-                ray.get([w.execute_method.remote("shutdown") for w in workers], timeout=10)
-            except Exception:  # a stuck or dead stage must not block the rest of shutdown
-                logger.warning("a stage did not shut down cleanly; killing its actor")
-            for w in workers:
-                ray.kill(w)
+        live = [w for w in workers if w is not None]
+        if live and ray.is_initialized():
+            if graceful:
+                try:
+                    ray.get([w.execute_method.remote("shutdown") for w in live], timeout=10)
+                except Exception:  # a stuck or dead stage must not block the rest of shutdown
+                    logger.warning("a stage did not shut down cleanly; killing its actor")
+            self._kill_ranks([r for r, w in enumerate(workers) if w is not None])
         self.workers = []
         if getattr(self, "placement_group", None) is not None and ray.is_initialized():
             if getattr(self, "_owns_pg", True):  # never the caller's own group
@@ -180,3 +399,15 @@ class RayExecutor(ExecutorBase):
         if getattr(self, "_owns_ray", False) and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
+
+
+def _drain(refs: list[Any]) -> None:
+    """Collect (and ignore) the results and errors of steps nobody will read."""
+    if not refs:
+        return
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception:  # the failure was already handled as a stage failure
+            pass

@@ -4,20 +4,33 @@ from __future__ import annotations
 
 import gc
 import os
-from typing import Any, Optional
+import time
+from typing import Any
 
+import ray
+
+from vllm import envs
 from vllm.logger import init_logger
 
 logger = init_logger("vllm.executor.ray_utils")
 
 # How long to wait for the placement group before failing with a clear error (seconds).
-_PLACEMENT_TIMEOUT_S = float(os.environ.get("VLLM_PP_PLACEMENT_TIMEOUT", "30"))
+_PLACEMENT_TIMEOUT_S = envs.get_float("VLLM_PP_PLACEMENT_TIMEOUT")
 # How long rank actors may take to start inside a caller's placement group (seconds).
-ACTOR_START_TIMEOUT_S = float(os.environ.get("VLLM_PP_ACTOR_START_TIMEOUT", "180"))
+ACTOR_START_TIMEOUT_S = envs.get_float("VLLM_PP_ACTOR_START_TIMEOUT")
+
+
+# Ray concurrency group whose thread answers health checks while a step runs.
+HEALTH_GROUP = "health"
 
 
 class RayWorkerWrapper:
-    """The actor body: builds a Worker lazily inside the actor process and runs its methods."""
+    """The actor body: builds a Worker lazily inside the actor process and runs its methods.
+
+    Steps and set-up run one at a time, in submission order, on the actor's default thread;
+    `ping` runs on a thread of its own (concurrency group "health"), so it answers while a
+    step is running -- or is stuck waiting on a neighbour -- and only a dead or frozen process
+    leaves it unanswered."""
 
     def __init__(self) -> None:
         from vllm.logger import configure_logging
@@ -36,8 +49,6 @@ class RayWorkerWrapper:
         return get_ip()
 
     def get_node_id(self) -> str:
-        import ray
-
         return ray.get_runtime_context().get_node_id()
 
     def get_open_port(self) -> int:
@@ -56,6 +67,13 @@ class RayWorkerWrapper:
             gc.freeze()
         return result
 
+    @ray.method(concurrency_group=HEALTH_GROUP)
+    def ping(self) -> dict[str, Any]:
+        """Liveness: this process's pid and how long its current step has run (None if idle)."""
+        busy_since = getattr(self.worker, "busy_since", None)
+        busy_s = None if busy_since is None else time.perf_counter() - busy_since
+        return {"pid": os.getpid(), "busy_s": busy_s}
+
     def gc_frozen_objects(self) -> int:
         """How many objects are frozen out of the cyclic GC in this actor (diagnostics)."""
         return gc.get_freeze_count()
@@ -68,8 +86,6 @@ def init_ray(world_size: int, use_gpu: bool) -> bool:
     local instance gets at least `world_size` logical CPUs, so PP=4 runs on a 2-core machine
     (oversubscribed, with a warning) instead of never placing.
     """
-    import ray
-
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
@@ -96,7 +112,6 @@ def _missing_message(resource: str, world_size: int, free: float) -> str:
 
 def create_placement_group(world_size: int, use_gpu: bool) -> Any:
     """One bundle per rank ({"GPU": 1} or {"CPU": 1}); a clear error if it cannot be placed."""
-    import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     resource = "GPU" if use_gpu else "CPU"
@@ -159,25 +174,14 @@ def get_or_create_placement_group(world_size: int, use_gpu: bool) -> tuple[Any, 
     return current, bundles[:world_size], False
 
 
-def get_actor_ips(workers: list[Any], timeout: Optional[float]) -> list[str]:
-    """Each rank actor's node IP. With a timeout (used for a caller's placement group), a
-    clear error instead of a hang when an actor cannot start: e.g. a bundle whose CPU the
-    calling actor itself holds. Starting actors can take long on a loaded machine, so the
-    engine's own group waits without a limit (as before)."""
-    import ray
-
-    refs = [w.get_node_ip.remote() for w in workers]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-    if len(ready) < len(refs):
-        started = {r.hex() for r in ready}
-        missing = [rank for rank, r in enumerate(refs) if r.hex() not in started]
-        raise ValueError(
-            f"Ray actors of ranks {missing} did not start within {timeout:g} s in the "
-            "caller's placement group: their bundles have no free resources (does the "
-            "calling task/actor hold them? give it num_cpus=0 inside the group), or "
-            f"VLLM_PP_ACTOR_START_TIMEOUT={timeout:g} s is too short for this machine."
-        )
-    return ray.get(refs)
+def caller_group_start_error(timeout: float) -> ValueError:
+    """Rank actors did not start in the caller's placement group: say why that happens."""
+    return ValueError(
+        f"Ray actors of the engine's ranks did not start within {timeout:g} s in the caller's "
+        "placement group: their bundles have no free resources (does the calling task/actor "
+        "hold them? give it num_cpus=0 inside the group), or VLLM_PP_ACTOR_START_TIMEOUT is "
+        "too short for this machine."
+    )
 
 
 def group_ranks_by_node(node_ids: list[str]) -> list[int]:

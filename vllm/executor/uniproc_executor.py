@@ -29,13 +29,13 @@ class UniProcExecutor(ExecutorBase):
     def _run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args, **kwargs)]
 
-    def execute_model_async(self, request: ExecuteModelRequest) -> Any:
+    def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
         return self.worker.execute_model(request)
 
     def get_output(self, handle: Any) -> SamplerOutput:
         return handle
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         if getattr(self, "worker", None) is not None:
             self.worker.shutdown()
             self.worker = None

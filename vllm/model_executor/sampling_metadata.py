@@ -44,6 +44,15 @@ class SamplingMetadata:
         return int(self.selected_token_indices.numel())
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of a seeded request at output position `step` (a 63-bit mix, so
+    neighbouring steps and seeds give unrelated streams)."""
+    x = (seed * 0x9E3779B97F4A7C15 + step * 0xC2B2AE3D27D4EB4F + 0x165667B19E3779F9) % (1 << 64)
+    x ^= x >> 31
+    x = (x * 0xBF58476D1CE4E5B9) % (1 << 64)
+    return (x ^ (x >> 29)) & ((1 << 63) - 1)
+
+
 def build_sampling_metadata(
     metadata_list: list[SequenceGroupMetadata],
     generators: dict[str, torch.Generator],
@@ -51,8 +60,10 @@ def build_sampling_metadata(
 ) -> SamplingMetadata:
     """Map groups to rows. Layout matches the model runner: prefills first, then decodes.
 
-    `generators` holds per-request seeded generators across steps (created on first sight so
-    a recompute-preempted request continues its random stream instead of restarting it).
+    `generators` holds one seeded generator per request, re-seeded at every step from
+    (seed, number of tokens generated so far): a request's draws depend only on its own seed
+    and position, so a step that is recomputed (after preemption, an interrupt, or the loss of
+    a stage with its generators) draws exactly what the first attempt drew.
     """
     prefills = [m for m in metadata_list if m.is_prompt]
     decodes = [m for m in metadata_list if not m.is_prompt]
@@ -67,8 +78,10 @@ def build_sampling_metadata(
             gen = generators.get(meta.request_id)
             if gen is None:
                 gen = torch.Generator(device=device)
-                gen.manual_seed(params.seed)
                 generators[meta.request_id] = gen
+            # The group's sequences advance in lockstep, so any one's length is the step.
+            step = meta.seq_data[seq_ids[0]].get_output_len()
+            gen.manual_seed(step_seed(params.seed, step))
         rows: list[int] = []
         prompt_rows: list[int] = []
         first_step = meta.is_prompt and all(meta.seq_data[s].get_output_len() == 0 for s in seq_ids)

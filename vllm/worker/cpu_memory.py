@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import math
 import mmap
 import os
@@ -45,8 +46,20 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return whole[skip : skip + nbytes].view(dtype).view(shape)
 
 
-# glibc mallopt() parameters (malloc.h).
+# glibc mallopt() parameters (malloc.h) and glibc's defaults for them.
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
+_GLIBC_DEFAULTS = ((_M_MMAP_MAX, 65536), (_M_TRIM_THRESHOLD, 128 << 10), (_M_TOP_PAD, 0))
+# Engines (workers) in this process that asked for the tuning and are still alive.
+_tuned_users = 0
+
+
+def _libc() -> ctypes.CDLL | None:
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 def tune_malloc() -> bool:
@@ -63,15 +76,36 @@ def tune_malloc() -> bool:
     Applies to this process (the worker's; with PP=1 that is the caller's process).
     VLLM_CPU_MALLOC_TUNING=0 leaves malloc alone. Returns whether the settings took effect
     (False off glibc)."""
-    if os.environ.get("VLLM_CPU_MALLOC_TUNING", "1") == "0" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
+    global _tuned_users
+    libc = _libc()
+    if os.environ.get("VLLM_CPU_MALLOC_TUNING", "1") == "0" or libc is None:
         return False
     settings = (
         (_M_MMAP_MAX, 0),  # every block from the heap, so freed memory is reused
         (_M_TRIM_THRESHOLD, 2**31 - 1),  # never give the heap top back
         (_M_TOP_PAD, 64 << 20),  # grow the heap 64 MiB at a time
     )
-    return all(libc.mallopt(param, value) == 1 for param, value in settings)
+    if all(libc.mallopt(param, value) == 1 for param, value in settings):
+        _tuned_users += 1
+        return True
+    return False
+
+
+def release_memory() -> None:
+    """A worker shut down: give the memory it freed back to the kernel.
+
+    Collects garbage (model and cache tensors held in cycles), puts malloc back to glibc's
+    defaults once no live engine in this process wants the tuning, and trims every arena
+    (`malloc_trim(0)` also returns free pages in the middle of the heap). Without this, a
+    process that deleted its PP=1 `LLM` kept the freed weights mapped in the heap."""
+    global _tuned_users
+    gc.collect()
+    libc = _libc()
+    if libc is None:
+        return
+    if _tuned_users > 0:
+        _tuned_users -= 1
+        if _tuned_users == 0:
+            for param, value in _GLIBC_DEFAULTS:
+                libc.mallopt(param, value)
+    libc.malloc_trim(0)

@@ -19,7 +19,7 @@ from vllm.model_executor.parallel_utils.communication import recv_tensor_dict, s
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import ExecuteModelRequest, SamplerOutput
 from vllm.worker.cache_engine import CacheEngine, cache_block_bytes
-from vllm.worker.cpu_memory import tune_malloc
+from vllm.worker.cpu_memory import release_memory, tune_malloc
 from vllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("vllm.worker")
@@ -56,6 +56,9 @@ class Worker:
         self._pending_send: Any = None
         self.stats = _new_stats()
         self._last_exit: Optional[float] = None
+        # perf_counter() when the step in progress started; None between steps. Read from
+        # the actor's health thread (ping), so a stuck step can be told from an idle stage.
+        self.busy_since: Optional[float] = None
 
     def init_device(self) -> None:
         """Pick the device, set CPU threads, join the process groups (world size > 1)."""
@@ -70,6 +73,16 @@ class Worker:
             if tune_malloc():
                 logger.debug("glibc malloc: heap only, never trimmed (VLLM_CPU_MALLOC_TUNING)")
         torch.manual_seed(self.model_config.seed)
+        self._join_process_groups()
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        sizes = self.model_config.get_pp_layer_sizes(self.parallel_config)
+        start = sum(sizes[:pp_rank])
+        end = start + sizes[pp_rank]
+        self.layout = StageLayout(
+            start, end, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        )
+
+    def _join_process_groups(self) -> None:
         pc = self.parallel_config
         if pc.world_size > 1:
             assert self.distributed_init_method is not None
@@ -77,16 +90,27 @@ class Worker:
                 pc.world_size,
                 self.rank,
                 self.distributed_init_method,
+                timeout_s=pc.comm_timeout_s(self.scheduler_config.max_num_batched_tokens),
                 local_rank=self.device.index or 0,  # NCCL binds to this rank's own GPU
             )
             ps.initialize_model_parallel(pc.pipeline_parallel_size, pc.tensor_parallel_size)
-        pp_rank = ps.get_pipeline_model_parallel_rank()
-        sizes = self.model_config.get_pp_layer_sizes(pc)
-        start = sum(sizes[:pp_rank])
-        end = start + sizes[pp_rank]
-        self.layout = StageLayout(
-            start, end, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        )
+
+    def rejoin_process_groups(self, distributed_init_method: str) -> None:
+        """A peer stage was replaced: leave the old process groups and join the new ones.
+
+        This stage keeps its weights and cache tensors; the engine recomputes every request,
+        so no KV written before the failure is read again."""
+        # The previous send's peer may be gone: never wait on it.
+        self._pending_send = None
+        try:
+            ps.destroy_model_parallel()
+        except Exception as exc:  # a group with a dead peer may not close cleanly
+            logger.warning("rank %d: leaving the old process groups: %s", self.rank, exc)
+        self.distributed_init_method = distributed_init_method
+        self._join_process_groups()
+        self.model_runner.drop_requests(list(self.model_runner.generators))
+        self.busy_since = None
+        self._last_exit = None
 
     def load_model(self) -> None:
         model = load_stage_model(self.model_config, self.layout, self.device)
@@ -105,6 +129,7 @@ class Worker:
             "is_first": self.layout.is_first,
             "is_last": self.layout.is_last,
             "host": socket.gethostname(),
+            "ip": ps.get_ip(),
             "pid": os.getpid(),
             "device": str(self.device),
             "threads": torch.get_num_threads(),
@@ -218,6 +243,7 @@ class Worker:
         assert self.cache_engine is not None, "initialize_cache() first"
         stats = self.stats
         entered = time.perf_counter()
+        self.busy_since = entered
         if self._last_exit is not None:
             # Time between steps: this stage was waiting for the driver's next call.
             stats["idle_s"] += entered - self._last_exit
@@ -263,6 +289,7 @@ class Worker:
         self._last_exit = time.perf_counter()
         stats["send_s"] += self._last_exit - computed
         stats["steps"] += 1
+        self.busy_since = None
         return output
 
     def get_stage_stats(self, reset: bool = True) -> dict[str, float]:
@@ -276,8 +303,16 @@ class Worker:
         return stats
 
     def shutdown(self) -> None:
-        if self._pending_send is not None:
-            self._pending_send.wait()
+        """Finish the last send, leave the process groups and give the memory back."""
+        try:
+            if self._pending_send is not None:
+                self._pending_send.wait()
+        finally:
             self._pending_send = None
-        if self.parallel_config.world_size > 1:
-            ps.destroy_model_parallel()
+            if self.parallel_config.world_size > 1:
+                ps.destroy_model_parallel()
+            # With PP=1 this is the user's process, which lives on: the weights and the cache
+            # must not stay mapped in malloc's heap after the engine is gone.
+            self.cache_engine = None
+            self.model_runner = None  # type: ignore[assignment]
+            release_memory()

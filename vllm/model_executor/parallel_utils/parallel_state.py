@@ -10,6 +10,7 @@ getters answer as the only stage, so the single-process engine runs the same sta
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -79,11 +80,14 @@ def init_distributed_environment(
     distributed_init_method: str,
     backend: str | None = None,
     local_rank: int = 0,
+    timeout_s: float | None = None,
 ) -> None:
     """Initialise the default ``torch.distributed`` process group for this rank.
 
     ``backend`` defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``. Calling it
     again in an already initialised process is a no-op if the world size matches.
+    ``timeout_s`` bounds the rendezvous and every blocking receive: a peer that froze makes
+    this rank fail with a timeout instead of waiting forever (torch's default is 30 min).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -107,6 +111,7 @@ def init_distributed_environment(
         init_method=distributed_init_method,
         world_size=world_size,
         rank=rank,
+        timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s),
     )
 
 

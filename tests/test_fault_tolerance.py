@@ -1,0 +1,219 @@
+"""A pipeline that survives: stages killed three ways mid-generation (ray.kill, SIGKILL of the
+process, SIGSTOP), at PP = 2 and 3. With restarts the failed stage is replaced and every
+request finishes with exactly the fault-free greedy and seeded outputs; with restarts off the
+engine fails with one clear error naming the stage, releases everything at once, and a new LLM
+builds right away. Ctrl-C inside generate() or step() leaves the engine usable."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import tiny_models
+
+from vllm import LLM, SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.executor.stage_supervisor import EngineDeadError
+
+pytestmark = pytest.mark.ray
+
+PROMPTS = tiny_models.PROMPTS * 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+# Half greedy, half seeded random: both must come out exactly as in a fault-free run.
+PARAMS = [
+    GREEDY if i % 2 == 0 else SamplingParams(temperature=1.0, seed=i, max_tokens=40)
+    for i in range(len(PROMPTS))
+]
+MODES = ("ray.kill", "SIGKILL", "SIGSTOP")
+
+
+def kill_stage(llm: LLM, rank: int, mode: str) -> int:
+    """Kill (or freeze) one stage of a running engine; returns its pid."""
+    import ray
+
+    executor = llm.llm_engine.executor
+    pid = executor.stage_infos[rank]["pid"]
+    if mode == "ray.kill":
+        ray.kill(executor.workers[rank])
+    elif mode == "SIGKILL":
+        os.kill(pid, signal.SIGKILL)
+    else:
+        os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def after_steps(llm: LLM, steps: int, action) -> threading.Thread:
+    """Run `action()` from another thread once the engine has made `steps` more steps."""
+    engine = llm.llm_engine
+    start = engine.num_steps
+
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        while engine.num_steps < start + steps and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        action()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# Class scope: the engine (up to 3 of the session's 4 Ray CPUs) is gone before other tests.
+@pytest.fixture(scope="class", params=[2, 3], ids=["pp2", "pp3"])
+def survivor(request, ray_session, tiny_model_dirs):
+    """An engine with the default 3 restarts, and its fault-free outputs."""
+    llm = LLM(
+        tiny_model_dirs["llama-gqa-tied"],
+        pipeline_parallel_size=request.param,
+        disable_log_stats=True,
+    )
+    reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    yield llm, reference
+    llm.shutdown()
+
+
+class TestStageReplacement:
+    """The three kill modes in turn on one engine per PP size (3 restarts: the default)."""
+
+    @pytest.mark.parametrize("mode", MODES)
+    def test_killed_stage_is_replaced_and_nothing_is_lost(self, survivor, mode):
+        llm, reference = survivor
+        pp = llm.llm_engine.parallel_config.pipeline_parallel_size
+        # A different victim each time: the last stage, the first, a middle one (PP=3).
+        rank = {"ray.kill": pp - 1, "SIGKILL": 0, "SIGSTOP": pp // 2}[mode]
+        events_before = len(llm.llm_engine.fault_events)
+        victim: list[int] = []
+        thread = after_steps(llm, 4, lambda: victim.append(kill_stage(llm, rank, mode)))
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        thread.join(timeout=60)
+        assert victim, "the stage was never killed"
+        events = llm.llm_engine.fault_events[events_before:]
+        assert len(events) == 1, events
+        assert events[0].ranks == [rank]
+        assert f"pid {victim[0]}" in events[0].message
+        # Dead stages are seen at once; a frozen one by the heartbeat, well before the deadline.
+        assert events[0].detected_after_s < (15.0 if mode == "SIGSTOP" else 5.0)
+        assert events[0].recovery_s is not None and events[0].recovery_s < 60
+        assert token_ids(outputs) == reference
+        assert all(o.finished for o in outputs) and len(outputs) == len(PROMPTS)
+        assert gone(victim[0])
+        # Nothing left over in the engine.
+        scheduler = llm.llm_engine.scheduler
+        assert not scheduler.in_flight and not scheduler.has_unfinished_seqs()
+        assert scheduler.block_manager.get_num_free_gpu_blocks() == (
+            scheduler.block_manager.num_total_gpu_blocks
+        )
+
+
+@pytest.mark.parametrize("mode", ["SIGKILL", "SIGSTOP"])
+def test_fail_stop_names_the_stage_and_releases_everything(
+    mode, ray_session, tiny_model_dirs, hf_reference
+):
+    model = tiny_model_dirs["opt-pre"]
+    llm = LLM(
+        model,
+        pipeline_parallel_size=2,
+        max_stage_restarts=0,
+        step_timeout_s=5,
+        disable_log_stats=True,
+    )
+    infos = [dict(i) for i in llm.llm_engine.executor.stage_infos]
+    thread = after_steps(llm, 3, lambda: kill_stage(llm, 1, mode))
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError) as info:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    elapsed = time.monotonic() - started
+    thread.join(timeout=60)
+    message = str(info.value)
+    assert f"stage 1 (rank 1, layers [{infos[1]['layers'][0]}, {infos[1]['layers'][1]})" in message
+    assert f"pid {infos[1]['pid']}" in message and infos[1]["host"] in message
+    assert "max_stage_restarts=0" in message
+    assert elapsed < 20, f"the failure took {elapsed:.1f} s to surface"
+    # Released at once: no stage process left, and the engine refuses further work.
+    deadline = time.monotonic() + 10
+    while not all(gone(i["pid"]) for i in infos) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(gone(i["pid"]) for i in infos)
+    with pytest.raises(EngineDeadError):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    # A new LLM in the same process builds without waiting for the old one's resources.
+    started = time.monotonic()
+    fresh = LLM(model, pipeline_parallel_size=2, disable_log_stats=True)
+    assert time.monotonic() - started < 30
+    outputs = fresh.generate(tiny_models.PROMPTS, SamplingParams(temperature=0, max_tokens=32))
+    assert token_ids(outputs) == hf_reference("opt-pre")
+    fresh.shutdown()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_ctrl_c_inside_generate_leaves_the_llm_usable(pp, ray_session, tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama-gqa-untied"], pipeline_parallel_size=pp)
+    reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    thread = after_steps(llm, 5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    thread.join(timeout=10)
+    engine = llm.llm_engine
+    # The interrupted call's requests are gone; nothing is counted in flight.
+    assert not engine.scheduler.in_flight and not engine.has_unfinished_requests()
+    assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == (
+        engine.scheduler.block_manager.num_total_gpu_blocks
+    )
+    assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
+    llm.shutdown()
+
+
+def test_ctrl_c_inside_step_requeues_in_flight_requests(ray_session, tiny_model_dirs):
+    """LLMEngine users keep their requests: after the interrupt, stepping on finishes them
+    with the same tokens."""
+    llm = LLM(tiny_model_dirs["opt-post"], pipeline_parallel_size=2)
+    reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    engine = llm.llm_engine
+    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
+        engine.add_request(str(i), prompt, params)
+    finished = {}
+    interrupted = 0
+    thread = after_steps(llm, 6, lambda: os.kill(os.getpid(), signal.SIGINT))
+    while engine.has_unfinished_requests():
+        try:
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        except KeyboardInterrupt:
+            interrupted += 1
+    thread.join(timeout=10)
+    assert interrupted == 1
+    assert token_ids(finished[str(i)] for i in range(len(PROMPTS))) == reference
+    llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"kv_cache_space": 10000}, "Too large KV cache space"),
+        ({"swap_space": 10000}, "Too large swap space"),
+        ({"device": "cuda"}, "no CUDA GPU is available"),
+        ({"max_stage_restarts": -1}, "max_stage_restarts"),
+        ({"step_timeout_s": 0}, "step_timeout_s"),
+    ],
+)
+def test_resource_errors_up_front(kwargs, match, tiny_model_dirs):
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=tiny_model_dirs["opt-pre"], **kwargs).create_engine_configs()
+    assert time.monotonic() - started < 5

@@ -1,0 +1,124 @@
+"""Stage liveness: the errors a failed stage raises, how a stage is named in them, and the
+diagnosis that tells a dead or frozen stage from one that is only waiting on its neighbour.
+
+A stage is a replaceable process: it holds weights (reloadable) and the KV cache of its layers
+(lost with it). The executor waits for every micro-batch against a deadline; when a wait fails
+or runs out it asks every stage to answer a ping on the actor's health thread (which answers
+even while a step is running) and checks the process itself where it runs on this node.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from vllm import envs
+
+
+def ping_timeout_s() -> float:
+    """How long a stage may take to answer a ping before it counts as frozen (seconds)."""
+    return envs.get_float("VLLM_PP_HEARTBEAT_TIMEOUT_S")
+
+
+def describe_stage(info: dict[str, Any]) -> str:
+    """'stage 1 (rank 1, layers [15, 30), node host 10.0.0.2, pid 1234)'."""
+    start, end = info.get("layers", ("?", "?"))
+    return (
+        f"stage {info.get('pp_rank', '?')} (rank {info.get('rank', '?')}, layers "
+        f"[{start}, {end}), node {info.get('host', '?')} {info.get('ip', '')}".rstrip()
+        + f", pid {info.get('pid', '?')})"
+    )
+
+
+@dataclass
+class StageFailure:
+    """One failed stage: its rank, how it was described, and what was seen."""
+
+    rank: int
+    description: str
+    problem: str
+
+
+class StageFailedError(RuntimeError):
+    """One or more pipeline stages died, froze or raised while running a step.
+
+    `failures` names each stage (rank, layers, node, pid) and what was seen; `__cause__` is the
+    underlying error when there is one (Ray's ActorDiedError, a gloo error, a timeout)."""
+
+    def __init__(self, failures: list[StageFailure], detected_after_s: float) -> None:
+        self.failures = failures
+        self.detected_after_s = detected_after_s
+        lines = "; ".join(f"{f.description}: {f.problem}" for f in failures)
+        super().__init__(f"pipeline stage failure after {detected_after_s:.1f} s: {lines}")
+
+    @property
+    def ranks(self) -> list[int]:
+        return [f.rank for f in self.failures]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run any more (a stage failed and could not be replaced, or the
+    restarts allowed by max_stage_restarts are used up). Every unfinished request was aborted
+    and the workers released; build a new LLM / LLMEngine to go on."""
+
+
+@dataclass
+class FaultEvent:
+    """One stage failure the engine survived (or not): for logs, masstest and tests."""
+
+    ranks: list[int]
+    message: str
+    detected_after_s: float
+    recovery_s: Optional[float] = None
+    requeued_requests: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def local_process_problem(pid: Optional[int], host: Optional[str]) -> Optional[str]:
+    """What is wrong with the stage's process, if it runs on this node and something is."""
+    if pid is None or host != socket.gethostname():
+        return None
+    import psutil
+
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return f"process {pid} no longer exists"
+    if status == psutil.STATUS_STOPPED:
+        return f"process {pid} is stopped (SIGSTOP?)"
+    if status == psutil.STATUS_ZOMBIE:
+        return f"process {pid} exited (zombie)"
+    return None
+
+
+def kill_local_process(pid: Optional[int], host: Optional[str]) -> None:
+    """SIGKILL the stage's process when it runs on this node (frozen ones ignore anything
+    gentler); a no-op for processes elsewhere or already gone."""
+    if pid is None or host != socket.gethostname() or pid == os.getpid():
+        return
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def wait_process_gone(pid: Optional[int], host: Optional[str], timeout_s: float) -> bool:
+    """True once the local process `pid` has exited (True at once for remote ones)."""
+    if pid is None or host != socket.gethostname():
+        return True
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
