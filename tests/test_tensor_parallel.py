@@ -139,7 +139,8 @@ def test_mp_rank_death_fails_fast(model_dirs):
     [
         ({"tensor_parallel_size": 3}, r"Total number of attention heads \(4\) must be divisible "
          r"by tensor parallel size \(3\)\."),
-        ({"tensor_parallel_size": 8}, r"attention heads \(4\) must be divisible"),
+        ({"tensor_parallel_size": 8, "swap_space": 0.01},
+         r"attention heads \(4\) must be divisible"),
         ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "needs 'ray' or 'mp'"),
         ({"distributed_executor_backend": "nccl"}, "'ray', 'mp' or 'uni'"),
     ],
