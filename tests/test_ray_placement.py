@@ -82,7 +82,9 @@ def test_engine_in_actor_uses_the_current_placement_group(tiny_model_dirs, hf_re
     result = json.loads(lines[-1][len("RESULT ") :])
     assert result["ids"] == hf_reference(kind)[:3]
     assert result["groups"] == 1, "the engine created a second placement group"
-    assert result["init_s"] < 25, "placement waited (for a group that could never be placed?)"
+    # (A second group could never be placed: the engine would have failed after
+    # VLLM_PP_PLACEMENT_TIMEOUT instead of generating. No wall-time bound here: start-up time
+    # on a loaded 2-core machine says nothing.)
     assert result["ray_up_in_actor"], "the engine must not shut down the caller's Ray"
     assert result["pg_alive"], "the engine must not remove the caller's placement group"
 
