@@ -160,9 +160,11 @@ class RowParallelLinear(ParallelLinearBase):
     The bias is added once, by rank 0, inside its matmul (fused, as with TP = 1)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
-        in_local = tpu.divide(in_features, tpu.tp_size(), "input size")
+        self.tp_size, self.tp_rank = tpu.tp_size(), tpu.tp_rank()
+        in_local = tpu.divide(in_features, self.tp_size, "input size")
         super().__init__(in_local, out_features, bias, out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if tpu.tp_rank() == 0 else None
-        return tpu.all_reduce(self._matmul(x, bias))
+        if self.tp_size == 1:
+            return self._matmul(x, self.bias)
+        return tpu.all_reduce(self._matmul(x, self.bias if self.tp_rank == 0 else None))
