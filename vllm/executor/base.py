@@ -41,7 +41,12 @@ class ExecutorBase(ABC):
             raise
 
     def _log_stages_and_init_cache(self) -> None:
-        self.stage_infos: list[dict[str, Any]] = self._run_workers("get_stage_info")
+        infos = self._run_workers("get_stage_info")
+        # Keep what the executor already knows of each rank (e.g. its Ray node id).
+        known = getattr(self, "stage_infos", None) or [{} for _ in infos]
+        for entry, info in zip(known, infos):
+            entry.update(info)
+        self.stage_infos: list[dict[str, Any]] = known
         for info in self.stage_infos:
             logger.info(
                 "Stage %d: layers [%d, %d) on %s (pid %d, %s, %d threads)",

@@ -90,6 +90,11 @@ class RayExecutor(ExecutorBase):
         self._join(range(world), survivors=[])
         self._run_workers("load_model", timeout=_SETUP_TIMEOUT_S)
 
+    @property
+    def node_ids(self) -> list[str]:
+        """The Ray node id of each rank's actor, in rank order."""
+        return [info.get("node_id", "") for info in self.stage_infos]
+
     def _actor_env(self) -> dict[str, str]:
         import vllm
 

@@ -97,7 +97,9 @@ def init_ray(world_size: int, use_gpu: bool) -> bool:
         logger.warning(
             "pipeline of %d stages on %d CPU cores: stages are oversubscribed", world_size, cpus
         )
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    # address="local": always a new instance. Without it Ray joins any cluster that `ray start`
+    # left on this machine (and then refuses num_cpus), which is what RAY_ADDRESS is for.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     return True
 
 
