@@ -23,7 +23,7 @@ ACTOR_SCRIPT = textwrap.dedent(
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     model, prompts = sys.argv[1], json.loads(sys.argv[2])
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     pg = placement_group([{"CPU": 1}] * 2)  # sized for the engine: every CPU of the cluster
     ray.get(pg.ready())
 
