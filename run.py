@@ -57,7 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Pipeline stages; >1 runs one Ray worker per stage.")
     parser.add_argument("--tensor_parallel_size", "--tensor-parallel-size", "-tp",
                         dest="tensor_parallel_size", type=int, default=1,
-                        help="Tensor parallel size (only 1 is supported).")
+                        help="Tensor parallel ranks per stage (heads, MLP and vocabulary "
+                             "split; world size = PP x TP).")
+    parser.add_argument("--distributed-executor-backend", "--distributed_executor_backend",
+                        dest="distributed_executor_backend", default=None,
+                        choices=["ray", "mp", "uni"],
+                        help="'ray' (default for world size > 1 when Ray is installed), 'mp' "
+                             "(local processes, no Ray) or 'uni'.")
     parser.add_argument("--gpu_memory_utilization", "--gpu-memory-utilization",
                         dest="gpu_memory_utilization", type=float, default=0.9,
                         help="Fraction of GPU memory for weights, activations and KV cache "
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         pipeline_parallel_size=args.pipeline_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_space=args.kv_cache_space,
         max_model_len=args.max_model_len,
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch_size in args.batch_sizes:
             results.append(time_batch(llm, batch_size, args.max_tokens))
         print(f"\n=== Timing (max_tokens={args.max_tokens}, ignore_eos, greedy, "
-              f"PP={args.pipeline_parallel_size}) ===")
+              f"PP={args.pipeline_parallel_size}, TP={args.tensor_parallel_size}) ===")
         rows = [
             [r["batch_size"], f"{r['latency_s']:.3f}", f"{r['output_tokens_per_s']:.2f}",
              f"{r['total_tokens_per_s']:.2f}",
@@ -168,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in results
         ]
         print_table(["batch", "latency s", "output tok/s", "total tok/s",
-                     "peak RSS per stage"], rows)
+                     "peak RSS per rank"], rows)
         write_json(args.output_json, {
             "args": {k: v for k, v in vars(args).items() if k != "batch_sizes"},
             "init_seconds": init_s,

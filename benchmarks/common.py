@@ -163,28 +163,32 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
 
 
 def stage_layout(llm: Any) -> dict[str, Any]:
-    """Blocks and per-stage placement of a built LLM, from the engine's executor."""
+    """Blocks and per-rank placement of a built LLM, from the engine's executor."""
     engine = llm.llm_engine
     infos = engine.executor.stage_infos
+    keys = ("pp_rank", "tp_rank", "layers", "host", "pid", "device", "threads", "num_params",
+            "weight_bytes")
     return {
         "num_gpu_blocks": engine.cache_config.num_gpu_blocks,
         "num_cpu_blocks": engine.cache_config.num_cpu_blocks,
         "block_size": engine.cache_config.block_size,
-        "stages": [
-            {k: info.get(k) for k in ("pp_rank", "layers", "host", "pid", "device", "threads")}
-            for info in infos
-        ],
+        "stages": [{k: info.get(k) for k in keys} for info in infos],
     }
 
 
 def print_stage_layout(layout: dict[str, Any]) -> None:
-    """The summary table: one row per pipeline stage, then the block counts."""
-    rows = [
-        [s["pp_rank"], f"[{s['layers'][0]}, {s['layers'][1]})", s["host"], s["pid"], s["device"],
-         s["threads"]]
-        for s in layout["stages"]
-    ]
-    print_table(["stage", "layers", "host", "pid", "device", "threads"], rows)
+    """The summary table: one row per rank (pipeline stage x TP rank) with its weights, then
+    the block counts."""
+    stages = layout["stages"]
+    total = sum(s.get("weight_bytes") or 0 for s in stages)
+    rows = []
+    for s in stages:
+        weights = s.get("weight_bytes") or 0
+        share = f"{fmt_bytes(weights)} ({weights / total:.0%})" if total else "-"
+        rows.append([s["pp_rank"], s.get("tp_rank", 0), f"[{s['layers'][0]}, {s['layers'][1]})",
+                     share, s["host"], s["pid"], s["device"], s["threads"]])
+    print_table(["stage", "TP", "layers", "weights (share)", "host", "pid", "device", "threads"],
+                rows)
     print(f"# GPU blocks: {layout['num_gpu_blocks']}, # CPU blocks: {layout['num_cpu_blocks']} "
           f"(block size {layout['block_size']})")
 

@@ -3,13 +3,15 @@ one stage with N threads, and how close does it get to N x one thread?
 
     python benchmarks/pp_scaling.py                # PP=2 on the default workload
     python benchmarks/pp_scaling.py --also-pp 4    # add a PP=4 row
+    python benchmarks/pp_scaling.py --with-tp      # add a TP=N row (N single-threaded ranks)
 
 The same workload (--num-prompts prompts of benchmarks/prompts.txt, --output-len new tokens
 each, greedy, `ignore_eos`) runs in a fresh subprocess per configuration, so a thread setting
 cannot leak from one run into the next:
   (a) PP=1, 1 thread   (b) PP=1, N threads   (c) PP=N, 1 thread per stage   [(d) PP=M, ...]
+  [(e) TP=N, 1 thread per rank]
 and prints generated tokens/s and wall time per configuration plus
-  pipeline efficiency = tput(PP=N) / (N x tput(PP=1, 1 thread)).
+  efficiency = tput(config) / (ranks x tput(PP=1, 1 thread)).
 """
 
 from __future__ import annotations
@@ -52,11 +54,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-space", type=float, default=4.0, help="KV GiB per stage (CPU).")
     p.add_argument("--pp-layer-partition", default=None,
                    help="Layer split for the PP>1 runs: 'a,b,...' or 'auto' (default: even).")
+    p.add_argument("--with-tp", action="store_true",
+                   help="Also run TP=N (one stage, N single-threaded tensor-parallel ranks).")
+    p.add_argument("--backend", default=None, choices=["ray", "mp"],
+                   help="Executor of the multi-rank runs (default: the engine's, Ray if "
+                   "installed).")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="Rounds over all configurations (interleaved); each keeps its best.")
     p.add_argument("--timeout", type=float, default=1800, help="Seconds allowed per config.")
     p.add_argument("--output-json", default=None, help="Write every figure to this file.")
     # Internal: run one configuration in this (fresh) process and write its result here.
     p.add_argument("--worker-result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-pp", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--worker-tp", type=int, default=1, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -67,8 +77,11 @@ def run_worker(args: argparse.Namespace) -> None:
     prompts = take_prompts(load_prompts(), args.num_prompts)
     start = time.perf_counter()
     partition = args.pp_layer_partition if args.worker_pp > 1 else None
+    multi = args.worker_pp * args.worker_tp > 1
     llm = LLM(model=args.model, dtype=args.dtype, pipeline_parallel_size=args.worker_pp,
-              kv_cache_space=args.kv_cache_space, pp_layer_partition=partition)
+              tensor_parallel_size=args.worker_tp, kv_cache_space=args.kv_cache_space,
+              pp_layer_partition=partition,
+              distributed_executor_backend=args.backend if multi else None)
     init_s = time.perf_counter() - start
     try:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -88,7 +101,9 @@ def run_worker(args: argparse.Namespace) -> None:
     out_toks = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_toks = sum(len(o.prompt_token_ids) for o in outputs)
     result = {
-        "pp": args.worker_pp, "threads_per_stage": [i["threads"] for i in infos],
+        "pp": args.worker_pp, "tp": args.worker_tp,
+        "backend": llm.llm_engine.parallel_config.distributed_executor_backend,
+        "threads_per_stage": [i["threads"] for i in infos],
         "layers_per_stage": [i["layers"][1] - i["layers"][0] for i in infos],
         "init_s": init_s, "wall_s": wall, "prompt_tokens": in_toks, "output_tokens": out_toks,
         "generated_tokens_per_s": out_toks / wall,
@@ -100,18 +115,23 @@ def run_worker(args: argparse.Namespace) -> None:
     Path(args.worker_result).write_text(json.dumps(result))
 
 
-def run_config(args: argparse.Namespace, label: str, pp: int, threads: int) -> dict[str, Any]:
+def run_config(
+    args: argparse.Namespace, label: str, pp: int, threads: int, tp: int = 1
+) -> dict[str, Any]:
     """Start this script in worker mode with the thread count in its environment."""
     env = dict(os.environ, VLLM_CPU_THREADS_PER_STAGE=str(threads), OMP_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "result.json")
         cmd = [sys.executable, __file__, "--worker-result", result_file, "--worker-pp", str(pp),
+               "--worker-tp", str(tp),
                "--model", args.model, "--num-prompts", str(args.num_prompts),
                "--output-len", str(args.output_len), "--dtype", args.dtype,
                "--kv-cache-space", str(args.kv_cache_space)]
         if args.pp_layer_partition:
             cmd += ["--pp-layer-partition", args.pp_layer_partition]
+        if args.backend:
+            cmd += ["--backend", args.backend]
         print(f"\n--- {label}: VLLM_CPU_THREADS_PER_STAGE={threads} {' '.join(cmd[1:])}",
               flush=True)
         proc = subprocess.run(cmd, env=env, timeout=args.timeout)
@@ -133,15 +153,25 @@ def main(argv: list[str] | None = None) -> int:
     configs = [("PP=1, 1 thread", 1, 1), (f"PP=1, {n} threads", 1, n),
                (f"PP={n}, 1 thread/stage", n, 1)]
     configs += [(f"PP={m}, 1 thread/stage", m, 1) for m in args.also_pp if m != n]
-    results = [run_config(args, *config) for config in configs]
+    if args.with_tp:
+        configs.append((f"TP={n}, 1 thread/rank", 1, 1, n))
+    # --repeat: the configurations run in rounds (interleaved), each keeping its best run, so
+    # a shared machine's load swings hit every configuration alike.
+    runs: list[list[dict[str, Any]]] = [[] for _ in configs]
+    for _ in range(args.repeat):
+        for i, config in enumerate(configs):
+            runs[i].append(run_config(args, *config))
+    results = [max(r, key=lambda x: x["generated_tokens_per_s"]) for r in runs]
+    for result, all_runs in zip(results, runs):
+        result["all_generated_tokens_per_s"] = [x["generated_tokens_per_s"] for x in all_runs]
     base = results[0]["generated_tokens_per_s"]
     multi = results[1]["generated_tokens_per_s"]
     print(f"\n=== PP scaling: {args.num_prompts} prompts x {args.output_len} new tokens, "
           f"model {args.model}, {os.cpu_count()} CPUs ===")
     rows = []
     for r in results:
-        stages = r["pp"]
-        r["efficiency"] = r["generated_tokens_per_s"] / (stages * base) if stages > 1 else None
+        ranks = r["pp"] * r.get("tp", 1)
+        r["efficiency"] = r["generated_tokens_per_s"] / (ranks * base) if ranks > 1 else None
         split = "/".join(str(n) for n in r.get("layers_per_stage", []))
         rows.append([f"{r['label']} [{split}]", f"{r['generated_tokens_per_s']:.2f}",
                      f"{r['wall_s']:.2f}",
@@ -149,16 +179,17 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-",
                      r["num_gpu_blocks"],
                      " / ".join(fmt_bytes(b) for b in r["peak_rss_bytes_per_stage"]),
-                     f"{r['load_avg_before']:.1f}"])
-    print_table(["config", "gen tok/s", "wall s", "vs (a)", "PP eff.", "GPU blocks",
-                 "peak RSS per stage", "load"], rows)
+                     f"{r['load_avg_before']:.1f}",
+                     " ".join(f"{t:.0f}" for t in r["all_generated_tokens_per_s"])])
+    print_table(["config", "gen tok/s", "wall s", "vs (a)", "efficiency", "GPU blocks",
+                 "peak RSS per rank", "load", "all runs"], rows)
     print("\nWhere the time went (seconds per stage: compute / waiting to receive / send / "
           "idle between steps / cache ops; driver = engine process CPU time):")
     for r in results:
-        parts = [f"stage {int(st['pp_rank'])}: {st['compute_s']:.1f} "
+        parts = [f"rank {i} (stage {int(st['pp_rank'])}): {st['compute_s']:.1f} "
                  f"(cpu {st.get('compute_cpu_s', 0):.1f}) / {st['recv_s']:.1f} / "
                  f"{st['send_s']:.1f} / {st['idle_s']:.1f} / {st.get('cache_s', 0):.1f}"
-                 for st in r["stage_stats"]]
+                 for i, st in enumerate(r["stage_stats"])]
         print(f"  {r['label']}: " + "; ".join(parts) + f"; driver CPU {r['driver_cpu_s']:.1f}")
     pp_run = results[2]
     print(f"pipeline efficiency = tput(PP={n}) / ({n} x tput(PP=1, 1 thread)) = "
@@ -166,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{pp_run['efficiency']:.3f}")
     print(f"PP={n} (1 thread/stage) vs PP=1 ({n} threads): "
           f"{pp_run['generated_tokens_per_s'] / multi:.2f}x")
+    for r in results:
+        if r.get("tp", 1) > 1:
+            tput = r["generated_tokens_per_s"]
+            print(f"{r['label']} ({r['backend']}): {tput / multi:.2f}x PP=1 ({n} threads), "
+                  f"{tput / pp_run['generated_tokens_per_s']:.2f}x PP={n}; "
+                  f"efficiency {r['efficiency']:.3f}")
     write_json(args.output_json, {"args": vars(args), "results": results})
     return 0
 

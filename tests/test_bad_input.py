@@ -116,7 +116,7 @@ def test_unsupported_architecture_names_it(tmp_path):
         ({"gpu_memory_utilization": 1.5}, "GPU memory utilization"),
         ({"dtype": "int8"}, "dtype"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 3}, "must be divisible by tensor parallel size"),
         ({"preemption_mode": "drop"}, "preemption_mode"),
         ({"max_model_len": 10**6}, "User-specified max_model_len"),
         ({"kv_cache_space": 1e-6}, "No available memory for the cache blocks"),

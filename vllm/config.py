@@ -113,6 +113,29 @@ class ModelConfig:
             self.get_lm_head_cost_in_layers(),
         )
 
+    def verify_with_parallel_config(self, parallel_config: ParallelConfig) -> None:
+        """The model splits over `tensor_parallel_size` ranks (vLLM's checks and messages)."""
+        tp = parallel_config.tensor_parallel_size
+        heads = self.get_num_attention_heads()
+        if heads % tp != 0:
+            raise ValueError(
+                f"Total number of attention heads ({heads}) must be divisible by tensor "
+                f"parallel size ({tp})."
+            )
+        kv = self.get_num_kv_heads()
+        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+            raise ValueError(
+                f"Total number of key/value heads ({kv}) must be divisible by tensor parallel "
+                f"size ({tp}), or tensor parallel size by it (KV heads are then replicated)."
+            )
+        cfg = self.hf_config
+        ffn = getattr(cfg, "intermediate_size", None) or getattr(cfg, "ffn_dim", None)
+        if ffn is not None and ffn % tp != 0:
+            raise ValueError(
+                f"The MLP's intermediate size ({ffn}) must be divisible by tensor parallel "
+                f"size ({tp})."
+            )
+
     def get_head_size(self) -> int:
         head_dim = getattr(self.hf_config, "head_dim", None)
         return head_dim or self.get_hidden_size() // self.get_num_attention_heads()
@@ -269,24 +292,19 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: "
-                "vllm-pp implements pipeline parallelism; use pipeline_parallel_size."
-            )
         if self.pp_layer_partition is None:
             self.pp_layer_partition = os.environ.get("VLLM_PP_LAYER_PARTITION") or None
         backend = self.distributed_executor_backend
         if backend is None:
-            backend = "ray" if self.world_size > 1 else "uni"
-        if backend not in ("ray", "uni"):
+            backend = _default_backend(self.world_size)
+        if backend not in ("ray", "mp", "uni"):
             raise ValueError(
-                f"distributed_executor_backend must be 'ray' or 'uni', got {backend!r}."
+                f"distributed_executor_backend must be 'ray', 'mp' or 'uni', got {backend!r}."
             )
         if backend == "uni" and self.world_size > 1:
             raise ValueError(
                 "distributed_executor_backend='uni' runs a single process; "
-                f"world size {self.world_size} needs 'ray'."
+                f"world size {self.world_size} needs 'ray' or 'mp'."
             )
         self.distributed_executor_backend = backend
         if (
@@ -316,6 +334,18 @@ class ParallelConfig:
         """Timeout of the stages' process groups: a receive waits at most one whole step of
         the previous stage, so it can never block past the largest step's deadline."""
         return self.step_deadline_s(max_num_batched_tokens)
+
+
+def _default_backend(world_size: int) -> str:
+    """vLLM's choice, adapted: one rank runs in-process; several use Ray when it is installed
+    (this engine's documented default: it also spans nodes via RAY_ADDRESS, and inside a Ray
+    task/actor holding a placement group the ranks go into that group), else one local process
+    per rank ('mp')."""
+    if world_size == 1:
+        return "uni"
+    import importlib.util
+
+    return "ray" if importlib.util.find_spec("ray") is not None else "mp"
 
 
 @dataclass

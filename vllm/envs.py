@@ -32,6 +32,16 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "30",
         "Seconds to wait for the Ray placement group before failing with a clear error.",
     ),
+    "VLLM_PP_ACTOR_START_TIMEOUT": (
+        "180",
+        "Seconds rank actors may take to start inside a caller's placement group (the engine "
+        "runs in a Ray task/actor holding one) before failing with a clear error.",
+    ),
+    "VLLM_MP_CALL_TIMEOUT": (
+        "600",
+        "Seconds one call to a rank of the `mp` backend may take (0: no limit); a rank that "
+        "dies is noticed within half a second regardless.",
+    ),
 }
 
 

@@ -89,13 +89,15 @@ class EngineArgs:
             "-tp",
             type=int,
             default=d.tensor_parallel_size,
-            help="Number of tensor parallel replicas (only 1 is supported).",
+            help="Number of tensor parallel ranks per pipeline stage (attention heads, MLP and "
+            "vocabulary split; one all-reduce per projection).",
         )
         add(
             "--distributed-executor-backend",
-            choices=["ray", "uni"],
+            choices=["ray", "mp", "uni"],
             default=d.distributed_executor_backend,
-            help="'ray' (default when world size > 1) or 'uni' (single process).",
+            help="'ray' (default when world size > 1 and Ray is installed), 'mp' (one local "
+            "process per rank, no Ray) or 'uni' (single process).",
         )
         add(
             "--pp-layer-partition",
@@ -246,8 +248,10 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             skip_tokenizer_init=self.skip_tokenizer_init,
         )
-        # Fails fast (before any worker starts) on pp > layers or a bad partition.
+        # Fails fast (before any worker starts) on pp > layers, a bad partition, or heads that
+        # do not split over the TP ranks.
         model_config.get_pp_layer_sizes(parallel_config)
+        model_config.verify_with_parallel_config(parallel_config)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,

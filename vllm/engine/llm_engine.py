@@ -373,6 +373,10 @@ def _make_executor(*configs: Any) -> Any:
         from vllm.executor.ray_executor import RayExecutor
 
         return RayExecutor(*configs)
+    if parallel_config.distributed_executor_backend == "mp":
+        from vllm.executor.mp_executor import MultiprocessingExecutor
+
+        return MultiprocessingExecutor(*configs)
     from vllm.executor.uniproc_executor import UniProcExecutor
 
     return UniProcExecutor(*configs)

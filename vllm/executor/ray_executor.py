@@ -22,9 +22,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vllm import envs
 from vllm.executor.base import ExecutorBase
 from vllm.executor.ray_utils import (
+    ACTOR_START_TIMEOUT_S,
     HEALTH_GROUP,
     RayWorkerWrapper,
-    create_placement_group,
+    caller_group_start_error,
+    check_tp_groups_on_one_node,
+    get_or_create_placement_group,
+    group_ranks_by_node,
     init_ray,
 )
 from vllm.executor.stage_supervisor import (
@@ -54,10 +58,12 @@ def _threads_per_stage() -> int:
 
 @dataclass
 class _Step:
-    """One submitted micro-batch: a result ref per rank (the last one carries the output)."""
+    """One submitted micro-batch: a result ref per rank; the last stage's TP driver's ref
+    (`output_rank`) carries the output."""
 
     refs: list[Any]
     deadline_s: float
+    output_rank: int
 
 
 class RayExecutor(ExecutorBase):
@@ -67,9 +73,15 @@ class RayExecutor(ExecutorBase):
         world = self.parallel_config.world_size
         self._use_gpu = self.device_config.device == "cuda"
         self._owns_ray = init_ray(world, self._use_gpu)
-        self.placement_group = create_placement_group(world, self._use_gpu)
+        # The caller's group when the engine runs inside a Ray task/actor that holds one.
+        self.placement_group, self._bundles, self._owns_pg = get_or_create_placement_group(
+            world, self._use_gpu
+        )
         self.workers: list[Any] = [None] * world
-        self.stage_infos = [{"rank": r, "pp_rank": r} for r in range(world)]
+        tp = self.parallel_config.tensor_parallel_size
+        self.stage_infos = [
+            {"rank": r, "pp_rank": r // tp, "tp_rank": r % tp} for r in range(world)
+        ]
         # Earlier stages' refs of submitted steps, watched so a failure is seen at once.
         self._outstanding: dict[Any, int] = {}
         # Last-stage refs of submitted steps whose output was not collected yet.
@@ -107,13 +119,29 @@ class RayExecutor(ExecutorBase):
         for rank in ranks:
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group,
-                placement_group_bundle_index=rank,
+                placement_group_bundle_index=self._bundles[rank],
             )
             self.workers[rank] = actor_cls.options(
                 scheduling_strategy=strategy, runtime_env={"env_vars": env}
             ).remote()
-        ips = self._wait_all([self.workers[r].get_node_ip.remote() for r in ranks], timeout)
+        start_timeout = timeout if self._owns_pg else min(timeout, ACTOR_START_TIMEOUT_S)
+        try:
+            ips = self._wait_all(
+                [self.workers[r].get_node_ip.remote() for r in ranks], start_timeout
+            )
+        except TimeoutError:
+            if self._owns_pg:
+                raise
+            raise caller_group_start_error(start_timeout) from None
         nodes = self._wait_all([self.workers[r].get_node_id.remote() for r in ranks], timeout)
+        if len(ranks) == len(self.workers):
+            # First start: a stage's TP ranks are consecutive, so keep each node's actors
+            # together (rank -> bundle follows, for later replacements on the same bundle).
+            order = group_ranks_by_node(nodes)
+            self.workers = [self.workers[i] for i in order]
+            self._bundles = [self._bundles[i] for i in order]
+            ips, nodes = [ips[i] for i in order], [nodes[i] for i in order]
+            check_tp_groups_on_one_node(nodes, self.parallel_config.tensor_parallel_size)
         for rank, ip, node in zip(ranks, ips, nodes):
             self.stage_infos[rank].update(ip=ip, node_id=node)
             logger.info("Rank %d: Ray actor on node %s (id %s)", rank, ip, node[:12])
@@ -178,22 +206,29 @@ class RayExecutor(ExecutorBase):
 
     def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
         # Middle stages take their batch from the previous stage; only block ops go to them.
+        # With TP every rank of the first and last stage gets the batch (each builds its own
+        # inputs); the last stage's TP driver (tp_rank 0) returns the sampler output.
         light = replace(request, seq_group_metadata_list=None)
-        last = len(self.workers) - 1
+        tp = self.parallel_config.tensor_parallel_size
+        last_stage = self.parallel_config.pipeline_parallel_size - 1
         refs = [
-            w.execute_method.remote("execute_model", request if rank in (0, last) else light)
+            w.execute_method.remote(
+                "execute_model", request if rank // tp in (0, last_stage) else light
+            )
             for rank, w in enumerate(self.workers)
         ]
-        for rank, ref in enumerate(refs[:-1]):
-            self._outstanding[ref] = rank
-        self._unclaimed.add(refs[-1])
-        return _Step(refs, self.parallel_config.step_deadline_s(num_tokens))
+        driver = last_stage * tp
+        for rank, ref in enumerate(refs):
+            if rank != driver:
+                self._outstanding[ref] = rank
+        self._unclaimed.add(refs[driver])
+        return _Step(refs, self.parallel_config.step_deadline_s(num_tokens), driver)
 
     def get_output(self, handle: Any) -> SamplerOutput:
         step: _Step = handle
         started = time.monotonic()
         deadline = started + step.deadline_s
-        output_ref = step.refs[-1]
+        output_ref = step.refs[step.output_rank]
         # Watch earlier stages too: if one fails, the last stage would wait on it forever.
         pending = [output_ref, *self._outstanding]
         heartbeat: Optional[tuple[list[Any], float]] = None
@@ -214,7 +249,7 @@ class RayExecutor(ExecutorBase):
             try:
                 result = ray.get(ref)
             except Exception as exc:
-                rank = self._outstanding.get(ref, len(self.workers) - 1)
+                rank = self._outstanding.get(ref, step.output_rank)
                 raise self._stage_failure(exc, time.monotonic() - started, None, rank) from exc
             pending.remove(ref)
             self._outstanding.pop(ref, None)
@@ -344,8 +379,9 @@ class RayExecutor(ExecutorBase):
         """The engine gave up on the steps in flight (an interrupt): their outputs are no
         longer wanted. The stages still run them, in order, before anything submitted later;
         their refs stay watched (an error in them is a stage failure) until they finish."""
-        last = len(self.workers) - 1
-        self._outstanding.update(dict.fromkeys(self._unclaimed, last))
+        pc = self.parallel_config
+        driver = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        self._outstanding.update(dict.fromkeys(self._unclaimed, driver))
         self._unclaimed.clear()
 
     def shutdown(self, graceful: bool = True) -> None:
@@ -362,7 +398,8 @@ class RayExecutor(ExecutorBase):
             self._kill_ranks([r for r, w in enumerate(workers) if w is not None])
         self.workers = []
         if getattr(self, "placement_group", None) is not None and ray.is_initialized():
-            remove_placement_group(self.placement_group)
+            if getattr(self, "_owns_pg", True):  # never the caller's own group
+                remove_placement_group(self.placement_group)
             self.placement_group = None
         if getattr(self, "_owns_ray", False) and ray.is_initialized():
             ray.shutdown()

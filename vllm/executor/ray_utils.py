@@ -16,6 +16,8 @@ logger = init_logger("vllm.executor.ray_utils")
 
 # How long to wait for the placement group before failing with a clear error (seconds).
 _PLACEMENT_TIMEOUT_S = envs.get_float("VLLM_PP_PLACEMENT_TIMEOUT")
+# How long rank actors may take to start inside a caller's placement group (seconds).
+ACTOR_START_TIMEOUT_S = envs.get_float("VLLM_PP_ACTOR_START_TIMEOUT")
 
 
 # Ray concurrency group whose thread answers health checks while a step runs.
@@ -101,6 +103,15 @@ def init_ray(world_size: int, use_gpu: bool) -> bool:
     return True
 
 
+def _missing_message(resource: str, world_size: int, free: float) -> str:
+    missing = max(world_size - free, 0)
+    return (
+        f"{world_size} {resource}s are needed (one per rank: pipeline_parallel_size x "
+        f"tensor_parallel_size = {world_size}) but only {free:g} are free: {missing:g} "
+        f"{resource}{'s' if missing != 1 else ''} missing"
+    )
+
+
 def create_placement_group(world_size: int, use_gpu: bool) -> Any:
     """One bundle per rank ({"GPU": 1} or {"CPU": 1}); a clear error if it cannot be placed."""
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -112,16 +123,88 @@ def create_placement_group(world_size: int, use_gpu: bool) -> Any:
             f"The number of required {resource}s exceeds the total number of available "
             f"{resource}s in the cluster: pipeline_parallel_size x tensor_parallel_size = "
             f"{world_size} ranks need {world_size} {resource} bundles, the Ray cluster has "
-            f"{total:g}."
+            f"{total:g} ({world_size - total:g} {resource}s missing)."
         )
+    # PACK keeps the TP ranks of a stage (adjacent ranks, adjacent bundles) on one node.
     pg = placement_group([{resource: 1}] * world_size, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
+        free = ray.available_resources().get(resource, 0)
         raise ValueError(
             f"Could not place {world_size} {resource} bundles within "
             f"{_PLACEMENT_TIMEOUT_S:g} s: the cluster has {total:g} {resource}s but "
-            f"only {ray.available_resources().get(resource, 0):g} are free."
+            f"only {free:g} are free ({_missing_message(resource, world_size, free)}). "
+            "Free them (another engine or actor may hold them), or run the engine inside a "
+            "Ray task/actor that holds a placement group sized for it: it then uses that "
+            "group's bundles."
         ) from None
     return pg
+
+
+def get_or_create_placement_group(world_size: int, use_gpu: bool) -> tuple[Any, list[int], bool]:
+    """The placement group the ranks go into: (group, bundle index per rank, owned by us).
+
+    Inside a Ray task or actor that already runs in a placement group (vLLM's Ray Data
+    pattern: the caller sized a group for the engine), its bundles are used as they are and
+    no second group is created -- which could never be placed when the first holds every
+    CPU/GPU of the cluster. Otherwise a new group of one bundle per rank is created; only that
+    one is removed at shutdown.
+    """
+    from ray.util import get_current_placement_group
+
+    resource = "GPU" if use_gpu else "CPU"
+    current = get_current_placement_group()
+    if current is None:
+        return create_placement_group(world_size, use_gpu), list(range(world_size)), True
+    bundles = [
+        i for i, bundle in enumerate(current.bundle_specs) if bundle.get(resource, 0) >= 1
+    ]
+    if len(bundles) < world_size:
+        raise ValueError(
+            f"The number of required {resource}s exceeds the total number of available "
+            f"{resource}s in the placement group: this Ray task/actor runs in a placement "
+            f"group with {len(bundles)} bundle(s) holding a {resource}, and "
+            f"pipeline_parallel_size x tensor_parallel_size = {world_size} ranks need one "
+            f"each ({world_size - len(bundles)} missing)."
+        )
+    logger.info(
+        "Using the current placement group's bundles %s (the caller's; none is created)",
+        bundles[:world_size],
+    )
+    return current, bundles[:world_size], False
+
+
+def caller_group_start_error(timeout: float) -> ValueError:
+    """Rank actors did not start in the caller's placement group: say why that happens."""
+    return ValueError(
+        f"Ray actors of the engine's ranks did not start within {timeout:g} s in the caller's "
+        "placement group: their bundles have no free resources (does the calling task/actor "
+        "hold them? give it num_cpus=0 inside the group), or VLLM_PP_ACTOR_START_TIMEOUT is "
+        "too short for this machine."
+    )
+
+
+def group_ranks_by_node(node_ids: list[str]) -> list[int]:
+    """An order of the actors that puts those on the same node next to each other (nodes in
+    order of first appearance, actors in bundle order within a node), so the consecutive ranks
+    of a stage's TP group share a node, as vLLM assigns ranks. PACK already places bundles
+    node by node in most cases; this makes it hold when it does not."""
+    first_seen: dict[str, int] = {}
+    for node in node_ids:
+        first_seen.setdefault(node, len(first_seen))
+    return sorted(range(len(node_ids)), key=lambda i: (first_seen[node_ids[i]], i))
+
+
+def check_tp_groups_on_one_node(node_ids: list[str], tp_size: int) -> None:
+    """Warn when a stage's TP ranks span nodes: every layer then all-reduces across them."""
+    for start in range(0, len(node_ids), tp_size):
+        if len(set(node_ids[start : start + tp_size])) > 1:
+            logger.warning(
+                "the TP ranks %d-%d of one stage run on different nodes: each layer's "
+                "all-reduce crosses the network (give each node a multiple of "
+                "tensor_parallel_size CPUs/GPUs)",
+                start,
+                start + tp_size - 1,
+            )

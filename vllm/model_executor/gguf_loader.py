@@ -282,26 +282,51 @@ def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return per_head.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def _dequantize(blob: np.memmap, info: _TensorInfo) -> torch.Tensor:
-    """Float32 copy of one tensor; only its own bytes of the mapped file are read."""
+def _dequantize(blob: np.memmap, info: _TensorInfo, shard: Any = None) -> torch.Tensor:
+    """Float32 copy of one tensor, or of one TP shard of it (`models.utils.Shard`: rows of a
+    2-D tensor, dim 0, or columns, dim 1). Only the bytes needed are read from the mapped file:
+    a row shard reads its rows; a column shard reads the quantisation blocks it covers in each
+    row (when its edges fall on block boundaries; else the whole rows, then cut)."""
     qtype = gguf.GGMLQuantizationType(info.ggml_type)
     block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     row_bytes = info.shape[-1] // block * block_bytes  # quantized rows are whole blocks
     n_rows = math.prod(info.shape[:-1])
-    raw = np.asarray(blob[info.offset : info.offset + n_rows * row_bytes])
-    values = gguf.quants.dequantize(raw.reshape(n_rows, row_bytes), qtype)
+    first_row, rows, shape = 0, n_rows, list(info.shape)
+    if shard is not None and shard.dim == 0 and len(info.shape) == 2:
+        first_row = shard.start
+        rows = min(shard.start + shard.size, n_rows) - shard.start
+        shape[0] = rows
+        shard = None
+    start = info.offset + first_row * row_bytes
+    raw = np.asarray(blob[start : start + rows * row_bytes]).reshape(rows, row_bytes)
+    if (
+        shard is not None
+        and shard.dim == len(info.shape) - 1
+        and shard.start % block == 0
+        and shard.size % block == 0
+    ):
+        raw = raw[:, shard.start // block * block_bytes : (shard.start + shard.size) // block
+                  * block_bytes]
+        shape[-1] = shard.size
+        shard = None
+    values = gguf.quants.dequantize(np.ascontiguousarray(raw), qtype)
     if not values.flags.writeable or values.dtype != np.float32:
         values = values.astype(np.float32)  # F32 tensors come back as views of the read-only map
-    return torch.from_numpy(values).reshape(info.shape)
+    tensor = torch.from_numpy(values).reshape(shape)
+    return tensor if shard is None else shard.narrow(tensor).contiguous()
 
 
 def iter_gguf_weights(
-    path: str, wanted: Callable[[str], bool] | None = None
+    path: str,
+    wanted: Callable[[str], bool] | None = None,
+    shard_of: Callable[[str], Any] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF LLaMA name, float32 tensor [out, in]) for each tensor of a llama GGUF file.
 
     Q/K rows are un-permuted as transformers does; lm_head.weight appears only if the file has
-    one (tied models have none). Tensors whose name `wanted` rejects are never read.
+    one (tied models have none). Tensors whose name `wanted` rejects are never read. With
+    `shard_of` (a TP rank's part of each tensor), only that part is read and dequantized; Q/K
+    row shards hold whole heads, and the un-permutation is per head, so it applies to them.
     """
     header = _read_header(path)
     config = _llama_config_dict(header, path)
@@ -312,9 +337,10 @@ def iter_gguf_weights(
         name = _hf_name(info.name)
         if name is None or (wanted is not None and not wanted(name)):
             continue
-        tensor = _dequantize(blob, info)
-        if name.endswith("q_proj.weight"):
-            tensor = _unpermute(tensor, n_head)
-        elif name.endswith("k_proj.weight"):
-            tensor = _unpermute(tensor, n_kv_head)
+        shard = shard_of(name) if shard_of is not None else None
+        tensor = _dequantize(blob, info, shard)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = n_head if name.endswith("q_proj.weight") else n_kv_head
+            head_rows = info.shape[0] // heads
+            tensor = _unpermute(tensor, tensor.shape[0] // head_rows)
         yield name, tensor

@@ -1,7 +1,9 @@
 """Build one stage's model and load only the checkpoint tensors that stage owns.
 
 Sources: HF directories (`*.safetensors` read tensor by tensor, or `pytorch_model*.bin`) and
-GGUF files (dequantized by gguf_loader). Each stage reads ~1/N of the decoder weights.
+GGUF files (dequantized by gguf_loader). Each stage reads ~1/N of the decoder weights; with
+tensor parallelism each rank reads only its shard of each (the model's `weight_shard(name)`):
+safetensors slices, mmap-ed .bin views, GGUF rows (or whole quantisation blocks of columns).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -20,11 +22,17 @@ from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.layers.linear import pack_linears, packed_linear_enabled
 from vllm.model_executor.models import get_model_class
-from vllm.model_executor.models.utils import StageLayout
+from vllm.model_executor.models.utils import Shard, StageLayout
 
 logger = logging.getLogger("vllm.model_executor.weight_utils")
 
 WeightFilter = Callable[[str], bool]
+# name -> this TP rank's part of the tensor (None: all of it).
+ShardFn = Callable[[str], Optional[Shard]]
+
+
+def _no_shard(name: str) -> Optional[Shard]:
+    return None
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -38,42 +46,59 @@ def get_torch_dtype(name: str) -> torch.dtype:
     return _TORCH_DTYPES[name]
 
 
-def iter_safetensors(path: str, wanted: WeightFilter) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    path: str, wanted: WeightFilter, shard_of: ShardFn = _no_shard
+) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if wanted(name):
+                if not wanted(name):
+                    continue
+                shard = shard_of(name)
+                if shard is None:
                     yield name, f.get_tensor(name)
+                    continue
+                # get_slice reads only the shard's bytes from the file.
+                part = f.get_slice(name)
+                shape = part.get_shape()
+                end = min(shard.start + shard.size, shape[shard.dim])
+                index = [slice(None)] * len(shape)
+                index[shard.dim] = slice(shard.start, end)
+                yield name, part[tuple(index)]
 
 
-def iter_torch_bin(path: str, wanted: WeightFilter) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_torch_bin(
+    path: str, wanted: WeightFilter, shard_of: ShardFn = _no_shard
+) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
     for file in files:
-        # mmap: untouched tensors (other stages' layers) are never read from disk.
+        # mmap: untouched tensors (other stages' layers, other ranks' shards) are never read.
         state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
         for name, tensor in state.items():
             if wanted(name):
-                yield name, tensor
+                shard = shard_of(name)
+                yield name, tensor if shard is None else shard.narrow(tensor)
         del state
 
 
 def iter_weights(
-    model_config: ModelConfig, wanted: WeightFilter
+    model_config: ModelConfig, wanted: WeightFilter, shard_of: ShardFn = _no_shard
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Checkpoint tensors (HF names) accepted by `wanted`, from whatever format the model uses."""
+    """Checkpoint tensors (HF names) accepted by `wanted`, from whatever format the model uses,
+    each cut to `shard_of(name)` (this TP rank's part) while reading."""
     path = model_config.model
     if model_config.is_gguf:
         from vllm.model_executor.gguf_loader import iter_gguf_weights
 
-        yield from iter_gguf_weights(path, wanted)
+        yield from iter_gguf_weights(path, wanted, shard_of)
         return
     if glob.glob(os.path.join(path, "*.safetensors")):
-        yield from iter_safetensors(path, wanted)
+        yield from iter_safetensors(path, wanted, shard_of)
     elif glob.glob(os.path.join(path, "pytorch_model*.bin")):
-        yield from iter_torch_bin(path, wanted)
+        yield from iter_torch_bin(path, wanted, shard_of)
     else:
         raise ValueError(
             f"model {path!r} has no weights: expected *.safetensors or pytorch_model*.bin."
@@ -99,11 +124,13 @@ def load_stage_model(
     dtype = get_torch_dtype(model_config.dtype)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(model_config.hf_config, layout)
-    model.load_weights(iter_weights(model_config, model.owns_weight))
+    model.load_weights(iter_weights(model_config, model.owns_weight, model.weight_shard))
     model.eval()
     # Counted before packing: packed weights are buffers of oneDNN's, not parameters.
     n_params = sum(p.numel() for p in model.parameters())
     model.num_params = n_params
+    # Bytes of this rank's weights (tied tensors once): what TP x PP divides.
+    model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if packed_linear_enabled(device, dtype):
         pack_linears(model)
     logger.info(

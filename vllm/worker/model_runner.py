@@ -141,4 +141,6 @@ class ModelRunner:
         logits = self.model.compute_logits(
             hidden.index_select(0, sampling_md.selected_token_indices)
         )
+        if logits is None:  # a TP rank other than the driver: the driver samples
+            return None, None
         return None, self.sampler(logits, sampling_md)

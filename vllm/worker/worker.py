@@ -14,6 +14,7 @@ import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.parallel_utils import parallel_state as ps
+from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 from vllm.model_executor.parallel_utils.communication import recv_tensor_dict, send_tensor_dict
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import ExecuteModelRequest, SamplerOutput
@@ -90,6 +91,7 @@ class Worker:
                 self.rank,
                 self.distributed_init_method,
                 timeout_s=pc.comm_timeout_s(self.scheduler_config.max_num_batched_tokens),
+                local_rank=self.device.index or 0,  # NCCL binds to this rank's own GPU
             )
             ps.initialize_model_parallel(pc.pipeline_parallel_size, pc.tensor_parallel_size)
 
@@ -121,6 +123,8 @@ class Worker:
         return {
             "rank": self.rank,
             "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "tp_size": ps.get_tensor_model_parallel_world_size(),
             "layers": (self.layout.start_layer, self.layout.end_layer),
             "is_first": self.layout.is_first,
             "is_last": self.layout.is_last,
@@ -130,6 +134,7 @@ class Worker:
             "device": str(self.device),
             "threads": torch.get_num_threads(),
             "num_params": self.model_runner.model.num_params,
+            "weight_bytes": self.model_runner.model.weight_bytes,
         }
 
     def get_memory_stats(self) -> dict[str, Any]:
@@ -145,11 +150,17 @@ class Worker:
             stats["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return stats
 
+    def _num_kv_heads(self) -> int:
+        """KV heads this rank caches: its TP share (replicated when kv heads < TP)."""
+        return tpu.num_kv_heads_per_rank(
+            self.model_config.get_num_kv_heads(), self.parallel_config.tensor_parallel_size
+        )
+
     def get_cache_block_size_bytes(self) -> int:
         mc = self.model_config
         return cache_block_bytes(
             self.cache_config.block_size,
-            mc.get_num_kv_heads(),
+            self._num_kv_heads(),
             mc.get_head_size(),
             self.layout.num_layers,
             get_torch_dtype(mc.dtype),
@@ -218,7 +229,7 @@ class Worker:
         self.cache_config.num_cpu_blocks = num_cpu_blocks
         self.cache_engine = CacheEngine(
             self.layout.num_layers,
-            mc.get_num_kv_heads(),
+            self._num_kv_heads(),
             mc.get_head_size(),
             self.cache_config.block_size,
             num_gpu_blocks,
@@ -251,6 +262,8 @@ class Worker:
             received = recv_tensor_dict(
                 ps.get_pipeline_model_parallel_prev_rank(), device=self.device
             )
+            if received.pop("hidden_tp_sliced", False):
+                received["hidden"] = tpu.all_gather_last_dim(received["hidden"])
         started = time.perf_counter()
         cpu_started = time.thread_time()
         stats["recv_s"] += started - cached
@@ -266,6 +279,10 @@ class Worker:
             # bounds memory), but do not wait for this send: the next stage overlaps with us.
             if self._pending_send is not None:
                 self._pending_send.wait()
+            # TP: each rank sends its 1/tp slice; the next stage's ranks all-gather them.
+            to_send["hidden"], sliced = tpu.slice_for_next_stage(to_send["hidden"])
+            if sliced:
+                to_send["hidden_tp_sliced"] = True
             self._pending_send = send_tensor_dict(
                 to_send, ps.get_pipeline_model_parallel_next_rank(), async_op=True
             )

@@ -12,9 +12,13 @@ to 1.5x faster, and end to end bf16 throughput (benchmarks/throughput.py, 128 x 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 
 # dtypes whose linears are prepacked (oneDNN's reorder supports both).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -53,7 +57,8 @@ def packed_linear_enabled(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` with a PackedLinear; returns how many."""
+    """Replace every nn.Linear in `model` with a PackedLinear and prepack every tensor-parallel
+    linear (its shard: weights are sharded first, then packed); returns how many."""
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -62,4 +67,104 @@ def pack_linears(model: nn.Module) -> int:
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
-    return len(targets)
+    parallel = [m for m in model.modules() if isinstance(m, ParallelLinearBase)]
+    for module in parallel:
+        module.pack()
+    return len(targets) + len(parallel)
+
+
+class ParallelLinearBase(nn.Module):
+    """A linear layer holding this TP rank's shard: weight [out_local, in_local].
+
+    `pack()` (CPU fp32/bf16) replaces the weight by its oneDNN-prepacked form, like
+    PackedLinear; until then it runs F.linear (the fallback path, also used on CUDA).
+    """
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, bias_size: int) -> None:
+        super().__init__()
+        self.in_features = in_local
+        self.out_features = out_local
+        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(bias_size), requires_grad=False) if bias else None
+        )
+        self._packed: Optional[torch.Tensor] = None
+
+    def pack(self) -> None:
+        weight = self.weight.detach().contiguous()
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PackedLinear.ROWS_HINT)
+        del self.weight  # the packed copy replaces it (one copy of the weights in memory)
+
+    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [..., in_local] -> [..., out_local] (+ bias)."""
+        if self._packed is None:
+            return F.linear(x, self.weight, bias)
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, bias, "none", [], "")
+        return out.view(*lead, self.out_features)
+
+
+class ColumnParallelLinear(ParallelLinearBase):
+    """Y = X A^T with A's output rows split over the TP ranks: rank r computes its slice of the
+    outputs ([..., out / tp]); no communication (the next row-parallel layer consumes it)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        out_local = tpu.divide(out_features, tpu.tp_size(), "output size")
+        super().__init__(in_features, out_local, bias, out_local)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused in one matmul (LLaMA's gate and up): each is split
+    over the ranks, and a rank's shard holds its slice of each one after the other."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = True) -> None:
+        self.output_sizes_local = [
+            tpu.divide(size, tpu.tp_size(), "intermediate size") for size in output_sizes
+        ]
+        super().__init__(in_features, sum(output_sizes), bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection split by attention heads: rank r holds heads_local query heads
+    and max(1, kv / tp) KV heads (KV heads replicated over ranks when kv < tp, as vLLM)."""
+
+    def __init__(
+        self, hidden: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = True
+    ) -> None:
+        tp = tpu.tp_size()
+        if num_heads % tp != 0:
+            raise ValueError(
+                f"Total number of attention heads ({num_heads}) must be divisible by tensor "
+                f"parallel size ({tp})."
+            )
+        if (num_kv_heads >= tp and num_kv_heads % tp) or (num_kv_heads < tp and tp % num_kv_heads):
+            raise ValueError(
+                f"Total number of key/value heads ({num_kv_heads}) and tensor parallel size "
+                f"({tp}) must divide one another."
+            )
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = tpu.num_kv_heads_per_rank(num_kv_heads, tp)
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        out_local = self.q_size + 2 * self.kv_size
+        ParallelLinearBase.__init__(self, hidden, out_local, bias, out_local)
+
+
+class RowParallelLinear(ParallelLinearBase):
+    """Y = X A^T with A's input columns split over the TP ranks: each rank multiplies its slice
+    of X ([..., in / tp], a column-parallel layer's output) and the partial sums are all-reduced.
+    The bias is added once, by rank 0, inside its matmul (fused, as with TP = 1)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        self.tp_size, self.tp_rank = tpu.tp_size(), tpu.tp_rank()
+        in_local = tpu.divide(in_features, self.tp_size, "input size")
+        super().__init__(in_local, out_features, bias, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self._matmul(x, self.bias)
+        return tpu.all_reduce(self._matmul(x, self.bias if self.tp_rank == 0 else None))

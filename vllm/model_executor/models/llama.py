@@ -12,30 +12,47 @@ from vllm.model_executor.input_metadata import InputMetadata
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import KVCache, PagedAttention
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.rotary import RotaryEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 from vllm.model_executor.models.utils import (
+    Shard,
     StageLayout,
     check_all_loaded,
+    copy_padded_rows,
     copy_weight,
     load_stacked,
     localize_layer_name,
 )
+from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention with a fused q/k/v projection and RoPE."""
+    """Self-attention with a fused q/k/v projection and RoPE; with TP, this rank's heads only
+    (column-parallel q/k/v, row-parallel output projection)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, total_heads, total_kv_heads, bias=bias
+        )
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=bias)
         # transformers >= 5 keeps rope_theta inside rope_parameters; older configs at top level.
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
         rope = dict(rope or {})
@@ -66,8 +83,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"LLaMA hidden_act {config.hidden_act!r} is not supported.")
         self.act = SiluAndMul()
@@ -123,7 +141,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.layout = layout
         if layout.is_first:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(layout.num_layers))
         if layout.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -139,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, layout)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if layout.is_last:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             if self.tie_word_embeddings and layout.is_first:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -174,9 +192,37 @@ class LlamaForCausalLM(nn.Module):
             hidden_states = residual + hidden_states
         return hidden_states
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [S, hidden] (already normed) -> logits [S, vocab] in float32."""
-        return self.lm_head(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        """hidden_states [S, hidden] (already normed) -> logits [S, vocab] in float32 on the
+        TP driver (the vocabulary shards gathered); None on the other TP ranks."""
+        return self.lm_head.compute_logits(hidden_states)
+
+    def weight_shard(self, name: str) -> Optional[Shard]:
+        """The part of checkpoint tensor `name` this TP rank loads (None: all of it)."""
+        tp = tpu.tp_size()
+        if tp == 1:
+            return None
+        rank = tpu.tp_rank()
+        if name.startswith(("model.embed_tokens.", "lm_head.")):
+            start, _, rows = tpu.vocab_range(self.config.vocab_size, tp, rank)
+            return Shard(0, start, rows)
+        cfg = self.config
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        if ".q_proj." in name:
+            local = heads // tp * head_dim
+            return Shard(0, rank * local, local)
+        if ".k_proj." in name or ".v_proj." in name:
+            start = tpu.kv_head_start(kv_heads, tp, rank) * head_dim
+            return Shard(0, start, tpu.num_kv_heads_per_rank(kv_heads, tp) * head_dim)
+        if ".gate_proj." in name or ".up_proj." in name:
+            local = cfg.intermediate_size // tp
+            return Shard(0, rank * local, local)
+        if name.endswith((".o_proj.weight", ".down_proj.weight")):
+            width = (heads * head_dim if ".o_proj." in name else cfg.intermediate_size) // tp
+            return Shard(1, rank * width, width)
+        return None  # norms, row-parallel biases: replicated
 
     def owns_weight(self, name: str) -> bool:
         """Does this stage load the checkpoint tensor `name`? (lets loaders skip the rest)"""
@@ -194,7 +240,9 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn if len(self.model.layers) else None
         stacked: list[tuple[str, str, int, int]] = []
         if attn is not None:
-            q, kv, inter = attn.q_size, attn.kv_size, self.config.intermediate_size
+            # This rank's sizes: checkpoint tensors arrive already cut to its shard.
+            q, kv = attn.q_size, attn.kv_size
+            inter = self.model.layers[0].mlp.gate_up_proj.output_sizes_local[0]
             stacked = [
                 ("qkv_proj", "q_proj", 0, q),
                 ("qkv_proj", "k_proj", q, kv),
@@ -214,12 +262,15 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if local == "model.embed_tokens.weight" and self.layout.is_last:
                 if self.tie_word_embeddings:
-                    copy_weight(params["lm_head.weight"], tensor, name)
+                    copy_padded_rows(params["lm_head.weight"], tensor, name)
                     loaded.add("lm_head.weight")
                 if not self.layout.is_first:
                     continue
             if local not in params:
                 raise ValueError(f"unexpected weight {name!r} in the checkpoint.")
-            copy_weight(params[local], tensor, name)
+            if local in ("model.embed_tokens.weight", "lm_head.weight"):
+                copy_padded_rows(params[local], tensor, name)
+            else:
+                copy_weight(params[local], tensor, name)
             loaded.add(local)
         check_all_loaded(self, loaded)

@@ -12,29 +12,43 @@ from torch import nn
 from vllm.model_executor.input_metadata import InputMetadata
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import KVCache, PagedAttention
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 from vllm.model_executor.models.utils import (
+    Shard,
     StageLayout,
     check_all_loaded,
+    copy_padded_rows,
     copy_weight,
     load_stacked,
     localize_layer_name,
 )
+from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 
 _POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (fairseq legacy).
 
 
 class OPTAttention(nn.Module):
-    """Multi-head attention with biases; the query is scaled before attention like HF OPT."""
+    """Multi-head attention with biases; the query is scaled before attention like HF OPT.
+    With TP, this rank's heads only (column-parallel q/k/v, row-parallel out_proj)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
+        total_heads = config.num_attention_heads
+        self.head_dim = hidden // total_heads
         self.scaling = self.head_dim**-0.5
         bias = getattr(config, "enable_bias", True)
-        self.qkv_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_heads, bias)
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=bias)
         # The scale is applied to q up front (HF's order of operations), so attention uses 1.0.
         self.attn = PagedAttention(self.num_heads, self.head_dim, 1.0, self.num_heads)
 
@@ -56,8 +70,8 @@ class OPTDecoderLayer(nn.Module):
         self.do_layer_norm_before = config.do_layer_norm_before
         self.self_attn = OPTAttention(config)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = nn.Linear(hidden, config.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(config.ffn_dim, hidden, bias=bias)
+        self.fc1 = ColumnParallelLinear(hidden, config.ffn_dim, bias=bias)
+        self.fc2 = RowParallelLinear(config.ffn_dim, hidden, bias=bias)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.act = get_act_fn(config.activation_function)
 
@@ -88,7 +102,7 @@ class OPTDecoder(nn.Module):
         proj_dim = config.word_embed_proj_dim
         has_proj = proj_dim != config.hidden_size
         if layout.is_first:
-            self.embed_tokens = nn.Embedding(config.vocab_size, proj_dim)
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim)
             self.embed_positions = nn.Embedding(
                 config.max_position_embeddings + _POSITION_OFFSET, config.hidden_size
             )
@@ -117,7 +131,7 @@ class OPTForCausalLM(nn.Module):
         self.model = nn.Module()
         self.model.decoder = OPTDecoder(config, layout)
         if layout.is_last:
-            self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim)
             if layout.is_first:
                 self.lm_head.weight = self.model.decoder.embed_tokens.weight
 
@@ -147,9 +161,31 @@ class OPTForCausalLM(nn.Module):
                 hidden_states = dec.project_out(hidden_states)
         return hidden_states
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [S, proj_dim] -> logits [S, vocab] in float32."""
-        return self.lm_head(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        """hidden_states [S, proj_dim] -> logits [S, vocab] in float32 on the TP driver; None
+        on the other TP ranks."""
+        return self.lm_head.compute_logits(hidden_states)
+
+    def weight_shard(self, name: str) -> Optional[Shard]:
+        """The part of checkpoint tensor `name` this TP rank loads (None: all of it).
+        Positions and project_in/out are small and replicated (as in vLLM)."""
+        tp = tpu.tp_size()
+        if tp == 1:
+            return None
+        rank = tpu.tp_rank()
+        name = self._canonical(name)
+        hidden, ffn = self.config.hidden_size, self.config.ffn_dim
+        if name.startswith(("model.decoder.embed_tokens.", "lm_head.")):
+            start, _, rows = tpu.vocab_range(self.config.vocab_size, tp, rank)
+            return Shard(0, start, rows)
+        for part, width in ((".q_proj.", hidden), (".k_proj.", hidden), (".v_proj.", hidden),
+                            (".fc1.", ffn)):
+            if part in name:
+                return Shard(0, rank * (width // tp), width // tp)
+        for part, width in ((".out_proj.weight", hidden), (".fc2.weight", ffn)):
+            if name.endswith(part):
+                return Shard(1, rank * (width // tp), width // tp)
+        return None
 
     @staticmethod
     def _canonical(name: str) -> str:
@@ -173,7 +209,7 @@ class OPTForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v; lm_head comes from embed_tokens."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        hidden = self.config.hidden_size
+        hidden = self.config.hidden_size // tpu.tp_size()  # checkpoint tensors arrive sharded
         stacked = [
             ("qkv_proj", "q_proj", 0, hidden),
             ("qkv_proj", "k_proj", hidden, hidden),
@@ -190,12 +226,15 @@ class OPTForCausalLM(nn.Module):
                 loaded.add(fused_name)
                 continue
             if local == "model.decoder.embed_tokens.weight" and self.layout.is_last:
-                copy_weight(params["lm_head.weight"], tensor, raw_name)
+                copy_padded_rows(params["lm_head.weight"], tensor, raw_name)
                 loaded.add("lm_head.weight")
                 if not self.layout.is_first:
                     continue
             if local not in params:
                 raise ValueError(f"unexpected weight {raw_name!r} in the checkpoint.")
-            copy_weight(params[local], tensor, raw_name)
+            if local == "model.decoder.embed_tokens.weight":
+                copy_padded_rows(params[local], tensor, raw_name)
+            else:
+                copy_weight(params[local], tensor, raw_name)
             loaded.add(local)
         check_all_loaded(self, loaded)

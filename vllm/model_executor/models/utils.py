@@ -47,6 +47,31 @@ def localize_layer_name(name: str, layout: StageLayout) -> Optional[str]:
     return name.replace(f".layers.{idx}.", f".layers.{idx - layout.start_layer}.", 1)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """The part of a checkpoint tensor one TP rank loads: `size` indices of dimension `dim`
+    from `start` (fewer at the end of the tensor: the last vocabulary shard)."""
+
+    dim: int
+    start: int
+    size: int
+
+    def narrow(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This shard of a whole tensor (a view)."""
+        end = min(self.start + self.size, tensor.shape[self.dim])
+        return tensor.narrow(self.dim, self.start, end - self.start)
+
+
+def copy_padded_rows(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    """Copy a vocabulary shard into the first rows of its parameter and zero the padding rows
+    (the last TP rank's shard is shorter than ceil(vocab / tp))."""
+    rows = loaded.shape[0]
+    copy_weight(param[:rows], loaded, name)
+    if rows < param.shape[0]:
+        with torch.no_grad():
+            param[rows:].zero_()
+
+
 def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     """Copy a checkpoint tensor into a parameter (or a slice of one), checking the shape."""
     if param.shape != loaded.shape:

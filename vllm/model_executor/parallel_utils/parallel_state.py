@@ -259,3 +259,10 @@ def destroy_model_parallel() -> None:
         # Destroying the default group also tears down the TCP store, so a later
         # init_distributed_environment() in this process starts clean.
         dist.destroy_process_group()
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """GLOBAL rank of this stage's TP driver (tp_rank 0): it samples and returns the output."""
+    if _single_process():
+        return dist.get_rank() if dist.is_initialized() else 0
+    return _TP_GROUP_RANKS[0]
