@@ -97,3 +97,17 @@ def test_vllm_messages(llm, tiny_model_dirs):
         assert len(out.outputs[0].token_ids) == 3
     finally:
         no_tok.shutdown()
+
+
+def test_newer_vllm_keywords_ray_data_passes():
+    """Ray Data's LLM processor passes newer vLLM keywords: the harmless values are taken,
+    the features this engine lacks are refused by name."""
+    from vllm import AsyncEngineArgs, SamplingParams
+
+    assert SamplingParams(structured_outputs=None).structured_outputs is None
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})
+    args = AsyncEngineArgs(model="smollm2", runner="generate", enable_log_requests=False)
+    assert args.runner == "generate"
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        AsyncEngineArgs(model="smollm2", runner="pooling")

@@ -138,11 +138,19 @@ class SamplingParams:
     logits_processors: list[LogitsProcessor] | None = None
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Newer vLLM's guided decoding parameters; this engine has none, so only None is taken
+    # (Ray Data's LLM processor always passes the keyword).
+    structured_outputs: Any = None
     # Derived in __post_init__, not constructor arguments.
     output_text_buffer_length: int = field(default=0, init=False)
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            raise ValueError(
+                "structured_outputs (guided decoding) is not supported by this engine; "
+                "pass structured_outputs=None."
+            )
         self._normalize()
         # The detokenizer holds back this many characters: they may be the start of a stop
         # string that must not reach the user.

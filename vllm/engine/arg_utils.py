@@ -267,6 +267,16 @@ class AsyncEngineArgs(EngineArgs):
     """Arguments for AsyncLLMEngine: EngineArgs plus the online-serving options."""
 
     disable_log_requests: bool = False
+    # Newer vLLM's names, passed by Ray Data's LLM processor: only text generation runs here.
+    runner: str = "generate"
+    enable_log_requests: bool = False
+
+    def __post_init__(self) -> None:
+        if self.runner not in ("auto", "generate"):
+            raise ValueError(
+                f"runner={self.runner!r} is not supported: this engine only generates text "
+                "(runner='generate' or 'auto')."
+            )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
