@@ -327,25 +327,10 @@ class Scheduler:
             waiting_seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
             # A recomputed group re-prefills its generated tokens as well.
             num_prompt_tokens = sum(seq.get_len() for seq in waiting_seqs)
-            if num_prompt_tokens > self.prompt_limit:
-                logger.warning(
-                    "Input prompt (%d tokens) is too long and exceeds limit of %d",
-                    num_prompt_tokens,
-                    self.prompt_limit,
-                )
-                self._ignore(seq_group, out.ignored_seq_groups)
-                continue
-            status = self.block_manager.can_allocate(seq_group)
-            if status == AllocStatus.LATER or self.block_manager.prefix_pending(seq_group):
-                # (Its prefix is being computed in flight: it waits to reuse it.)
+            admission = self._admission(seq_group, num_prompt_tokens, out)
+            if admission is AllocStatus.LATER:
                 break
-            if status == AllocStatus.NEVER:
-                logger.warning(
-                    "Input prompt (%d tokens) is too long and exceeds the capacity of "
-                    "block_manager",
-                    num_prompt_tokens,
-                )
-                self._ignore(seq_group, out.ignored_seq_groups)
+            if admission is AllocStatus.NEVER:
                 continue
             # A prefix found in the prefix cache is not computed again.
             num_new_tokens = num_prompt_tokens - self.block_manager.num_cached_tokens(seq_group)
@@ -373,6 +358,31 @@ class Scheduler:
                 seq.data.update_num_computed_tokens(cached)
         self.running.append(seq_group)
         self._admitted = True
+
+    def _admission(
+        self, seq_group: SequenceGroup, num_prompt_tokens: int, out: SchedulerOutputs
+    ) -> AllocStatus:
+        """Whether the first waiting group can be admitted now (OK), must wait (LATER: no
+        blocks yet, or its prefix is being computed in flight and it waits to reuse it), or
+        never fits (NEVER: it was finished as ignored, with vLLM's warning)."""
+        if num_prompt_tokens > self.prompt_limit:
+            logger.warning(
+                "Input prompt (%d tokens) is too long and exceeds limit of %d",
+                num_prompt_tokens,
+                self.prompt_limit,
+            )
+            self._ignore(seq_group, out.ignored_seq_groups)
+            return AllocStatus.NEVER
+        status = self.block_manager.can_allocate(seq_group)
+        if status == AllocStatus.LATER or self.block_manager.prefix_pending(seq_group):
+            return AllocStatus.LATER
+        if status == AllocStatus.NEVER:
+            logger.warning(
+                "Input prompt (%d tokens) is too long and exceeds the capacity of block_manager",
+                num_prompt_tokens,
+            )
+            self._ignore(seq_group, out.ignored_seq_groups)
+        return status
 
     def _ignore(self, seq_group: SequenceGroup, ignored: list[SequenceGroup]) -> None:
         for seq in seq_group.get_seqs(status=SequenceStatus.WAITING):
@@ -548,25 +558,10 @@ class Scheduler:
                 seq_group = self.waiting[0]
                 waiting_seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
                 num_prompt_tokens = sum(seq.get_len() for seq in waiting_seqs)
-                if num_prompt_tokens > self.prompt_limit:
-                    logger.warning(
-                        "Input prompt (%d tokens) is too long and exceeds limit of %d",
-                        num_prompt_tokens,
-                        self.prompt_limit,
-                    )
-                    self._ignore(seq_group, out.ignored_seq_groups)
-                    continue
-                status = self.block_manager.can_allocate(seq_group)
-                if status == AllocStatus.LATER or self.block_manager.prefix_pending(seq_group):
-                    # (Its prefix is being computed in flight: it waits to reuse it.)
+                admission = self._admission(seq_group, num_prompt_tokens, out)
+                if admission is AllocStatus.LATER:
                     break
-                if status == AllocStatus.NEVER:
-                    logger.warning(
-                        "Input prompt (%d tokens) is too long and exceeds the capacity of "
-                        "block_manager",
-                        num_prompt_tokens,
-                    )
-                    self._ignore(seq_group, out.ignored_seq_groups)
+                if admission is AllocStatus.NEVER:
                     continue
                 num_new_seqs = seq_group.get_max_num_running_seqs()
                 if num_seqs + num_new_seqs > config.max_num_seqs:
