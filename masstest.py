@@ -62,7 +62,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--pipeline_parallel_size", "--pipeline-parallel-size", "-pp", type=int,
                    default=1, help="Pipeline stages of the engine under test.")
     p.add_argument("--tensor_parallel_size", "--tensor-parallel-size", "-tp", type=int,
-                   default=1, help="Tensor parallel size (only 1 is supported).")
+                   default=1, help="Tensor-parallel ranks per stage of the engine under test.")
     p.add_argument("--max_num_seqs", "--max-num-seqs", type=int, default=256,
                    help="Scheduler's max sequences per step.")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
