@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 import pytest
+from fake_requests import FakeParams as _Params
+from fake_requests import seq_ids as _seq_ids
 
 from vllm.core.block_manager import AllocStatus, BlockSpaceManager, _BlockAllocator
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
-
-_seq_ids = itertools.count()
-
-
-@dataclass
-class _Params:
-    """The few sampling-params fields the block manager and scheduler read."""
-
-    n: int = 1
-    best_of: int = 1
-    use_beam_search: bool = False
 
 
 def _group(request_id: str, prompt_len: int, block_size: int = 4) -> SequenceGroup:

@@ -5,27 +5,15 @@ and the config rules and CLI flags of both scheduler features."""
 from __future__ import annotations
 
 import argparse
-import itertools
-from dataclasses import dataclass
-from typing import Optional
 
 import pytest
+from fake_requests import FakeParams as _Params
+from fake_requests import seq_ids as _seq_ids
 
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.scheduler import Scheduler
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
-
-_seq_ids = itertools.count()
-
-
-@dataclass
-class _Params:
-    n: int = 1
-    best_of: int = 1
-    use_beam_search: bool = False
-    max_tokens: Optional[int] = 16
-    prompt_logprobs: Optional[int] = None
 
 
 def _scheduler(budget: int, gpu: int = 64, pp: int = 1, caching: bool = False) -> Scheduler:

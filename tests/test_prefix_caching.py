@@ -4,28 +4,17 @@ cached blocks, prompt logprobs bypass, hit rate, reset; plus the infeasible-swap
 
 from __future__ import annotations
 
-import itertools
 import logging
-from dataclasses import dataclass
 from typing import Optional
 
 import pytest
+from fake_requests import FakeParams as _Params
+from fake_requests import seq_ids as _seq_ids
 
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.block_manager import AllocStatus, BlockSpaceManager
 from vllm.core.scheduler import Scheduler
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
-
-_seq_ids = itertools.count()
-
-
-@dataclass
-class _Params:
-    n: int = 1
-    best_of: int = 1
-    use_beam_search: bool = False
-    max_tokens: Optional[int] = 16
-    prompt_logprobs: Optional[int] = None
 
 
 def _group(rid: str, tokens: list[int], params: Optional[_Params] = None) -> SequenceGroup:

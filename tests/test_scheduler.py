@@ -2,32 +2,21 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from typing import Optional
 
 import pytest
+from fake_requests import FakeParams as _Params
+from fake_requests import seq_ids as _seq_ids
 
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.scheduler import PreemptionMode, Scheduler
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 
-_seq_ids = itertools.count()
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@dataclass
-class _Params:
-    """The few sampling-params fields the scheduler reads."""
-
-    n: int = 1
-    best_of: int = 1
-    use_beam_search: bool = False
-    max_tokens: Optional[int] = 16
 
 
 def _scheduler(
