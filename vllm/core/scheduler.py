@@ -19,7 +19,7 @@ import collections
 import enum
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from vllm.config import CacheConfig, SchedulerConfig
@@ -421,14 +421,7 @@ class Scheduler:
                 # This micro-batch is full; the group waits for the next one.
                 self.running.append(seq_group)
                 continue
-            while not self.block_manager.can_append_slots(seq_group):
-                victim = self._pop_victim(pending)
-                if victim is None:
-                    self._preempt(seq_group, out)
-                    break
-                self._preempt(victim, out)
-            else:
-                self._append_slots(seq_group, out)
+            if self._grow_or_preempt(seq_group, out, lambda: self._pop_victim(pending)):
                 self.running.append(seq_group)
                 scheduled.append(seq_group)
                 out.token_chunk_sizes[seq_group.request_id] = group_seqs
@@ -524,14 +517,9 @@ class Scheduler:
             if used + group_seqs > min(budget, decode_budget) or over_cap:
                 self.running.append(seq_group)
                 continue
-            while not self.block_manager.can_append_slots(seq_group):
-                victim = self._pop_chunked_victim(decodes, prefills)
-                if victim is None:
-                    self._preempt(seq_group, out)
-                    break
-                self._preempt(victim, out)
-            else:
-                self._append_slots(seq_group, out)
+            if self._grow_or_preempt(
+                seq_group, out, lambda: self._pop_chunked_victim(decodes, prefills)
+            ):
                 self.running.append(seq_group)
                 scheduled_decodes.append(seq_group)
                 out.token_chunk_sizes[seq_group.request_id] = group_seqs
@@ -665,6 +653,24 @@ class Scheduler:
                 del pending[index]
                 return victim
         return None
+
+    def _grow_or_preempt(
+        self,
+        seq_group: SequenceGroup,
+        out: SchedulerOutputs,
+        next_victim: Callable[[], SequenceGroup | None],
+    ) -> bool:
+        """Make room for the group's next tokens by preempting lower-priority groups (from
+        `next_victim`) and append its slots; True if it runs, False if it had to be
+        preempted itself because no victim was left."""
+        while not self.block_manager.can_append_slots(seq_group):
+            victim = next_victim()
+            if victim is None:
+                self._preempt(seq_group, out)
+                return False
+            self._preempt(victim, out)
+        self._append_slots(seq_group, out)
+        return True
 
     def _append_slots(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
         for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
