@@ -4,14 +4,18 @@ one stage with N threads, and how close does it get to N x one thread?
     python benchmarks/pp_scaling.py                # PP=2 on the default workload
     python benchmarks/pp_scaling.py --also-pp 4    # add a PP=4 row
     python benchmarks/pp_scaling.py --with-tp      # add a TP=N row (N single-threaded ranks)
+    python benchmarks/pp_scaling.py --compare-sync # add PP=N without async scheduling
 
 The same workload (--num-prompts prompts of benchmarks/prompts.txt, --output-len new tokens
 each, greedy, `ignore_eos`) runs in a fresh subprocess per configuration, so a thread setting
 cannot leak from one run into the next:
   (a) PP=1, 1 thread   (b) PP=1, N threads   (c) PP=N, 1 thread per stage   [(d) PP=M, ...]
-  [(e) TP=N, 1 thread per rank]
+  [(e) TP=N, 1 thread per rank]  [(f) PP=N with async scheduling off]
 and prints generated tokens/s and wall time per configuration plus
-  efficiency = tput(config) / (ranks x tput(PP=1, 1 thread)).
+  efficiency = tput(config) / (ranks x tput(PP=1, 1 thread)),
+each stage's idle share (waiting for the engine between steps), and, for PP > 1, the bytes
+of the step messages per step (deltas) next to what full token histories would take (both
+counted on a second pass of the same workload, so the timed pass pays no pickling).
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-space", type=float, default=4.0, help="KV GiB per stage (CPU).")
     p.add_argument("--pp-layer-partition", default=None,
                    help="Layer split for the PP>1 runs: 'a,b,...' or 'auto' (default: even).")
+    p.add_argument("--compare-sync", action="store_true",
+                   help="Also run PP=N with async scheduling off (the synchronous pipeline).")
     p.add_argument("--with-tp", action="store_true",
                    help="Also run TP=N (one stage, N single-threaded tensor-parallel ranks).")
     p.add_argument("--backend", default=None, choices=["ray", "mp"],
@@ -67,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-pp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--worker-tp", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--worker-sync", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -81,6 +88,7 @@ def run_worker(args: argparse.Namespace) -> None:
     llm = LLM(model=args.model, dtype=args.dtype, pipeline_parallel_size=args.worker_pp,
               tensor_parallel_size=args.worker_tp, kv_cache_space=args.kv_cache_space,
               pp_layer_partition=partition,
+              async_scheduling=False if args.worker_sync else None,
               distributed_executor_backend=args.backend if multi else None)
     init_s = time.perf_counter() - start
     try:
@@ -96,6 +104,17 @@ def run_worker(args: argparse.Namespace) -> None:
         infos = llm.llm_engine.executor.stage_infos
         peaks = [m["peak_rss_bytes"] for m in llm.llm_engine.executor.get_stage_memory()]
         blocks = llm.llm_engine.cache_config.num_gpu_blocks
+        queue = llm.llm_engine.batch_queue
+        ahead = queue.reset_stats().ahead_groups
+        bytes_stats = None
+        if args.worker_pp > 1:
+            # Second, untimed pass of the same workload to count the step messages' bytes.
+            queue.count_bytes = True
+            llm.generate(prompts, params, use_tqdm=False)
+            st = queue.reset_stats()
+            bytes_stats = {"steps": st.steps, "step_bytes": st.step_bytes,
+                           "full_bytes": st.full_bytes,
+                           "max_step_bytes": max(st.per_step_bytes, default=0)}
     finally:
         llm.shutdown()
     out_toks = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -111,12 +130,15 @@ def run_worker(args: argparse.Namespace) -> None:
         "num_gpu_blocks": blocks, "peak_rss_bytes_per_stage": peaks,
         "load_avg_before": load_before, "load_avg_after": os.getloadavg()[0],
         "driver_cpu_s": driver_cpu, "stage_stats": stage_stats,
+        "async_scheduling": queue.async_pipeline, "ahead_groups": ahead,
+        "message_bytes": bytes_stats,
     }
     Path(args.worker_result).write_text(json.dumps(result))
 
 
 def run_config(
-    args: argparse.Namespace, label: str, pp: int, threads: int, tp: int = 1
+    args: argparse.Namespace, label: str, pp: int, threads: int, tp: int = 1,
+    sync: bool = False,
 ) -> dict[str, Any]:
     """Start this script in worker mode with the thread count in its environment."""
     env = dict(os.environ, VLLM_CPU_THREADS_PER_STAGE=str(threads), OMP_NUM_THREADS=str(threads))
@@ -124,7 +146,7 @@ def run_config(
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "result.json")
         cmd = [sys.executable, __file__, "--worker-result", result_file, "--worker-pp", str(pp),
-               "--worker-tp", str(tp),
+               "--worker-tp", str(tp), *(["--worker-sync"] if sync else []),
                "--model", args.model, "--num-prompts", str(args.num_prompts),
                "--output-len", str(args.output_len), "--dtype", args.dtype,
                "--kv-cache-space", str(args.kv_cache_space)]
@@ -155,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     configs += [(f"PP={m}, 1 thread/stage", m, 1) for m in args.also_pp if m != n]
     if args.with_tp:
         configs.append((f"TP={n}, 1 thread/rank", 1, 1, n))
+    if args.compare_sync:
+        configs.append((f"PP={n}, sync (no async sched.)", n, 1, 1, True))
     # --repeat: the configurations run in rounds (interleaved), each keeping its best run, so
     # a shared machine's load swings hit every configuration alike.
     runs: list[list[dict[str, Any]]] = [[] for _ in configs]
@@ -184,13 +208,28 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["config", "gen tok/s", "wall s", "vs (a)", "efficiency", "GPU blocks",
                  "peak RSS per rank", "load", "all runs"], rows)
     print("\nWhere the time went (seconds per stage: compute / waiting to receive / send / "
-          "idle between steps / cache ops; driver = engine process CPU time):")
+          "idle between steps / cache ops / waiting for sampled ids; driver = engine process "
+          "CPU time):")
     for r in results:
         parts = [f"rank {i} (stage {int(st['pp_rank'])}): {st['compute_s']:.1f} "
                  f"(cpu {st.get('compute_cpu_s', 0):.1f}) / {st['recv_s']:.1f} / "
-                 f"{st['send_s']:.1f} / {st['idle_s']:.1f} / {st.get('cache_s', 0):.1f}"
+                 f"{st['send_s']:.1f} / {st['idle_s']:.1f} / {st.get('cache_s', 0):.1f} / "
+                 f"{st.get('tokens_wait_s', 0):.1f}"
                  for i, st in enumerate(r["stage_stats"])]
         print(f"  {r['label']}: " + "; ".join(parts) + f"; driver CPU {r['driver_cpu_s']:.1f}")
+    print("\nStage idle (between steps, waiting for the engine) as a share of wall time, and "
+          "step-message bytes per step (deltas vs full token histories):")
+    for r in results:
+        idle = " / ".join(f"{100 * st['idle_s'] / r['wall_s']:.1f}%" for st in r["stage_stats"])
+        line = f"  {r['label']}: idle {idle}"
+        mb = r.get("message_bytes")
+        if mb and mb["steps"]:
+            line += (f"; {mb['step_bytes'] / mb['steps']:.0f} B/step (max {mb['max_step_bytes']})"
+                     f" vs {mb['full_bytes'] / mb['steps']:.0f} B/step with full histories "
+                     f"({mb['full_bytes'] / max(1, mb['step_bytes']):.1f}x)")
+        if r.get("async_scheduling"):
+            line += f"; {r['ahead_groups']} group-steps scheduled ahead"
+        print(line)
     pp_run = results[2]
     print(f"pipeline efficiency = tput(PP={n}) / ({n} x tput(PP=1, 1 thread)) = "
           f"{pp_run['generated_tokens_per_s']:.2f} / ({n} x {base:.2f}) = "

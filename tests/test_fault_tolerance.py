@@ -177,7 +177,7 @@ def test_ctrl_c_inside_generate_leaves_the_llm_usable(pp, ray_session, tiny_mode
     state = (
         f"in_flight={scheduler.in_flight} waiting={len(scheduler.waiting)} "
         f"running={len(scheduler.running)} swapped={len(scheduler.swapped)} "
-        f"engine_in_flight={len(engine._in_flight)} pending={len(engine._pending_outputs)}"
+        f"engine_in_flight={len(engine.batch_queue)} pending={len(engine._pending_outputs)}"
     )
     assert not scheduler.in_flight and not engine.has_unfinished_requests(), state
     assert scheduler.block_manager.get_num_free_gpu_blocks() == (

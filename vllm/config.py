@@ -362,6 +362,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     preemption_mode: Optional[str] = None
     enable_chunked_prefill: bool = False
+    # Decodes scheduled ahead of their previous step's output (None: where supported).
+    async_scheduling: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
+    from vllm.step_delta import StepMessage
 
 
 @dataclass
@@ -423,10 +424,11 @@ SamplerOutput = list[SequenceGroupOutput]
 
 @dataclass
 class ExecuteModelRequest:
-    """One step for one stage worker: the batch (first and last stages only; middle stages
-    get their inputs from the previous stage) and the cache operations every stage applies."""
+    """One step for one stage worker: the batch as deltas (first and last stages only; middle
+    stages get their inputs from the previous stage) and the cache operations every stage
+    applies."""
 
-    seq_group_metadata_list: Optional[list[SequenceGroupMetadata]]
+    step: Optional[StepMessage]
     blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
     blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
     blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)

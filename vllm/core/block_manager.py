@@ -334,13 +334,14 @@ class BlockSpaceManager:
         """Conservative: every RUNNING sequence may need a fresh block for its next token."""
         return self._gpu.num_free() >= seq_group.num_seqs(status=SequenceStatus.RUNNING)
 
-    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Make room for the token at position `seq.get_len() - 1`.
+    def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
+        """Make room for the token at position `seq.get_len() - 1 + num_lookahead_slots`
+        (a lookahead slot is for a token sampled by a step still in flight).
 
         Returns the copy-on-write pairs (src, dst) the workers must copy before writing.
         """
         table = self._gpu_tables[seq.seq_id]
-        needed = self._blocks_for(seq.get_len())
+        needed = self._blocks_for(seq.get_len() + num_lookahead_slots)
         if len(table) < needed:
             # The new token starts a block of its own, so nothing shared is written.
             while len(table) < needed:

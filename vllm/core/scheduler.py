@@ -11,6 +11,13 @@ with `enable_chunked_prefill` a step takes the running decodes first, then prefi
 With pipeline parallelism the chunked policy also balances the micro-batches by tokens.
 A group that can never fit the cache (a prompt, or a swapped group that can never be swapped
 back in) is finished as FINISHED_IGNORED with a warning instead of waiting forever.
+
+Scheduling ahead (`lookahead`, the asynchronous pipeline): a decoding group whose step is in
+flight may get its next step before that step's token comes back; the stages feed the token
+they sampled themselves. A group is taken ahead only once `pipeline_parallel_size - 1` other
+batches were submitted after its step, so the first stage runs the micro-batches round robin
+and never waits for a token it cannot have yet. Blocks of a sequence that finishes while a
+step of its group is still in flight are freed when that step comes back.
 """
 
 from __future__ import annotations
@@ -50,6 +57,11 @@ class SchedulerOutputs:
     num_preempted: int = 0
     # request id -> tokens this step feeds for the group (1 per sequence for a decode).
     token_chunk_sizes: dict[str, int] = field(default_factory=dict)
+    # Groups scheduled ahead -> the batch number of their step in flight: each of their
+    # sequences feeds the token that step samples.
+    ahead: dict[str, int] = field(default_factory=dict)
+    # This batch's number (counting non-empty batches since the scheduler was made).
+    batch_no: int = 0
 
     def is_empty(self) -> bool:
         """True when there is nothing to run and no block to move or copy."""
@@ -89,9 +101,16 @@ class Scheduler:
         self.waiting: collections.deque[SequenceGroup] = collections.deque()
         self.running: collections.deque[SequenceGroup] = collections.deque()
         self.swapped: collections.deque[SequenceGroup] = collections.deque()
+        # Groups with at least one step inside the pipeline.
         self.in_flight: set[str] = set()
-        # In-flight groups with the number of tokens their batch feeds for them.
-        self._in_flight_groups: dict[str, tuple[SequenceGroup, int]] = {}
+        self._in_flight_groups: dict[str, SequenceGroup] = {}
+        # Per in-flight group, oldest first: (tokens the step feeds, its batch number).
+        self._flights: dict[str, collections.deque[tuple[int, int]]] = {}
+        # Sequences finished while a step of their group was in flight: freed on its return.
+        self._deferred_free: dict[str, list[Sequence]] = {}
+        self._batch_no = 0
+        # Schedule decodes ahead of their in-flight step's output (set by the engine).
+        self.lookahead = False
         self._admitted = False
         # Aborted while in flight: their blocks are still being written by the pipeline.
         self._aborted_in_flight: dict[str, SequenceGroup] = {}
@@ -133,7 +152,12 @@ class Scheduler:
         self.block_manager.fork(parent_seq, child_seq)
 
     def free_seq(self, seq: Sequence) -> None:
-        """Release a (finished) sequence's KV blocks."""
+        """Release a (finished) sequence's KV blocks; if a step of its group is still in
+        the pipeline (it was scheduled ahead), once that step comes back."""
+        for request_id, group in self._in_flight_groups.items():
+            if seq.seq_id in group.seqs_dict:
+                self._deferred_free.setdefault(request_id, []).append(seq)
+                return
         self.block_manager.free(seq)
 
     def free_finished_seq_groups(self) -> None:
@@ -145,15 +169,24 @@ class Scheduler:
         (counted as computed; full prompt blocks become shareable) and they may be scheduled
         again."""
         for request_id in request_ids:
-            self.in_flight.discard(request_id)
-            entry = self._in_flight_groups.pop(request_id, None)
-            aborted = self._aborted_in_flight.pop(request_id, None)
-            if aborted is not None:
-                self._free_group(aborted)
+            flights = self._flights.get(request_id)
+            if not flights:
                 continue
-            if entry is None:
+            num_tokens, _ = flights.popleft()
+            group = self._in_flight_groups[request_id]
+            if not flights:
+                # Its last step is back: it may be scheduled, preempted or freed again.
+                del self._flights[request_id]
+                del self._in_flight_groups[request_id]
+                self.in_flight.discard(request_id)
+                for seq in self._deferred_free.pop(request_id, []):
+                    self.block_manager.free(seq)
+                aborted = self._aborted_in_flight.pop(request_id, None)
+                if aborted is not None:
+                    self._free_group(aborted)
+                    continue
+            if group.is_finished():
                 continue
-            group, num_tokens = entry
             running = group.get_seqs(status=SequenceStatus.RUNNING)
             for seq in running:
                 if seq.is_prefill():
@@ -186,12 +219,14 @@ class Scheduler:
         for group in self._aborted_in_flight.values():
             self._free_group(group)
         self._aborted_in_flight.clear()
+        for seqs in self._deferred_free.values():
+            for seq in seqs:
+                self.block_manager.free(seq)
         requeued = [g for g in self.running if g.request_id in self.in_flight]
         self.running = collections.deque(
             g for g in self.running if g.request_id not in self.in_flight
         )
-        self.in_flight.clear()
-        self._in_flight_groups.clear()
+        self._clear_flights()
         self._requeue(requeued, free_blocks=True)
         return [g.request_id for g in requeued]
 
@@ -202,14 +237,19 @@ class Scheduler:
         tokens it generated; all blocks (device and swap) are free afterwards. Returns the
         re-queued request ids."""
         self._aborted_in_flight.clear()
-        self.in_flight.clear()
-        self._in_flight_groups.clear()
+        self._clear_flights()
         groups = [g for g in (*self.running, *self.swapped) if not g.is_finished()]
         self.running.clear()
         self.swapped.clear()
         self.block_manager.reset()
         self._requeue(groups, free_blocks=False)
         return [g.request_id for g in groups]
+
+    def _clear_flights(self) -> None:
+        self.in_flight.clear()
+        self._in_flight_groups.clear()
+        self._flights.clear()
+        self._deferred_free.clear()
 
     def _requeue(self, groups: list[SequenceGroup], free_blocks: bool) -> None:
         for group in groups:
@@ -243,9 +283,12 @@ class Scheduler:
         """
         self._batch_cap = max_batch_seqs if max_batch_seqs is not None else 1 << 62
         self._admitted = False
+        number = self._batch_no + 1
         outputs = self._schedule_chunked() if self.chunked_prefill else self._schedule()
         if self._admitted or outputs.blocks_to_swap_in:
             self._kv_blocks_bound = self._bound_running_blocks()
+        if not outputs.is_empty():
+            self._batch_no = outputs.batch_no = number
         metadata = []
         now = time.time()
         for seq_group in outputs.scheduled_seq_groups:
@@ -272,8 +315,44 @@ class Scheduler:
                 )
             )
             self.in_flight.add(seq_group.request_id)
-            self._in_flight_groups[seq_group.request_id] = (seq_group, chunk if is_prompt else 1)
+            self._in_flight_groups[seq_group.request_id] = seq_group
+            flight = (chunk if is_prompt else 1, number)
+            self._flights.setdefault(seq_group.request_id, collections.deque()).append(flight)
         return metadata, outputs
+
+    def _can_go_ahead(self, seq_group: SequenceGroup) -> bool:
+        """Whether an in-flight group may get its next decode step now (see module doc)."""
+        if not self.lookahead:
+            return False
+        flights = self._flights.get(seq_group.request_id)
+        if flights is None or len(flights) != 1:
+            return False
+        _, batch_no = flights[0]
+        if self._batch_no + 1 - batch_no < self.pipeline_parallel_size:
+            return False  # the first stage would wait for that step's token
+        params = seq_group.sampling_params
+        if params.use_beam_search or seq_group.num_seqs() < params.best_of:
+            return False  # the output processor picks or forks sequences from the samples
+        seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
+        if not seqs or any(seq.is_prefill() for seq in seqs):
+            return False
+        max_len = self.scheduler_config.max_model_len
+        # The step in flight may produce the last token: never run one past a known stop.
+        return all(
+            seq.get_output_len() + 1 < (params.max_tokens or max_len)
+            and seq.get_len() + 1 < max_len
+            for seq in seqs
+        )
+
+    def _schedule_ahead(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> bool:
+        """Schedule an in-flight group's next decode if its slots fit (never preempts)."""
+        if not self.block_manager.can_append_slots(seq_group):
+            return False
+        for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
+            for src, dst in self.block_manager.append_slots(seq, num_lookahead_slots=1):
+                out.blocks_to_copy.setdefault(src, []).append(dst)
+        out.ahead[seq_group.request_id] = self._flights[seq_group.request_id][0][1]
+        return True
 
     def _schedule(self) -> SchedulerOutputs:
         # Like vLLM V0: swapped groups are resumed before any new prompt is admitted.
@@ -413,13 +492,20 @@ class Scheduler:
         batch_seqs = 0
         while pending:
             seq_group = pending.popleft()
-            if seq_group.request_id in self.in_flight or seq_group.is_finished():
+            if seq_group.is_finished():
                 self.running.append(seq_group)
                 continue
             group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
             if scheduled and batch_seqs + group_seqs > self._batch_cap:
                 # This micro-batch is full; the group waits for the next one.
                 self.running.append(seq_group)
+                continue
+            if seq_group.request_id in self.in_flight:
+                self.running.append(seq_group)
+                if self._can_go_ahead(seq_group) and self._schedule_ahead(seq_group, out):
+                    scheduled.append(seq_group)
+                    out.token_chunk_sizes[seq_group.request_id] = group_seqs
+                    batch_seqs += group_seqs
                 continue
             if self._grow_or_preempt(seq_group, out, lambda: self._pop_victim(pending)):
                 self.running.append(seq_group)
@@ -501,9 +587,12 @@ class Scheduler:
         prefills: collections.deque[SequenceGroup] = collections.deque()
         pending = sorted(self.running, key=lambda g: g.arrival_time)
         self.running = collections.deque()
+        ahead: list[SequenceGroup] = []
         for seq_group in pending:
             if seq_group.request_id in self.in_flight or seq_group.is_finished():
                 self.running.append(seq_group)
+                if not seq_group.is_finished() and self._can_go_ahead(seq_group):
+                    ahead.append(seq_group)
             elif seq_group.is_prefill():
                 prefills.append(seq_group)
             else:
@@ -521,6 +610,16 @@ class Scheduler:
                 seq_group, out, lambda: self._pop_chunked_victim(decodes, prefills)
             ):
                 self.running.append(seq_group)
+                scheduled_decodes.append(seq_group)
+                out.token_chunk_sizes[seq_group.request_id] = group_seqs
+                used += group_seqs
+                batch_seqs += group_seqs
+        for seq_group in ahead:
+            group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
+            over_cap = scheduled_decodes and batch_seqs + group_seqs > self._batch_cap
+            if used + group_seqs > min(budget, decode_budget) or over_cap:
+                continue
+            if self._schedule_ahead(seq_group, out):
                 scheduled_decodes.append(seq_group)
                 out.token_chunk_sizes[seq_group.request_id] = group_seqs
                 used += group_seqs

@@ -36,6 +36,7 @@ class EngineArgs:
     preemption_mode: Optional[str] = None
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False
+    async_scheduling: Optional[bool] = None
     device: str = "auto"
     disable_log_stats: bool = False
     max_stage_restarts: int = 3
@@ -170,6 +171,14 @@ class EngineArgs:
             "512 then), batched with the running decodes.",
         )
         add(
+            "--async-scheduling",
+            action=argparse.BooleanOptionalAction,
+            default=d.async_scheduling,
+            help="Schedule each decode micro-batch's next step before its output comes back "
+            "(the last stage sends its sampled ids straight to the first one). Default: on "
+            "with pipeline parallelism on the ray and mp backends.",
+        )
+        add(
             "--enable-prefix-caching",
             action="store_true",
             help="Enables automatic prefix caching: requests reuse the KV blocks of a shared "
@@ -258,6 +267,7 @@ class EngineArgs:
             max_model_len=model_config.max_model_len,
             preemption_mode=self.preemption_mode,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            async_scheduling=self.async_scheduling,
         )
         return model_config, cache_config, parallel_config, scheduler_config, device_config
 

@@ -1,8 +1,9 @@
 """LLMEngine: requests in, RequestOutputs out. add_request / step / abort_request.
 
-Each `step` keeps the pipeline full: it schedules and submits batches of requests that are not
-already in flight until `pipeline_parallel_size` batches are inside the pipeline (or nothing
-more can be scheduled), then collects the oldest batch and processes its tokens.
+Each `step` keeps the pipeline full: it schedules and submits batches until the batch queue
+holds `max_concurrent_batches` (the pipeline depth, twice that with async scheduling, where a
+decode micro-batch's next step is scheduled before its output comes back) or nothing more can
+be scheduled, then collects the oldest batch and processes its tokens.
 
 Failures: an exception escaping `step` (a KeyboardInterrupt included) re-queues what was in
 flight for recompute, so the engine stays usable. A failed stage (StageFailedError) is replaced
@@ -16,12 +17,11 @@ import itertools
 import json
 import os
 import time
-from collections import deque
-from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
+from vllm.engine.batch_queue import BatchQueue
 from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.request_validation import validate_request
@@ -29,15 +29,9 @@ from vllm.executor.stage_supervisor import EngineDeadError, FaultEvent, StageFai
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
-from vllm.sequence import ExecuteModelRequest, Sequence, SequenceGroup
+from vllm.sequence import Sequence, SequenceGroup
 
 logger = init_logger("vllm.engine.llm_engine")
-
-
-@dataclass
-class _InFlightBatch:
-    handle: Any
-    scheduler_outputs: SchedulerOutputs
 
 
 class LLMEngine:
@@ -83,8 +77,17 @@ class LLMEngine:
             self.scheduler, self.tokenizer, scheduler_config.max_model_len, self._new_seq_id
         )
         self.seq_counter = itertools.count()
-        self.max_in_flight = parallel_config.pipeline_parallel_size
-        self._in_flight: deque[_InFlightBatch] = deque()
+        async_pipeline = _use_async_pipeline(scheduler_config, parallel_config)
+        self.scheduler.lookahead = async_pipeline
+        self.batch_queue = BatchQueue(
+            self.executor, parallel_config.pipeline_parallel_size, async_pipeline
+        )
+        if async_pipeline:
+            logger.info(
+                "Async scheduling: decodes are scheduled ahead of their outputs (up to %d "
+                "micro-batches in flight)",
+                self.batch_queue.max_concurrent_batches,
+            )
         self._finished_request_ids: list[str] = []
         # Outputs made while scheduling (ignored prompts), returned by this or the next step
         # even if the step fails after making them.
@@ -171,7 +174,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return (
             self.scheduler.has_unfinished_seqs()
-            or bool(self._in_flight)
+            or bool(self.batch_queue)
             or bool(self._pending_outputs)
         )
 
@@ -185,24 +188,18 @@ class LLMEngine:
             raise EngineDeadError(str(self._dead)) from self._dead.__cause__
 
     def _submit(self, scheduler_outputs: SchedulerOutputs, metadata_list: list[Any]) -> None:
-        request = ExecuteModelRequest(
-            seq_group_metadata_list=metadata_list,
-            blocks_to_swap_in=scheduler_outputs.blocks_to_swap_in,
-            blocks_to_swap_out=scheduler_outputs.blocks_to_swap_out,
-            blocks_to_copy=scheduler_outputs.blocks_to_copy,
-            finished_request_ids=self._finished_request_ids,
-            kv_blocks_bound=self.scheduler.kv_blocks_bound(),
+        finished, self._finished_request_ids = self._finished_request_ids, []
+        self.batch_queue.submit(
+            scheduler_outputs, metadata_list, finished, self.scheduler.kv_blocks_bound()
         )
-        self._finished_request_ids = []
-        handle = self.executor.execute_model_async(request, scheduler_outputs.num_batched_tokens)
-        self._in_flight.append(_InFlightBatch(handle, scheduler_outputs))
 
     def _micro_batch_cap(self) -> Optional[int]:
         """With N stages, a batch takes ~1/N of the active sequences, so N batches can be in
         the pipeline at once instead of one batch holding everything (and N-1 stages idle)."""
-        if self.max_in_flight == 1:
+        stages = self.parallel_config.pipeline_parallel_size
+        if stages == 1:
             return None
-        return max(1, -(-self.scheduler.num_active_seqs() // self.max_in_flight))
+        return max(1, -(-self.scheduler.num_active_seqs() // stages))
 
     def step(self) -> list[RequestOutput]:
         """Fill the pipeline with new batches, then finish the oldest one.
@@ -222,7 +219,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         ignored_groups: list[SequenceGroup] = []
-        while len(self._in_flight) < self.max_in_flight:
+        while not self.batch_queue.is_full():
             with sigint_deferred():
                 metadata_list, sched_out = self.scheduler.schedule(self._micro_batch_cap())
                 for group in sched_out.ignored_seq_groups:
@@ -233,13 +230,12 @@ class LLMEngine:
             if sched_out.is_empty():
                 break
             self._submit(sched_out, metadata_list)
-        if not self._in_flight:
+        if not self.batch_queue:
             if self.stats is not None and ignored_groups:
                 self.stats.after_batch(None, None, [], ignored_groups)
             return self._take_pending_outputs()
-        output = self.executor.get_output(self._in_flight[0].handle)
         with sigint_deferred():
-            sched_out = self._in_flight.popleft().scheduler_outputs
+            sched_out, output = self.batch_queue.collect_oldest()
             groups = sched_out.scheduled_seq_groups
             before = self.stats.before_batch(groups) if self.stats is not None else []
             # Out of flight first: this releases groups aborted meanwhile (their blocks too).
@@ -261,9 +257,8 @@ class LLMEngine:
         Stages still run the abandoned steps, but before any later one (an actor runs its
         calls in order), so blocks the abandoned steps write are rewritten by the recompute
         or by their next owner afterwards."""
-        self._in_flight.clear()
         if self.executor is not None:
-            self.executor.discard_steps()
+            self.batch_queue.discard()
         requeued = self.scheduler.requeue_in_flight()
         if requeued:
             logger.warning(
@@ -275,7 +270,7 @@ class LLMEngine:
         up or replacing fails, abort everything, release the workers and raise."""
         event = FaultEvent(error.ranks, str(error), error.detected_after_s)
         self.fault_events.append(event)
-        self._in_flight.clear()
+        self.batch_queue.reset()
         requeued = self.scheduler.requeue_all()
         event.requeued_requests = len(requeued)
         limit = self.parallel_config.max_stage_restarts
@@ -365,6 +360,24 @@ def _load_tokenizer(model_config: ModelConfig) -> Any:
     return AutoTokenizer.from_pretrained(
         model_config.tokenizer, trust_remote_code=model_config.trust_remote_code
     )
+
+
+def _use_async_pipeline(
+    scheduler_config: SchedulerConfig, parallel_config: ParallelConfig
+) -> bool:
+    """Async scheduling needs separate stage processes (a first stage that can receive the
+    last stage's sampled ids) and pipeline parallelism; None means on where it can be."""
+    supported = (
+        parallel_config.pipeline_parallel_size > 1
+        and parallel_config.distributed_executor_backend in ("ray", "mp")
+    )
+    wanted = scheduler_config.async_scheduling
+    if wanted and not supported:
+        logger.warning(
+            "async_scheduling needs pipeline_parallel_size > 1 on the ray or mp backend; "
+            "running without it"
+        )
+    return supported and wanted is not False
 
 
 def _make_executor(*configs: Any) -> Any:

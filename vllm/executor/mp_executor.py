@@ -296,7 +296,7 @@ class MultiprocessingExecutor(ExecutorBase):
     def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
         # As on Ray: every rank of the first and last stage gets the batch, middle stages only
         # the block operations; the last stage's TP driver returns the sampler output.
-        light = replace(request, seq_group_metadata_list=None)
+        light = replace(request, step=None)
         tp = self.parallel_config.tensor_parallel_size
         last_stage = self.parallel_config.pipeline_parallel_size - 1
         call_id = next(self._ids)

@@ -208,7 +208,7 @@ class RayExecutor(ExecutorBase):
         # Middle stages take their batch from the previous stage; only block ops go to them.
         # With TP every rank of the first and last stage gets the batch (each builds its own
         # inputs); the last stage's TP driver (tp_rank 0) returns the sampler output.
-        light = replace(request, seq_group_metadata_list=None)
+        light = replace(request, step=None)
         tp = self.parallel_config.tensor_parallel_size
         last_stage = self.parallel_config.pipeline_parallel_size - 1
         refs = [

@@ -17,7 +17,8 @@ from vllm.model_executor.parallel_utils import parallel_state as ps
 from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 from vllm.model_executor.parallel_utils.communication import recv_tensor_dict, send_tensor_dict
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
-from vllm.sequence import ExecuteModelRequest, SamplerOutput
+from vllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
+from vllm.step_delta import StageRequestState, StepMessage
 from vllm.worker.cache_engine import CacheEngine, cache_block_bytes
 from vllm.worker.cpu_memory import release_memory, tune_malloc
 from vllm.worker.model_runner import ModelRunner
@@ -26,7 +27,10 @@ logger = logging.getLogger("vllm.worker")
 
 
 def _new_stats() -> dict[str, float]:
-    keys = ("steps", "idle_s", "cache_s", "recv_s", "compute_s", "compute_cpu_s", "send_s")
+    keys = (
+        "steps", "idle_s", "cache_s", "recv_s", "compute_s", "compute_cpu_s", "send_s",
+        "tokens_wait_s",
+    )  # fmt: skip
     return dict.fromkeys(keys, 0.0)
 
 
@@ -54,6 +58,11 @@ class Worker:
         self.num_threads = num_threads
         self.cache_engine: Optional[CacheEngine] = None
         self._pending_send: Any = None
+        # First and last stage: the requests of the step messages (deltas), and the
+        # channel of sampled ids from the last stage to the first (asynchronous pipeline).
+        self.request_state = StageRequestState()
+        self._sampled_through = 0
+        self._sampled_sends: list[Any] = []
         self.stats = _new_stats()
         self._last_exit: Optional[float] = None
         # perf_counter() when the step in progress started; None between steps. Read from
@@ -102,6 +111,10 @@ class Worker:
         so no KV written before the failure is read again."""
         # The previous send's peer may be gone: never wait on it.
         self._pending_send = None
+        self._sampled_sends = []
+        # The new groups start a new channel of sampled ids, numbered from 0 by the engine.
+        self._sampled_through = 0
+        self.request_state.clear()
         try:
             ps.destroy_model_parallel()
         except Exception as exc:  # a group with a dead peer may not close cleanly
@@ -254,6 +267,14 @@ class Worker:
         cache.swap_out(request.blocks_to_swap_out)
         cache.copy(request.blocks_to_copy)
         self.model_runner.drop_requests(request.finished_request_ids)
+        metadata_list = None
+        if request.step is not None:
+            self.request_state.drop(request.finished_request_ids)
+            if self.layout.is_first and not self.layout.is_last:
+                waited = time.perf_counter()
+                self._receive_sampled(request.step.recv_sampled_through)
+                stats["tokens_wait_s"] += time.perf_counter() - waited
+            metadata_list = self.request_state.apply(request.step)
         # Cache work first: on a later stage it overlaps with the previous stage's compute.
         cached = time.perf_counter()
         stats["cache_s"] += cached - entered
@@ -267,9 +288,9 @@ class Worker:
         started = time.perf_counter()
         cpu_started = time.thread_time()
         stats["recv_s"] += started - cached
-        to_send, output = self.model_runner.execute_stage(
-            cache.gpu_cache, request.seq_group_metadata_list, received
-        )
+        to_send, output = self.model_runner.execute_stage(cache.gpu_cache, metadata_list, received)
+        if self.layout.is_last and request.step is not None and not self.layout.is_first:
+            self._share_sampled(request.step, metadata_list, output)
         computed = time.perf_counter()
         stats["compute_s"] += computed - started
         # Less CPU than wall time in compute means the core was taken by someone else.
@@ -291,6 +312,47 @@ class Worker:
         stats["steps"] += 1
         self.busy_since = None
         return output
+
+    def _receive_sampled(self, through: int) -> None:
+        """First stage: take the last stage's sampled-id messages up to step `through` (the
+        decodes scheduled ahead in this step feed those tokens)."""
+        src = (self.parallel_config.pipeline_parallel_size - 1) * (
+            self.parallel_config.tensor_parallel_size
+        )
+        while self._sampled_through < through:
+            message = recv_tensor_dict(src, device="cpu")
+            if message["step_no"] != self._sampled_through + 1:
+                raise RuntimeError(
+                    f"rank {self.rank}: sampled ids of step {message['step_no']} arrived, "
+                    f"step {self._sampled_through + 1} was expected"
+                )
+            self.request_state.record_sampled(message["pairs"])
+            self._sampled_through = message["step_no"]
+
+    def _share_sampled(
+        self,
+        step: StepMessage,
+        metadata_list: Optional[list[SequenceGroupMetadata]],
+        output: Optional[SamplerOutput],
+    ) -> None:
+        """Last stage: keep the ids this step sampled (for decodes scheduled ahead) and, with
+        the asynchronous pipeline, send them to the first stage's ranks (and to this stage's
+        other TP ranks, whose sampler returns nothing)."""
+        pc = self.parallel_config
+        tp = pc.tensor_parallel_size
+        driver = (pc.pipeline_parallel_size - 1) * tp
+        if output is not None:
+            pairs = [(s.parent_seq_id, s.output_token) for g in output for s in g.samples]
+            self.request_state.record_sampled(pairs)
+            if not step.send_sampled:
+                return
+            message = {"step_no": step.step_no, "pairs": pairs}
+            self._sampled_sends = [h for h in self._sampled_sends if not h.is_completed()]
+            peers = [*range(tp), *range(driver + 1, driver + tp)]
+            for peer in peers:
+                self._sampled_sends.append(send_tensor_dict(message, peer, async_op=True))
+        elif step.send_sampled and self.rank != driver:
+            self.request_state.record_sampled(recv_tensor_dict(driver, device="cpu")["pairs"])
 
     def get_stage_stats(self, reset: bool = True) -> dict[str, float]:
         """Where this stage's time went since the last reset: cache operations (mapping the

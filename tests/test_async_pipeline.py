@@ -1,0 +1,162 @@
+"""The asynchronous pipeline at PP > 1: decodes scheduled ahead of their previous output, the
+last stage's sampled ids sent straight to the first stage, and deltas instead of histories.
+
+Greedy output equals HF; seeded sampling with penalties, n > 1 and beam search equal the
+synchronous pipeline's; a stop token ends generation exactly where it occurs (tokens sampled
+ahead past it are never shown); aborts while two steps are in flight lose nothing else. One
+engine per PP size is shared by the tests of this module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny_models
+
+from vllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.ray
+
+KIND = "llama-gqa-untied"
+MANY = [p for _ in range(4) for p in tiny_models.PROMPTS]
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def async_llm(request, ray_session, tiny_model_dirs):
+    llm = LLM(
+        tiny_model_dirs[KIND],
+        pipeline_parallel_size=request.param,
+        kv_cache_space=0.05,
+        swap_space=0.01,
+    )
+    assert llm.llm_engine.batch_queue.async_pipeline
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sync_results(ray_session, tiny_model_dirs):
+    """The synchronous pipeline's outputs (its engine is shut down before the next PP size
+    starts: the session's Ray has 4 CPUs)."""
+    llm = LLM(
+        tiny_model_dirs[KIND],
+        pipeline_parallel_size=2,
+        async_scheduling=False,
+        kv_cache_space=0.05,
+        swap_space=0.01,
+    )
+    queue = llm.llm_engine.batch_queue
+    assert not queue.async_pipeline
+    greedy = llm.generate(tiny_models.PROMPTS, SamplingParams(temperature=0.0, max_tokens=32),
+                          use_tqdm=False)
+    results = {
+        "greedy": [o.outputs[0].token_ids for o in greedy],
+        "ahead_groups": queue.reset_stats().ahead_groups,
+        "sampling": llm.generate(tiny_models.PROMPTS, _sampling_params(), use_tqdm=False),
+    }
+    llm.shutdown()
+    return results
+
+
+def _ids(outputs):
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+def test_greedy_equals_hf_with_steps_ahead(async_llm, hf_reference):
+    queue = async_llm.llm_engine.batch_queue
+    queue.reset_stats()
+    queue.count_bytes = True
+    reference = hf_reference(KIND)
+    outputs = async_llm.generate(MANY, SamplingParams(temperature=0.0, max_tokens=32),
+                                 use_tqdm=False)
+    queue.count_bytes = False
+    tokenizer = async_llm.get_tokenizer()
+    for i, out in enumerate(outputs):
+        ref = reference[i % len(tiny_models.PROMPTS)]
+        assert out.outputs[0].token_ids == ref, f"prompt {i}"
+        assert out.outputs[0].text == tokenizer.decode(ref, skip_special_tokens=True)
+    stats = queue.reset_stats()
+    # Most decode micro-batches went ahead of their previous output.
+    assert stats.ahead_groups > 0.5 * len(MANY) * 30
+    # Deltas: far fewer bytes than full histories (new requests are sent once).
+    assert stats.step_bytes * 3 < stats.full_bytes, stats
+    engine = async_llm.llm_engine
+    assert not engine.scheduler.in_flight and not engine.has_unfinished_requests()
+    assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == (
+        engine.cache_config.num_gpu_blocks
+    )
+
+
+def test_stop_token_inside_steps_ahead_is_exact(async_llm, hf_reference):
+    """Stop at the k-th generated token: what was sampled ahead past it is discarded."""
+    reference = hf_reference(KIND)
+    params, expected = [], []
+    for i, ref in enumerate(reference * 2):
+        k = 3 + (5 * i) % 20
+        stop = ref[k]
+        first = ref.index(stop)
+        params.append(SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[stop]))
+        expected.append(ref[: first + 1])
+    outputs = async_llm.generate(tiny_models.PROMPTS * 2, params, use_tqdm=False)
+    for out, exp in zip(outputs, expected):
+        assert list(out.outputs[0].token_ids) == exp
+        assert out.outputs[0].finish_reason == "stop"
+    engine = async_llm.llm_engine
+    assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == (
+        engine.cache_config.num_gpu_blocks
+    )
+
+
+def _sampling_params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=1.0, seed=11, max_tokens=24, presence_penalty=0.5,
+                       frequency_penalty=0.3, repetition_penalty=1.2),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, n=2),
+        SamplingParams(temperature=0.0, max_tokens=12, n=2, best_of=3, use_beam_search=True),
+        SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=28, min_tokens=10,
+                       logprobs=2),
+    ] * 2
+
+
+def test_sampling_equals_sync_pipeline(sync_results, async_llm):
+    """Seeded sampling (penalties read the stages' own token state), n > 1 and beam search
+    give exactly what the synchronous pipeline gives."""
+    got = async_llm.generate(tiny_models.PROMPTS, _sampling_params(), use_tqdm=False)
+    want = sync_results["sampling"]
+    assert _ids(got) == _ids(want)
+    for g, w in zip(got, want):
+        for gc, wc in zip(g.outputs, w.outputs):
+            assert gc.cumulative_logprob == pytest.approx(wc.cumulative_logprob, abs=1e-4)
+
+
+def test_abort_while_two_steps_in_flight(async_llm, hf_reference):
+    engine = async_llm.llm_engine
+    reference = hf_reference(KIND)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32)
+    for i, prompt in enumerate(tiny_models.PROMPTS):
+        engine.add_request(f"ab-{i}", prompt, greedy)
+    finished = {}
+    for _ in range(12):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert len(engine.batch_queue) > engine.parallel_config.pipeline_parallel_size
+    aborted = {f"ab-{i}" for i in range(0, len(tiny_models.PROMPTS), 3)}
+    engine.abort_request(aborted)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    for i in range(len(tiny_models.PROMPTS)):
+        rid = f"ab-{i}"
+        if rid in aborted:
+            continue
+        assert list(finished[rid].outputs[0].token_ids) == reference[i]
+    assert not engine.scheduler.in_flight
+    assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == (
+        engine.cache_config.num_gpu_blocks
+    )
+
+
+def test_sync_pipeline_sends_no_steps_ahead(sync_results, hf_reference):
+    assert sync_results["greedy"] == hf_reference(KIND)
+    assert sync_results["ahead_groups"] == 0

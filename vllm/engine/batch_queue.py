@@ -1,0 +1,162 @@
+"""The micro-batches inside the pipeline: one owner, in submission order (torch-free).
+
+The engine schedules a batch, the queue turns it into a step message (deltas against what the
+first and last stages hold, `StepEncoder`) and submits it to the executor, which returns a
+handle at once. Up to `max_concurrent_batches` batches are in flight: the pipeline depth, or
+twice it when decodes are scheduled ahead of their previous step's output (the asynchronous
+pipeline: the last stage then sends its sampled ids straight to the first stage, and the
+queue tells the first stage which steps' ids to wait for). Outputs are collected oldest
+first. The scheduler keeps which requests are in flight; the queue keeps the batches.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from vllm.core.scheduler import SchedulerOutputs
+from vllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
+from vllm.step_delta import StepEncoder
+
+
+class StepExecutor(Protocol):
+    """What the queue needs of an executor."""
+
+    def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any: ...
+
+    def get_output(self, handle: Any) -> SamplerOutput: ...
+
+    def discard_steps(self) -> None: ...
+
+
+@dataclass
+class InFlightBatch:
+    """One submitted micro-batch: the executor's handle and what the scheduler decided."""
+
+    handle: Any
+    scheduler_outputs: SchedulerOutputs
+    step_no: int
+
+
+@dataclass
+class BatchQueueStats:
+    """Counters since the last reset. Bytes are counted only with `count_bytes` on: the
+    pickled step message, and what the same step would take as full histories."""
+
+    steps: int = 0
+    step_bytes: int = 0
+    full_bytes: int = 0
+    ahead_groups: int = 0
+    groups: int = 0
+    per_step_bytes: list[int] = field(default_factory=list)
+
+
+class BatchQueue:
+    """Submits scheduled batches and hands their outputs back oldest first."""
+
+    def __init__(self, executor: StepExecutor, pipeline_depth: int, async_pipeline: bool) -> None:
+        self.executor = executor
+        self.async_pipeline = async_pipeline
+        self.max_concurrent_batches = pipeline_depth * (2 if async_pipeline else 1)
+        self.encoder = StepEncoder()
+        self._batches: deque[InFlightBatch] = deque()
+        # Steps are numbered for the channel of sampled ids (restarts at 0 with new groups).
+        self._step_no = 0
+        # Steps whose output was collected (so their sampled ids were sent), and a floor set
+        # after an interrupt: every abandoned step's ids must be drained first.
+        self._collected_through = 0
+        self._drain_through = 0
+        # Scheduler batch number -> step number, for the batches in flight.
+        self._step_of_batch: dict[int, int] = {}
+        self.count_bytes = False
+        self.stats = BatchQueueStats()
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def is_full(self) -> bool:
+        return len(self._batches) >= self.max_concurrent_batches
+
+    def submit(
+        self,
+        scheduler_outputs: SchedulerOutputs,
+        metadata_list: list[SequenceGroupMetadata],
+        finished_request_ids: list[str],
+        kv_blocks_bound: int,
+    ) -> None:
+        """Encode and submit one scheduled batch."""
+        self.encoder.forget(finished_request_ids)
+        pending = {
+            seq_id: 1
+            for meta in metadata_list
+            if meta.request_id in scheduler_outputs.ahead
+            for seq_id in meta.seq_data
+        }
+        message = self.encoder.encode(metadata_list, pending)
+        self._step_no += 1
+        message.step_no = self._step_no
+        if self.async_pipeline:
+            message.send_sampled = True
+            # The first stage drains the sampled ids of every step collected so far (they
+            # were sent), and of the steps abandoned by an interrupt.
+            message.recv_sampled_through = max(self._collected_through, self._drain_through)
+        for batch_no in set(scheduler_outputs.ahead.values()):
+            # The step in flight whose sampled ids the ahead decodes feed.
+            depends_on = self._step_of_batch[batch_no]
+            message.recv_sampled_through = max(message.recv_sampled_through, depends_on)
+        self._step_of_batch[scheduler_outputs.batch_no] = self._step_no
+        request = ExecuteModelRequest(
+            step=message,
+            blocks_to_swap_in=scheduler_outputs.blocks_to_swap_in,
+            blocks_to_swap_out=scheduler_outputs.blocks_to_swap_out,
+            blocks_to_copy=scheduler_outputs.blocks_to_copy,
+            finished_request_ids=finished_request_ids,
+            kv_blocks_bound=kv_blocks_bound,
+        )
+        if self.count_bytes:
+            self._count(message, metadata_list)
+        self.stats.steps += 1
+        self.stats.groups += len(metadata_list)
+        self.stats.ahead_groups += len(scheduler_outputs.ahead)
+        handle = self.executor.execute_model_async(request, scheduler_outputs.num_batched_tokens)
+        self._batches.append(InFlightBatch(handle, scheduler_outputs, self._step_no))
+
+    def _count(self, message: Any, metadata_list: list[SequenceGroupMetadata]) -> None:
+        size = len(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        self.stats.step_bytes += size
+        self.stats.per_step_bytes.append(size)
+        self.stats.full_bytes += len(pickle.dumps(metadata_list, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def collect_oldest(self) -> tuple[SchedulerOutputs, SamplerOutput]:
+        """Wait for the oldest batch; it leaves the queue only once its output is here (a
+        failure while waiting leaves it for `discard` or `reset`)."""
+        batch = self._batches[0]
+        output = self.executor.get_output(batch.handle)
+        self._batches.popleft()
+        self._collected_through = batch.step_no
+        self._step_of_batch.pop(batch.scheduler_outputs.batch_no, None)
+        return batch.scheduler_outputs, output
+
+    def discard(self) -> None:
+        """An interrupt: forget the batches in flight. The stages still run them, in order,
+        before anything later; the next step makes them forget every request (and the first
+        stage drain the abandoned steps' sampled ids first)."""
+        self._batches.clear()
+        self._step_of_batch.clear()
+        self.executor.discard_steps()
+        self.encoder.reset()
+        self._drain_through = self._step_no
+
+    def reset(self) -> None:
+        """A stage was replaced and the groups re-formed: nothing is in flight, the stages
+        hold no request, and the sampled-id channel starts again."""
+        self._batches.clear()
+        self._step_of_batch.clear()
+        self.encoder.reset()
+        self._step_no = self._collected_through = self._drain_through = 0
+
+    def reset_stats(self) -> BatchQueueStats:
+        stats, self.stats = self.stats, BatchQueueStats()
+        return stats
