@@ -293,7 +293,7 @@ class ParallelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if self.pp_layer_partition is None:
-            self.pp_layer_partition = os.environ.get("VLLM_PP_LAYER_PARTITION") or None
+            self.pp_layer_partition = envs.get_str("VLLM_PP_LAYER_PARTITION") or None
         backend = self.distributed_executor_backend
         if backend is None:
             backend = _default_backend(self.world_size)

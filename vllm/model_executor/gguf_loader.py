@@ -27,6 +27,8 @@ import gguf
 import numpy as np
 import torch
 
+from vllm import envs
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
@@ -230,7 +232,7 @@ def _cache_dir(path: str) -> str:
         f.seek(max(0, size - (1 << 20)))
         digest.update(f.read(1 << 20))
     digest.update(str(size).encode())
-    root = os.environ.get("VLLM_PP_CACHE_DIR") or os.path.join(
+    root = envs.get_str("VLLM_PP_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "vllm-pp"
     )
     return os.path.join(root, "gguf", digest.hexdigest())
