@@ -41,7 +41,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}.")
-        from vllm.model_executor.gguf_loader import is_gguf, resolve_model
+        from vllm.transformers_utils.gguf_config import is_gguf, resolve_model
 
         self.model = resolve_model(self.model)
         self.is_gguf = is_gguf(self.model)
@@ -156,7 +156,7 @@ class PlainConfig:
 
 def _load_hf_config(model: str, is_gguf: bool, trust_remote_code: bool) -> Any:
     if is_gguf:
-        from vllm.model_executor.gguf_loader import load_gguf_config
+        from vllm.transformers_utils.gguf_config import load_gguf_config
 
         return load_gguf_config(model)
     if not os.path.exists(model):
