@@ -32,7 +32,8 @@ class ModelConfig:
     tokenizer: Optional[str] = None
     dtype: str = "auto"
     seed: int = 0
-    max_model_len: Optional[int] = None
+    # None: the model's context length (set in __post_init__).
+    max_model_len: int = None  # type: ignore[assignment]
     trust_remote_code: bool = False
     max_logprobs: int = 20
     skip_tokenizer_init: bool = False
@@ -285,7 +286,7 @@ class ParallelConfig:
     # A failed stage is replaced up to this many times per engine; 0 = fail-stop (vLLM).
     max_stage_restarts: int = 3
     # Base deadline of one micro-batch (VLLM_PP_STEP_TIMEOUT_S when None); see step_deadline_s.
-    step_timeout_s: Optional[float] = None
+    step_timeout_s: float = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_size", "tensor_parallel_size"):
@@ -357,7 +358,8 @@ class SchedulerConfig:
     budget is prefilled over several steps and `max_num_batched_tokens` may be smaller than
     `max_model_len`."""
 
-    max_num_batched_tokens: Optional[int] = None
+    # None: derived in __post_init__; the annotations give the type the fields then have.
+    max_num_batched_tokens: int = None  # type: ignore[assignment]
     max_num_seqs: int = 256
     max_model_len: int = 2048
     preemption_mode: Optional[str] = None
