@@ -4,12 +4,14 @@
   IPv6 literals; a hand-built one would break IPv6 clusters.
 - The beam-search score has one definition (`vllm.sequence.beam_search_score`), used by
   `Sequence.get_beam_search_score` and therefore by beam search and by `RequestOutput`.
+- No issue numbers in the product (code, docs, benchmarks).
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -77,3 +79,36 @@ def test_beam_score_is_one_definition_counting_generated_tokens_only() -> None:
     assert seq.get_beam_search_score(0.0) == pytest.approx(-6.0)
     assert beam_search_score(-6.0, 3, 1.0) == seq.get_beam_search_score(1.0)
     assert beam_search_score(-1.0, 0, 1.0) == -1.0  # no generated token yet: length 1
+
+
+_ISSUE_NUMBER = re.compile(r"\bissues?\s*#?\d+|(?<![\w/&#])#\d{1,4}\b", re.IGNORECASE)
+
+
+def _product_files() -> list[pathlib.Path]:
+    files = [REPO / name for name in ("README.md", "run.py", "masstest.py", "Makefile", "setup.py")]
+    files += sorted((REPO / "docs").glob("*.md"))
+    for folder in ("vllm", "benchmarks", "csrc", "examples"):
+        files += [
+            p
+            for p in sorted((REPO / folder).rglob("*"))
+            if p.suffix in (".py", ".cpp", ".h", ".md", ".txt")
+        ]
+    return [p for p in files if p.exists()]
+
+
+def test_no_issue_numbers_in_the_product() -> None:
+    """The product (code, docs, benchmark output) speaks for itself: no "issue 14", no "#13"."""
+    found = [
+        f"{path.relative_to(REPO)}:{lineno}: {line.strip()}"
+        for path in _product_files()
+        for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if _ISSUE_NUMBER.search(line)
+    ]
+    assert not found, found
+
+
+def test_the_issue_number_pattern() -> None:
+    for text in ("see issue 14", "(#13)", "Issues #7 and", "fixes #2"):
+        assert _ISSUE_NUMBER.search(text), text
+    for text in ("color #ff0000", "a&#39;b", "x#1y", "tissue 3 layers"):
+        assert not _ISSUE_NUMBER.search(text), text
