@@ -12,7 +12,11 @@ Imports nothing but the standard library: the logger and the torch-free configs 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -178,22 +182,22 @@ def get_str(name: str) -> str:
     return _raw(name)
 
 
-def get_float(name: str) -> float:
-    """The variable's value as a float (its registered default when unset or empty)."""
+def _parsed(name: str, parse: Callable[[str], T], expected: str) -> T:
     raw = _raw(name)
     try:
-        return float(raw)
+        return parse(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}.") from None
+        raise ValueError(f"{name} must be {expected}, got {raw!r}.") from None
+
+
+def get_float(name: str) -> float:
+    """The variable's value as a float (its registered default when unset or empty)."""
+    return _parsed(name, float, "a number of seconds")
 
 
 def get_int(name: str) -> int:
     """The variable's value as an int (its registered default when unset or empty)."""
-    raw = _raw(name)
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}.") from None
+    return _parsed(name, int, "an integer")
 
 
 def get_bool(name: str) -> bool:
