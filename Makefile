@@ -3,7 +3,10 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install run test lint bench
+.PHONY: install run test test-fast lint bench
+
+# The torch-free unit tests: the test modules marked `pytestmark = pytest.mark.fast`.
+FAST_TESTS := $(shell grep -l "pytest.mark.fast" tests/test_*.py)
 
 install:
 	# torch first and pinned: any other spec downloads gigabytes of CUDA wheels.
@@ -19,7 +22,16 @@ run: install
 
 test: install
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
 	$(PYTHON) -m pytest -q tests
+
+# Seconds, no model, no Ray, no torch: the scheduler, block manager, configs, sampling params,
+# environment registry and structure checks. Assumes `make install` ran once.
+test-fast:
+	$(PYTHON) -m pytest -q -m fast $(FAST_TESTS)
 
 lint:
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy

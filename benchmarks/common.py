@@ -81,7 +81,7 @@ def load_tokenizer(model: str) -> Any:
     """The tokenizer the engine would load for `model` (GGUF-built or from the HF directory)."""
     config = resolve(model)
     if config.is_gguf:
-        from vllm.model_executor.gguf_loader import load_gguf_tokenizer
+        from vllm.transformers_utils.gguf_config import load_gguf_tokenizer
 
         return load_gguf_tokenizer(config.model)
     from transformers import AutoTokenizer

@@ -179,7 +179,7 @@ def run_hf(args: argparse.Namespace, prompts: list[Prompt], threads: int) -> dic
     config = resolve(args.model, args.hf_dtype or args.dtype)
     dtype = get_torch_dtype(config.dtype)
     if config.is_gguf:
-        from vllm.model_executor.gguf_loader import load_gguf_tokenizer
+        from vllm.transformers_utils.gguf_config import load_gguf_tokenizer
 
         directory, name = os.path.split(config.model)
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)

@@ -28,7 +28,11 @@ def build(out_dir: str, heads: int = 8, kv_heads: int = 4, seed: int = 0) -> str
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from vllm.model_executor.gguf_loader import load_gguf_config, load_gguf_tokenizer, resolve_model
+    from vllm.transformers_utils.gguf_config import (
+        load_gguf_config,
+        load_gguf_tokenizer,
+        resolve_model,
+    )
 
     path = resolve_model("smollm2")
     base = load_gguf_config(path)

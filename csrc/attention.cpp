@@ -272,43 +272,31 @@ struct DecodeKernel {
   }
 };
 
-// One instantiation per instruction set, each with its native vector width, and per fixed head
-// size that fits in 8 of its registers. The target attribute lets the compiler use that ISA
-// inside the function (and everything inlined into it) while the rest of the library stays
-// baseline x86-64.
+// The kernel as select_isa_kernel (cpu_isa.h) wants it: one class per vector width W. A head
+// size of 64 or 128 is compiled in (kD) when a head row fits in 8 registers of that width
+// (64: AVX2 and AVX-512; 128: AVX-512); any other size takes the runtime-D kernel.
 using TaskFn = void (*)(const DecodeArgs&, int64_t, int64_t);
 
 template <typename scalar_t>
-void decode_tasks_generic(const DecodeArgs& a, int64_t begin, int64_t end) {
-  DecodeKernel<4, scalar_t, 0>::run(a, begin, end);
-}
-
-#if defined(__x86_64__)
-template <typename scalar_t, int kD>
-VLLM_PP_AVX2 void decode_tasks_avx2(const DecodeArgs& a, int64_t begin, int64_t end) {
-  DecodeKernel<8, scalar_t, kD>::run(a, begin, end);
-}
-
-template <typename scalar_t, int kD>
-VLLM_PP_AVX512 void decode_tasks_avx512(const DecodeArgs& a, int64_t begin, int64_t end) {
-  DecodeKernel<16, scalar_t, kD>::run(a, begin, end);
-}
-#endif
+struct DecodeTasks {
+  template <int W>
+  struct Kernel {
+    static VLLM_PP_INLINE void run(const DecodeArgs& a, int64_t begin, int64_t end) {
+      if constexpr (64 <= 8 * W) {
+        if (a.head_size == 64) return DecodeKernel<W, scalar_t, 64>::run(a, begin, end);
+      }
+      if constexpr (128 <= 8 * W) {
+        if (a.head_size == 128) return DecodeKernel<W, scalar_t, 128>::run(a, begin, end);
+      }
+      DecodeKernel<W, scalar_t, 0>::run(a, begin, end);
+    }
+  };
+};
 
 template <typename scalar_t>
-TaskFn select_tasks(int64_t head_size) {
-#if defined(__x86_64__)
-  switch (active_isa().load()) {
-    case VLLM_PP_ISA_AVX512:
-      if (head_size == 64) return decode_tasks_avx512<scalar_t, 64>;
-      if (head_size == 128) return decode_tasks_avx512<scalar_t, 128>;
-      return decode_tasks_avx512<scalar_t, 0>;
-    case VLLM_PP_ISA_AVX2:
-      if (head_size == 64) return decode_tasks_avx2<scalar_t, 64>;
-      return decode_tasks_avx2<scalar_t, 0>;
-  }
-#endif
-  return decode_tasks_generic<scalar_t>;
+TaskFn select_tasks() {
+  return select_isa_kernel<DecodeTasks<scalar_t>::template Kernel, const DecodeArgs&, int64_t,
+                           int64_t>();
 }
 
 }  // namespace
@@ -372,7 +360,7 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
   // Whole sequences per task stream the cache best; split them by KV head only when there are
   // too few sequences to give every thread a few tasks.
   a.kv_per_task = B >= 4 * at::get_num_threads() ? Hkv : 1;
-  const TaskFn fn = dtype == at::kFloat ? select_tasks<float>(D) : select_tasks<c10::BFloat16>(D);
+  const TaskFn fn = dtype == at::kFloat ? select_tasks<float>() : select_tasks<c10::BFloat16>();
   // at::parallel_for is OpenMP here (built with -fopenmp, linked against the libgomp torch has
   // already loaded), so torch.set_num_threads governs it, and a pipeline stage pinned to one
   // thread runs this inline without entering a parallel region at all.

@@ -3,7 +3,7 @@
 // Why vector extensions rather than intrinsics: the kernels are written once, against
 // Simd<W>, and instantiated per instruction set with the vector width that is native to it:
 // W = 16 floats (one zmm register) for AVX-512, 8 (ymm) for AVX2, 4 (xmm / NEON) otherwise.
-// The ISA is chosen at run time (see attention.cpp), so the extension never needs
+// The ISA is chosen at run time (see cpu_isa.h), so the extension never needs
 // -march=native. The width must match the ISA: a 16-lane vector built for AVX2 is emulated
 // through the stack and runs several times slower.
 //

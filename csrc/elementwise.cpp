@@ -292,37 +292,17 @@ struct SiluAndMulKernel {
 
 // ---- Per-ISA instantiation and the row loop -----------------------------------------------
 
-// Each kernel instantiated once per instruction set with its native width, inside a function
-// carrying the target attribute (the kernels' run() is always_inline, so all of it is compiled
-// for that ISA), as in attention.cpp.
-template <template <int, typename> class Kernel, typename scalar_t, typename Args>
-void rows_generic(const Args& a, int64_t begin, int64_t end) {
-  Kernel<4, scalar_t>::run(a, begin, end);
-}
-
-#if defined(__x86_64__)
-template <template <int, typename> class Kernel, typename scalar_t, typename Args>
-VLLM_PP_AVX2 void rows_avx2(const Args& a, int64_t begin, int64_t end) {
-  Kernel<8, scalar_t>::run(a, begin, end);
-}
-
-template <template <int, typename> class Kernel, typename scalar_t, typename Args>
-VLLM_PP_AVX512 void rows_avx512(const Args& a, int64_t begin, int64_t end) {
-  Kernel<16, scalar_t>::run(a, begin, end);
-}
-#endif
+// Each kernel for one dtype, as select_isa_kernel (cpu_isa.h) wants it: a class per width W.
+template <template <int, typename> class Kernel, typename scalar_t>
+struct OfDtype {
+  template <int W>
+  using At = Kernel<W, scalar_t>;
+};
 
 template <template <int, typename> class Kernel, typename scalar_t, typename Args>
 auto select_rows() -> void (*)(const Args&, int64_t, int64_t) {
-#if defined(__x86_64__)
-  switch (active_isa().load()) {
-    case VLLM_PP_ISA_AVX512:
-      return rows_avx512<Kernel, scalar_t, Args>;
-    case VLLM_PP_ISA_AVX2:
-      return rows_avx2<Kernel, scalar_t, Args>;
-  }
-#endif
-  return rows_generic<Kernel, scalar_t, Args>;
+  return select_isa_kernel<OfDtype<Kernel, scalar_t>::template At, const Args&, int64_t,
+                           int64_t>();
 }
 
 // Elements a parallel task gets at least: at::internal::GRAIN_SIZE, torch's own threshold for

@@ -144,19 +144,18 @@ struct SampleKernel {
   }
 };
 
-using StatsFn = void (*)(const SampleArgs&, int64_t);
-using DrawFn = void (*)(const SampleArgs&, int64_t);
+// The two passes as select_isa_kernel (cpu_isa.h) wants them: a class per vector width W.
+template <int W>
+struct RowStats {
+  static VLLM_PP_INLINE void run(const SampleArgs& a, int64_t r) {
+    SampleKernel<W>::row_stats(a, r);
+  }
+};
 
-void stats_generic(const SampleArgs& a, int64_t r) { SampleKernel<4>::row_stats(a, r); }
-void draw_generic(const SampleArgs& a, int64_t m) { SampleKernel<4>::draw(a, m); }
-#if defined(__x86_64__)
-VLLM_PP_AVX2 void stats_avx2(const SampleArgs& a, int64_t r) { SampleKernel<8>::row_stats(a, r); }
-VLLM_PP_AVX2 void draw_avx2(const SampleArgs& a, int64_t m) { SampleKernel<8>::draw(a, m); }
-VLLM_PP_AVX512 void stats_avx512(const SampleArgs& a, int64_t r) {
-  SampleKernel<16>::row_stats(a, r);
-}
-VLLM_PP_AVX512 void draw_avx512(const SampleArgs& a, int64_t m) { SampleKernel<16>::draw(a, m); }
-#endif
+template <int W>
+struct Draw {
+  static VLLM_PP_INLINE void run(const SampleArgs& a, int64_t m) { SampleKernel<W>::draw(a, m); }
+};
 
 }  // namespace
 
@@ -198,20 +197,8 @@ void sample_from_logits(const at::Tensor& logits, const at::Tensor& draw_rows,
   SampleArgs a{logits.data_ptr<float>(), N, V, logits.stride(0), row_max.data(),
                row_total.data(), argmax.data_ptr<int64_t>(), lse.data_ptr<float>(), rows, u,
                tokens.data_ptr<int64_t>()};
-  StatsFn stats = stats_generic;
-  DrawFn draw = draw_generic;
-#if defined(__x86_64__)
-  switch (active_isa().load()) {
-    case VLLM_PP_ISA_AVX512:
-      stats = stats_avx512;
-      draw = draw_avx512;
-      break;
-    case VLLM_PP_ISA_AVX2:
-      stats = stats_avx2;
-      draw = draw_avx2;
-      break;
-  }
-#endif
+  const auto stats = select_isa_kernel<RowStats, const SampleArgs&, int64_t>();
+  const auto draw = select_isa_kernel<Draw, const SampleArgs&, int64_t>();
   // A row is ~50-150k element operations: a few rows per task amortise the task start-up.
   at::parallel_for(0, N, /*grain_size=*/4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) stats(a, r);

@@ -8,17 +8,26 @@ from collections.abc import Iterator
 
 import pytest
 
-from vllm import _custom_ops as ops
-
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-@pytest.fixture(params=ops.supported_isas())
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # The ISA list needs the C++ extension, hence torch: asked for only by tests that use
+    # `isa`, so the torch-free unit tests (make test-fast) never import torch.
+    if "isa" in metafunc.fixturenames:
+        from vllm import _custom_ops as ops
+
+        metafunc.parametrize("isa", ops.supported_isas(), indirect=True)
+
+
+@pytest.fixture
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     """Runs a test with each instruction-set variant of the C++ kernels this CPU can execute
     (generic, AVX2, AVX-512), restoring the best one afterwards."""
+    from vllm import _custom_ops as ops
+
     best = ops.cpu_isa()
     ops.set_cpu_isa(request.param)
     yield request.param

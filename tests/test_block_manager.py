@@ -9,6 +9,9 @@ from fake_requests import seq_ids as _seq_ids
 from vllm.core.block_manager import AllocStatus, BlockSpaceManager, _BlockAllocator
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 
+# Torch-free unit tests: part of `make test-fast`.
+pytestmark = pytest.mark.fast
+
 
 def _group(request_id: str, prompt_len: int, block_size: int = 4) -> SequenceGroup:
     seq = Sequence(next(_seq_ids), "p", list(range(prompt_len)), block_size)

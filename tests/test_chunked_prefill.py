@@ -15,6 +15,9 @@ from vllm.core.scheduler import Scheduler
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 
+# Torch-free unit tests: part of `make test-fast`.
+pytestmark = pytest.mark.fast
+
 
 def _scheduler(budget: int, gpu: int = 64, pp: int = 1, caching: bool = False) -> Scheduler:
     cache = CacheConfig(

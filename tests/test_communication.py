@@ -89,7 +89,9 @@ _RECV_DELAY = 1.5  # seconds the receiver idles before the async round
 
 def _edge_worker(rank: int, port: int) -> None:
     """Rank 0 sends the edge messages (sync, then async), rank 1 receives and checks them."""
-    ps.init_distributed_environment(2, rank, f"tcp://127.0.0.1:{port}", backend="gloo")
+    ps.init_distributed_environment(
+        2, rank, ps.get_distributed_init_method("127.0.0.1", port), backend="gloo"
+    )
     ps.initialize_model_parallel(pipeline_parallel_size=2)
     group = ps.get_pp_group()
     messages = _edge_messages()

@@ -18,9 +18,10 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from vllm.model_executor import gguf_loader  # noqa: E402
-from vllm.model_executor.gguf_loader import (  # noqa: E402
+from vllm.model_executor.gguf_loader import iter_gguf_weights  # noqa: E402
+from vllm.transformers_utils import gguf_config  # noqa: E402
+from vllm.transformers_utils.gguf_config import (  # noqa: E402
     is_gguf,
-    iter_gguf_weights,
     load_gguf_config,
     load_gguf_tokenizer,
     resolve_model,
@@ -144,8 +145,8 @@ def test_tokenizer_matches_transformers(gguf_path: str, tmp_path, monkeypatch) -
     directory, name = os.path.split(gguf_path)
     reference = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
     built = load_gguf_tokenizer(gguf_path)  # cache miss: built from the GGUF, then saved
-    assert os.path.isdir(os.path.join(gguf_loader._cache_dir(gguf_path), "tokenizer"))
-    assert gguf_loader._cache_dir(gguf_path).startswith(str(tmp_path))
+    assert os.path.isdir(os.path.join(gguf_config.cache_dir(gguf_path), "tokenizer"))
+    assert gguf_config.cache_dir(gguf_path).startswith(str(tmp_path))
     cached = load_gguf_tokenizer(gguf_path)  # cache hit
     texts = ["Hello, world!", "  spaces\tand\nnewlines ", "héllo 🤗 <|im_start|>", "1234567 + 89"]
     messages = [{"role": "user", "content": "What is 2+2?"}]

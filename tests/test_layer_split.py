@@ -6,6 +6,9 @@ import pytest
 
 from vllm.model_executor.parallel_utils.layer_split import get_pp_layer_range, get_pp_layer_sizes
 
+# Torch-free unit tests: part of `make test-fast`.
+pytestmark = pytest.mark.fast
+
 
 def test_even_split_gives_the_remainder_to_the_first_stages():
     assert get_pp_layer_sizes(30, 4) == [8, 8, 7, 7]

@@ -89,6 +89,8 @@ def test_ip_and_init_method() -> None:
     socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
     assert ps.get_distributed_init_method("10.1.2.3", 29501) == "tcp://10.1.2.3:29501"
     assert ps.get_distributed_init_method("::1", 5) == "tcp://[::1]:5"
+    assert ps.get_distributed_init_method("fe80::1", 29500) == "tcp://[fe80::1]:29500"
+    assert ps.get_distributed_init_method("[::1]", 7) == "tcp://[::1]:7"  # already bracketed
 
 
 def test_single_process_answers_as_one_stage() -> None:

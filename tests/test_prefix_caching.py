@@ -16,6 +16,9 @@ from vllm.core.block_manager import AllocStatus, BlockSpaceManager
 from vllm.core.scheduler import Scheduler
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 
+# Torch-free unit tests: part of `make test-fast`.
+pytestmark = pytest.mark.fast
+
 
 def _group(rid: str, tokens: list[int], params: Optional[_Params] = None) -> SequenceGroup:
     seq = Sequence(next(_seq_ids), "p", tokens, block_size=4)

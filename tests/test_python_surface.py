@@ -111,3 +111,26 @@ def test_newer_vllm_keywords_ray_data_passes():
     assert args.runner == "generate"
     with pytest.raises(ValueError, match="runner='pooling'"):
         AsyncEngineArgs(model="smollm2", runner="pooling")
+
+
+def test_generate_leaves_a_host_gc_freeze_alone(llm, monkeypatch):
+    """generate() unfreezes only what it froze: a host's own gc.freeze() survives it."""
+    import gc
+
+    calls = []
+    real_freeze, real_unfreeze = gc.freeze, gc.unfreeze
+    monkeypatch.setattr(gc, "freeze", lambda: (calls.append("freeze"), real_freeze())[1])
+    monkeypatch.setattr(gc, "unfreeze", lambda: (calls.append("unfreeze"), real_unfreeze())[1])
+    assert gc.get_freeze_count() == 0
+    llm.generate("Hello", GREEDY, use_tqdm=False)
+    assert calls == ["freeze", "unfreeze"] and gc.get_freeze_count() == 0  # its own, undone
+    calls.clear()
+    real_freeze()  # the host's
+    try:
+        frozen = gc.get_freeze_count()
+        llm.generate("Hello", GREEDY, use_tqdm=False)
+        assert calls == []
+        # Frozen objects that die leave the permanent generation; an unfreeze would empty it.
+        assert gc.get_freeze_count() > frozen * 0.9
+    finally:
+        real_unfreeze()

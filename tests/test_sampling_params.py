@@ -9,6 +9,9 @@ import pytest
 
 from vllm.sampling_params import SamplingParams, SamplingParamsTypeError, SamplingType
 
+# Torch-free unit tests: part of `make test-fast`.
+pytestmark = pytest.mark.fast
+
 
 def test_defaults_match_vllm() -> None:
     p = SamplingParams()

@@ -16,6 +16,9 @@ from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.scheduler import PreemptionMode, Scheduler
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 
+# Torch-free unit tests: part of `make test-fast`.
+pytestmark = pytest.mark.fast
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

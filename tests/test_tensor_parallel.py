@@ -171,9 +171,10 @@ def test_gguf_shards_read_only_their_part():
 
     from vllm.model_executor import gguf_loader as gl
     from vllm.model_executor.models.utils import Shard
+    from vllm.transformers_utils.gguf_config import read_header, resolve_model
 
-    path = gl.resolve_model("smollm2")
-    header = gl._read_header(path)
+    path = resolve_model("smollm2")
+    header = read_header(path)
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     by_name = {t.name: t for t in header.tensors}
     for name, shard in [

@@ -29,7 +29,7 @@ PROMPTS = [
 
 def build_tokenizer(out_dir: str) -> str:
     """Save SmolLM2's tokenizer (from the bundled GGUF) into `out_dir`; returns the dir."""
-    from vllm.model_executor.gguf_loader import load_gguf_tokenizer, resolve_model
+    from vllm.transformers_utils.gguf_config import load_gguf_tokenizer, resolve_model
 
     tokenizer = load_gguf_tokenizer(resolve_model("smollm2"))
     tokenizer.save_pretrained(out_dir)
@@ -116,7 +116,7 @@ def hf_smollm2_greedy(prompts: list[str], max_new_tokens: int) -> list[list[int]
     """The same oracle for the bundled SmolLM2 GGUF, loaded the way transformers loads it."""
     from transformers import AutoModelForCausalLM
 
-    from vllm.model_executor.gguf_loader import load_gguf_tokenizer, resolve_model
+    from vllm.transformers_utils.gguf_config import load_gguf_tokenizer, resolve_model
 
     path = resolve_model("smollm2")
     directory, name = os.path.split(path)

@@ -8,10 +8,9 @@ fallback at any time (it is read on every call, so tests and benchmarks can comp
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from vllm import envs
 from vllm.logger import init_logger
 
 logger = init_logger("vllm.custom_ops")
@@ -42,7 +41,7 @@ def is_available() -> bool:
     global _disabled_logged
     if not _LOADED:
         return False
-    if os.environ.get(DISABLE_ENV, "0") == "1":
+    if envs.get_bool(DISABLE_ENV):
         if not _disabled_logged:
             logger.info("%s=1: using the torch code instead of the C++ kernels.", DISABLE_ENV)
             _disabled_logged = True

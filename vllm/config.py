@@ -32,7 +32,8 @@ class ModelConfig:
     tokenizer: Optional[str] = None
     dtype: str = "auto"
     seed: int = 0
-    max_model_len: Optional[int] = None
+    # None: the model's context length (set in __post_init__).
+    max_model_len: int = None  # type: ignore[assignment]
     trust_remote_code: bool = False
     max_logprobs: int = 20
     skip_tokenizer_init: bool = False
@@ -41,7 +42,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}.")
-        from vllm.model_executor.gguf_loader import is_gguf, resolve_model
+        from vllm.transformers_utils.gguf_config import is_gguf, resolve_model
 
         self.model = resolve_model(self.model)
         self.is_gguf = is_gguf(self.model)
@@ -156,7 +157,7 @@ class PlainConfig:
 
 def _load_hf_config(model: str, is_gguf: bool, trust_remote_code: bool) -> Any:
     if is_gguf:
-        from vllm.model_executor.gguf_loader import load_gguf_config
+        from vllm.transformers_utils.gguf_config import load_gguf_config
 
         return load_gguf_config(model)
     if not os.path.exists(model):
@@ -285,7 +286,7 @@ class ParallelConfig:
     # A failed stage is replaced up to this many times per engine; 0 = fail-stop (vLLM).
     max_stage_restarts: int = 3
     # Base deadline of one micro-batch (VLLM_PP_STEP_TIMEOUT_S when None); see step_deadline_s.
-    step_timeout_s: Optional[float] = None
+    step_timeout_s: float = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_size", "tensor_parallel_size"):
@@ -293,7 +294,7 @@ class ParallelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if self.pp_layer_partition is None:
-            self.pp_layer_partition = os.environ.get("VLLM_PP_LAYER_PARTITION") or None
+            self.pp_layer_partition = envs.get_str("VLLM_PP_LAYER_PARTITION") or None
         backend = self.distributed_executor_backend
         if backend is None:
             backend = _default_backend(self.world_size)
@@ -357,7 +358,8 @@ class SchedulerConfig:
     budget is prefilled over several steps and `max_num_batched_tokens` may be smaller than
     `max_model_len`."""
 
-    max_num_batched_tokens: Optional[int] = None
+    # None: derived in __post_init__; the annotations give the type the fields then have.
+    max_num_batched_tokens: int = None  # type: ignore[assignment]
     max_num_seqs: int = 256
     max_model_len: int = 2048
     preemption_mode: Optional[str] = None

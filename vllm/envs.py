@@ -1,55 +1,220 @@
-"""Environment variables of the engine's fault handling: name, default, meaning.
+"""The one registry of the environment variables the engine reads: name, default, type, doc.
 
-Read through these functions (at call time, so tests may set them). The Ray executor forwards
-every `VLLM_*` variable of the driver to its stage actors.
+Every `VLLM_*` variable is declared in `ENV_VARS` and read through the accessors below (at
+call time, so tests may set them). Ray and Ray-Data actors get `environment_to_forward()`:
+exactly the registered variables that are set in the driver, nothing found by a prefix scan.
+The `mp` backend's spawned processes inherit the driver's whole environment.
+`tests/test_envs.py` fails when code under vllm/ reads a `VLLM_*` variable directly.
+
+Imports nothing but the standard library: the logger and the torch-free configs use it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
-# name -> (default, meaning)
-ENV_VARS: dict[str, tuple[str, str]] = {
-    "VLLM_PP_STEP_TIMEOUT_S": (
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: its default (as the string it would be set to), the type
+    it parses to, a one-line doc, and whether Ray actors get the driver's value."""
+
+    name: str
+    default: str
+    type: type
+    doc: str
+    # False for values the stages never read and that should not travel (a secret, a
+    # build-time switch).
+    forward: bool = True
+
+
+_VARS = (
+    # Fault handling and deadlines.
+    EnvVar(
+        "VLLM_PP_STEP_TIMEOUT_S",
         "60",
-        "Base deadline (seconds) for one micro-batch to come back from the pipeline; "
-        "a stage that misses it is declared failed (engine arg step_timeout_s overrides).",
+        float,
+        "Base deadline (seconds) for one micro-batch to come back from the pipeline; a stage "
+        "that misses it is declared failed (engine arg step_timeout_s overrides).",
     ),
-    "VLLM_PP_STEP_TIMEOUT_PER_TOKEN_S": (
+    EnvVar(
+        "VLLM_PP_STEP_TIMEOUT_PER_TOKEN_S",
         "0.05",
+        float,
         "Seconds added to the step deadline per token in the micro-batch (long prefills).",
     ),
-    "VLLM_PP_STAGE_RESTART_TIMEOUT_S": (
+    EnvVar(
+        "VLLM_PP_STAGE_RESTART_TIMEOUT_S",
         "180",
+        float,
         "Deadline (seconds) for replacing failed stages (start, load, rejoin) before giving up.",
     ),
-    "VLLM_PP_HEARTBEAT_TIMEOUT_S": (
+    EnvVar(
+        "VLLM_PP_HEARTBEAT_TIMEOUT_S",
         "5",
+        float,
         "A stage that leaves a health check unanswered this long (seconds) while a step is "
         "slow counts as frozen and is replaced.",
     ),
-    "VLLM_PP_PLACEMENT_TIMEOUT": (
+    EnvVar(
+        "VLLM_PP_PLACEMENT_TIMEOUT",
         "30",
+        float,
         "Seconds to wait for the Ray placement group before failing with a clear error.",
     ),
-    "VLLM_PP_ACTOR_START_TIMEOUT": (
+    EnvVar(
+        "VLLM_PP_ACTOR_START_TIMEOUT",
         "180",
+        float,
         "Seconds rank actors may take to start inside a caller's placement group (the engine "
         "runs in a Ray task/actor holding one) before failing with a clear error.",
     ),
-    "VLLM_MP_CALL_TIMEOUT": (
+    EnvVar(
+        "VLLM_MP_CALL_TIMEOUT",
         "600",
+        float,
         "Seconds one call to a rank of the `mp` backend may take (0: no limit); a rank that "
         "dies is noticed within half a second regardless.",
     ),
+    # Pipeline layout and distributed set-up.
+    EnvVar(
+        "VLLM_PP_LAYER_PARTITION",
+        "",
+        str,
+        "Decoder layers per stage, comma-separated (e.g. '10,8,6,6'); empty: an even split "
+        "(engine arg pp_layer_partition overrides).",
+    ),
+    EnvVar(
+        "VLLM_HOST_IP",
+        "",
+        str,
+        "This node's address as other nodes reach it (multi-homed hosts); empty: detected.",
+    ),
+    # CPU performance knobs.
+    EnvVar(
+        "VLLM_CPU_THREADS_PER_STAGE",
+        "0",
+        int,
+        "Torch threads per stage process; 0: 1 per Ray/mp rank, torch's own count in-process.",
+    ),
+    EnvVar(
+        "VLLM_CPU_MALLOC_TUNING",
+        "1",
+        bool,
+        "0 leaves glibc malloc alone (1: heap-only blocks, no trimming, fewer page faults).",
+    ),
+    EnvVar(
+        "VLLM_CPU_PACKED_LINEAR",
+        "1",
+        bool,
+        "0 disables the oneDNN pre-packed weights of CPU linear layers (fp32/bf16).",
+    ),
+    EnvVar(
+        "VLLM_PP_DISABLE_KERNELS",
+        "0",
+        bool,
+        "1 makes the layers use their torch code instead of the C++ kernels (read per call).",
+    ),
+    EnvVar(
+        "VLLM_PP_SKIP_KERNELS",
+        "0",
+        bool,
+        "1 makes setup.py skip building the C++ kernels (build time only).",
+        forward=False,
+    ),
+    # Files, logging, serving.
+    EnvVar(
+        "VLLM_PP_CACHE_DIR",
+        "",
+        str,
+        "Where tokenizers/configs extracted from GGUF files are cached; empty: ~/.cache/vllm-pp.",
+    ),
+    EnvVar(
+        "VLLM_LOGGING_LEVEL",
+        "INFO",
+        str,
+        "Level of the 'vllm' logger (DEBUG, INFO, WARNING, ...).",
+    ),
+    EnvVar(
+        "VLLM_CONFIGURE_LOGGING",
+        "1",
+        bool,
+        "0 leaves the 'vllm' logger unconfigured (no handler, level or format set).",
+    ),
+    EnvVar(
+        "VLLM_API_KEY",
+        "",
+        str,
+        "Bearer token the OpenAI-compatible server requires (--api-key overrides).",
+        forward=False,  # a secret the stages never read
+    ),
+)
+
+ENV_VARS: dict[str, EnvVar] = {var.name: var for var in _VARS}
+
+# Variables of other software that the engine reads or sets; documented, not registered
+# (they keep their own owners' names and meaning, and are never forwarded from here).
+OTHER_VARS: dict[str, str] = {
+    "OMP_NUM_THREADS": "Set for each stage process to its thread count (Ray and mp backends).",
+    "LOCAL_RANK": "The rank's device index on its node (set by the mp backend, read by "
+    "the worker on CUDA).",
+    "RAY_ADDRESS": "Connect to this existing Ray cluster instead of starting a local one.",
+    "PYTHONPATH": "Extended for Ray actors so they import vllm from the driver's source tree.",
 }
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _raw(name: str) -> str:
+    """The variable's value, stripped; its registered default when unset or empty."""
+    var = ENV_VARS[name]  # KeyError: every variable must be registered first
+    return os.environ.get(name, "").strip() or var.default
+
+
+def get_str(name: str) -> str:
+    """The variable's value as a string (its registered default when unset or empty)."""
+    return _raw(name)
+
+
+def _parsed(name: str, parse: Callable[[str], T], expected: str) -> T:
+    raw = _raw(name)
+    try:
+        return parse(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {expected}, got {raw!r}.") from None
 
 
 def get_float(name: str) -> float:
     """The variable's value as a float (its registered default when unset or empty)."""
-    default, _ = ENV_VARS[name]
-    raw = os.environ.get(name, "").strip() or default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}.") from None
+    return _parsed(name, float, "a number of seconds")
+
+
+def get_int(name: str) -> int:
+    """The variable's value as an int (its registered default when unset or empty)."""
+    return _parsed(name, int, "an integer")
+
+
+def get_bool(name: str) -> bool:
+    """The variable's value as a flag: 1/true/yes/on or 0/false/no/off (any case)."""
+    raw = _raw(name).lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name} must be 0 or 1, got {raw!r}.")
+
+
+def environment_to_forward() -> dict[str, str]:
+    """The registered variables set in this process (and meant for the stages), to give to
+    the actors this process starts."""
+    return {
+        name: os.environ[name]
+        for name, var in ENV_VARS.items()
+        if var.forward and name in os.environ
+    }

@@ -6,8 +6,9 @@ Set VLLM_LOGGING_LEVEL (e.g. WARNING) to quieten it, VLLM_CONFIGURE_LOGGING=0 to
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from vllm import envs
 
 _FORMAT = "%(levelname)s %(asctime)s %(filename)s:%(lineno)d] %(message)s"
 _DATE_FORMAT = "%m-%d %H:%M:%S"
@@ -15,7 +16,7 @@ _DATE_FORMAT = "%m-%d %H:%M:%S"
 
 def configure_logging() -> None:
     """Attach one stdout handler to the "vllm" logger (idempotent)."""
-    if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
+    if not envs.get_bool("VLLM_CONFIGURE_LOGGING"):
         return
     root = logging.getLogger("vllm")
     if any(getattr(h, "_vllm_handler", False) for h in root.handlers):
@@ -24,7 +25,7 @@ def configure_logging() -> None:
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
     handler._vllm_handler = True  # type: ignore[attr-defined]
     root.addHandler(handler)
-    root.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    root.setLevel(envs.get_str("VLLM_LOGGING_LEVEL").upper())
     root.propagate = False
 
 

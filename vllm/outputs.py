@@ -6,7 +6,6 @@ import copy
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from vllm.engine.beam_search import beam_score
 from vllm.sampling_params import RequestOutputKind
 from vllm.sequence import (
     Logprob,
@@ -108,7 +107,7 @@ class RequestOutput:
             top = seqs
         elif params.use_beam_search:
             lp = params.length_penalty
-            top = sorted(seqs, key=lambda s: beam_score(s, lp), reverse=True)[: params.n]
+            top = sorted(seqs, key=lambda s: s.get_beam_search_score(lp), reverse=True)[: params.n]
         else:
             top = sorted(seqs, key=lambda s: s.get_cumulative_logprob(), reverse=True)[: params.n]
         position = {seq.seq_id: i for i, seq in enumerate(seqs)}

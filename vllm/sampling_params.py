@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal, overload
 
 # Temperatures below this are greedy decoding; vLLM uses the same threshold, so a script that
 # passes temperature=1e-6 gets greedy outputs here too.
@@ -73,6 +73,14 @@ class SamplingParamsTypeError(TypeError, ValueError):
     """
 
 
+@overload
+def _as_int(name: str, value: Any, *, optional: Literal[False] = False) -> int: ...
+
+
+@overload
+def _as_int(name: str, value: Any, *, optional: bool) -> int | None: ...
+
+
 def _as_int(name: str, value: Any, *, optional: bool = False) -> int | None:
     """Return ``value`` as a plain int (numpy ints accepted); bools and floats are rejected."""
     if value is None and optional:
@@ -112,7 +120,9 @@ class SamplingParams:
     """
 
     n: int = 1
-    best_of: int | None = None
+    # The constructor takes None (best_of, stop, stop_token_ids) or a single stop string;
+    # __post_init__ normalizes them, and the annotations give the type they then have.
+    best_of: int = None  # type: ignore[assignment]
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -124,8 +134,8 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: list[str] = None  # type: ignore[assignment]
+    stop_token_ids: list[int] = None  # type: ignore[assignment]
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16

@@ -26,6 +26,16 @@ class Logprob:
     decoded_token: Optional[str] = None
 
 
+def beam_search_score(cumulative_logprob: float, output_len: int, length_penalty: float) -> float:
+    """HF's beam hypothesis score: cumulative logprob / (generated tokens ** length_penalty).
+
+    The one definition of the score: the ranking of finished hypotheses, the stopping rule and
+    the choice of the `n` outputs all use it. The length counts the generated tokens only
+    (not the prompt) and includes a final EOS, as in HF's `generate(num_beams=k)`.
+    """
+    return cumulative_logprob / (max(output_len, 1) ** length_penalty)
+
+
 # One dict per generated position: token id -> Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[Optional[dict[int, Logprob]]]
@@ -207,19 +217,11 @@ class Sequence:
     def get_cumulative_logprob(self) -> float:
         return self.data.cumulative_logprob
 
-    def get_beam_search_score(
-        self,
-        length_penalty: float = 1.0,
-        seq_len: Optional[int] = None,
-        eos_token_id: Optional[int] = None,
-    ) -> float:
-        """HF's beam score: cumulative logprob / (generated length ** length_penalty)."""
-        if seq_len is None:
-            seq_len = self.get_len()
-            # Like HF, a trailing EOS does not count towards the length.
-            if eos_token_id is not None and self.get_last_token_id() == eos_token_id:
-                seq_len -= 1
-        return self.get_cumulative_logprob() / (seq_len**length_penalty)
+    def get_beam_search_score(self, length_penalty: float = 1.0) -> float:
+        """This sequence's beam-search hypothesis score (see `beam_search_score`)."""
+        return beam_search_score(
+            self.get_cumulative_logprob(), self.get_output_len(), length_penalty
+        )
 
     def is_finished(self) -> bool:
         return SequenceStatus.is_finished(self.status)

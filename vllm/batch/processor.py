@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
+from vllm import envs
 from vllm.batch.predictor import LLMPredictor
 from vllm.sampling_params import SamplingParams
 
@@ -192,7 +193,7 @@ def _actor_env(cpus_per_rank: int) -> dict[str, str]:
     src_root = os.path.dirname(os.path.dirname(os.path.abspath(vllm.__file__)))
     env = {"PYTHONPATH": os.pathsep.join(p for p in (src_root, os.environ.get("PYTHONPATH")) if p)}
     env["VLLM_CPU_THREADS_PER_STAGE"] = str(cpus_per_rank)
-    env.update({k: v for k, v in os.environ.items() if k.startswith("VLLM_")})
+    env.update(envs.environment_to_forward())
     return env
 
 

@@ -236,7 +236,7 @@ class EngineArgs:
             self.distributed_executor_backend,
             self.pp_layer_partition,
             max_stage_restarts=self.max_stage_restarts,
-            step_timeout_s=self.step_timeout_s,
+            step_timeout_s=self.step_timeout_s,  # type: ignore[arg-type]  # None: derived
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -252,7 +252,7 @@ class EngineArgs:
             tokenizer=self.tokenizer,
             dtype=self.dtype,
             seed=self.seed,
-            max_model_len=self.max_model_len,
+            max_model_len=self.max_model_len,  # type: ignore[arg-type]  # None: derived
             trust_remote_code=self.trust_remote_code,
             max_logprobs=self.max_logprobs,
             skip_tokenizer_init=self.skip_tokenizer_init,
@@ -262,7 +262,7 @@ class EngineArgs:
         model_config.get_pp_layer_sizes(parallel_config)
         model_config.verify_with_parallel_config(parallel_config)
         scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_batched_tokens=self.max_num_batched_tokens,  # type: ignore[arg-type]
             max_num_seqs=self.max_num_seqs,
             max_model_len=model_config.max_model_len,
             preemption_mode=self.preemption_mode,

@@ -21,23 +21,39 @@ are freed after all forks so their blocks stay referenced.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from vllm.engine.stop_checker import max_output_len
 from vllm.sampling_params import SamplingParams
-from vllm.sequence import Sequence, SequenceGroup, SequenceOutput, SequenceStatus
+from vllm.sequence import (
+    Sequence,
+    SequenceGroup,
+    SequenceOutput,
+    SequenceStatus,
+    beam_search_score,
+)
 
-if TYPE_CHECKING:
-    from vllm.engine.output_processor import OutputProcessor
 
+class BeamSearchHost(Protocol):
+    """What beam search needs from the engine, and nothing more: new sequence ids, appending
+    a sampled token (detokenize + stop checks), and the KV-block side of forking and freeing.
+    Kept narrow so beam search never reaches into the scheduler itself."""
 
-def beam_score(seq: Sequence, length_penalty: float) -> float:
-    """HF's hypothesis score: cumulative logprob / (number of generated tokens ** penalty)."""
-    return seq.get_cumulative_logprob() / (max(seq.get_output_len(), 1) ** length_penalty)
+    max_model_len: int
+
+    def new_seq_id(self) -> int: ...
+
+    def append_token(
+        self, seq: Sequence, sample: SequenceOutput, params: SamplingParams
+    ) -> None: ...
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None: ...
+
+    def free_seq(self, seq: Sequence) -> None: ...
 
 
 def process_beam_step(
-    proc: OutputProcessor, group: SequenceGroup, samples: list[SequenceOutput]
+    host: BeamSearchHost, group: SequenceGroup, samples: list[SequenceOutput]
 ) -> None:
     """Advance one beam group by one step (see the module docstring)."""
     params = group.sampling_params
@@ -54,8 +70,8 @@ def process_beam_step(
         if position >= width and len(running) >= width:
             break  # later candidates can neither run nor enter the pool
         parent = parents[sample.parent_seq_id]
-        child = parent.fork_light(proc.new_seq_id())
-        proc.append_token(child, sample, params)
+        child = parent.fork_light(host.new_seq_id())
+        host.append_token(child, sample, params)
         if child.is_finished():
             if position < width:
                 finishing.append(child)
@@ -65,7 +81,9 @@ def process_beam_step(
     pool_full = len(pool) >= width
     if finishing and not (params.early_stopping is True and pool_full):
         # Sorted is stable: on equal scores the older hypotheses stay first, as in HF's topk.
-        merged = sorted(pool + finishing, key=lambda s: beam_score(s, length_penalty), reverse=True)
+        merged = sorted(
+            pool + finishing, key=lambda s: s.get_beam_search_score(length_penalty), reverse=True
+        )
         kept = {seq.seq_id for seq in merged[:width]}
         for seq in pool:
             if seq.seq_id not in kept:
@@ -75,19 +93,19 @@ def process_beam_step(
                 group.add(seq)  # finished: it never gets KV blocks of its own
         pool = merged[:width]
 
-    if _search_done(proc, params, running, pool):
+    if _search_done(host, params, running, pool):
         running = []
     # Fork the survivors before freeing the parents, so shared blocks are never released.
     for child, parent in running:
         group.add(child)
-        proc.scheduler.fork_seq(parent, child)
+        host.fork_seq(parent, child)
     for parent in parents.values():
         group.remove(parent.seq_id)
-        proc.scheduler.free_seq(parent)
+        host.free_seq(parent)
 
 
 def _search_done(
-    proc: OutputProcessor,
+    host: BeamSearchHost,
     params: SamplingParams,
     running: list[tuple[Sequence, Sequence]],
     pool: list[Sequence],
@@ -105,9 +123,9 @@ def _search_done(
     best = running[0][0]
     if early_stopping == "never" and length_penalty > 0.0:
         # Longer is better: the best beam could still grow to the longest allowed length.
-        length = max_output_len(best, params, proc.max_model_len)
+        length = max_output_len(best, params, host.max_model_len)
     else:
         length = best.get_output_len()
-    best_possible = best.get_cumulative_logprob() / (length**length_penalty)
-    worst_finished = min(beam_score(seq, length_penalty) for seq in pool)
+    best_possible = beam_search_score(best.get_cumulative_logprob(), length, length_penalty)
+    worst_finished = min(seq.get_beam_search_score(length_penalty) for seq in pool)
     return not best_possible > worst_finished

@@ -352,7 +352,7 @@ def _eos_token_id(tokenizer: Any, model_config: ModelConfig) -> Optional[int]:
 
 def _load_tokenizer(model_config: ModelConfig) -> Any:
     if model_config.is_gguf and model_config.tokenizer == model_config.model:
-        from vllm.model_executor.gguf_loader import load_gguf_tokenizer
+        from vllm.transformers_utils.gguf_config import load_gguf_tokenizer
 
         return load_gguf_tokenizer(model_config.model)
     from transformers import AutoTokenizer

@@ -125,6 +125,14 @@ class OutputProcessor:
             if seq is parent and seq.is_finished():
                 self.scheduler.free_seq(seq)
 
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` its share of `parent`'s KV blocks (copy-on-write)."""
+        self.scheduler.fork_seq(parent, child)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release the KV blocks of `seq`."""
+        self.scheduler.free_seq(seq)
+
     def append_token(self, seq: Sequence, sample: SequenceOutput, params: SamplingParams) -> None:
         """Append a sampled token to `seq`, detokenize it, fill the decoded text of its logprob
         entry (vLLM: the sampled token's text is the text it added, so the decoded tokens join

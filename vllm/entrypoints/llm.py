@@ -261,7 +261,14 @@ def _gc_frozen() -> Iterator[None]:
     The model, tokenizer and libraries are ~350k objects; each full collection walks all of
     them (0.1-0.25 s on this kind of CPU) and lands in the middle of a step. Frozen, a
     collection walks only the run's own objects. They are unfrozen after the run, so garbage
-    among them is still collected later."""
+    among them is still collected later.
+
+    A host application that froze objects itself (`gc.get_freeze_count() > 0`) owns the
+    permanent generation: `gc.unfreeze()` cannot tell its objects from ours and would undo
+    its freeze, so then nothing is frozen or unfrozen here."""
+    if gc.get_freeze_count() > 0:
+        yield
+        return
     gc.freeze()
     try:
         yield

@@ -133,7 +133,7 @@ class MultiprocessingExecutor(ExecutorBase):
         pc = self.parallel_config
         world = pc.world_size
         use_gpu = self.device_config.device == "cuda"
-        threads = int(os.environ.get("VLLM_CPU_THREADS_PER_STAGE", "1"))
+        threads = envs.get_int("VLLM_CPU_THREADS_PER_STAGE") or 1
         if not use_gpu and world > (os.cpu_count() or 1):
             logger.warning("%d ranks on %d CPU cores: ranks are oversubscribed", world,
                            os.cpu_count() or 1)

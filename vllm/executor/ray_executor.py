@@ -53,7 +53,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 
 
 def _threads_per_stage() -> int:
-    return int(os.environ.get("VLLM_CPU_THREADS_PER_STAGE", "1"))
+    return envs.get_int("VLLM_CPU_THREADS_PER_STAGE") or 1
 
 
 @dataclass
@@ -103,7 +103,7 @@ class RayExecutor(ExecutorBase):
         python_path = os.pathsep.join(p for p in (src_root, os.environ.get("PYTHONPATH")) if p)
         env = {"PYTHONPATH": python_path, "OMP_NUM_THREADS": str(_threads_per_stage())}
         # Every engine setting made through the environment reaches the stages.
-        env.update({k: v for k, v in os.environ.items() if k.startswith("VLLM_")})
+        env.update(envs.environment_to_forward())
         return env
 
     def _start_actors(self, ranks: Iterable[int], timeout: float = _SETUP_TIMEOUT_S) -> None:

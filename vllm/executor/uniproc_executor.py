@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from vllm import envs
 from vllm.executor.base import ExecutorBase
 from vllm.sequence import ExecuteModelRequest, SamplerOutput
 from vllm.worker.worker import Worker
@@ -21,7 +21,7 @@ class UniProcExecutor(ExecutorBase):
             self.device_config,
             self.cache_config,
             # Default: torch's own thread count (all cores); the env var pins it.
-            num_threads=int(os.environ.get("VLLM_CPU_THREADS_PER_STAGE", "0")) or None,
+            num_threads=envs.get_int("VLLM_CPU_THREADS_PER_STAGE") or None,
         )
         self.worker.init_device()
         self.worker.load_model()

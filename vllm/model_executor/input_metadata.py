@@ -91,9 +91,3 @@ class InputMetadata:
     def from_dict(cls, data: dict[str, Any], prefix: str = "md.") -> InputMetadata:
         kwargs = {name: data[prefix + name] for name in cls._INT_FIELDS + cls._TENSOR_FIELDS}
         return cls(**kwargs)
-
-    def to(self, device: torch.device) -> InputMetadata:
-        kwargs: dict[str, Any] = {name: getattr(self, name) for name in self._INT_FIELDS}
-        for name in self._TENSOR_FIELDS:
-            kwargs[name] = getattr(self, name).to(device, non_blocking=True)
-        return InputMetadata(**kwargs)

@@ -16,10 +16,11 @@ import ctypes.util
 import gc
 import math
 import mmap
-import os
 import platform
 
 import torch
+
+from vllm import envs
 
 HUGE_PAGE = 2 << 20
 
@@ -78,7 +79,7 @@ def tune_malloc() -> bool:
     (False off glibc)."""
     global _tuned_users
     libc = _libc()
-    if os.environ.get("VLLM_CPU_MALLOC_TUNING", "1") == "0" or libc is None:
+    if not envs.get_bool("VLLM_CPU_MALLOC_TUNING") or libc is None:
         return False
     settings = (
         (_M_MMAP_MAX, 0),  # every block from the heap, so freed memory is reused

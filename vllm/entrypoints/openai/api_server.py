@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 import vllm
+from vllm import envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from vllm.entrypoints.openai.protocol import (
@@ -199,7 +200,7 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
     import uvicorn
 
     engine = engine if engine is not None else build_engine(args)
-    api_key = args.api_key or os.environ.get("VLLM_API_KEY")
+    api_key = args.api_key or envs.get_str("VLLM_API_KEY") or None
     names = [args.served_model_name] if args.served_model_name else None
     app = build_app(engine, names, api_key, _load_chat_template(args.chat_template))
     config = uvicorn.Config(

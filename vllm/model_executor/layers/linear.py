@@ -11,13 +11,13 @@ to 1.5x faster, and end to end bf16 throughput (benchmarks/throughput.py, 128 x 
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm import envs
 from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 
 # dtypes whose linears are prepacked (oneDNN's reorder supports both).
@@ -52,7 +52,7 @@ def packed_linear_enabled(device: torch.device, dtype: torch.dtype) -> bool:
         device.type == "cpu"
         and dtype in PACKED_DTYPES
         and torch.backends.mkldnn.is_available()
-        and os.environ.get("VLLM_CPU_PACKED_LINEAR", "1") != "0"
+        and envs.get_bool("VLLM_CPU_PACKED_LINEAR")
     )
 
 

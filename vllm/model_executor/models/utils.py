@@ -22,10 +22,6 @@ class StageLayout:
     is_first: bool
     is_last: bool
 
-    @classmethod
-    def single(cls, num_layers: int) -> StageLayout:
-        return cls(0, num_layers, True, True)
-
     @property
     def num_layers(self) -> int:
         return self.end_layer - self.start_layer

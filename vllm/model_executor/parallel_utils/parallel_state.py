@@ -11,11 +11,12 @@ getters answer as the only stage, so the single-process engine runs the same sta
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 
 import torch
 import torch.distributed as dist
+
+from vllm import envs
 
 # Handles created by initialize_model_parallel(); None until then.
 _PP_GROUP: dist.ProcessGroup | None = None
@@ -47,7 +48,7 @@ def get_ip() -> str:
 
     ``VLLM_HOST_IP`` overrides the detection (as in vLLM) for multi-homed hosts.
     """
-    host_ip = os.environ.get("VLLM_HOST_IP", "").strip()
+    host_ip = envs.get_str("VLLM_HOST_IP")
     if host_ip:
         return host_ip
     # connect() on a UDP socket sends no packet; it only makes the kernel pick the outgoing
