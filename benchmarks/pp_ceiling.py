@@ -35,8 +35,9 @@ from benchmarks.common import print_table, resolve, write_json  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--pp", type=int, default=2, help="N: concurrent single-threaded stages.")
     p.add_argument("--model", default="smollm2", help="Model (default: bundled SmolLM2).")
     p.add_argument("--num-seqs", type=int, default=64, help="Sequences per decode round.")
@@ -71,8 +72,18 @@ def _build(shapes: list[tuple[int, int]], num_layers: int, rows: int, dtype: Any
     return run
 
 
-def _stage(num_layers: int, micro_batches: int, rows: int, shapes: list[tuple[int, int]],
-           dtype_name: str, seconds: float, start: Any, go: Any, results: Any, key: int) -> None:
+def _stage(
+    num_layers: int,
+    micro_batches: int,
+    rows: int,
+    shapes: list[tuple[int, int]],
+    dtype_name: str,
+    seconds: float,
+    start: Any,
+    go: Any,
+    results: Any,
+    key: int,
+) -> None:
     """One process: `micro_batches` passes over `num_layers` layers per round; best round time
     over `seconds`, measured between the two barriers shared with the other stages."""
     import torch
@@ -91,16 +102,38 @@ def _stage(num_layers: int, micro_batches: int, rows: int, shapes: list[tuple[in
     go.wait()
 
 
-def _measure(n_procs: int, num_layers: int, micro_batches: int, rows: int,
-             shapes: list[tuple[int, int]], dtype_name: str, seconds: float) -> list[float]:
+def _measure(
+    n_procs: int,
+    num_layers: int,
+    micro_batches: int,
+    rows: int,
+    shapes: list[tuple[int, int]],
+    dtype_name: str,
+    seconds: float,
+) -> list[float]:
     """Best round time of each of `n_procs` concurrent processes."""
     ctx = mp.get_context("spawn")
     start, go = ctx.Barrier(n_procs), ctx.Barrier(n_procs)
     with ctx.Manager() as manager:
         results = manager.dict()
-        procs = [ctx.Process(target=_stage, args=(num_layers, micro_batches, rows, shapes,
-                                                  dtype_name, seconds, start, go, results, i))
-                 for i in range(n_procs)]
+        procs = [
+            ctx.Process(
+                target=_stage,
+                args=(
+                    num_layers,
+                    micro_batches,
+                    rows,
+                    shapes,
+                    dtype_name,
+                    seconds,
+                    start,
+                    go,
+                    results,
+                    i,
+                ),
+            )
+            for i in range(n_procs)
+        ]
         for proc in procs:
             proc.start()
         for proc in procs:
@@ -121,30 +154,60 @@ def main(argv: list[str] | None = None) -> int:
     flops = 2 * args.num_seqs * num_layers * sum(o * i for o, i in shapes)
     singles, stages = [], []
     for _ in range(args.repeats):
-        singles.append(_measure(1, num_layers, 1, args.num_seqs, shapes, dtype_name,
-                                args.seconds)[0])
-        stages.append(max(_measure(n, num_layers // n, n, args.num_seqs // n, shapes,
-                                   dtype_name, args.seconds)))
+        singles.append(
+            _measure(1, num_layers, 1, args.num_seqs, shapes, dtype_name, args.seconds)[0]
+        )
+        stages.append(
+            max(
+                _measure(
+                    n, num_layers // n, n, args.num_seqs // n, shapes, dtype_name, args.seconds
+                )
+            )
+        )
     t1, tn = min(singles), min(stages)
-    alone = min(_measure(1, num_layers // n, n, args.num_seqs // n, shapes, dtype_name,
-                         args.seconds)[0] for _ in range(args.repeats))
-    print(f"\n=== PP ceiling from GEMMs: {config.model}, {dtype_name}, {num_layers} layers, "
-          f"{args.num_seqs} sequences, PP={n} ===")
+    alone = min(
+        _measure(1, num_layers // n, n, args.num_seqs // n, shapes, dtype_name, args.seconds)[0]
+        for _ in range(args.repeats)
+    )
+    print(
+        f"\n=== PP ceiling from GEMMs: {config.model}, {dtype_name}, {num_layers} layers, "
+        f"{args.num_seqs} sequences, PP={n} ==="
+    )
     rows = [
-        ["PP=1: all layers, 1 micro-batch", args.num_seqs, f"{t1 * 1e3:.1f}",
-         f"{flops / t1 / 1e9:.1f}"],
-        [f"one stage alone: 1/{n} of layers, {n} micro-batches", args.num_seqs // n,
-         f"{alone * 1e3:.1f}", f"{flops / n / alone / 1e9:.1f}"],
-        [f"{n} stages at once (slowest)", args.num_seqs // n, f"{tn * 1e3:.1f}",
-         f"{flops / n / tn / 1e9:.1f}"],
+        [
+            "PP=1: all layers, 1 micro-batch",
+            args.num_seqs,
+            f"{t1 * 1e3:.1f}",
+            f"{flops / t1 / 1e9:.1f}",
+        ],
+        [
+            f"one stage alone: 1/{n} of layers, {n} micro-batches",
+            args.num_seqs // n,
+            f"{alone * 1e3:.1f}",
+            f"{flops / n / alone / 1e9:.1f}",
+        ],
+        [
+            f"{n} stages at once (slowest)",
+            args.num_seqs // n,
+            f"{tn * 1e3:.1f}",
+            f"{flops / n / tn / 1e9:.1f}",
+        ],
     ]
     print_table(["run (1 thread each)", "rows", "ms per round", "GFLOP/s per process"], rows)
     smaller = t1 / (n * alone)
     ceiling = t1 / (n * tn)
     print(f"smaller micro-batches alone: T1 / ({n} x T_stage_alone) = {smaller:.3f}")
     print(f"pipeline efficiency ceiling: T1 / ({n} x T_{n}) = {ceiling:.3f}")
-    write_json(args.output_json, {"args": vars(args), "t1_s": t1, "stage_alone_s": alone,
-                                  "stages_concurrent_s": tn, "efficiency_ceiling": ceiling})
+    write_json(
+        args.output_json,
+        {
+            "args": vars(args),
+            "t1_s": t1,
+            "stage_alone_s": alone,
+            "stages_concurrent_s": tn,
+            "efficiency_ceiling": ceiling,
+        },
+    )
     return 0
 
 

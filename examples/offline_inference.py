@@ -1,7 +1,7 @@
 """Offline generation with vLLM's API on the bundled SmolLM2-135M-Instruct.
 
-    python examples/offline_inference.py                # one stage
-    python examples/offline_inference.py --pp 2         # two pipeline stages (Ray workers)
+python examples/offline_inference.py                # one stage
+python examples/offline_inference.py --pp 2         # two pipeline stages (Ray workers)
 """
 
 import argparse

@@ -32,10 +32,16 @@ from vllm.batch import build_processor, read_dataset, read_outputs, write_datase
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     here = os.path.dirname(os.path.abspath(__file__))
-    p.add_argument("--input", default=os.path.join(here, "..", "benchmarks", "prompts.txt"),
-                   help="prompts: .txt, .jsonl or .parquet (file or directory)")
-    p.add_argument("--output", default="ray_data_output.parquet",
-                   help="output directory; .jsonl/.json suffix -> JSONL, else Parquet")
+    p.add_argument(
+        "--input",
+        default=os.path.join(here, "..", "benchmarks", "prompts.txt"),
+        help="prompts: .txt, .jsonl or .parquet (file or directory)",
+    )
+    p.add_argument(
+        "--output",
+        default="ray_data_output.parquet",
+        help="output directory; .jsonl/.json suffix -> JSONL, else Parquet",
+    )
     p.add_argument("--output-format", choices=["parquet", "jsonl"], default=None)
     p.add_argument("--model", default="smollm2", help="HF dir, .gguf, or smollm2")
     p.add_argument("--num-instances", type=int, default=1, help="engine replicas (actors)")
@@ -43,8 +49,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32, help="rows per map_batches call")
     p.add_argument("--num-rows", type=int, default=None, help="only the first N rows")
-    p.add_argument("--chat", action="store_true",
-                   help="apply the model's chat template to each prompt")
+    p.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template to each prompt"
+    )
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=-1)
@@ -54,22 +61,37 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--swap-space", type=float, default=1.0, help="swap GiB per stage (CPU)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--num-cpus", type=int, default=None,
-                   help="logical CPUs of a new local Ray instance (default: enough for the "
-                        "instances' bundles plus one for Ray Data's read/write tasks)")
-    p.add_argument("--compare-llm", action="store_true",
-                   help="then run one plain LLM.generate over the same rows and compare")
+    p.add_argument(
+        "--num-cpus",
+        type=int,
+        default=None,
+        help="logical CPUs of a new local Ray instance (default: enough for the "
+        "instances' bundles plus one for Ray Data's read/write tasks)",
+    )
+    p.add_argument(
+        "--compare-llm",
+        action="store_true",
+        help="then run one plain LLM.generate over the same rows and compare",
+    )
     return p.parse_args()
 
 
 def sampling(args: argparse.Namespace) -> dict:
-    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-            "max_tokens": args.max_tokens, "seed": args.seed}
+    return {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+    }
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {"kv_cache_space": args.kv_cache_space, "swap_space": args.swap_space,
-            "max_num_seqs": args.max_num_seqs}
+    return {
+        "kv_cache_space": args.kv_cache_space,
+        "swap_space": args.swap_space,
+        "max_num_seqs": args.max_num_seqs,
+    }
 
 
 def start_ray(args: argparse.Namespace) -> None:
@@ -87,16 +109,22 @@ def start_ray(args: argparse.Namespace) -> None:
 
 
 def report(name: str, rows: int, gen_tokens: int, seconds: float) -> None:
-    print(f"{name}: {rows} rows, {gen_tokens} generated tokens in {seconds:.1f} s -> "
-          f"{rows / seconds:.2f} rows/s, {gen_tokens / seconds:.1f} generated tok/s")
+    print(
+        f"{name}: {rows} rows, {gen_tokens} generated tokens in {seconds:.1f} s -> "
+        f"{rows / seconds:.2f} rows/s, {gen_tokens / seconds:.1f} generated tok/s"
+    )
 
 
 def compare_llm(args: argparse.Namespace, prompts: list, df) -> None:
     """One plain LLM over the same rows (same engine settings, in this process / its own
     group), and whether greedy texts are identical."""
     start = time.perf_counter()
-    llm = LLM(model=args.model, pipeline_parallel_size=args.pipeline_parallel_size,
-              tensor_parallel_size=args.tensor_parallel_size, **engine_kwargs(args))
+    llm = LLM(
+        model=args.model,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        **engine_kwargs(args),
+    )
     built = time.perf_counter()
     params = SamplingParams(**sampling(args))
     if args.chat:
@@ -109,8 +137,9 @@ def compare_llm(args: argparse.Namespace, prompts: list, df) -> None:
     report("LLM.generate (generate only)          ", len(outputs), tokens, done - built)
     llm.shutdown()
     if args.temperature == 0:
-        ours = dict(zip(df["prompt"] if not args.chat else df["source_prompt"],
-                        df["generated_text"]))
+        ours = dict(
+            zip(df["prompt"] if not args.chat else df["source_prompt"], df["generated_text"])
+        )
         same = sum(ours.get(p) == o.outputs[0].text for p, o in zip(prompts, outputs))
         print(f"greedy texts identical to LLM.generate: {same}/{len(outputs)}")
 
@@ -148,10 +177,16 @@ def run(args: argparse.Namespace) -> None:
     failed = df[df["error"] != ""]
     if len(failed):
         print(f"{len(failed)} rows failed, first: {failed['error'].iloc[0]}")
-    layout = (f"{args.num_instances} instance(s) x PP={args.pipeline_parallel_size} "
-              f"x TP={args.tensor_parallel_size}")
-    report(f"Ray Data, {layout} (start to output written)", len(df),
-           int(df["num_generated_tokens"].sum()), seconds)
+    layout = (
+        f"{args.num_instances} instance(s) x PP={args.pipeline_parallel_size} "
+        f"x TP={args.tensor_parallel_size}"
+    )
+    report(
+        f"Ray Data, {layout} (start to output written)",
+        len(df),
+        int(df["num_generated_tokens"].sum()),
+        seconds,
+    )
     if args.compare_llm:
         source = read_dataset(args.input)
         if args.num_rows:

@@ -46,8 +46,9 @@ def sync_results(ray_session, tiny_model_dirs):
     )
     queue = llm.llm_engine.batch_queue
     assert not queue.async_pipeline
-    greedy = llm.generate(tiny_models.PROMPTS, SamplingParams(temperature=0.0, max_tokens=32),
-                          use_tqdm=False)
+    greedy = llm.generate(
+        tiny_models.PROMPTS, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False
+    )
     results = {
         "greedy": [o.outputs[0].token_ids for o in greedy],
         "ahead_groups": queue.reset_stats().ahead_groups,
@@ -66,8 +67,9 @@ def test_greedy_equals_hf_with_steps_ahead(async_llm, hf_reference):
     queue.reset_stats()
     queue.count_bytes = True
     reference = hf_reference(KIND)
-    outputs = async_llm.generate(MANY, SamplingParams(temperature=0.0, max_tokens=32),
-                                 use_tqdm=False)
+    outputs = async_llm.generate(
+        MANY, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False
+    )
     queue.count_bytes = False
     tokenizer = async_llm.get_tokenizer()
     for i, out in enumerate(outputs):
@@ -108,12 +110,17 @@ def test_stop_token_inside_steps_ahead_is_exact(async_llm, hf_reference):
 
 def _sampling_params() -> list[SamplingParams]:
     return [
-        SamplingParams(temperature=1.0, seed=11, max_tokens=24, presence_penalty=0.5,
-                       frequency_penalty=0.3, repetition_penalty=1.2),
+        SamplingParams(
+            temperature=1.0,
+            seed=11,
+            max_tokens=24,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            repetition_penalty=1.2,
+        ),
         SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, n=2),
         SamplingParams(temperature=0.0, max_tokens=12, n=2, best_of=3, use_beam_search=True),
-        SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=28, min_tokens=10,
-                       logprobs=2),
+        SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=28, min_tokens=10, logprobs=2),
     ] * 2
 
 

@@ -29,6 +29,8 @@ from vllm.sequence import (
 )
 from vllm.step_delta import StageRequestState, StepEncoder
 
+pytestmark = pytest.mark.fast
+
 STOP = 5
 
 
@@ -240,9 +242,7 @@ def test_preemption_never_touches_in_flight_groups():
     engine.run()
     assert preempted, "the small cache forces preemption"
     for i, prompt in enumerate(prompts):
-        assert engine.groups[f"r{i}"].get_seqs()[0].get_output_token_ids() == sequential(
-            prompt, 24
-        )
+        assert engine.groups[f"r{i}"].get_seqs()[0].get_output_token_ids() == sequential(prompt, 24)
 
 
 def test_error_keeps_batch_then_discard_resets_stages():
@@ -262,9 +262,7 @@ def test_error_keeps_batch_then_discard_resets_stages():
     assert any(r.step.reset for r in first_after)
     engine.run()
     for i, prompt in enumerate(_prompts(6)):
-        assert engine.groups[f"r{i}"].get_seqs()[0].get_output_token_ids() == sequential(
-            prompt, 20
-        )
+        assert engine.groups[f"r{i}"].get_seqs()[0].get_output_token_ids() == sequential(prompt, 20)
 
 
 def test_deltas_are_small_and_checked():

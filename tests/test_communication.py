@@ -19,7 +19,13 @@ from vllm.model_executor.parallel_utils import parallel_state as ps
 from vllm.model_executor.parallel_utils.communication import recv_tensor_dict, send_tensor_dict
 
 STRESS_DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
 ]
 EDGE_DTYPES = STRESS_DTYPES + [torch.float64, torch.int16, torch.int8, torch.complex64]
 EDGE_SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (2, 3, 4)]
@@ -64,8 +70,11 @@ def _diff(expected: dict[str, Any], got: dict[str, Any]) -> str | None:
 def _edge_messages() -> list[dict[str, Any]]:
     """Deterministic messages covering every dtype/shape edge case; both ranks build them."""
     gen = torch.Generator().manual_seed(1234)
-    grid = {f"{dtype}{shape}": _random_bits(shape, dtype, gen)
-            for dtype in EDGE_DTYPES for shape in EDGE_SHAPES}
+    grid = {
+        f"{dtype}{shape}": _random_bits(shape, dtype, gen)
+        for dtype in EDGE_DTYPES
+        for shape in EDGE_SHAPES
+    }
     base = _random_bits((4, 6), torch.bfloat16, gen)
     return [
         dict(reversed(grid.items())),  # deliberately not in sorted key order
@@ -76,9 +85,17 @@ def _edge_messages() -> list[dict[str, Any]]:
             "grad": torch.ones(2, 2, requires_grad=True),
         },
         {
-            "z": 1, "a": -(2**62), "inf": float("inf"), "s": "héllo ✓", "b": False, "none": None,
-            "list": [1, 2, [3]], "tuple": (1, "x"), "nested": {"k": [0.5, None]},
-            "t": torch.arange(5), "after_t": True,  # tensors and values interleaved
+            "z": 1,
+            "a": -(2**62),
+            "inf": float("inf"),
+            "s": "héllo ✓",
+            "b": False,
+            "none": None,
+            "list": [1, 2, [3]],
+            "tuple": (1, "x"),
+            "nested": {"k": [0.5, None]},
+            "t": torch.arange(5),
+            "after_t": True,  # tensors and values interleaved
         },
         {},
     ]
@@ -247,8 +264,10 @@ def test_stress_random_dicts_between_ray_actors(ray_session) -> None:
         recv_ref = peers[1].recv_all.remote(seed, count)
         sent, got = ray.get([sent_ref, recv_ref], timeout=120)
         elapsed = time.perf_counter() - start
-        print(f"stress: {got['messages']} messages, {got['tensors']} tensors, "
-              f"{got['bytes']} bytes in {elapsed:.1f}s")
+        print(
+            f"stress: {got['messages']} messages, {got['tensors']} tensors, "
+            f"{got['bytes']} bytes in {elapsed:.1f}s"
+        )
         assert got["errors"] == [] and got["mismatches"] == 0
         assert got["messages"] == sent["messages"] == count
         assert got["tensors"] == sent["tensors"] > count

@@ -88,9 +88,17 @@ def test_deleted_llm_gives_its_memory_back(tuning):
     import json
 
     env = dict(os.environ, VLLM_CPU_MALLOC_TUNING=tuning, VLLM_LOGGING_LEVEL="WARNING")
-    out = subprocess.run(
-        [sys.executable, "-c", ENGINE_SCRIPT], env=env, capture_output=True, text=True, check=True
-    ).stdout.strip().splitlines()[-1]
+    out = (
+        subprocess.run(
+            [sys.executable, "-c", ENGINE_SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     mib = {k: v / 2**20 for k, v in json.loads(out).items()}
     used = mib["peak"] - mib["base"]
     kept = mib["after"] - mib["base"]

@@ -39,7 +39,7 @@ def test_the_map_points_inside_the_repository() -> None:
     # Every `vllm/...py` path named exists, except modules announced before they land.
     for name in _named(text):
         if name.startswith("vllm/") and name.endswith(".py"):
-            assert (REPO / name).exists() or name == "vllm/engine/batch_queue.py", name
+            assert (REPO / name).exists(), name
 
 
 def test_the_check_notices_a_missing_module() -> None:

@@ -49,7 +49,6 @@ F32_TOL = dict(rtol=1e-6, atol=1e-6)
 BF16_MAX_ULP_SHARE = 0.01
 
 
-
 @pytest.fixture(autouse=True)
 def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(ops.DISABLE_ENV, raising=False)
@@ -59,7 +58,6 @@ def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
 
 
 @contextmanager

@@ -65,9 +65,7 @@ def _direct_reads(path: pathlib.Path) -> list[str]:
             if func.attr in ("get", "setdefault", "pop") and _is_os_environ(func.value):
                 key = _key(node.args[0], constants)
             elif (
-                func.attr == "getenv"
-                and isinstance(func.value, ast.Name)
-                and func.value.id == "os"
+                func.attr == "getenv" and isinstance(func.value, ast.Name) and func.value.id == "os"
             ):
                 key = _key(node.args[0], constants)
             elif func.attr == "startswith" and _key(node.args[0], constants) == "VLLM_":

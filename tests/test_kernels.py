@@ -32,11 +32,9 @@ BATCH_SIZES = [1, 2, 7, 33]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-
 @pytest.fixture(autouse=True)
 def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ops.DISABLE_ENV, raising=False)
-
 
 
 @dataclass

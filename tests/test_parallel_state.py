@@ -118,6 +118,4 @@ def test_two_processes_pp2() -> None:
 
 
 def test_four_processes_pp4_then_pp2_tp2() -> None:
-    mp.spawn(
-        _worker_pp4, args=(4, ps.get_open_port(), ps.get_open_port()), nprocs=4, join=True
-    )
+    mp.spawn(_worker_pp4, args=(4, ps.get_open_port(), ps.get_open_port()), nprocs=4, join=True)

@@ -103,13 +103,32 @@ def _run_example(model_dir, tmp_path, num_instances):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     source = tmp_path / "prompts.jsonl"
-    source.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
-                              for i, p in enumerate(_prompts())))
+    source.write_text(
+        "".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(_prompts()))
+    )
     out = tmp_path / "out.parquet"
-    argv = ["--input", str(source), "--output", str(out), "--model", model_dir,
-            "--num-instances", str(num_instances), "--batch-size", "8", "--temperature", "0",
-            "--max-tokens", str(MAX_TOKENS), "--kv-cache-space", "0.05", "--swap-space", "0.01",
-            "--device", "cpu"]
+    argv = [
+        "--input",
+        str(source),
+        "--output",
+        str(out),
+        "--model",
+        model_dir,
+        "--num-instances",
+        str(num_instances),
+        "--batch-size",
+        "8",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--kv-cache-space",
+        "0.05",
+        "--swap-space",
+        "0.01",
+        "--device",
+        "cpu",
+    ]
     saved = sys.argv
     sys.argv = ["ray_data_batch_inference.py", *argv]
     try:

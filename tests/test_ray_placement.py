@@ -100,8 +100,11 @@ def test_unplaceable_group_names_what_is_missing(ray_session, tiny_model_dirs, m
     hog = placement_group([{"CPU": 1}] * 3)  # 3 of the session's 4 CPUs
     ray_session.get(hog.ready())
     try:
-        with pytest.raises(ValueError, match=r"only 1 are free \(2 CPUs are needed .* 1 CPU "
-                           r"missing\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"only 1 are free \(2 CPUs are needed .* 1 CPU "
+            r"missing\)",
+        ):
             LLM(tiny_model_dirs["opt-pre"], pipeline_parallel_size=2, kv_cache_space=0.05)
     finally:
         remove_placement_group(hog)

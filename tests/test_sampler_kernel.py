@@ -22,8 +22,6 @@ def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ops.DISABLE_ENV, raising=False)
 
 
-
-
 def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, vocab, generator=g) * 4

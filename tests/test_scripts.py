@@ -21,9 +21,22 @@ pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
-MASSTEST_ARGS = ["--pipeline_parallel_size", "2", "--verify", "--num_prompts", "40",
-                 "--max_tokens", "8", "--abort_frac", "0.1", "--squeeze_kv",
-                 "--random_sampling_frac", "0.2", "--timeout", str(TIMEOUT_S)]
+MASSTEST_ARGS = [
+    "--pipeline_parallel_size",
+    "2",
+    "--verify",
+    "--num_prompts",
+    "40",
+    "--max_tokens",
+    "8",
+    "--abort_frac",
+    "0.1",
+    "--squeeze_kv",
+    "--random_sampling_frac",
+    "0.2",
+    "--timeout",
+    str(TIMEOUT_S),
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +59,11 @@ def _run(script: str, args: list[str], tmp_path: Path) -> tuple[int, str, Any]:
     try:
         proc = subprocess.run(
             [sys.executable, script, *args, "--output-json", str(json_path)],
-            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             timeout=TIMEOUT_S,
         )
     except subprocess.TimeoutExpired as exc:
@@ -56,8 +73,18 @@ def _run(script: str, args: list[str], tmp_path: Path) -> tuple[int, str, Any]:
 
 
 def test_run_py_pp2(tiny_llama: str, tmp_path: Path) -> None:
-    args = ["--model", tiny_llama, "--max_tokens", "4", "-bsl", "1,2",
-            "--pipeline_parallel_size", "2", "--kv_cache_space", "0.05"]
+    args = [
+        "--model",
+        tiny_llama,
+        "--max_tokens",
+        "4",
+        "-bsl",
+        "1,2",
+        "--pipeline_parallel_size",
+        "2",
+        "--kv_cache_space",
+        "0.05",
+    ]
     code, out, data = _run("run.py", args, tmp_path)
     assert code == 0, out[-4000:]
     assert "# GPU blocks" in out

@@ -50,14 +50,18 @@ def test_smollm2_pp2_matches_hf(ray_session, hf_reference):
     llm.shutdown()
 
 
-
 def test_smollm2_tp3_matches_hf(hf_reference):
     # 9 heads and 3 KV heads do not split over 2 ranks: TP=2 is refused with vLLM's message,
     # before any process starts. TP=3 (3 heads, 1 KV head per rank) runs, sharded from the GGUF.
     with pytest.raises(ValueError, match=r"attention heads \(9\) must be divisible"):
         LLM("smollm2", tensor_parallel_size=2, distributed_executor_backend="mp")
-    llm = LLM("smollm2", tensor_parallel_size=3, distributed_executor_backend="mp",
-              kv_cache_space=0.5, swap_space=0.1)
+    llm = LLM(
+        "smollm2",
+        tensor_parallel_size=3,
+        distributed_executor_backend="mp",
+        kv_cache_space=0.5,
+        swap_space=0.1,
+    )
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_reference
     infos = llm.llm_engine.executor.stage_infos

@@ -41,9 +41,15 @@ def reference(model_dirs, hf_reference):
 
 
 def make_llm(path: str, tp: int, pp: int, backend: str, **kwargs) -> LLM:
-    return LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-               distributed_executor_backend=backend, kv_cache_space=KV_GIB, swap_space=0.01,
-               **kwargs)
+    return LLM(
+        path,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend=backend,
+        kv_cache_space=KV_GIB,
+        swap_space=0.01,
+        **kwargs,
+    )
 
 
 def check_equal(llm: LLM, expected: list[list[int]]) -> None:
@@ -111,8 +117,11 @@ def test_tp_pp_grid_weights_and_shutdown(model_dirs):
     total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
     for info in infos:
         assert abs(info["num_params"] * 4 / total - 1) < 0.05, (info, total)
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() !=
-                psutil.STATUS_ZOMBIE]
+    assert not [
+        p
+        for p in pids
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
     assert not psutil.Process().children(recursive=True) or all(
         c.pid not in pids for c in psutil.Process().children(recursive=True)
     )
@@ -125,8 +134,11 @@ def test_mp_rank_death_fails_fast(model_dirs):
         victim.kill()
         start = time.monotonic()
         # mp does not replace ranks: the engine stops, naming the dead rank.
-        with pytest.raises(RuntimeError, match=r"stage 0 \(rank 0, layers \[0, 3\), .*pid "
-                           r"\d+\) tp_rank 0: the process died"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"stage 0 \(rank 0, layers \[0, 3\), .*pid "
+            r"\d+\) tp_rank 0: the process died",
+        ):
             llm.generate(tiny_models.PROMPTS[:2], GREEDY, use_tqdm=False)
         assert time.monotonic() - start < 10
     finally:
@@ -137,10 +149,15 @@ def test_mp_rank_death_fails_fast(model_dirs):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"tensor_parallel_size": 3}, r"Total number of attention heads \(4\) must be divisible "
-         r"by tensor parallel size \(3\)\."),
-        ({"tensor_parallel_size": 8, "swap_space": 0.01},
-         r"attention heads \(4\) must be divisible"),
+        (
+            {"tensor_parallel_size": 3},
+            r"Total number of attention heads \(4\) must be divisible "
+            r"by tensor parallel size \(3\)\.",
+        ),
+        (
+            {"tensor_parallel_size": 8, "swap_space": 0.01},
+            r"attention heads \(4\) must be divisible",
+        ),
         ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "needs 'ray' or 'mp'"),
         ({"distributed_executor_backend": "nccl"}, "'ray', 'mp' or 'uni'"),
     ],
@@ -160,8 +177,9 @@ def test_default_backend_choice(monkeypatch):
     assert ParallelConfig(1, 1).distributed_executor_backend == "uni"
     assert ParallelConfig(2, 1).distributed_executor_backend == "ray"
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "ray" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a)
+    )
     assert ParallelConfig(1, 2).distributed_executor_backend == "mp"
 
 
@@ -203,8 +221,6 @@ def test_cli_accepts_tp_and_mp():
     )
 
 
-
-
 def test_ray_ranks_grouped_by_node():
     from vllm.executor.ray_utils import group_ranks_by_node
 
@@ -244,10 +260,16 @@ def test_mp_script_without_main_guard_cleans_up(model_dirs, reference, tmp_path)
     script = tmp_path / "user_script.py"
     script.write_text(MP_SCRIPT)
     env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(script), model_dirs["llama-gqa-tied"]],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=repo)
+    proc = subprocess.run(
+        [sys.executable, str(script), model_dirs["llama-gqa-tied"]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=repo,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     assert result["ids"] == reference("llama-gqa-tied")[0][:8]
     assert result["children"] == []

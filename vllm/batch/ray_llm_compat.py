@@ -100,39 +100,94 @@ def _metrics_is_dataclass() -> tuple[bool, str]:
 
 
 CHECKS: list[tuple[str, str, bool, Callable[[], tuple[bool, str]]]] = [
-    ("vllm.AsyncEngineArgs(**engine_kwargs, runner='generate', enable_log_requests=False)",
-     "engine construction", True,
-     lambda: _accepts("vllm.AsyncEngineArgs", "runner", "enable_log_requests",
-                      "distributed_executor_backend")),
-    ("AsyncEngineArgs.create_engine_config() -> .scheduler_config.max_num_seqs, "
-     ".parallel_config.pipeline_parallel_size", "the request semaphore", True,
-     lambda: _has("vllm.AsyncEngineArgs.create_engine_config")),
-    ("vllm.AsyncLLMEngine.from_engine_args(args, stat_loggers=...)", "engine construction",
-     True, lambda: _accepts("vllm.AsyncLLMEngine.from_engine_args", "stat_loggers")),
-    ("vllm.v1.metrics.ray_wrappers.RayPrometheusStatLogger",
-     "log_engine_metrics=True (the default; pass False to skip)", False,
-     lambda: _has("vllm.v1.metrics.ray_wrappers.RayPrometheusStatLogger")),
-    ("vllm.inputs.llm.TextPrompt / TokensPrompt (or vllm.inputs.*)", "every request", True,
-     lambda: _any_of("vllm.inputs.llm.TextPrompt", "vllm.inputs.TextPrompt")),
-    ("await/async-for AsyncLLMEngine.generate(request_id=, prompt=, sampling_params=, "
-     "lora_request=)", "every request", True,
-     lambda: _accepts("vllm.AsyncLLMEngine.generate", "request_id", "prompt",
-                      "sampling_params", "lora_request")),
-    ("await AsyncLLMEngine.do_log_stats()", "after each batch unless disable_log_stats",
-     False, lambda: _has("vllm.AsyncLLMEngine.do_log_stats")),
-    ("AsyncLLMEngine.shutdown()", "actor teardown", True,
-     lambda: _has("vllm.AsyncLLMEngine.shutdown")),
-    ("vllm.SamplingParams(**row['sampling_params'], structured_outputs=None)",
-     "every request (the keyword is always passed)", True,
-     lambda: _accepts("vllm.SamplingParams", "structured_outputs")),
-    ("vllm.outputs.RequestOutput with dataclass .metrics (dataclasses.asdict)",
-     "every output", True, _metrics_is_dataclass),
-    ("vllm.sampling_params.StructuredOutputsParams", "guided decoding only", False,
-     lambda: _has("vllm.sampling_params.StructuredOutputsParams")),
-    ("vllm.lora.request.LoRARequest", "LoRA only", False,
-     lambda: _has("vllm.lora.request.LoRARequest")),
-    ("vllm.outputs.PoolingRequestOutput / AsyncLLMEngine.encode", "embed/classify only", False,
-     lambda: _has("vllm.outputs.PoolingRequestOutput")),
+    (
+        "vllm.AsyncEngineArgs(**engine_kwargs, runner='generate', enable_log_requests=False)",
+        "engine construction",
+        True,
+        lambda: _accepts(
+            "vllm.AsyncEngineArgs", "runner", "enable_log_requests", "distributed_executor_backend"
+        ),
+    ),
+    (
+        "AsyncEngineArgs.create_engine_config() -> .scheduler_config.max_num_seqs, "
+        ".parallel_config.pipeline_parallel_size",
+        "the request semaphore",
+        True,
+        lambda: _has("vllm.AsyncEngineArgs.create_engine_config"),
+    ),
+    (
+        "vllm.AsyncLLMEngine.from_engine_args(args, stat_loggers=...)",
+        "engine construction",
+        True,
+        lambda: _accepts("vllm.AsyncLLMEngine.from_engine_args", "stat_loggers"),
+    ),
+    (
+        "vllm.v1.metrics.ray_wrappers.RayPrometheusStatLogger",
+        "log_engine_metrics=True (the default; pass False to skip)",
+        False,
+        lambda: _has("vllm.v1.metrics.ray_wrappers.RayPrometheusStatLogger"),
+    ),
+    (
+        "vllm.inputs.llm.TextPrompt / TokensPrompt (or vllm.inputs.*)",
+        "every request",
+        True,
+        lambda: _any_of("vllm.inputs.llm.TextPrompt", "vllm.inputs.TextPrompt"),
+    ),
+    (
+        "await/async-for AsyncLLMEngine.generate(request_id=, prompt=, sampling_params=, "
+        "lora_request=)",
+        "every request",
+        True,
+        lambda: _accepts(
+            "vllm.AsyncLLMEngine.generate",
+            "request_id",
+            "prompt",
+            "sampling_params",
+            "lora_request",
+        ),
+    ),
+    (
+        "await AsyncLLMEngine.do_log_stats()",
+        "after each batch unless disable_log_stats",
+        False,
+        lambda: _has("vllm.AsyncLLMEngine.do_log_stats"),
+    ),
+    (
+        "AsyncLLMEngine.shutdown()",
+        "actor teardown",
+        True,
+        lambda: _has("vllm.AsyncLLMEngine.shutdown"),
+    ),
+    (
+        "vllm.SamplingParams(**row['sampling_params'], structured_outputs=None)",
+        "every request (the keyword is always passed)",
+        True,
+        lambda: _accepts("vllm.SamplingParams", "structured_outputs"),
+    ),
+    (
+        "vllm.outputs.RequestOutput with dataclass .metrics (dataclasses.asdict)",
+        "every output",
+        True,
+        _metrics_is_dataclass,
+    ),
+    (
+        "vllm.sampling_params.StructuredOutputsParams",
+        "guided decoding only",
+        False,
+        lambda: _has("vllm.sampling_params.StructuredOutputsParams"),
+    ),
+    (
+        "vllm.lora.request.LoRARequest",
+        "LoRA only",
+        False,
+        lambda: _has("vllm.lora.request.LoRARequest"),
+    ),
+    (
+        "vllm.outputs.PoolingRequestOutput / AsyncLLMEngine.encode",
+        "embed/classify only",
+        False,
+        lambda: _has("vllm.outputs.PoolingRequestOutput"),
+    ),
 ]
 
 # Not engine calls: what a user must pass to run the stage on CPU with a local model.
@@ -177,8 +232,13 @@ def run_ray_data_llm(model_dir: str, num_rows: int = 8, pipeline_parallel_size: 
     world = pipeline_parallel_size
     config = vLLMEngineProcessorConfig(
         model_source=model_dir,
-        engine_kwargs={"device": "cpu", "kv_cache_space": 0.05, "swap_space": 0.01,
-                       "disable_log_stats": True, "pipeline_parallel_size": world},
+        engine_kwargs={
+            "device": "cpu",
+            "kv_cache_space": 0.05,
+            "swap_space": 0.01,
+            "disable_log_stats": True,
+            "pipeline_parallel_size": world,
+        },
         placement_group_config={"bundles": [{"CPU": 1}] * world, "strategy": "STRICT_PACK"},
         log_engine_metrics=False,
         concurrency=1,
@@ -200,25 +260,32 @@ def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--run", metavar="HF_MODEL_DIR", default=None,
-                        help="also run ray.data.llm's processor on this model (CPU)")
+    parser.add_argument(
+        "--run",
+        metavar="HF_MODEL_DIR",
+        default=None,
+        help="also run ray.data.llm's processor on this model (CPU)",
+    )
     parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     args = parser.parse_args()
     results = check()
     for r in results:
         mark = "ok     " if r.ok else ("MISSING" if r.required else "absent ")
-        print(f"[{mark}] {r.call}\n          needed for: {r.needed_for}"
-              + (f"\n          {r.detail}" if r.detail else ""))
+        print(
+            f"[{mark}] {r.call}\n          needed for: {r.needed_for}"
+            + (f"\n          {r.detail}" if r.detail else "")
+        )
     for note in NOTES:
         print(f"- {note}")
     gaps = [r for r in results if r.required and not r.ok]
-    print(f"\nray.data.llm's vLLM processor: {len(gaps)} required call(s) missing"
-          + (" -- it cannot run on this engine yet." if gaps else "."))
+    print(
+        f"\nray.data.llm's vLLM processor: {len(gaps)} required call(s) missing"
+        + (" -- it cannot run on this engine yet." if gaps else ".")
+    )
     if args.run:
         import ray
 
-        ray.init(address="local", num_cpus=args.pipeline_parallel_size + 1,
-                 include_dashboard=False)
+        ray.init(address="local", num_cpus=args.pipeline_parallel_size + 1, include_dashboard=False)
         rows = run_ray_data_llm(args.run, pipeline_parallel_size=args.pipeline_parallel_size)
         print(f"ray.data.llm processed {len(rows)} rows; first: {rows[0]}")
 

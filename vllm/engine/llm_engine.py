@@ -362,9 +362,7 @@ def _load_tokenizer(model_config: ModelConfig) -> Any:
     )
 
 
-def _use_async_pipeline(
-    scheduler_config: SchedulerConfig, parallel_config: ParallelConfig
-) -> bool:
+def _use_async_pipeline(scheduler_config: SchedulerConfig, parallel_config: ParallelConfig) -> bool:
     """Async scheduling needs separate stage processes (a first stage that can receive the
     last stage's sampled ids) and pipeline parallelism; None means on where it can be."""
     supported = (

@@ -135,8 +135,9 @@ class MultiprocessingExecutor(ExecutorBase):
         use_gpu = self.device_config.device == "cuda"
         threads = envs.get_int("VLLM_CPU_THREADS_PER_STAGE") or 1
         if not use_gpu and world > (os.cpu_count() or 1):
-            logger.warning("%d ranks on %d CPU cores: ranks are oversubscribed", world,
-                           os.cpu_count() or 1)
+            logger.warning(
+                "%d ranks on %d CPU cores: ranks are oversubscribed", world, os.cpu_count() or 1
+            )
         ctx = multiprocessing.get_context("spawn")
         self._ids = itertools.count()
         self._cond = threading.Condition()
@@ -167,12 +168,20 @@ class MultiprocessingExecutor(ExecutorBase):
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="mp-results")
         self._reader.start()
         init_method = get_distributed_init_method("127.0.0.1", get_open_port())
-        configs = (self.model_config, self.parallel_config, self.scheduler_config,
-                   self.device_config, self.cache_config)
+        configs = (
+            self.model_config,
+            self.parallel_config,
+            self.scheduler_config,
+            self.device_config,
+            self.cache_config,
+        )
         ids = []
         for rank in range(world):
-            kwargs = dict(rank=rank, distributed_init_method=init_method,
-                          num_threads=None if use_gpu else threads)
+            kwargs = dict(
+                rank=rank,
+                distributed_init_method=init_method,
+                num_threads=None if use_gpu else threads,
+            )
             ids.append(self._send(rank, "init_worker", configs, kwargs))
         self._wait_all(ids)
         for rank, proc in enumerate(self.procs):

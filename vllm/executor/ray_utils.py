@@ -158,9 +158,7 @@ def get_or_create_placement_group(world_size: int, use_gpu: bool) -> tuple[Any, 
     current = get_current_placement_group()
     if current is None:
         return create_placement_group(world_size, use_gpu), list(range(world_size)), True
-    bundles = [
-        i for i, bundle in enumerate(current.bundle_specs) if bundle.get(resource, 0) >= 1
-    ]
+    bundles = [i for i, bundle in enumerate(current.bundle_specs) if bundle.get(resource, 0) >= 1]
     if len(bundles) < world_size:
         raise ValueError(
             f"The number of required {resource}s exceeds the total number of available "

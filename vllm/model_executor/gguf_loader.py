@@ -35,6 +35,8 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+
+
 def _hf_name(gguf_name: str) -> str | None:
     """HF LLaMA name of a GGUF tensor, or None for tensors HF has no parameter for."""
     if gguf_name in _GLOBAL_NAMES:
@@ -75,8 +77,10 @@ def _dequantize(blob: np.memmap, info: TensorInfo, shard: Any = None) -> torch.T
         and shard.start % block == 0
         and shard.size % block == 0
     ):
-        raw = raw[:, shard.start // block * block_bytes : (shard.start + shard.size) // block
-                  * block_bytes]
+        raw = raw[
+            :,
+            shard.start // block * block_bytes : (shard.start + shard.size) // block * block_bytes,
+        ]
         shape[-1] = shard.size
         shard = None
     values = gguf.quants.dequantize(np.ascontiguousarray(raw), qtype)

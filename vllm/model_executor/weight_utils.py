@@ -34,6 +34,7 @@ ShardFn = Callable[[str], Optional[Shard]]
 def _no_shard(name: str) -> Optional[Shard]:
     return None
 
+
 _TORCH_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,

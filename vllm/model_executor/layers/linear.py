@@ -85,9 +85,7 @@ class ParallelLinearBase(nn.Module):
         self.in_features = in_local
         self.out_features = out_local
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.empty(bias_size), requires_grad=False) if bias else None
-        )
+        self.bias = nn.Parameter(torch.empty(bias_size), requires_grad=False) if bias else None
         self._packed: Optional[torch.Tensor] = None
 
     def pack(self) -> None:

@@ -178,8 +178,12 @@ class OPTForCausalLM(nn.Module):
         if name.startswith(("model.decoder.embed_tokens.", "lm_head.")):
             start, _, rows = tpu.vocab_range(self.config.vocab_size, tp, rank)
             return Shard(0, start, rows)
-        for part, width in ((".q_proj.", hidden), (".k_proj.", hidden), (".v_proj.", hidden),
-                            (".fc1.", ffn)):
+        for part, width in (
+            (".q_proj.", hidden),
+            (".k_proj.", hidden),
+            (".v_proj.", hidden),
+            (".fc1.", ffn),
+        ):
             if part in name:
                 return Shard(0, rank * (width // tp), width // tp)
         for part, width in ((".out_proj.weight", hidden), (".fc2.weight", ffn)):

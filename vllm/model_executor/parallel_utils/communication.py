@@ -205,9 +205,7 @@ def recv_tensor_dict(
             t.record_stream(compute)
 
     if target != wire_device and received:
-        result = {
-            k: v.to(target) if isinstance(v, torch.Tensor) else v for k, v in result.items()
-        }
+        result = {k: v.to(target) if isinstance(v, torch.Tensor) else v for k, v in result.items()}
     return result
 
 
