@@ -253,5 +253,5 @@ def test_error_inside_a_step_leaves_the_engine_usable(tiny_model_dirs):
 def test_resource_errors_up_front(kwargs, match, tiny_model_dirs):
     started = time.monotonic()
     with pytest.raises(ValueError, match=match):
-        EngineArgs(model=tiny_model_dirs["opt-pre"], **kwargs).create_engine_configs()
+        EngineArgs(model=tiny_model_dirs["opt-pre"], **kwargs).create_engine_config()
     assert time.monotonic() - started < 5

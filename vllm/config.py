@@ -423,3 +423,15 @@ class DeviceConfig:
                 f"(torch {torch.__version__}: torch.cuda.is_available() is False). "
                 "Use device='cpu' or device='auto'."
             )
+
+
+@dataclass
+class EngineConfig:
+    """All of an engine's configs together: one object, passed by name from `EngineArgs` to
+    the engine, its executor and the stage workers (vLLM's `VllmConfig`)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    parallel_config: ParallelConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig

@@ -7,7 +7,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 
 @dataclass
@@ -225,10 +232,9 @@ class EngineArgs:
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
-    def create_engine_configs(
-        self,
-    ) -> tuple[ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, DeviceConfig]:
-        """Validated configs, in the order LLMEngine takes them."""
+    def create_engine_config(self) -> EngineConfig:
+        """The validated configs as one object, passed by name to the engine, executors and
+        workers (Ray Data reads `.scheduler_config` and `.parallel_config` from it)."""
         device_config = DeviceConfig(self.device)
         parallel_config = ParallelConfig(
             self.pipeline_parallel_size,
@@ -269,7 +275,13 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             async_scheduling=self.async_scheduling,
         )
-        return model_config, cache_config, parallel_config, scheduler_config, device_config
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            parallel_config=parallel_config,
+            scheduler_config=scheduler_config,
+            device_config=device_config,
+        )
 
 
 @dataclass
@@ -298,19 +310,3 @@ class AsyncEngineArgs(EngineArgs):
             help="Disable logging requests.",
         )
         return parser
-
-    def create_engine_config(self) -> EngineConfig:
-        """The validated configs as one object (newer vLLM's name; Ray Data reads
-        `.scheduler_config` and `.parallel_config` from it)."""
-        return EngineConfig(*self.create_engine_configs())
-
-
-@dataclass
-class EngineConfig:
-    """All of an engine's configs together."""
-
-    model_config: ModelConfig
-    cache_config: CacheConfig
-    parallel_config: ParallelConfig
-    scheduler_config: SchedulerConfig
-    device_config: DeviceConfig

@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any, Iterable, Optional, Union
 
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from vllm.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.engine.batch_queue import BatchQueue
 from vllm.engine.interrupts import sigint_deferred
@@ -39,19 +39,16 @@ class LLMEngine:
 
     def __init__(
         self,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        parallel_config: ParallelConfig,
-        scheduler_config: SchedulerConfig,
-        device_config: DeviceConfig,
+        engine_config: EngineConfig,
         log_stats: bool = False,
         served_model_name: Optional[str] = None,
     ) -> None:
-        self.model_config = model_config
-        self.cache_config = cache_config
-        self.parallel_config = parallel_config
-        self.scheduler_config = scheduler_config
-        self.device_config = device_config
+        self.engine_config = engine_config
+        model_config = self.model_config = engine_config.model_config
+        cache_config = self.cache_config = engine_config.cache_config
+        parallel_config = self.parallel_config = engine_config.parallel_config
+        scheduler_config = self.scheduler_config = engine_config.scheduler_config
+        device_config = self.device_config = engine_config.device_config
         sizes = model_config.get_pp_layer_sizes(parallel_config)
         logger.info(
             "Initializing an LLM engine with config: model=%r, dtype=%s, max_seq_len=%d, "
@@ -67,9 +64,7 @@ class LLMEngine:
         self.tokenizer = None if model_config.skip_tokenizer_init else _load_tokenizer(model_config)
         self.generation_config = _load_generation_config(model_config)
         self.eos_token_id = _eos_token_id(self.tokenizer, model_config)
-        self.executor = _make_executor(
-            model_config, cache_config, parallel_config, scheduler_config, device_config
-        )
+        self.executor = _make_executor(engine_config)
         self.scheduler = Scheduler(
             scheduler_config, cache_config, parallel_config.pipeline_parallel_size
         )
@@ -106,7 +101,7 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> LLMEngine:
         return cls(
-            *engine_args.create_engine_configs(),
+            engine_args.create_engine_config(),
             log_stats=not getattr(engine_args, "disable_log_stats", True),
             # As vLLM: the name the user gave (`smollm2`, not the resolved GGUF path).
             served_model_name=getattr(engine_args, "served_model_name", None) or engine_args.model,
@@ -378,16 +373,16 @@ def _use_async_pipeline(scheduler_config: SchedulerConfig, parallel_config: Para
     return supported and wanted is not False
 
 
-def _make_executor(*configs: Any) -> Any:
-    parallel_config: ParallelConfig = configs[2]
-    if parallel_config.distributed_executor_backend == "ray":
+def _make_executor(engine_config: EngineConfig) -> Any:
+    backend = engine_config.parallel_config.distributed_executor_backend
+    if backend == "ray":
         from vllm.executor.ray_executor import RayExecutor
 
-        return RayExecutor(*configs)
-    if parallel_config.distributed_executor_backend == "mp":
+        return RayExecutor(engine_config)
+    if backend == "mp":
         from vllm.executor.mp_executor import MultiprocessingExecutor
 
-        return MultiprocessingExecutor(*configs)
+        return MultiprocessingExecutor(engine_config)
     from vllm.executor.uniproc_executor import UniProcExecutor
 
-    return UniProcExecutor(*configs)
+    return UniProcExecutor(engine_config)

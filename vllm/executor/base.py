@@ -6,7 +6,7 @@ import logging
 from abc import ABC, abstractmethod
 from typing import Any
 
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from vllm.config import EngineConfig
 from vllm.sequence import ExecuteModelRequest, SamplerOutput
 
 logger = logging.getLogger("vllm.executor")
@@ -19,19 +19,13 @@ class ExecutorBase(ABC):
     several batches inside the pipeline; `get_output` waits for that step's sampler output.
     """
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        parallel_config: ParallelConfig,
-        scheduler_config: SchedulerConfig,
-        device_config: DeviceConfig,
-    ) -> None:
-        self.model_config = model_config
-        self.cache_config = cache_config
-        self.parallel_config = parallel_config
-        self.scheduler_config = scheduler_config
-        self.device_config = device_config
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.engine_config = engine_config
+        self.model_config = engine_config.model_config
+        self.cache_config = engine_config.cache_config
+        self.parallel_config = engine_config.parallel_config
+        self.scheduler_config = engine_config.scheduler_config
+        self.device_config = engine_config.device_config
         try:
             self._init_workers()
             self._log_stages_and_init_cache()
