@@ -314,11 +314,17 @@ def main(argv: list[str] | None = None) -> int:
         ]
         print(f"  {r['label']}: " + "; ".join(parts) + f"; driver CPU {r['driver_cpu_s']:.1f}")
     print(
-        "\nStage idle (between steps, waiting for the engine) as a share of wall time, and "
+        "\nStage idle (between steps waiting for the engine, or for sampled ids) as a share of "
+        "wall time, and "
         "step-message bytes per step (deltas vs full token histories):"
     )
     for r in results:
-        idle = " / ".join(f"{100 * st['idle_s'] / r['wall_s']:.1f}%" for st in r["stage_stats"])
+        # Idle: between steps (waiting for the engine) plus, on the first stage with async
+        # scheduling, waiting for the last stage's sampled ids.
+        idle = " / ".join(
+            f"{100 * (st['idle_s'] + st.get('tokens_wait_s', 0)) / r['wall_s']:.1f}%"
+            for st in r["stage_stats"]
+        )
         line = f"  {r['label']}: idle {idle}"
         mb = r.get("message_bytes")
         if mb and mb["steps"]:

@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any, Iterable, Optional, Union
 
-from vllm.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from vllm.config import EngineConfig, ModelConfig, SchedulerConfig
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.engine.batch_queue import BatchQueue
 from vllm.engine.interrupts import sigint_deferred
@@ -72,10 +72,10 @@ class LLMEngine:
             self.scheduler, self.tokenizer, scheduler_config.max_model_len, self._new_seq_id
         )
         self.seq_counter = itertools.count()
-        async_pipeline = _use_async_pipeline(scheduler_config, parallel_config)
+        async_pipeline = _use_async_pipeline(scheduler_config, self.executor)
         self.scheduler.lookahead = async_pipeline
         self.batch_queue = BatchQueue(
-            self.executor, parallel_config.pipeline_parallel_size, async_pipeline
+            self.executor, self.executor.max_concurrent_batches, async_pipeline
         )
         if async_pipeline:
             logger.info(
@@ -357,13 +357,10 @@ def _load_tokenizer(model_config: ModelConfig) -> Any:
     )
 
 
-def _use_async_pipeline(scheduler_config: SchedulerConfig, parallel_config: ParallelConfig) -> bool:
-    """Async scheduling needs separate stage processes (a first stage that can receive the
-    last stage's sampled ids) and pipeline parallelism; None means on where it can be."""
-    supported = (
-        parallel_config.pipeline_parallel_size > 1
-        and parallel_config.distributed_executor_backend in ("ray", "mp")
-    )
+def _use_async_pipeline(scheduler_config: SchedulerConfig, executor: Any) -> bool:
+    """Async scheduling needs stage processes of their own (the first stage receives the last
+    stage's sampled ids) and pipeline parallelism; None means on where it can be."""
+    supported = bool(executor.supports_async_pipeline)
     wanted = scheduler_config.async_scheduling
     if wanted and not supported:
         logger.warning(

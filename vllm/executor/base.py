@@ -95,6 +95,17 @@ class ExecutorBase(ABC):
         """Peak memory per stage, in rank order."""
         return self._run_workers("get_memory_stats")
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Micro-batches that can be inside the pipeline at once: one per stage."""
+        return self.parallel_config.pipeline_parallel_size
+
+    @property
+    def supports_async_pipeline(self) -> bool:
+        """Whether stages run in processes of their own that can pass sampled ids from the
+        last stage to the first (needed to schedule a decode ahead of its output)."""
+        return False
+
     @abstractmethod
     def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
         """Submit one step to the pipeline; returns a handle for `get_output`. `num_tokens`

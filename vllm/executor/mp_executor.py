@@ -302,6 +302,10 @@ class MultiprocessingExecutor(ExecutorBase):
 
     # ---- steps -----------------------------------------------------------------------------
 
+    @property
+    def supports_async_pipeline(self) -> bool:
+        return self.parallel_config.pipeline_parallel_size > 1
+
     def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
         # As on Ray: every rank of the first and last stage gets the batch, middle stages only
         # the block operations; the last stage's TP driver returns the sampler output.

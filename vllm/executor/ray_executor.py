@@ -204,6 +204,10 @@ class RayExecutor(ExecutorBase):
 
     # -- steps -----------------------------------------------------------------------------
 
+    @property
+    def supports_async_pipeline(self) -> bool:
+        return self.parallel_config.pipeline_parallel_size > 1
+
     def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
         # Middle stages take their batch from the previous stage; only block ops go to them.
         # With TP every rank of the first and last stage gets the batch (each builds its own

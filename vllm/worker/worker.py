@@ -268,16 +268,19 @@ class Worker:
         cache.copy(request.blocks_to_copy)
         self.model_runner.drop_requests(request.finished_request_ids)
         metadata_list = None
+        tokens_wait_s = 0.0
         if request.step is not None:
             self.request_state.drop(request.finished_request_ids)
             if self.layout.is_first and not self.layout.is_last:
+                # Decodes scheduled ahead feed the ids the last stage sampled for them.
                 waited = time.perf_counter()
                 self._receive_sampled(request.step.recv_sampled_through)
-                stats["tokens_wait_s"] += time.perf_counter() - waited
+                tokens_wait_s = time.perf_counter() - waited
             metadata_list = self.request_state.apply(request.step)
         # Cache work first: on a later stage it overlaps with the previous stage's compute.
         cached = time.perf_counter()
-        stats["cache_s"] += cached - entered
+        stats["tokens_wait_s"] += tokens_wait_s
+        stats["cache_s"] += cached - entered - tokens_wait_s
         received = None
         if not self.layout.is_first:
             received = recv_tensor_dict(
