@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                 f" vs {mb['full_bytes'] / mb['steps']:.0f} B/step with full histories "
                 f"({mb['full_bytes'] / max(1, mb['step_bytes']):.1f}x)"
             )
+        first = r["stage_stats"][0]
+        if first.get("step_bytes") and first["steps"]:
+            line += f"; stage 0 received {first['step_bytes'] / first['steps']:.0f} B/step (timed)"
         if r.get("async_scheduling"):
             line += f"; {r['ahead_groups']} group-steps scheduled ahead"
         print(line)
