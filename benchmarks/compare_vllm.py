@@ -24,9 +24,11 @@ an HF directory (`--hf-dir`, made once with transformers' `gguf_file=` + `save_p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -186,18 +188,28 @@ def run_one(
     with tempfile.TemporaryDirectory() as tmp:
         runner = os.path.join(tmp, "run_engine.py")
         Path(runner).write_text(_RUNNER)
-        proc = subprocess.run(
-            [python, runner, json.dumps(cfg)],
-            env=env,
-            text=True,
-            capture_output=True,
-            timeout=args.timeout,
-            cwd=tmp,
-        )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout)[-3000:]
-        raise SystemExit(f"{label} failed (exit {proc.returncode}):\n{tail}")
+        out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        # Files, not pipes, and a session of its own: the runner leaves with os._exit, and the
+        # worker processes it leaves behind must neither hold a pipe open nor outlive it.
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            proc = subprocess.Popen(
+                [python, runner, json.dumps(cfg)],
+                env=env,
+                cwd=tmp,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+            try:
+                returncode = proc.wait(timeout=args.timeout)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = Path(out_path).read_text(), Path(err_path).read_text()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if returncode != 0 or not lines:
+        tail = (stderr or stdout)[-3000:]
+        raise SystemExit(f"{label} failed (exit {returncode}):\n{tail}")
     result = json.loads(lines[-1][len("RESULT ") :])
     result.update(
         engine=engine,

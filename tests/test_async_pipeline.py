@@ -20,11 +20,13 @@ KIND = "llama-gqa-untied"
 MANY = [p for _ in range(4) for p in tiny_models.PROMPTS]
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=[(2, "ray"), (3, "ray"), (2, "mp")], ids=str)
 def async_llm(request, ray_session, tiny_model_dirs):
+    pp, backend = request.param
     llm = LLM(
         tiny_model_dirs[KIND],
-        pipeline_parallel_size=request.param,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend=backend,
         kv_cache_space=0.05,
         swap_space=0.01,
     )
