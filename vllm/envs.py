@@ -36,6 +36,13 @@ class EnvVar:
 _VARS = (
     # Fault handling and deadlines.
     EnvVar(
+        "VLLM_PP_MICRO_BATCHES",
+        "0",
+        int,
+        "Micro-batches (decode cohorts) kept in the pipeline; 0 means one per stage. More "
+        "gives each stage slack against the others' jitter, at smaller batches.",
+    ),
+    EnvVar(
         "VLLM_PP_STEP_TIMEOUT_S",
         "60",
         float,

@@ -109,8 +109,10 @@ class Scheduler:
         # Sequences finished while a step of their group was in flight: freed on its return.
         self._deferred_free: dict[str, list[Sequence]] = {}
         self._batch_no = 0
-        # Schedule decodes ahead of their in-flight step's output (set by the engine).
+        # Schedule decodes ahead of their in-flight step's output (set by the engine), once
+        # `lookahead_gap - 1` other batches were submitted after that step.
         self.lookahead = False
+        self.lookahead_gap = pipeline_parallel_size
         self._admitted = False
         # Aborted while in flight: their blocks are still being written by the pipeline.
         self._aborted_in_flight: dict[str, SequenceGroup] = {}
@@ -328,7 +330,7 @@ class Scheduler:
         if flights is None or len(flights) != 1:
             return False
         _, batch_no = flights[0]
-        if self._batch_no + 1 - batch_no < self.pipeline_parallel_size:
+        if self._batch_no + 1 - batch_no < self.lookahead_gap:
             return False  # the first stage would wait for that step's token
         params = seq_group.sampling_params
         if params.use_beam_search or seq_group.num_seqs() < params.best_of:

@@ -19,6 +19,7 @@ import os
 import time
 from typing import Any, Iterable, Optional, Union
 
+from vllm import envs
 from vllm.config import EngineConfig, ModelConfig, SchedulerConfig
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.engine.batch_queue import BatchQueue
@@ -73,10 +74,13 @@ class LLMEngine:
         )
         self.seq_counter = itertools.count()
         async_pipeline = _use_async_pipeline(scheduler_config, self.executor)
+        # Decode cohorts: one per stage unless VLLM_PP_MICRO_BATCHES says otherwise.
+        self.num_micro_batches = self.executor.max_concurrent_batches
+        if self.num_micro_batches > 1:
+            self.num_micro_batches = envs.get_int("VLLM_PP_MICRO_BATCHES") or self.num_micro_batches
         self.scheduler.lookahead = async_pipeline
-        self.batch_queue = BatchQueue(
-            self.executor, self.executor.max_concurrent_batches, async_pipeline
-        )
+        self.scheduler.lookahead_gap = self.num_micro_batches
+        self.batch_queue = BatchQueue(self.executor, self.num_micro_batches, async_pipeline)
         if async_pipeline:
             logger.info(
                 "Async scheduling: decodes are scheduled ahead of their outputs (up to %d "
@@ -191,10 +195,10 @@ class LLMEngine:
     def _micro_batch_cap(self) -> Optional[int]:
         """With N stages, a batch takes ~1/N of the active sequences, so N batches can be in
         the pipeline at once instead of one batch holding everything (and N-1 stages idle)."""
-        stages = self.parallel_config.pipeline_parallel_size
-        if stages == 1:
+        cohorts = self.num_micro_batches
+        if cohorts == 1:
             return None
-        return max(1, -(-self.scheduler.num_active_seqs() // stages))
+        return max(1, -(-self.scheduler.num_active_seqs() // cohorts))
 
     def step(self) -> list[RequestOutput]:
         """Fill the pipeline with new batches, then finish the oldest one.
