@@ -138,28 +138,41 @@ def test_sampling_equals_sync_pipeline(sync_results, async_llm):
 
 
 def test_abort_while_two_steps_in_flight(async_llm, hf_reference):
+    """Aborts and stops while a step scheduled ahead is in flight: every request finishes
+    exactly once (no output after its finished one), the others equal HF."""
     engine = async_llm.llm_engine
     reference = hf_reference(KIND)
-    greedy = SamplingParams(temperature=0.0, max_tokens=32)
-    for i, prompt in enumerate(tiny_models.PROMPTS):
-        engine.add_request(f"ab-{i}", prompt, greedy)
-    finished = {}
-    for _ in range(12):
-        for out in engine.step():
+    prompts = tiny_models.PROMPTS * 2
+    params = []
+    for i in range(len(prompts)):
+        ref = reference[i % len(tiny_models.PROMPTS)]
+        stop = [ref[4 + i % 7]] if i % 2 else []  # half stop early on a token of their own
+        params.append(SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=stop))
+        engine.add_request(f"ab-{i}", prompts[i], params[-1])
+    finished: dict[str, list] = {}
+
+    def collect(outputs):
+        for out in outputs:
+            assert out.request_id not in finished, f"{out.request_id}: output after finishing"
             if out.finished:
-                finished[out.request_id] = out
+                finished.setdefault(out.request_id, []).append(out)
+
+    for _ in range(12):
+        collect(engine.step())
     assert len(engine.batch_queue) > engine.parallel_config.pipeline_parallel_size
-    aborted = {f"ab-{i}" for i in range(0, len(tiny_models.PROMPTS), 3)}
+    aborted = {f"ab-{i}" for i in range(0, len(prompts), 3)}
     engine.abort_request(aborted)
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    for i in range(len(tiny_models.PROMPTS)):
+        collect(engine.step())
+    for i in range(len(prompts)):
         rid = f"ab-{i}"
+        assert len(finished.get(rid, [])) <= 1, rid
         if rid in aborted:
             continue
-        assert list(finished[rid].outputs[0].token_ids) == reference[i]
+        ref = reference[i % len(tiny_models.PROMPTS)]
+        if params[i].stop_token_ids:
+            ref = ref[: ref.index(params[i].stop_token_ids[0]) + 1]
+        assert list(finished[rid][0].outputs[0].token_ids) == ref, rid
     assert not engine.scheduler.in_flight
     assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == (
         engine.cache_config.num_gpu_blocks

@@ -292,6 +292,9 @@ class SequenceGroup:
         self.partial_prompt_logprobs: PromptLogprobs = []
         # How many sequences of this group ever got preempted (reported by masstest).
         self.num_preemptions = 0
+        # Set once the engine returned the group's finished RequestOutput: a step still in
+        # flight when it finished (scheduled ahead, or aborted) comes back without another.
+        self.final_output_returned = False
 
     @property
     def arrival_time(self) -> float:

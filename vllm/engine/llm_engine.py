@@ -224,6 +224,7 @@ class LLMEngine:
                 for group in sched_out.ignored_seq_groups:
                     group.metrics.finished_time = time.time()
                     self._pending_outputs.append(RequestOutput.from_seq_group(group))
+                    group.final_output_returned = True
                     ignored_groups.append(group)
                     self._finished_request_ids.append(group.request_id)
             if sched_out.is_empty():

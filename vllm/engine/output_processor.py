@@ -56,7 +56,9 @@ class OutputProcessor:
         results = []
         now = time.time()
         for group, group_output in zip(groups, output):
-            # Aborted while its batch was inside the pipeline: the tokens are discarded.
+            # Finished while this batch was inside the pipeline (aborted, or stopped by the
+            # step before a step scheduled ahead): the tokens are discarded, and the final
+            # output goes out once.
             if not group.is_finished():
                 if group_output.prompt_logprobs is not None:
                     self._add_prompt_logprobs(group, group_output.prompt_logprobs)
@@ -65,8 +67,12 @@ class OutputProcessor:
                     continue
                 self._process_group(group, group_output)
                 group.record_token_time(now)
-            # FINAL_ONLY requests (all of LLM.generate's) get no partial outputs built.
-            if group.is_finished() or group.sampling_params.output_kind != FINAL_ONLY:
+            if group.is_finished():
+                if not group.final_output_returned:
+                    group.final_output_returned = True
+                    results.append(RequestOutput.from_seq_group(group))
+            elif group.sampling_params.output_kind != FINAL_ONLY:
+                # FINAL_ONLY requests (all of LLM.generate's) get no partial outputs built.
                 results.append(RequestOutput.from_seq_group(group))
         return results
 
