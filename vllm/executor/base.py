@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import Any
 
 from vllm.config import EngineConfig
@@ -100,11 +101,30 @@ class ExecutorBase(ABC):
         """Micro-batches that can be inside the pipeline at once: one per stage."""
         return self.parallel_config.pipeline_parallel_size
 
+    # Stages run in processes of their own (Ray actors, mp processes), not in the engine's.
+    _stages_in_own_processes = False
+
     @property
     def supports_async_pipeline(self) -> bool:
-        """Whether stages run in processes of their own that can pass sampled ids from the
-        last stage to the first (needed to schedule a decode ahead of its output)."""
-        return False
+        """Whether the last stage can pass sampled ids to a first stage of its own (needed to
+        schedule a decode ahead of its output)."""
+        return self._stages_in_own_processes and self.parallel_config.pipeline_parallel_size > 1
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose step result is the sampler output: the last stage's TP driver."""
+        pc = self.parallel_config
+        return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+
+    def _requests_per_rank(self, request: ExecuteModelRequest) -> list[ExecuteModelRequest]:
+        """What each rank gets for one step: every rank of the first and last stage the step
+        message (each TP rank builds its own inputs), middle stages only the block operations
+        (they take their batch from the previous stage)."""
+        light = replace(request, step=None)
+        tp = self.parallel_config.tensor_parallel_size
+        last_stage = self.parallel_config.pipeline_parallel_size - 1
+        world = self.parallel_config.world_size
+        return [request if rank // tp in (0, last_stage) else light for rank in range(world)]
 
     @abstractmethod
     def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:

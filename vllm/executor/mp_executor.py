@@ -23,7 +23,6 @@ import os
 import sys
 import threading
 import time
-from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import Any, Iterator, Optional
 
@@ -302,28 +301,19 @@ class MultiprocessingExecutor(ExecutorBase):
 
     # ---- steps -----------------------------------------------------------------------------
 
-    @property
-    def supports_async_pipeline(self) -> bool:
-        return self.parallel_config.pipeline_parallel_size > 1
+    _stages_in_own_processes = True
 
     def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
-        # As on Ray: every rank of the first and last stage gets the batch, middle stages only
-        # the block operations; the last stage's TP driver returns the sampler output.
-        light = replace(request, step=None)
-        tp = self.parallel_config.tensor_parallel_size
-        last_stage = self.parallel_config.pipeline_parallel_size - 1
+        # As on Ray; the last stage's TP driver returns the sampler output.
         call_id = next(self._ids)
-        for rank in range(len(self.procs)):
-            req = request if rank // tp in (0, last_stage) else light
+        for rank, req in enumerate(self._requests_per_rank(request)):
             self._send_id(rank, call_id, "execute_model", (req,), {})
         self._in_flight.append(call_id)
         return call_id, self.parallel_config.step_deadline_s(num_tokens)
 
     def get_output(self, handle: Any) -> SamplerOutput:
         call_id, deadline_s = handle
-        tp = self.parallel_config.tensor_parallel_size
-        driver = (self.parallel_config.pipeline_parallel_size - 1) * tp
-        output = self._wait_for(driver, call_id, deadline_s)
+        output = self._wait_for(self.output_rank, call_id, deadline_s)
         # The other ranks' results for this step (None), and outputs of discarded earlier
         # steps, are dropped; an error among them was raised above.
         with self._cond:

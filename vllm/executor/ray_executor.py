@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import ray
@@ -204,24 +204,14 @@ class RayExecutor(ExecutorBase):
 
     # -- steps -----------------------------------------------------------------------------
 
-    @property
-    def supports_async_pipeline(self) -> bool:
-        return self.parallel_config.pipeline_parallel_size > 1
+    _stages_in_own_processes = True
 
     def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
-        # Middle stages take their batch from the previous stage; only block ops go to them.
-        # With TP every rank of the first and last stage gets the batch (each builds its own
-        # inputs); the last stage's TP driver (tp_rank 0) returns the sampler output.
-        light = replace(request, step=None)
-        tp = self.parallel_config.tensor_parallel_size
-        last_stage = self.parallel_config.pipeline_parallel_size - 1
+        requests = self._requests_per_rank(request)
         refs = [
-            w.execute_method.remote(
-                "execute_model", request if rank // tp in (0, last_stage) else light
-            )
-            for rank, w in enumerate(self.workers)
+            w.execute_method.remote("execute_model", req) for w, req in zip(self.workers, requests)
         ]
-        driver = last_stage * tp
+        driver = self.output_rank
         for rank, ref in enumerate(refs):
             if rank != driver:
                 self._outstanding[ref] = rank
@@ -383,9 +373,7 @@ class RayExecutor(ExecutorBase):
         """The engine gave up on the steps in flight (an interrupt): their outputs are no
         longer wanted. The stages still run them, in order, before anything submitted later;
         their refs stay watched (an error in them is a stage failure) until they finish."""
-        pc = self.parallel_config
-        driver = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
-        self._outstanding.update(dict.fromkeys(self._unclaimed, driver))
+        self._outstanding.update(dict.fromkeys(self._unclaimed, self.output_rank))
         self._unclaimed.clear()
 
     def shutdown(self, graceful: bool = True) -> None:
