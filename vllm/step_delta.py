@@ -19,6 +19,7 @@ Imports no torch: the engine side and these tests run without it.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
@@ -283,3 +284,19 @@ class StageRequestState:
 
     def num_requests(self) -> int:
         return len(self._requests)
+
+
+def message_bytes(message: object) -> int:
+    """The pickled size of a step message, as a measure of what crosses to a stage.
+
+    Ray pickles with cloudpickle, which also takes what plain pickle refuses (a user's logits
+    processor defined inside a function): such a message is measured with cloudpickle, or
+    counted as 0 where cloudpickle is not installed."""
+    try:
+        return len(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    except (pickle.PicklingError, AttributeError, TypeError):
+        try:
+            import cloudpickle
+        except ImportError:
+            return 0
+        return len(cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))

@@ -11,14 +11,13 @@ first. The scheduler keeps which requests are in flight; the queue keeps the bat
 
 from __future__ import annotations
 
-import pickle
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vllm.core.scheduler import SchedulerOutputs
 from vllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
-from vllm.step_delta import StepEncoder
+from vllm.step_delta import StepEncoder, message_bytes
 
 
 class StepExecutor(Protocol):
@@ -124,10 +123,10 @@ class BatchQueue:
         self._batches.append(InFlightBatch(handle, scheduler_outputs, self._step_no))
 
     def _count(self, message: Any, metadata_list: list[SequenceGroupMetadata]) -> None:
-        size = len(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        size = message_bytes(message)
         self.stats.step_bytes += size
         self.stats.per_step_bytes.append(size)
-        self.stats.full_bytes += len(pickle.dumps(metadata_list, protocol=pickle.HIGHEST_PROTOCOL))
+        self.stats.full_bytes += message_bytes(metadata_list)
 
     def collect_oldest(self) -> tuple[SchedulerOutputs, SamplerOutput]:
         """Wait for the oldest batch; it leaves the queue only once its output is here (a

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import socket
 import time
 from typing import Any, Optional
@@ -19,7 +18,7 @@ from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 from vllm.model_executor.parallel_utils.communication import recv_tensor_dict, send_tensor_dict
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
-from vllm.step_delta import StageRequestState, StepMessage
+from vllm.step_delta import StageRequestState, StepMessage, message_bytes
 from vllm.worker.cache_engine import CacheEngine, cache_block_bytes
 from vllm.worker.cpu_memory import release_memory, tune_malloc
 from vllm.worker.model_runner import ModelRunner
@@ -280,7 +279,7 @@ class Worker:
             metadata_list = self.request_state.apply(request.step)
             if self.layout.is_first:
                 # What the engine sent this stage for the step (deltas): ~20 us to count.
-                stats["step_bytes"] += len(pickle.dumps(request.step, pickle.HIGHEST_PROTOCOL))
+                stats["step_bytes"] += message_bytes(request.step)
         # Cache work first: on a later stage it overlaps with the previous stage's compute.
         cached = time.perf_counter()
         stats["tokens_wait_s"] += tokens_wait_s
