@@ -67,8 +67,6 @@ class BatchQueue:
         # after an interrupt: every abandoned step's ids must be drained first.
         self._collected_through = 0
         self._drain_through = 0
-        # Scheduler batch number -> step number, for the batches in flight.
-        self._step_of_batch: dict[int, int] = {}
         self.count_bytes = False
         self.stats = BatchQueueStats()
 
@@ -103,9 +101,8 @@ class BatchQueue:
             message.recv_sampled_through = max(self._collected_through, self._drain_through)
         for batch_no in set(scheduler_outputs.ahead.values()):
             # The step in flight whose sampled ids the ahead decodes feed.
-            depends_on = self._step_of_batch[batch_no]
+            depends_on = self._step_of_batch(batch_no)
             message.recv_sampled_through = max(message.recv_sampled_through, depends_on)
-        self._step_of_batch[scheduler_outputs.batch_no] = self._step_no
         request = ExecuteModelRequest(
             step=message,
             blocks_to_swap_in=scheduler_outputs.blocks_to_swap_in,
@@ -122,6 +119,13 @@ class BatchQueue:
         handle = self.executor.execute_model_async(request, scheduler_outputs.num_batched_tokens)
         self._batches.append(InFlightBatch(handle, scheduler_outputs, self._step_no))
 
+    def _step_of_batch(self, batch_no: int) -> int:
+        """The step number of the in-flight batch the scheduler numbered `batch_no`."""
+        for batch in self._batches:
+            if batch.scheduler_outputs.batch_no == batch_no:
+                return batch.step_no
+        raise RuntimeError(f"batch {batch_no} is not in flight: nothing to schedule ahead of")
+
     def _count(self, message: Any, metadata_list: list[SequenceGroupMetadata]) -> None:
         size = message_bytes(message)
         self.stats.step_bytes += size
@@ -135,7 +139,6 @@ class BatchQueue:
         output = self.executor.get_output(batch.handle)
         self._batches.popleft()
         self._collected_through = batch.step_no
-        self._step_of_batch.pop(batch.scheduler_outputs.batch_no, None)
         return batch.scheduler_outputs, output
 
     def discard(self) -> None:
@@ -143,7 +146,6 @@ class BatchQueue:
         before anything later; the next step makes them forget every request (and the first
         stage drain the abandoned steps' sampled ids first)."""
         self._batches.clear()
-        self._step_of_batch.clear()
         self.executor.discard_steps()
         self.encoder.reset()
         self._drain_through = self._step_no
@@ -152,7 +154,6 @@ class BatchQueue:
         """A stage was replaced and the groups re-formed: nothing is in flight, the stages
         hold no request, and the sampled-id channel starts again."""
         self._batches.clear()
-        self._step_of_batch.clear()
         self.encoder.reset()
         self._step_no = self._collected_through = self._drain_through = 0
 
