@@ -65,6 +65,7 @@ def main():
     wall = time.perf_counter() - start
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {"wall_s": wall, "generated_tokens": gen, "init_s": init_s,
+              "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
               "generated_tokens_per_s": gen / wall,
               "first_ids": [list(o.outputs[0].token_ids[:16]) for o in outs[:4]]}
     print("RESULT " + json.dumps(result), flush=True)
@@ -74,6 +75,62 @@ def main():
 if __name__ == "__main__":  # vLLM's workers are spawned: they re-import this file
     main()
 """
+
+
+# Runs under our python, one thread: the model's matmuls alone (benchmarks/roofline.py).
+_BOUND = r"""
+import json, sys
+import torch
+torch.set_num_threads(1)
+from benchmarks.roofline import gemm_flops_per_s
+from vllm.engine.arg_utils import EngineArgs
+
+cfg = json.loads(sys.argv[1])
+mc = EngineArgs(model=cfg["model"], dtype=cfg["dtype"]).create_engine_config().model_config
+layer, head = mc.get_gemm_shapes()
+shapes = layer * mc.get_num_layers()
+dtype = getattr(torch, cfg["dtype"])
+result = {
+    "layer_flops": 2 * sum(n * k for n, k in shapes),  # per token, all decoder layers
+    "head_flops": 2 * head[0] * head[1],
+    # decode: every layer and the lm_head at one row per sequence; prefill: the prompts'
+    # tokens (capped at 512 rows per matmul) through the layers.
+    "decode_rate": gemm_flops_per_s(shapes + [head], cfg["rows"], dtype, repeats=5),
+    "prefill_rate": gemm_flops_per_s(shapes, cfg["prefill_rows"], dtype, repeats=3),
+}
+print("RESULT " + json.dumps(result), flush=True)
+"""
+
+
+def matmul_bound(args: argparse.Namespace, dtype: str, prompt_tokens: int) -> float:
+    """Generated tok/s one core could reach if the run were nothing but its matmuls, each at
+    the speed it has alone (oneDNN-packed, this engine's linear path): every prompt token
+    through the decoder layers, one lm_head row per prompt, then output_len - 1 decode
+    steps of every layer and the lm_head at num_prompts rows. No attention, sampling,
+    scheduling or transfers: no engine on one core can beat it, whatever its kernels."""
+    cfg = {
+        "model": args.hf_dir,
+        "dtype": dtype,
+        "rows": args.num_prompts,
+        "prefill_rows": max(args.num_prompts, min(prompt_tokens, 512)),
+    }
+    env = _our_env(args.kv_cache_space)
+    proc = subprocess.run(
+        [sys.executable, "-c", _BOUND, json.dumps(cfg)],
+        env=env,
+        cwd=str(_ROOT),
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"matmul bound ({dtype}) failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
+    r = json.loads(lines[-1][len("RESULT ") :])
+    n, steps = args.num_prompts, args.output_len - 1
+    seconds = (prompt_tokens * r["layer_flops"] + n * r["head_flops"]) / r["prefill_rate"]
+    seconds += steps * n * (r["layer_flops"] + r["head_flops"]) / r["decode_rate"]
+    return n * args.output_len / seconds
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -109,6 +166,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="Rounds over all runs (interleaved); each keeps its best.",
     )
     p.add_argument("--only", choices=["ours", "vllm"], default=None, help="Run one engine.")
+    p.add_argument(
+        "--no-bound",
+        action="store_true",
+        help="Skip the matmul-only bound (what one core could reach doing only the matmuls).",
+    )
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--output-json", default=None)
     return p.parse_args(argv)
@@ -250,6 +312,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"\n=== {args.num_prompts} prompts x {args.output_len} new tokens, SmolLM2-135M "
         f"(HF dir), 1 core per stage, {os.cpu_count()} CPUs ==="
     )
+    bounds: dict[str, float] = {}
+    if not args.no_bound:
+        for dtype in args.dtype:
+            done = [r for (_, _, d), v in runs.items() if d == dtype for r in v]
+            tokens = next((r["prompt_tokens"] for r in done if "prompt_tokens" in r), None)
+            if tokens is not None:
+                bounds[dtype] = matmul_bound(args, dtype, tokens)
     rows = []
     for dtype in args.dtype:
         for pp in args.pp:
@@ -260,6 +329,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 else None
             )
             same = (ours["first_ids"] == theirs["first_ids"]) if ours and theirs else None
+            # PP=N on N cores: at best N times one core's bound (a perfect split, no loss).
+            bound = bounds[dtype] * pp if dtype in bounds else None
             rows.append(
                 [
                     f"PP={pp} {dtype}",
@@ -267,14 +338,35 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f"{ours['generated_tokens_per_s']:.1f}" if ours else "-",
                     f"{ratio:.2f}x" if ratio else "-",
                     {True: "yes", False: "no", None: "-"}[same],
+                    f"{bound:.1f}" if bound else "-",
+                    f"{bound / theirs['generated_tokens_per_s']:.2f}x" if bound and theirs else "-",
                 ]
             )
     print_table(
-        ["config", "vLLM tok/s", "vllm-pp tok/s", "vllm-pp / vLLM", "same first tokens"], rows
+        [
+            "config",
+            "vLLM tok/s",
+            "vllm-pp tok/s",
+            "vllm-pp / vLLM",
+            "same first tokens",
+            "matmul-only bound",
+            "bound / vLLM",
+        ],
+        rows,
     )
+    if bounds:
+        print(
+            "matmul-only bound: the generated tok/s of a run that did nothing but its matmuls "
+            "at their measured single-core speed (x N cores for PP=N). 'bound / vLLM' is the "
+            "largest speed-up over vLLM any engine could show in that row."
+        )
     write_json(
         args.output_json,
-        {"args": vars(args), "runs": {f"{e} PP={p} {d}": v for (e, p, d), v in runs.items()}},
+        {
+            "args": vars(args),
+            "runs": {f"{e} PP={p} {d}": v for (e, p, d), v in runs.items()},
+            "matmul_bound_tok_s_per_core": bounds,
+        },
     )
     return 0
 

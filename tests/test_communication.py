@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from vllm.model_executor.parallel_utils import communication as comm
 from vllm.model_executor.parallel_utils import parallel_state as ps
 from vllm.model_executor.parallel_utils.communication import recv_tensor_dict, send_tensor_dict
 
@@ -147,6 +148,53 @@ def test_bad_values_fail_before_any_send() -> None:
         send_tensor_dict({"ok": torch.ones(1), "nested": [1, torch.ones(1)]}, dst=1)
     with pytest.raises((pickle.PicklingError, AttributeError), match="pickle"):
         send_tensor_dict({"fn": lambda: 0}, dst=1)
+
+
+def _channel_worker(rank: int, port: int) -> None:
+    """Rank 0 sends, rank 1 receives: messages land in receives posted ahead; big ones and
+    more messages than posted chunks still arrive whole and in order."""
+    ps.init_distributed_environment(
+        2, rank, ps.get_distributed_init_method("127.0.0.1", port), backend="gloo"
+    )
+    gen = torch.Generator().manual_seed(7)
+    chunk = comm._CHUNK_BYTES
+    small = [{"step": i, "hidden": torch.randn(32, 576, generator=gen)} for i in range(3)]
+    # Around the inline limit (one side goes in chunks, the other as prefix + bulk), a
+    # prefill-sized message, and a burst of more one-chunk messages than are posted.
+    limit = comm._INLINE_CHUNKS * chunk
+    sizes = [limit - 300, limit - 40, limit, limit + 1, 5 * limit]
+    mixed = [{"raw": _random_bits((n,), torch.uint8, gen), "n": n} for n in sizes]
+    burst = [{"i": i, "ids": torch.arange(i)} for i in range(3 * comm._POSTED_CHUNKS)]
+    if rank == 0:
+        send_tensor_dict({"hello": 1}, 1)  # once received, the receiver's channel exists
+        dist.barrier()
+        # The receiver is asleep: small sends must complete without it asking for them.
+        # (gloo's is_completed() stays False until wait(), so time the waits.)
+        handles = [send_tensor_dict(m, 1, async_op=True) for m in small]
+        start = time.monotonic()
+        for handle in handles:
+            handle.wait()
+        landed = time.monotonic() - start < _RECV_DELAY / 2
+        dist.barrier()
+        handles += [send_tensor_dict(m, 1, async_op=True) for m in mixed + burst]
+        for handle in handles:
+            handle.wait()
+        send_tensor_dict({"landed": landed}, 1)
+    else:
+        assert recv_tensor_dict(0) == {"hello": 1}
+        dist.barrier()
+        time.sleep(_RECV_DELAY)
+        dist.barrier()
+        for msg in small + mixed + burst:
+            got = recv_tensor_dict(0)
+            assert _diff(msg, got) is None, _diff(msg, got)
+        assert recv_tensor_dict(0) == {"landed": True}, "small sends waited for the receiver"
+    ps.destroy_model_parallel()
+    assert not comm._RECEIVERS  # the posted receives went with the groups
+
+
+def test_posted_chunk_channel_two_processes() -> None:
+    mp.spawn(_channel_worker, args=(ps.get_open_port(),), nprocs=2, join=True)
 
 
 # ---------------------------------------------------------------- stress run (two Ray actors)

@@ -252,7 +252,32 @@ class Worker:
         )
 
     def execute_model(self, request: ExecuteModelRequest) -> Optional[SamplerOutput]:
-        """One step of this stage. Returns the sampler output on the last stage, else None."""
+        """One step of this stage. Returns the sampler output on the last stage, else None.
+
+        A step that fails with other ranks around closes this rank's process groups before
+        raising. A failed step means the engine re-forms the groups anyway (or stops), and a
+        peer still waiting on this rank -- receives are posted ahead, so a neighbour can be
+        several messages further on -- is released at once by the closed connection instead
+        of waiting out the group timeout while the engine waits for it to rejoin."""
+        try:
+            return self._execute_model(request)
+        except BaseException as exc:
+            if self.parallel_config.world_size > 1:
+                logger.warning(
+                    "rank %d: step failed (%s: %s); leaving the process groups",
+                    self.rank,
+                    type(exc).__name__,
+                    str(exc).strip()[-200:],
+                )
+                self._pending_send = None
+                self._sampled_sends = []
+                try:
+                    ps.destroy_model_parallel()
+                except Exception as close_exc:  # a group with a dead peer may not close cleanly
+                    logger.warning("rank %d: closing the groups: %s", self.rank, close_exc)
+            raise
+
+    def _execute_model(self, request: ExecuteModelRequest) -> Optional[SamplerOutput]:
         assert self.cache_engine is not None, "initialize_cache() first"
         stats = self.stats
         entered = time.perf_counter()
@@ -353,7 +378,11 @@ class Worker:
             if not step.send_sampled:
                 return
             message = {"step_no": step.step_no, "pairs": pairs}
-            self._sampled_sends = [h for h in self._sampled_sends if not h.is_completed()]
+            # The previous step's sends: the first stage keeps receives posted for them, so
+            # they are done and wait() returns at once (gloo reports completion only there).
+            for handle in self._sampled_sends:
+                handle.wait()
+            self._sampled_sends = []
             peers = [*range(tp), *range(driver + 1, driver + tp)]
             for peer in peers:
                 self._sampled_sends.append(send_tensor_dict(message, peer, async_op=True))

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from vllm import envs
+from vllm.model_executor.parallel_utils import communication
 
 # Handles created by initialize_model_parallel(); None until then.
 _PP_GROUP: dist.ProcessGroup | None = None
@@ -260,6 +261,9 @@ def destroy_model_parallel() -> None:
         # Destroying the default group also tears down the TCP store, so a later
         # init_distributed_environment() in this process starts clean.
         dist.destroy_process_group()
+    # The chunk receives posted on the old groups go with them (after, not before: gloo
+    # could still be writing into their buffers until the groups are closed).
+    communication.forget_channels()
 
 
 def get_tensor_model_parallel_src_rank() -> int:
