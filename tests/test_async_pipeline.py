@@ -90,6 +90,23 @@ def test_greedy_equals_hf_with_steps_ahead(async_llm, hf_reference):
     )
 
 
+def test_short_then_long_generate_never_waits_on_ids_not_yet_taken(async_llm, hf_reference):
+    """The last stage sends the ids of every step; the first stage takes them only when a
+    later step asks it to. A short run followed by a longer one once deadlocked: the last
+    stage waited for its previous send while the engine waited for the last stage."""
+    reference = hf_reference(KIND)
+    short = async_llm.generate(
+        tiny_models.PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in short] == [r[:8] for r in reference[:4]]
+    outputs = async_llm.generate(
+        MANY, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False
+    )
+    for i, out in enumerate(outputs):
+        assert out.outputs[0].token_ids == reference[i % len(tiny_models.PROMPTS)][:24]
+    assert not async_llm.llm_engine.fault_events
+
+
 def test_stop_token_inside_steps_ahead_is_exact(async_llm, hf_reference):
     """Stop at the k-th generated token: what was sampled ahead past it is discarded."""
     reference = hf_reference(KIND)

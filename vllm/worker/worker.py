@@ -15,7 +15,11 @@ from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, 
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.parallel_utils import parallel_state as ps
 from vllm.model_executor.parallel_utils import tensor_parallel as tpu
-from vllm.model_executor.parallel_utils.communication import recv_tensor_dict, send_tensor_dict
+from vllm.model_executor.parallel_utils.communication import (
+    recv_tensor_dict,
+    release_when_sent,
+    send_tensor_dict,
+)
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
 from vllm.step_delta import StageRequestState, StepMessage, message_bytes
@@ -62,7 +66,6 @@ class Worker:
         # channel of sampled ids from the last stage to the first (asynchronous pipeline).
         self.request_state = StageRequestState()
         self._sampled_through = 0
-        self._sampled_sends: list[Any] = []
         self.stats = _new_stats()
         self._last_exit: Optional[float] = None
         # perf_counter() when the step in progress started; None between steps. Read from
@@ -111,7 +114,6 @@ class Worker:
         so no KV written before the failure is read again."""
         # The previous send's peer may be gone: never wait on it.
         self._pending_send = None
-        self._sampled_sends = []
         # The new groups start a new channel of sampled ids, numbered from 0 by the engine.
         self._sampled_through = 0
         self.request_state.clear()
@@ -270,7 +272,6 @@ class Worker:
                     str(exc).strip()[-200:],
                 )
                 self._pending_send = None
-                self._sampled_sends = []
                 try:
                     ps.destroy_model_parallel()
                 except Exception as close_exc:  # a group with a dead peer may not close cleanly
@@ -378,14 +379,11 @@ class Worker:
             if not step.send_sampled:
                 return
             message = {"step_no": step.step_no, "pairs": pairs}
-            # The previous step's sends: the first stage keeps receives posted for them, so
-            # they are done and wait() returns at once (gloo reports completion only there).
-            for handle in self._sampled_sends:
-                handle.wait()
-            self._sampled_sends = []
             peers = [*range(tp), *range(driver + 1, driver + tp)]
             for peer in peers:
-                self._sampled_sends.append(send_tensor_dict(message, peer, async_op=True))
+                # Nothing here may wait for these sends: the first stage takes the ids only
+                # when a later step of the engine asks it to (see BatchQueue).
+                release_when_sent(send_tensor_dict(message, peer, async_op=True))
         elif step.send_sampled and self.rank != driver:
             self.request_state.record_sampled(recv_tensor_dict(driver, device="cpu")["pairs"])
 

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import collections
 import pickle
+import queue
+import threading
 from typing import Any, Optional
 
 import torch
@@ -100,6 +102,37 @@ class SendHandle:
         that inside ``wait()``, so a finished gloo send reads False until then; ``wait()``
         on a send whose receive was posted ahead returns at once."""
         return all(work.is_completed() for work in self._works)
+
+
+# Sends nobody waits for (the sampled ids): a daemon thread waits for each and drops it.
+# gloo reports a send done only inside wait(), so they cannot be pruned without waiting, and
+# the sender must not wait itself (the receiver may take them only steps later).
+_UNWAITED: queue.SimpleQueue[SendHandle] = queue.SimpleQueue()
+_REAPER: Optional[threading.Thread] = None
+_REAPER_LOCK = threading.Lock()
+
+
+def release_when_sent(handle: Optional[SendHandle]) -> None:
+    """Hand over an async send that this thread will never wait for: a daemon thread waits
+    for it (keeping its buffers alive until then) and drops it; a failed send is dropped."""
+    global _REAPER
+    if handle is None:
+        return
+    with _REAPER_LOCK:
+        if _REAPER is None or not _REAPER.is_alive():
+            _REAPER = threading.Thread(target=_reap, name="send-reaper", daemon=True)
+            _REAPER.start()
+    _UNWAITED.put(handle)
+
+
+def _reap() -> None:
+    while True:
+        handle = _UNWAITED.get()
+        try:
+            handle.wait()
+        except Exception:  # the peer or the group went away: nothing left to free but this
+            pass
+        del handle
 
 
 def _uses_nccl(group: dist.ProcessGroup | None) -> bool:
