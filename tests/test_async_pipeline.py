@@ -92,8 +92,9 @@ def test_greedy_equals_hf_with_steps_ahead(async_llm, hf_reference):
 
 def test_short_then_long_generate_never_waits_on_ids_not_yet_taken(async_llm, hf_reference):
     """The last stage sends the ids of every step; the first stage takes them only when a
-    later step asks it to. A short run followed by a longer one once deadlocked: the last
-    stage waited for its previous send while the engine waited for the last stage."""
+    later step asks it to. With the last stage waiting for its previous send, a short run
+    followed by a longer one deadlocked (SmolLM2, PP=2 on mp: the engine waited for the last
+    stage, the last stage for ids the first stage would take only in a later step)."""
     reference = hf_reference(KIND)
     short = async_llm.generate(
         tiny_models.PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False
