@@ -261,6 +261,12 @@ class Worker:
         peer still waiting on this rank -- receives are posted ahead, so a neighbour can be
         several messages further on -- is released at once by the closed connection instead
         of waiting out the group timeout while the engine waits for it to rejoin."""
+        if self.parallel_config.world_size > 1 and not ps.model_parallel_is_initialized():
+            # A step queued before the engine saw an earlier failure of this rank's.
+            raise RuntimeError(
+                f"rank {self.rank}: this stage left its process groups after a failed step "
+                "and waits for the engine to re-form them"
+            )
         try:
             return self._execute_model(request)
         except BaseException as exc:
