@@ -351,18 +351,22 @@ class RayExecutor(ExecutorBase):
             logger.info("Replaced %s", describe_stage(self.stage_infos[rank]))
         return time.monotonic() - started
 
-    def _kill_ranks(self, ranks: Iterable[int]) -> None:
+    def _kill_ranks(self, ranks: Iterable[int], grace_s: float = 0.0) -> None:
         """Kill the actors (and, on this node, their processes: a frozen one ignores
-        everything but SIGKILL), then wait for the processes to be gone."""
+        everything but SIGKILL), then wait for the processes to be gone. With `grace_s`
+        (a normal shutdown), a process gets that long to leave after ray.kill before the
+        SIGKILL: Ray logs a SIGKILLed actor as one that "died unexpectedly"."""
         ranks = list(ranks)
         for rank in ranks:
-            info = self.stage_infos[rank]
             if self.workers[rank] is not None:
                 try:
                     ray.kill(self.workers[rank], no_restart=True)
                 except Exception:  # already dead
                     pass
-            kill_local_process(info.get("pid"), info.get("host"))
+        for rank in ranks:
+            info = self.stage_infos[rank]
+            if grace_s <= 0 or not wait_process_gone(info.get("pid"), info.get("host"), grace_s):
+                kill_local_process(info.get("pid"), info.get("host"))
         for rank in ranks:
             info = self.stage_infos[rank]
             if not wait_process_gone(info.get("pid"), info.get("host"), 10.0):
@@ -387,7 +391,8 @@ class RayExecutor(ExecutorBase):
                     ray.get([w.execute_method.remote("shutdown") for w in live], timeout=10)
                 except Exception:  # a stuck or dead stage must not block the rest of shutdown
                     logger.warning("a stage did not shut down cleanly; killing its actor")
-            self._kill_ranks([r for r, w in enumerate(workers) if w is not None])
+            alive = [r for r, w in enumerate(workers) if w is not None]
+            self._kill_ranks(alive, grace_s=2.0 if graceful else 0.0)
         self.workers = []
         if getattr(self, "placement_group", None) is not None and ray.is_initialized():
             if getattr(self, "_owns_pg", True):  # never the caller's own group
