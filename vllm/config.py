@@ -325,6 +325,12 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.pipeline_parallel_size * self.tensor_parallel_size
 
+    @property
+    def last_stage_driver_rank(self) -> int:
+        """Global rank of the last stage's TP driver (rank = pp_rank x TP + tp_rank): it
+        samples, returns the step's output and sends the sampled ids to the first stage."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
     def step_deadline_s(self, num_tokens: int) -> float:
         """How long one micro-batch of `num_tokens` tokens may take to come back: the base
         timeout plus an allowance per token (a long prefill legitimately takes longer)."""

@@ -113,8 +113,7 @@ class ExecutorBase(ABC):
     @property
     def output_rank(self) -> int:
         """The rank whose step result is the sampler output: the last stage's TP driver."""
-        pc = self.parallel_config
-        return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        return self.parallel_config.last_stage_driver_rank
 
     def _requests_per_rank(self, request: ExecuteModelRequest) -> list[ExecuteModelRequest]:
         """What each rank gets for one step: every rank of the first and last stage the step

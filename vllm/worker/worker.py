@@ -354,9 +354,7 @@ class Worker:
     def _receive_sampled(self, through: int) -> None:
         """First stage: take the last stage's sampled-id messages up to step `through` (the
         decodes scheduled ahead in this step feed those tokens)."""
-        src = (self.parallel_config.pipeline_parallel_size - 1) * (
-            self.parallel_config.tensor_parallel_size
-        )
+        src = self.parallel_config.last_stage_driver_rank
         while self._sampled_through < through:
             message = recv_tensor_dict(src, device="cpu")
             if message["step_no"] != self._sampled_through + 1:
@@ -378,7 +376,7 @@ class Worker:
         other TP ranks, whose sampler returns nothing)."""
         pc = self.parallel_config
         tp = pc.tensor_parallel_size
-        driver = (pc.pipeline_parallel_size - 1) * tp
+        driver = pc.last_stage_driver_rank
         if output is not None:
             pairs = [(s.parent_seq_id, s.output_token) for g in output for s in g.samples]
             self.request_state.record_sampled(pairs)
