@@ -35,6 +35,7 @@ The header is unpickled: peers must be trusted (they are ranks of the same engin
 from __future__ import annotations
 
 import collections
+import math
 import pickle
 import queue
 import threading
@@ -179,21 +180,23 @@ def send_tensor_dict(
     # byte goes out, so the receiver is never left with half a message.
     header: list[tuple[Any, ...]] = []
     tensors: list[torch.Tensor] = []
-    offset = 0  # gloo: byte offset of the next tensor after the header
+    offsets: list[int] = []  # gloo: each sent tensor's byte offset after the header
+    offset = 0
     for key, value in tensor_dict.items():
         if isinstance(value, torch.Tensor):
             # The byte offset is for gloo's packed payload; NCCL sends tensors one by one.
             header.append((key, _TENSOR, tuple(value.shape), value.dtype, offset))
-            offset = _aligned(offset + value.numel() * value.element_size())
             if value.numel() > 0:
                 tensors.append(value)
+                offsets.append(offset)
+            offset = _aligned(offset + value.numel() * value.element_size())
         else:
             _check_plain(key, value)
             header.append((key, _VALUE, value))
     header_bytes = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
 
     if not _uses_nccl(group):
-        handle = _send_gloo(header_bytes, header, tensors, offset, dst, group)
+        handle = _send_gloo(header_bytes, tensors, offsets, offset, dst, group)
     else:
         device = torch.device("cuda", torch.cuda.current_device())
         # contiguous()/to() may launch copy kernels on the compute stream; they must be queued
@@ -277,8 +280,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _send_gloo(
     header_bytes: bytes,
-    header: list[tuple[Any, ...]],
     tensors: list[torch.Tensor],
+    offsets: list[int],
     data_bytes: int,
     dst: int,
     group: Optional[dist.ProcessGroup],
@@ -299,11 +302,9 @@ def _send_gloo(
         bytearray(header_bytes), dtype=torch.uint8
     )
     data = start + body
-    # `tensors` holds the non-empty tensors in header order.
-    sent = (e for e in header if e[1] == _TENSOR and _numel(e[2]) > 0)
-    for entry, t in zip(sent, tensors):
+    for t, offset in zip(tensors, offsets):
         raw = _as_bytes(t)
-        flat[data + entry[4] : data + entry[4] + raw.numel()] = raw
+        flat[data + offset : data + offset + raw.numel()] = raw
     if inline:
         parts = [flat[i * _CHUNK_BYTES : (i + 1) * _CHUNK_BYTES] for i in range(chunks)]
         works = [dist.isend(p, dst, group=group, tag=_CHUNK_TAG) for p in parts]
@@ -313,13 +314,6 @@ def _send_gloo(
             dist.isend(flat[_CHUNK_BYTES:], dst, group=group, tag=_BULK_TAG),
         ]
     return SendHandle(works, [flat], stream=None)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
 
 
 class _ChunkReceiver:
@@ -395,7 +389,7 @@ def _recv_gloo(src: int, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
             result[name] = entry[2]
             continue
         shape, dtype, offset = entry[2], entry[3], entry[4]
-        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             result[name] = torch.empty(shape, dtype=dtype)
         else:
