@@ -82,21 +82,24 @@ _BOUND = r"""
 import json, sys
 import torch
 torch.set_num_threads(1)
-from benchmarks.roofline import gemm_flops_per_s
+from benchmarks.roofline import gemm_flops_per_s, model_gemm_roofline
 from vllm.engine.arg_utils import EngineArgs
 
 cfg = json.loads(sys.argv[1])
 mc = EngineArgs(model=cfg["model"], dtype=cfg["dtype"]).create_engine_config().model_config
-layer, head = mc.get_gemm_shapes()
-shapes = layer * mc.get_num_layers()
 dtype = getattr(torch, cfg["dtype"])
+# decode: every layer and the lm_head at one row per sequence; prefill: the prompts' tokens
+# (capped at 512 rows per matmul) through the layers.
+decode_rate, token_flops = model_gemm_roofline(mc, cfg["rows"], dtype)
+layer, head = mc.get_gemm_shapes()
+head_flops = 2 * head[0] * head[1]
 result = {
-    "layer_flops": 2 * sum(n * k for n, k in shapes),  # per token, all decoder layers
-    "head_flops": 2 * head[0] * head[1],
-    # decode: every layer and the lm_head at one row per sequence; prefill: the prompts'
-    # tokens (capped at 512 rows per matmul) through the layers.
-    "decode_rate": gemm_flops_per_s(shapes + [head], cfg["rows"], dtype, repeats=5),
-    "prefill_rate": gemm_flops_per_s(shapes, cfg["prefill_rows"], dtype, repeats=3),
+    "layer_flops": token_flops - head_flops,  # per token, all decoder layers
+    "head_flops": head_flops,
+    "decode_rate": decode_rate,
+    "prefill_rate": gemm_flops_per_s(
+        layer * mc.get_num_layers(), cfg["prefill_rows"], dtype, repeats=3
+    ),
 }
 print("RESULT " + json.dumps(result), flush=True)
 """

@@ -38,6 +38,8 @@ if str(_ROOT) not in sys.path:
 from benchmarks.common import print_table  # noqa: E402
 from vllm.model_executor.parallel_utils import parallel_state as ps  # noqa: E402
 from vllm.model_executor.parallel_utils.communication import (  # noqa: E402
+    _recv_header,
+    _recv_payload,
     recv_tensor_dict,
     send_tensor_dict,
 )
@@ -51,35 +53,23 @@ def _busy(seconds: float, a: torch.Tensor) -> None:
 
 
 def _plain_send(message: dict[str, Any], dst: int) -> list[Any]:
-    """The old wire format: length, pickled header, then each tensor (async)."""
-    tensors = [v for v in message.values() if isinstance(v, torch.Tensor)]
-    header = {
-        k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
+    """The old gloo wire format (the NCCL path's still): length, pickled header, then each
+    tensor, every one a separate rendezvous (async)."""
+    header = [
+        (k, "t", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, "v", v)
         for k, v in message.items()
-    }
+    ]
     raw = pickle.dumps(header)
     length = torch.tensor([len(raw)], dtype=torch.int64)  # [1]
     header_t = torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # [n]
+    tensors = [v for v in message.values() if isinstance(v, torch.Tensor)]
     return [dist.isend(t, dst) for t in (length, header_t, *tensors)]
 
 
 def _plain_recv(src: int) -> dict[str, Any]:
-    length = torch.empty(1, dtype=torch.int64)  # [1]
-    dist.recv(length, src)
-    header_t = torch.empty(int(length.item()), dtype=torch.uint8)  # [n]
-    dist.recv(header_t, src)
-    header = pickle.loads(header_t.numpy().tobytes())
-    result: dict[str, Any] = {}
-    works = []
-    for key, value in header.items():
-        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype):
-            result[key] = torch.empty(value[0], dtype=value[1])
-            works.append(dist.irecv(result[key], src))
-        else:
-            result[key] = value
-    for work in works:
-        work.wait()
-    return result
+    """Its receiving side: the engine's own NCCL-path receive, here on gloo and the CPU."""
+    cpu = torch.device("cpu")
+    return _recv_payload(_recv_header(src, None, cpu), src, None, cpu)
 
 
 def _worker(rank: int, port: int, iters: int, busy_s: float, size: int, out: Any) -> None:
