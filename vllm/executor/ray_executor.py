@@ -1,8 +1,11 @@
 """Ray executor: one actor per rank inside a placement group; the engine process is the driver.
 
-Each step is submitted to every stage actor without waiting. Ray runs an actor's calls in
-submission order, and stages hand hidden states to each other over torch.distributed, so
-several submitted steps flow through the stages like a pipeline.
+Ray places, starts, pings and kills the actors. The engine's calls to them (set-up, every
+step, stats, shutdown) go over a TCP connection to each actor (`rank_calls`): a step is sent
+to every stage without waiting, each stage runs its calls in order, and stages hand hidden
+states to each other over torch.distributed, so several submitted steps flow through the
+stages like a pipeline. (One Ray actor call per step cost each stage ~5 ms between steps on a
+busy 2-core machine; the connection costs a fraction of that.)
 
 Every wait has a deadline. A stage that dies, freezes or raises is named (rank, layers, node,
 pid) in a StageFailedError; `replace_stages` then kills it, starts a new actor on the same
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import ray
@@ -21,6 +23,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vllm import envs
 from vllm.executor.base import ExecutorBase
+from vllm.executor.rank_calls import (
+    Calls,
+    RankCallError,
+    RankCalls,
+    RankCallTimeout,
+    connect_to_rank,
+)
 from vllm.executor.ray_utils import (
     ACTOR_START_TIMEOUT_S,
     HEALTH_GROUP,
@@ -56,16 +65,6 @@ def _threads_per_stage() -> int:
     return envs.get_int("VLLM_CPU_THREADS_PER_STAGE") or 1
 
 
-@dataclass
-class _Step:
-    """One submitted micro-batch: a result ref per rank; the last stage's TP driver's ref
-    (`output_rank`) carries the output."""
-
-    refs: list[Any]
-    deadline_s: float
-    output_rank: int
-
-
 class RayExecutor(ExecutorBase):
     """Runs each pipeline stage in its own Ray actor (possibly on another node)."""
 
@@ -82,10 +81,9 @@ class RayExecutor(ExecutorBase):
         self.stage_infos = [
             {"rank": r, "pp_rank": r // tp, "tp_rank": r % tp} for r in range(world)
         ]
-        # Earlier stages' refs of submitted steps, watched so a failure is seen at once.
-        self._outstanding: dict[Any, int] = {}
-        # Last-stage refs of submitted steps whose output was not collected yet.
-        self._unclaimed: set[Any] = set()
+        self.calls = RankCalls(world)
+        # Proves to each actor that a connection to it comes from this engine.
+        self._authkey = os.urandom(32)
         self._start_actors(range(world))
         self._join(range(world), survivors=[])
         self._run_workers("load_model", timeout=_SETUP_TIMEOUT_S)
@@ -145,6 +143,11 @@ class RayExecutor(ExecutorBase):
         for rank, ip, node in zip(ranks, ips, nodes):
             self.stage_infos[rank].update(ip=ip, node_id=node)
             logger.info("Rank %d: Ray actor on node %s (id %s)", rank, ip, node[:12])
+        addresses = self._wait_all(
+            [self.workers[r].open_calls.remote(self._authkey) for r in ranks], timeout
+        )
+        for rank, address in zip(ranks, addresses):
+            self.calls.attach(rank, connect_to_rank(tuple(address), self._authkey, timeout))
 
     def _join(
         self, ranks: Iterable[int], survivors: list[int], timeout: float = _SETUP_TIMEOUT_S
@@ -155,35 +158,45 @@ class RayExecutor(ExecutorBase):
         port = self._wait_all([self.workers[0].get_open_port.remote()], timeout)[0]
         init_method = get_distributed_init_method(self.stage_infos[0]["ip"], port)
         threads = None if self._use_gpu else _threads_per_stage()
-        self._wait_all(
-            [
-                self.workers[rank].init_worker.remote(
-                    model_config=self.model_config,
-                    parallel_config=self.parallel_config,
-                    scheduler_config=self.scheduler_config,
-                    device_config=self.device_config,
-                    cache_config=self.cache_config,
-                    rank=rank,
-                    distributed_init_method=init_method,
-                    num_threads=threads,
-                )
-                for rank in ranks
-            ],
-            timeout,
+        kwargs = dict(
+            model_config=self.model_config,
+            parallel_config=self.parallel_config,
+            scheduler_config=self.scheduler_config,
+            device_config=self.device_config,
+            cache_config=self.cache_config,
+            distributed_init_method=init_method,
+            num_threads=threads,
         )
-        # Process-group rendezvous needs every rank at once: submit all, then wait.
-        refs = [self.workers[r].execute_method.remote("init_device") for r in ranks]
-        refs += [
-            self.workers[r].execute_method.remote("rejoin_process_groups", init_method)
-            for r in survivors
-        ]
-        self._wait_all(refs, timeout)
+        call_id = self._submit({r: ("init_worker", (), dict(kwargs, rank=r)) for r in ranks})
+        self._wait_calls(ranks, call_id, timeout)
+        # Process-group rendezvous needs every rank at once: send all, then wait.
+        calls: dict[int, tuple[str, tuple, dict]] = {r: ("init_device", (), {}) for r in ranks}
+        calls.update({r: ("rejoin_process_groups", (init_method,), {}) for r in survivors})
+        self._wait_calls(list(calls), self._submit(calls), timeout)
 
     def _run_workers(
         self, method: str, *args: Any, timeout: float = _SETUP_TIMEOUT_S, **kwargs: Any
     ) -> list[Any]:
-        refs = [w.execute_method.remote(method, *args, **kwargs) for w in self.workers]
-        return self._wait_all(refs, timeout)
+        ranks = list(range(len(self.workers)))
+        call_id = self._submit({r: (method, args, kwargs) for r in ranks})
+        return self._wait_calls(ranks, call_id, timeout)
+
+    def _submit(self, calls: Calls) -> int:
+        try:
+            return self.calls.submit(calls)
+        except RankCallError as err:
+            raise self._stage_failure(err, 0.0, None, err.rank) from None
+
+    def _wait_calls(self, ranks: list[int], call_id: int, timeout: float) -> list[Any]:
+        started = time.monotonic()
+        try:
+            return self.calls.wait_all(ranks, call_id, timeout)
+        except RankCallTimeout:
+            raise self._stage_failure(
+                None, time.monotonic() - started, f"did not finish a call within {timeout:g} s"
+            ) from None
+        except RankCallError as err:
+            raise self._stage_failure(err, time.monotonic() - started, None, err.rank) from None
 
     @staticmethod
     def _wait_all(refs: list[Any], timeout: float = _SETUP_TIMEOUT_S) -> list[Any]:
@@ -208,48 +221,38 @@ class RayExecutor(ExecutorBase):
 
     def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
         requests = self._requests_per_rank(request)
-        refs = [
-            w.execute_method.remote("execute_model", req) for w, req in zip(self.workers, requests)
-        ]
-        driver = self.output_rank
-        for rank, ref in enumerate(refs):
-            if rank != driver:
-                self._outstanding[ref] = rank
-        self._unclaimed.add(refs[driver])
-        return _Step(refs, self.parallel_config.step_deadline_s(num_tokens), driver)
+        call_id = self._submit(
+            {rank: ("execute_model", (req,), {}) for rank, req in enumerate(requests)}
+        )
+        return call_id, self.parallel_config.step_deadline_s(num_tokens)
 
     def get_output(self, handle: Any) -> SamplerOutput:
-        step: _Step = handle
+        call_id, deadline_s = handle
         started = time.monotonic()
-        deadline = started + step.deadline_s
-        output_ref = step.refs[step.output_rank]
-        # Watch earlier stages too: if one fails, the last stage would wait on it forever.
-        pending = [output_ref, *self._outstanding]
+        # A slow step has every stage pinged each interval; a frozen stage is found in seconds.
         heartbeat: Optional[tuple[list[Any], float]] = None
-        while True:
+        next_beat = started + HEARTBEAT_INTERVAL_S
+
+        def on_slice() -> None:
+            nonlocal heartbeat, next_beat
             now = time.monotonic()
-            if now >= deadline:
-                raise self._stage_failure(
-                    None, now - started, f"missed the {step.deadline_s:.0f} s step deadline"
-                )
-            ready, _ = ray.wait(
-                pending, num_returns=1, timeout=min(deadline - now, HEARTBEAT_INTERVAL_S)
-            )
-            if not ready:
-                # A slow step: make sure every stage is still alive while it runs.
+            if now >= next_beat:
                 heartbeat = self._check_heartbeat(heartbeat, started)
-                continue
-            ref = ready[0]
-            try:
-                result = ray.get(ref)
-            except Exception as exc:
-                rank = self._outstanding.get(ref, step.output_rank)
-                raise self._stage_failure(exc, time.monotonic() - started, None, rank) from exc
-            pending.remove(ref)
-            self._outstanding.pop(ref, None)
-            if ref is output_ref:
-                self._unclaimed.discard(ref)
-                return result
+                next_beat = now + HEARTBEAT_INTERVAL_S
+
+        try:
+            # Any rank's error or loss fails this wait: a failed earlier stage would otherwise
+            # leave the last one waiting forever.
+            output = self.calls.wait_for(self.output_rank, call_id, deadline_s, on_slice)
+        except RankCallTimeout:
+            raise self._stage_failure(
+                None, time.monotonic() - started, f"missed the {deadline_s:.0f} s step deadline"
+            ) from None
+        except RankCallError as err:
+            raise self._stage_failure(err, time.monotonic() - started, None, err.rank) from None
+        # The other ranks' part of this step, and outputs of discarded earlier steps.
+        self.calls.drop_through(call_id)
+        return output
 
     def _check_heartbeat(
         self, heartbeat: Optional[tuple[list[Any], float]], started: float
@@ -269,7 +272,7 @@ class RayExecutor(ExecutorBase):
 
     def _stage_failure(
         self,
-        exc: Optional[BaseException],
+        exc: Optional[RankCallError],
         waited_s: float,
         timeout_problem: Optional[str],
         raising_rank: int = -1,
@@ -278,7 +281,7 @@ class RayExecutor(ExecutorBase):
         (a missed deadline with every stage alive) the ones stuck in a step."""
         problems = self._diagnose(waited_s)
         if not problems and exc is not None:
-            problems = {raising_rank: f"raised {type(exc).__name__}: {str(exc).strip()[-500:]}"}
+            problems = {raising_rank: exc.problem.strip()[-500:]}
         if not problems:
             problems = {r: timeout_problem or "failed" for r in range(len(self.workers))}
         failures = [
@@ -327,25 +330,18 @@ class RayExecutor(ExecutorBase):
         started = time.monotonic()
         budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
         self._kill_ranks(ranks)
-        abandoned = [*self._outstanding, *self._unclaimed]
-        self._outstanding.clear()
-        self._unclaimed.clear()
+        # The survivors still run (and fail) the steps sent before the failure, before they
+        # rejoin: nobody wants those results or errors.
+        self.calls.forget()
         survivors = [r for r in range(len(self.workers)) if r not in ranks]
         self._start_actors(ranks, budget)
         self._join(ranks, survivors, budget)
-        # The survivors ran (and failed) their old steps before rejoining: collect those
-        # errors here, or Ray reports each as an "unhandled error" when the ref is dropped.
-        _drain(abandoned)
         num_gpu, num_cpu = self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks
-        refs = []
-        for rank in ranks:
-            w = self.workers[rank]
-            refs.append(w.execute_method.remote("load_model"))
-            refs.append(w.execute_method.remote("initialize_cache", num_gpu, num_cpu))
-        self._wait_all(refs, timeout=budget)
-        infos = self._wait_all(
-            [self.workers[r].execute_method.remote("get_stage_info") for r in ranks], budget
-        )
+        for method, args in (("load_model", ()), ("initialize_cache", (num_gpu, num_cpu))):
+            call_id = self._submit({r: (method, args, {}) for r in ranks})
+            self._wait_calls(ranks, call_id, budget)
+        call_id = self._submit({r: ("get_stage_info", (), {}) for r in ranks})
+        infos = self._wait_calls(ranks, call_id, budget)
         for rank, info in zip(ranks, infos):
             self.stage_infos[rank].update(info)
             logger.info("Replaced %s", describe_stage(self.stage_infos[rank]))
@@ -372,13 +368,10 @@ class RayExecutor(ExecutorBase):
             if not wait_process_gone(info.get("pid"), info.get("host"), 10.0):
                 logger.warning("%s: process still there 10 s after SIGKILL", describe_stage(info))
             self.workers[rank] = None
+            self.calls.detach(rank)
 
-    def discard_steps(self) -> None:
-        """The engine gave up on the steps in flight (an interrupt): their outputs are no
-        longer wanted. The stages still run them, in order, before anything submitted later;
-        their refs stay watched (an error in them is a stage failure) until they finish."""
-        self._outstanding.update(dict.fromkeys(self._unclaimed, self.output_rank))
-        self._unclaimed.clear()
+    # discard_steps: nothing to do. The outputs of steps nobody collects are dropped when a
+    # later step is collected; an error in them still fails the next wait.
 
     def shutdown(self, graceful: bool = True) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -386,13 +379,16 @@ class RayExecutor(ExecutorBase):
         workers = getattr(self, "workers", [])
         live = [w for w in workers if w is not None]
         if live and ray.is_initialized():
+            alive = [r for r, w in enumerate(workers) if w is not None]
             if graceful:
                 try:
-                    ray.get([w.execute_method.remote("shutdown") for w in live], timeout=10)
-                except Exception:  # a stuck or dead stage must not block the rest of shutdown
+                    self.calls.wait_all(alive, self.calls.broadcast("shutdown", alive), 10.0)
+                except RankCallError:  # a stuck or dead stage must not block the shutdown
                     logger.warning("a stage did not shut down cleanly; killing its actor")
-            alive = [r for r, w in enumerate(workers) if w is not None]
             self._kill_ranks(alive, grace_s=2.0 if graceful else 0.0)
+        calls: Optional[RankCalls] = getattr(self, "calls", None)
+        if calls is not None:
+            calls.close()
         self.workers = []
         if getattr(self, "placement_group", None) is not None and ray.is_initialized():
             if getattr(self, "_owns_pg", True):  # never the caller's own group
@@ -401,15 +397,3 @@ class RayExecutor(ExecutorBase):
         if getattr(self, "_owns_ray", False) and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
-
-
-def _drain(refs: list[Any]) -> None:
-    """Collect (and ignore) the results and errors of steps nobody will read."""
-    if not refs:
-        return
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
-    for ref in ready:
-        try:
-            ray.get(ref)
-        except Exception:  # the failure was already handled as a stage failure
-            pass

@@ -25,23 +25,26 @@ HEALTH_GROUP = "health"
 
 
 class RayWorkerWrapper:
-    """The actor body: builds a Worker lazily inside the actor process and runs its methods.
+    """The actor body: holds the rank's Worker (built by the first call) in the actor process.
 
-    Steps and set-up run one at a time, in submission order, on the actor's default thread;
-    `ping` runs on a thread of its own (concurrency group "health"), so it answers while a
-    step is running -- or is stuck waiting on a neighbour -- and only a dead or frozen process
-    leaves it unanswered."""
+    Ray starts, places, pings and kills the actor; the engine's calls to the Worker -- set-up,
+    steps, stats, shutdown -- come over a connection of their own (`open_calls`,
+    `vllm.executor.rank_calls`), one at a time and in order, on a thread of their own. `ping`
+    runs on Ray's "health" concurrency group, so it answers while a step is running -- or is
+    stuck waiting on a neighbour -- and only a dead or frozen process leaves it unanswered."""
 
     def __init__(self) -> None:
+        from vllm.executor.rank_calls import WorkerHost
         from vllm.logger import configure_logging
 
         configure_logging()
-        self.worker: Any = None
+        self._host = WorkerHost()
 
-    def init_worker(self, **kwargs: Any) -> None:
-        from vllm.worker.worker import Worker
+    def open_calls(self, authkey: bytes) -> tuple[str, int]:
+        """Listen for the engine's connection (see `rank_calls.listen_for_calls`)."""
+        from vllm.executor.rank_calls import listen_for_calls
 
-        self.worker = Worker(**kwargs)
+        return listen_for_calls(self._host, self.get_node_ip(), authkey)
 
     def get_node_ip(self) -> str:
         from vllm.model_executor.parallel_utils.parallel_state import get_ip
@@ -56,21 +59,10 @@ class RayWorkerWrapper:
 
         return get_open_port()
 
-    def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        result = getattr(self.worker, method)(*args, **kwargs)
-        if method == "initialize_cache":
-            # From here on this process only serves its stage, and what exists now (torch,
-            # the model, the cache) lives until the actor exits. Frozen, it stays out of the
-            # cyclic GC's full collections, which would otherwise pause a step now and then
-            # for 0.1 s or more -- and a paused stage stalls the whole pipeline.
-            gc.collect()
-            gc.freeze()
-        return result
-
     @ray.method(concurrency_group=HEALTH_GROUP)
     def ping(self) -> dict[str, Any]:
         """Liveness: this process's pid and how long its current step has run (None if idle)."""
-        busy_since = getattr(self.worker, "busy_since", None)
+        busy_since = getattr(self._host.worker, "busy_since", None)
         busy_s = None if busy_since is None else time.perf_counter() - busy_since
         return {"pid": os.getpid(), "busy_s": busy_s}
 
