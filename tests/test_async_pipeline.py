@@ -128,6 +128,28 @@ def test_stop_token_inside_steps_ahead_is_exact(async_llm, hf_reference):
     )
 
 
+def test_closure_logits_processor_reaches_the_last_stage(async_llm, hf_reference):
+    """A logits processor defined inside a function (plain pickle refuses it) crosses to the
+    last stage on every backend: the engine's calls fall back to cloudpickle, as Ray's did."""
+    reference = hf_reference(KIND)[0]
+    at = 5
+    # A token greedy decoding would not pick there, forced at the 6th position.
+    forced = next(t for t in reference if t != reference[at])
+
+    def force(output_ids: list[int], logits):
+        if len(output_ids) == at:
+            logits[forced] = 1e4
+        return logits
+
+    out = async_llm.generate(
+        tiny_models.PROMPTS[:1],
+        SamplingParams(temperature=0.0, max_tokens=at + 1, logits_processors=[force]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert list(out.token_ids) == reference[:at] + [forced]
+    assert not async_llm.llm_engine.fault_events
+
+
 def _sampling_params() -> list[SamplingParams]:
     return [
         SamplingParams(

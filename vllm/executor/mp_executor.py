@@ -215,13 +215,18 @@ class MultiprocessingExecutor(ExecutorBase):
         procs: list[Any] = getattr(self, "procs", [])
         if not procs:
             return
+        deadline = time.monotonic() + (_SHUTDOWN_GRACE_S if graceful else 0.0)
         if graceful:
             live = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+            self.calls.forget()  # errors of earlier steps do not matter any more
             try:
-                self.calls.broadcast("shutdown", live)
-            except RankCallError:
-                pass  # a rank that is gone already
-        deadline = time.monotonic() + (_SHUTDOWN_GRACE_S if graceful else 0.0)
+                call_id = self.calls.broadcast("shutdown", live)
+                self.calls.wait_all(live, call_id, max(deadline - time.monotonic(), 1e-3))
+            except RankCallError as err:  # gone already, or stuck: terminated below
+                if err.rank in live and not err.lost:
+                    logger.warning("rank %d did not shut down cleanly: %s", err.rank, err.problem)
+        # A rank leaves when its connection closes.
+        self.calls.close()
         for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in procs:
@@ -232,5 +237,4 @@ class MultiprocessingExecutor(ExecutorBase):
             if proc.is_alive():
                 proc.kill()
                 proc.join(2.0)
-        self.calls.close()
         self.procs = []

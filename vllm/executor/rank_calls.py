@@ -77,15 +77,13 @@ class WorkerHost:
 
 def serve_calls(conn: Connection, host: WorkerHost) -> None:
     """A rank's end: run the calls read from `conn` one at a time and write back each result
-    (or the error, with its traceback) until told to stop or the engine's end is gone."""
+    (or the error, with its traceback) until the engine's end is gone."""
     while True:
         try:
             data = conn.recv_bytes()
         except (EOFError, OSError):
             break
         call_id, method, payload = pickle.loads(data)
-        if method is None:
-            break
         try:
             args, kwargs = pickle.loads(payload)
             reply = (call_id, True, host.call(method, args, kwargs))
@@ -95,8 +93,8 @@ def serve_calls(conn: Connection, host: WorkerHost) -> None:
             conn.send_bytes(dumps_message(reply))
         except (BrokenPipeError, OSError):
             break
-        if method == "shutdown":
-            break
+    # Also after a "shutdown" call, the engine closes its end first: a rank that closed its
+    # own would look lost to an engine still collecting the other ranks' replies.
     conn.close()
 
 

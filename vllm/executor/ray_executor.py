@@ -381,6 +381,7 @@ class RayExecutor(ExecutorBase):
         if live and ray.is_initialized():
             alive = [r for r, w in enumerate(workers) if w is not None]
             if graceful:
+                self.calls.forget()  # errors of earlier steps do not matter any more
                 try:
                     self.calls.wait_all(alive, self.calls.broadcast("shutdown", alive), 10.0)
                 except RankCallError:  # a stuck or dead stage must not block the shutdown

@@ -1,0 +1,145 @@
+"""The engine's calls to its ranks (`vllm.executor.rank_calls`), with ranks served on threads
+of this process: order, results by id, a rank's error or loss failing every wait at once,
+deadlines, forgotten calls, cloudpickle for what pickle refuses, and the TCP handshake."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from vllm.executor.rank_calls import (
+    RankCallError,
+    RankCalls,
+    RankCallTimeout,
+    WorkerHost,
+    connect_to_rank,
+    listen_for_calls,
+    serve_calls,
+)
+
+pytestmark = pytest.mark.fast
+
+
+class _Echo:
+    """A stand-in Worker: records the order of its calls."""
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def step(self, x: Any) -> Any:
+        self.seen.append(x)
+        return x
+
+    def apply(self, fn: Any, x: Any) -> Any:
+        return fn(x)
+
+    def sleep(self, s: float) -> str:
+        time.sleep(s)
+        return "woke"
+
+    def fail(self) -> None:
+        raise ValueError("bad step on this rank")
+
+    def vanish(self) -> None:
+        """As if the process died mid-call: its end of the connection closes."""
+        self.conn.close()
+
+
+def _serve_on_thread(calls: RankCalls, rank: int) -> WorkerHost:
+    engine_end, rank_end = multiprocessing.Pipe(duplex=True)
+    host = WorkerHost()
+    host.worker = _Echo()
+    host.worker.conn = rank_end
+    thread = threading.Thread(target=serve_calls, args=(rank_end, host), daemon=True)
+    thread.start()
+    calls.attach(rank, engine_end)
+    return host
+
+
+@pytest.fixture
+def two_ranks():
+    calls = RankCalls(2)
+    yield calls, [_serve_on_thread(calls, rank) for rank in range(2)]
+    calls.close()
+
+
+def test_calls_run_in_order_and_results_come_by_id(two_ranks):
+    calls, hosts = two_ranks
+    ids = [calls.submit({0: ("step", (i,), {}), 1: ("step", (-i,), {})}) for i in range(20)]
+    # Collected newest first: every result waits under its own id.
+    for i in reversed(range(20)):
+        assert calls.wait_all([0, 1], ids[i], 5.0) == [i, -i]
+    assert hosts[0].worker.seen == list(range(20))
+    assert hosts[1].worker.seen == [-i for i in range(20)]
+
+
+def test_one_ranks_error_fails_a_wait_on_another_rank(two_ranks):
+    calls, _ = two_ranks
+    slow = calls.submit({1: ("sleep", (5.0,), {})})
+    calls.submit({0: ("fail", (), {})})
+    started = time.monotonic()
+    with pytest.raises(RankCallError, match="ValueError: bad step on this rank") as info:
+        calls.wait_for(1, slow, 30.0)
+    assert info.value.rank == 0 and not info.value.lost
+    assert time.monotonic() - started < 3.0
+    # The error stays until forgotten (the engine recovers), then calls go on.
+    calls.forget()
+    assert calls.wait_for(0, calls.broadcast("step", [0], "again"), 10.0) == "again"
+
+
+def test_a_lost_rank_fails_waits_at_once(two_ranks):
+    calls, _ = two_ranks
+    call_id = calls.submit({1: ("sleep", (5.0,), {})})
+    calls.submit({0: ("vanish", (), {})})
+    started = time.monotonic()
+    with pytest.raises(RankCallError, match="connection closed") as info:
+        calls.wait_for(1, call_id, 30.0)
+    assert time.monotonic() - started < 3.0
+    assert info.value.rank == 0 and info.value.lost
+    with pytest.raises(RankCallError) as info:
+        calls.submit({0: ("step", (1,), {})})
+    assert info.value.lost
+
+
+def test_deadline_and_slices(two_ranks):
+    calls, _ = two_ranks
+    call_id = calls.submit({0: ("sleep", (3.0,), {})})
+    slices = []
+    with pytest.raises(RankCallTimeout, match="missed the 1 s deadline"):
+        calls.wait_for(0, call_id, 1.0, on_slice=lambda: slices.append(time.monotonic()))
+    assert len(slices) >= 2  # called between waits of at most half a second
+
+
+def test_forget_drops_results_still_to_come(two_ranks):
+    calls, _ = two_ranks
+    calls.submit({0: ("sleep", (0.3,), {})})
+    calls.submit({0: ("fail", (), {})})
+    calls.forget()  # both are still running: their results (and the error) are dropped
+    after = calls.submit({0: ("step", ("next",), {})})
+    assert calls.wait_for(0, after, 10.0) == "next"
+
+
+def test_what_pickle_refuses_goes_through_cloudpickle(two_ranks):
+    calls, _ = two_ranks
+    offset = 7
+    call_id = calls.submit({0: ("apply", (lambda x: x + offset, 35), {})})
+    assert calls.wait_for(0, call_id, 10.0) == 42
+
+
+def test_tcp_connection_needs_the_key():
+    host = WorkerHost()
+    host.worker = _Echo()
+    address = listen_for_calls(host, "127.0.0.1", b"k" * 32)
+    with pytest.raises(multiprocessing.AuthenticationError):
+        connect_to_rank(address, b"x" * 32, timeout=10.0)
+    # A stranger is turned away; the engine holding the key is served.
+    calls = RankCalls(1)
+    try:
+        calls.attach(0, connect_to_rank(address, b"k" * 32, timeout=10.0))
+        assert calls.wait_for(0, calls.broadcast("step", [0], "hello"), 10.0) == "hello"
+    finally:
+        calls.close()
