@@ -9,6 +9,8 @@ engine per PP size is shared by the tests of this module.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import tiny_models
 
@@ -148,6 +150,34 @@ def test_closure_logits_processor_reaches_the_last_stage(async_llm, hf_reference
     )[0].outputs[0]
     assert list(out.token_ids) == reference[:at] + [forced]
     assert not async_llm.llm_engine.fault_events
+
+
+def test_profiling_writes_a_trace_per_stage(async_llm, hf_reference, tmp_path, monkeypatch):
+    """vLLM's profiling: VLLM_TORCH_PROFILER_DIR, then LLM.start_profile/stop_profile; every
+    stage (Ray actor or mp process) writes its torch.profiler trace and a table of its ops."""
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    with pytest.raises(RuntimeError, match="Profiler is not enabled."):
+        async_llm.start_profile()
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "traces"))
+    async_llm.start_profile()
+    with pytest.raises(RuntimeError, match="Profiler is already running."):
+        async_llm.start_profile()
+    out = async_llm.generate(
+        tiny_models.PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in out] == [r[:4] for r in hf_reference(KIND)[:2]]
+    tables = async_llm.stop_profile()
+    pp = async_llm.llm_engine.parallel_config.pipeline_parallel_size
+    assert sorted(os.path.basename(t) for t in tables) == [
+        f"stage{s}-rank{s}-ops.txt" for s in range(pp)
+    ]
+    for table in tables:
+        text = open(table).read()
+        assert "Self CPU" in text and "aten::" in text  # the ops each stage ran
+    traces = sorted(p.name for p in (tmp_path / "traces").glob("*.pt.trace.json.gz"))
+    assert [name.split(".")[0] for name in traces] == [f"stage{s}-rank{s}" for s in range(pp)]
+    with pytest.raises(RuntimeError, match="Profiler is not running."):
+        async_llm.stop_profile()
 
 
 def _sampling_params() -> list[SamplingParams]:

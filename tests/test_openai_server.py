@@ -357,3 +357,23 @@ def test_api_key(server):
         assert httpx.get(keyed.url + "/health").status_code == 200  # not under /v1
     finally:
         keyed.stop(shutdown_engine=False)
+
+
+def test_profiling_routes_only_with_a_trace_dir(server, tmp_path, monkeypatch):
+    """As vLLM: POST /start_profile and /stop_profile exist when VLLM_TORCH_PROFILER_DIR is
+    set when the app is built, and profile every stage between two engine steps."""
+    assert httpx.post(server.url + "/start_profile", timeout=10).status_code == 404
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path))
+    profiled = ServerThread(server.engine)
+    try:
+        assert httpx.post(profiled.url + "/start_profile", timeout=60).status_code == 200
+        done = profiled.client().completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0.0
+        )
+        assert done.usage.completion_tokens == 3
+        assert httpx.post(profiled.url + "/stop_profile", timeout=120).status_code == 200
+    finally:
+        profiled.stop(shutdown_engine=False)
+    pp = server.engine.engine.parallel_config.pipeline_parallel_size
+    tables = sorted(p.name for p in tmp_path.glob("*-ops.txt"))
+    assert tables == [f"stage{s}-rank{s}-ops.txt" for s in range(pp)]

@@ -142,6 +142,13 @@ _VARS = (
         "Where tokenizers/configs extracted from GGUF files are cached; empty: ~/.cache/vllm-pp.",
     ),
     EnvVar(
+        "VLLM_TORCH_PROFILER_DIR",
+        "",
+        str,
+        "Directory for torch.profiler traces of every stage (LLM.start_profile/stop_profile, "
+        "the server's /start_profile and /stop_profile); empty: profiling is off.",
+    ),
+    EnvVar(
         "VLLM_LOGGING_LEVEL",
         "INFO",
         str,

@@ -16,9 +16,10 @@ every later call: no wait is left without an end.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -103,6 +104,8 @@ class AsyncLLMEngine:
         self._wakeup = threading.Event()
         self._new_requests: list[_NewRequest] = []
         self._aborts: list[str] = []
+        # Calls to run on the engine thread between steps (profiling), with their futures.
+        self._engine_calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._streams: dict[str, AsyncStream] = {}  # owned by the engine thread
         self._active: set[str] = set()  # ids generating (under _lock)
         self._errored_with: Optional[BaseException] = None
@@ -161,6 +164,28 @@ class AsyncLLMEngine:
 
     async def do_log_stats(self) -> None:
         """Metrics are refreshed by the background loop; kept for vLLM's API."""
+
+    async def start_profile(self) -> None:
+        """Start torch.profiler on every stage (VLLM_TORCH_PROFILER_DIR), between two steps."""
+        await self._on_engine_thread(self.engine.start_profile)
+
+    async def stop_profile(self) -> list[str]:
+        """Stop profiling; returns the paths of each stage's table of ops by time."""
+        return await self._on_engine_thread(self.engine.stop_profile)
+
+    async def _on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between two steps (the executor is the engine
+        thread's alone), or here when the loop is not running."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return fn()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._errored_with is not None:
+                raise self.dead_error
+            self._engine_calls.append((fn, future))
+        self._wakeup.set()
+        return await asyncio.wrap_future(future)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -263,6 +288,12 @@ class AsyncLLMEngine:
         with self._lock:
             new, self._new_requests = self._new_requests, []
             aborts, self._aborts = self._aborts, []
+            calls, self._engine_calls = self._engine_calls, []
+        for fn, future in calls:
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # the caller's error (e.g. profiling not enabled)
+                future.set_exception(exc)
         for req in new:
             rid = req.stream.request_id
             try:
@@ -320,7 +351,10 @@ class AsyncLLMEngine:
             pending = [r.stream for r in self._new_requests]
             self._new_requests = []
             self._active.clear()
+            calls, self._engine_calls = self._engine_calls, []
         error = self.dead_error
+        for _, future in calls:
+            future.set_exception(error)
         for stream in [*self._streams.values(), *pending]:
             stream.finish(error)
         self._streams.clear()

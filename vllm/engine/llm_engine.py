@@ -95,6 +95,7 @@ class LLMEngine:
         # Stage failures seen, each with its detection and recovery times.
         self.fault_events: list[FaultEvent] = []
         self._dead: Optional[EngineDeadError] = None
+        self._profiling = False
         self.log_stats = log_stats
         # Metrics are labelled with the name clients use (the server's --served-model-name).
         self.served_model_name = served_model_name or model_config.model
@@ -181,6 +182,29 @@ class LLMEngine:
     def is_dead(self) -> bool:
         """True once a stage failure could not be recovered (see EngineDeadError)."""
         return self._dead is not None
+
+    def start_profile(self) -> None:
+        """Start torch.profiler on every stage (vLLM's profiling: VLLM_TORCH_PROFILER_DIR)."""
+        self._check_alive()
+        trace_dir = envs.get_str("VLLM_TORCH_PROFILER_DIR")
+        if not trace_dir:
+            raise RuntimeError("Profiler is not enabled.")
+        if self._profiling:
+            raise RuntimeError("Profiler is already running.")
+        trace_dir = os.path.abspath(trace_dir)
+        os.makedirs(trace_dir, exist_ok=True)
+        self.executor.start_profile(trace_dir)
+        self._profiling = True
+        logger.info("Profiling every stage; traces go to %s", trace_dir)
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profilers; each stage writes its trace and a table of its ops by time.
+        Returns the tables' paths."""
+        if not self._profiling:
+            raise RuntimeError("Profiler is not running.")
+        self._profiling = False
+        self._check_alive()
+        return self.executor.stop_profile()
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -211,6 +211,15 @@ class LLM:
                     )
         return [finished[r] for r in request_ids if r in finished]
 
+    def start_profile(self) -> None:
+        """Start torch.profiler on every pipeline stage. Set VLLM_TORCH_PROFILER_DIR first;
+        `stop_profile` writes each stage's trace there (open it in https://ui.perfetto.dev)."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """Stop profiling; returns the paths of each stage's table of ops by time."""
+        return self.llm_engine.stop_profile()
+
     def shutdown(self) -> None:
         """Stop the engine's workers now (otherwise done when the LLM is garbage collected)."""
         self.llm_engine.shutdown()

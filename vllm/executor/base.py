@@ -92,6 +92,14 @@ class ExecutorBase(ABC):
         """Per stage: compute / receive / send / idle seconds since the last reset."""
         return self._run_workers("get_stage_stats", reset)
 
+    def start_profile(self, trace_dir: str) -> None:
+        """Start torch.profiler on every rank; traces go to `trace_dir`."""
+        self._run_workers("start_profile", trace_dir)
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profilers; every rank writes its trace. Returns the ops tables' paths."""
+        return [path for path in self._run_workers("stop_profile") if path]
+
     def get_stage_memory(self) -> list[dict[str, Any]]:
         """Peak memory per stage, in rank order."""
         return self._run_workers("get_memory_stats")

@@ -150,6 +150,7 @@ class RankCalls:
     def __init__(self, world_size: int) -> None:
         self._ids = itertools.count(1)
         self._last_id = 0
+        self._send_lock = threading.Lock()
         self._cond = threading.Condition()
         self._conns: list[Optional[Connection]] = [None] * world_size
         self._procs: list[Any] = [None] * world_size
@@ -268,15 +269,16 @@ class RankCalls:
     def submit(self, calls: Calls) -> int:
         """Send one call (one id) to each rank in `calls`, without waiting. Arguments that are
         the same objects for several ranks are pickled once."""
-        call_id = next(self._ids)
-        self._last_id = call_id
         payloads: dict[tuple[int, int], bytes] = {}
-        for rank, (method, args, kwargs) in calls.items():
-            key = (id(args), id(kwargs))
-            payload = payloads.get(key)
-            if payload is None:
-                payload = payloads[key] = dumps_message((args, kwargs))
-            self._send(rank, dumps_message((call_id, method, payload)))
+        with self._send_lock:  # one call's bytes at a time on each connection, ids in order
+            call_id = next(self._ids)
+            self._last_id = call_id
+            for rank, (method, args, kwargs) in calls.items():
+                key = (id(args), id(kwargs))
+                payload = payloads.get(key)
+                if payload is None:
+                    payload = payloads[key] = dumps_message((args, kwargs))
+                self._send(rank, dumps_message((call_id, method, payload)))
         return call_id
 
     def broadcast(self, method: str, ranks: list[int], *args: Any, **kwargs: Any) -> int:

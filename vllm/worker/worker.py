@@ -71,6 +71,7 @@ class Worker:
         # perf_counter() when the step in progress started; None between steps. Read from
         # the actor's health thread (ping), so a stuck step can be told from an idle stage.
         self.busy_since: Optional[float] = None
+        self._profiler: Any = None
 
     def init_device(self) -> None:
         """Pick the device, set CPU threads, join the process groups (world size > 1)."""
@@ -400,6 +401,42 @@ class Worker:
             self.stats = _new_stats()
             self._last_exit = None
         return stats
+
+    def _profile_name(self) -> str:
+        return f"stage{ps.get_pipeline_model_parallel_rank()}-rank{self.rank}"
+
+    def start_profile(self, trace_dir: str) -> None:
+        """Start torch.profiler on this rank (on the thread that runs its steps); the trace
+        goes to `trace_dir` when `stop_profile` is called."""
+        if self._profiler is not None:
+            raise RuntimeError("Profiler is already running.")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        handler = torch.profiler.tensorboard_trace_handler(
+            trace_dir, worker_name=self._profile_name(), use_gzip=True
+        )
+        profiler = torch.profiler.profile(
+            activities=activities, record_shapes=True, on_trace_ready=handler
+        )
+        profiler.start()
+        self._profiler = (profiler, trace_dir)
+        logger.info("rank %d: profiler started (traces to %s)", self.rank, trace_dir)
+
+    def stop_profile(self) -> Optional[str]:
+        """Stop the profiler: its trace (`*.pt.trace.json.gz`, for Perfetto or TensorBoard) and
+        a table of the ops by time (`<stage>-rank<r>-ops.txt`) are written. Returns the table's
+        path; None on a rank that was not profiling (one replaced after a failure)."""
+        if self._profiler is None:
+            return None
+        (profiler, trace_dir), self._profiler = self._profiler, None
+        profiler.stop()
+        path = os.path.join(trace_dir, f"{self._profile_name()}-ops.txt")
+        sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        with open(path, "w") as f:
+            f.write(profiler.key_averages().table(sort_by=sort_by, row_limit=50))
+        logger.info("rank %d: profiler stopped; ops by time in %s", self.rank, path)
+        return path
 
     def shutdown(self) -> None:
         """Finish the last send, leave the process groups and give the memory back."""

@@ -106,6 +106,23 @@ def build_app(
 
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
+    if envs.get_str("VLLM_TORCH_PROFILER_DIR"):
+        # As in vLLM: the profiling routes exist only when a trace directory is set.
+
+        @app.post("/start_profile")
+        async def start_profile() -> Response:
+            logger.info("Starting profiler...")
+            await engine.start_profile()
+            logger.info("Profiler started.")
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> Response:
+            logger.info("Stopping profiler...")
+            await engine.stop_profile()
+            logger.info("Profiler stopped.")
+            return Response(status_code=200)
+
     @app.get("/v1/models")
     async def show_models() -> JSONResponse:
         return JSONResponse(completion.show_models().model_dump())
