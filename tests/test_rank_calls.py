@@ -114,6 +114,19 @@ def test_deadline_and_slices(two_ranks):
     assert len(slices) >= 2  # called between waits of at most half a second
 
 
+def test_a_busy_rank_never_blocks_the_engine_on_a_send(two_ranks):
+    """A rank reads its next call only after its current one; calls bigger than the
+    connection's buffers queue on the engine's side instead of blocking it."""
+    calls, hosts = two_ranks
+    calls.submit({0: ("sleep", (2.0,), {})})
+    big = b"x" * (8 << 20)
+    started = time.monotonic()
+    ids = [calls.submit({0: ("step", (big,), {})}) for _ in range(4)]
+    assert time.monotonic() - started < 1.0  # 32 MiB queued while the rank sleeps
+    assert all(len(calls.wait_for(0, i, 30.0)) == len(big) for i in ids)
+    assert len(hosts[0].worker.seen) == 4
+
+
 def test_forget_drops_results_still_to_come(two_ranks):
     calls, _ = two_ranks
     calls.submit({0: ("sleep", (0.3,), {})})

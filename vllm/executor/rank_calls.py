@@ -21,6 +21,7 @@ import itertools
 import multiprocessing
 import os
 import pickle
+import queue
 import socket
 import threading
 import time
@@ -139,6 +140,37 @@ def connect_to_rank(address: tuple[str, int], authkey: bytes, timeout: float) ->
     return conn
 
 
+class _Outbox:
+    """Writes one connection's calls on a thread of its own, in order. The engine never
+    blocks on a rank: a busy one reads its next call only after its current step, and a big
+    step message can fill the connection's buffers; a frozen one never reads (the engine's
+    wait finds it by its deadline and heartbeats, not stuck in a write)."""
+
+    def __init__(self, conn: Connection, on_error: Callable[[str], None]) -> None:
+        self._queue: queue.SimpleQueue[Optional[bytes]] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, args=(conn, on_error), daemon=True, name="rank-calls-send"
+        )
+        self._thread.start()
+
+    def put(self, data: bytes) -> None:
+        self._queue.put(data)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self, conn: Connection, on_error: Callable[[str], None]) -> None:
+        while True:
+            data = self._queue.get()
+            if data is None:
+                return
+            try:
+                conn.send_bytes(data)
+            except (OSError, ValueError) as exc:  # the peer is gone, or we closed the handle
+                on_error(f"its connection is closed ({exc})")
+                return
+
+
 class RankCalls:
     """The engine's end: one connection per rank, a reader thread, results by call id.
 
@@ -153,6 +185,7 @@ class RankCalls:
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
         self._conns: list[Optional[Connection]] = [None] * world_size
+        self._outboxes: list[Optional[_Outbox]] = [None] * world_size
         self._procs: list[Any] = [None] * world_size
         # rank -> call id -> (ok, value); filled by the reader thread.
         self._results: list[dict[int, tuple[bool, Any]]] = [{} for _ in range(world_size)]
@@ -168,12 +201,15 @@ class RankCalls:
 
     def attach(self, rank: int, conn: Connection, process: Any = None) -> None:
         """Use `conn` for `rank` from now on (a replaced rank gets a clean slate)."""
+        outbox = _Outbox(conn, lambda problem: self._send_failed(rank, conn, problem))
         with self._cond:
-            old = self._conns[rank]
-            self._conns[rank] = conn
+            old, old_outbox = self._conns[rank], self._outboxes[rank]
+            self._conns[rank], self._outboxes[rank] = conn, outbox
             self._procs[rank] = process
             self._results[rank].clear()
             self._lost.pop(rank, None)
+        if old_outbox is not None:
+            old_outbox.stop()
         if old is not None:
             old.close()
         self._wake_send.send_bytes(b"")
@@ -182,9 +218,12 @@ class RankCalls:
         """Stop using `rank`'s connection (its process was killed)."""
         with self._cond:
             conn, self._conns[rank] = self._conns[rank], None
+            outbox, self._outboxes[rank] = self._outboxes[rank], None
             self._procs[rank] = None
             self._results[rank].clear()
             self._lost.pop(rank, None)
+        if outbox is not None:
+            outbox.stop()
         if conn is not None:
             conn.close()
 
@@ -287,15 +326,18 @@ class RankCalls:
     def _send(self, rank: int, data: bytes) -> None:
         with self._cond:
             lost = self._lost.get(rank)
-            conn = self._conns[rank]
+            outbox = self._outboxes[rank]
         if lost is not None:
             raise RankCallError(rank, lost, lost=True)
-        if conn is None:
+        if outbox is None:
             raise RankCallError(rank, "its connection is closed", lost=True)
-        try:
-            conn.send_bytes(data)
-        except (BrokenPipeError, OSError) as exc:
-            raise RankCallError(rank, f"its connection is closed ({exc})", lost=True) from None
+        outbox.put(data)
+
+    def _send_failed(self, rank: int, conn: Connection, problem: str) -> None:
+        with self._cond:
+            if self._conns[rank] is conn and rank not in self._lost:
+                self._lost[rank] = problem
+                self._cond.notify_all()
 
     def wait_for(
         self,
@@ -361,8 +403,12 @@ class RankCalls:
         self._closing = True
         with self._cond:
             conns = [c for c in self._conns if c is not None]
+            outboxes = [o for o in self._outboxes if o is not None]
             self._conns = [None] * len(self._conns)
+            self._outboxes = [None] * len(self._outboxes)
             self._procs = [None] * len(self._procs)
+        for outbox in outboxes:
+            outbox.stop()
         for conn in conns:
             conn.close()
         try:
