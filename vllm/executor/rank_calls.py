@@ -227,10 +227,6 @@ class RankCalls:
         if conn is not None:
             conn.close()
 
-    def lost_ranks(self) -> dict[int, str]:
-        with self._cond:
-            return dict(self._lost)
-
     # ---- the reader --------------------------------------------------------------------------
 
     def _read_loop(self) -> None:
