@@ -4,13 +4,14 @@ With pipeline parallelism the engine keeps several batches inside the pipeline a
 that is in flight has not produced its next token yet, so it must not be scheduled, preempted or
 swapped until the engine reports its batch back (`finish_in_flight`). Imports no torch.
 
-Two policies, as in vLLM 0.5: by default a step runs either new prompts (whole) or decodes;
-with `enable_chunked_prefill` a step takes the running decodes first, then prefill chunks up to
-`max_num_batched_tokens`, so a long prompt is prefilled over several steps next to the decodes
-(between two chunks its group is in flight like a decode: chunks reach the cache in order).
-With pipeline parallelism the chunked policy also balances the micro-batches by tokens.
-A group that can never fit the cache (a prompt, or a swapped group that can never be swapped
-back in) is finished as FINISHED_IGNORED with a warning instead of waiting forever.
+Two policies, as in vLLM 0.5, each a mixin of `Scheduler` in its own module: by default a step
+runs either new prompts (whole) or decodes (`vllm.core.classic_policy`); with
+`enable_chunked_prefill` a step takes the running decodes first, then prefill chunks up to
+`max_num_batched_tokens` (`vllm.core.chunked_policy`). This module keeps what both share: the
+queues and in-flight tracking, `schedule()`, admission, the micro-batch cap, scheduling ahead,
+preemption and the KV block bound. A group that can never fit the cache (a prompt, or a swapped
+group that can never be swapped back in) is finished as FINISHED_IGNORED with a warning instead
+of waiting forever.
 
 Scheduling ahead (`lookahead`, the asynchronous pipeline): a decoding group whose step is in
 flight may get its next step before that step's token comes back; the stages feed the token
@@ -26,12 +27,16 @@ import collections
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable
 
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.block_manager import AllocStatus, BlockSpaceManager
+from vllm.core.chunked_policy import ChunkedPolicy
+from vllm.core.classic_policy import ClassicPolicy
+from vllm.core.scheduler_types import SchedulerOutputs
 from vllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
+
+__all__ = ["PreemptionMode", "Scheduler", "SchedulerOutputs"]
 
 logger = logging.getLogger("vllm.core.scheduler")
 
@@ -43,37 +48,7 @@ class PreemptionMode(enum.Enum):
     RECOMPUTE = enum.auto()
 
 
-@dataclass
-class SchedulerOutputs:
-    """One step's decisions: the groups to run and the block operations to apply first."""
-
-    scheduled_seq_groups: list[SequenceGroup] = field(default_factory=list)
-    prompt_run: bool = False
-    num_batched_tokens: int = 0
-    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
-    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
-    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
-    ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
-    num_preempted: int = 0
-    # request id -> tokens this step feeds for the group (1 per sequence for a decode).
-    token_chunk_sizes: dict[str, int] = field(default_factory=dict)
-    # Groups scheduled ahead -> the batch number of their step in flight: each of their
-    # sequences feeds the token that step samples.
-    ahead: dict[str, int] = field(default_factory=dict)
-    # This batch's number (counting non-empty batches since the scheduler was made).
-    batch_no: int = 0
-
-    def is_empty(self) -> bool:
-        """True when there is nothing to run and no block to move or copy."""
-        return not (
-            self.scheduled_seq_groups
-            or self.blocks_to_swap_in
-            or self.blocks_to_swap_out
-            or self.blocks_to_copy
-        )
-
-
-class Scheduler:
+class Scheduler(ClassicPolicy, ChunkedPolicy):
     """Decides, step by step, which sequence groups run, and owns their KV blocks."""
 
     def __init__(
@@ -356,14 +331,6 @@ class Scheduler:
         out.ahead[seq_group.request_id] = self._flights[seq_group.request_id][0][1]
         return True
 
-    def _schedule(self) -> SchedulerOutputs:
-        # Like vLLM V0: swapped groups are resumed before any new prompt is admitted.
-        if not self.swapped:
-            prompt_outputs = self._schedule_prompts()
-            if prompt_outputs.scheduled_seq_groups or prompt_outputs.ignored_seq_groups:
-                return prompt_outputs
-        return self._schedule_decodes()
-
     def kv_blocks_bound(self) -> int:
         """A bound on the device block ids the admitted requests can reach before the next
         admission: the blocks of every running sequence at its longest, plus the free blocks
@@ -392,44 +359,18 @@ class Scheduler:
         total += self.block_manager.get_num_cached_free_blocks()
         return min(total, self.block_manager.num_total_gpu_blocks)
 
+    # -- shared by both policies (vllm.core.classic_policy, vllm.core.chunked_policy) -----
+
     def _num_running_seqs(self) -> int:
         # In-flight groups keep their slots: they come back for more tokens.
         return sum(g.get_max_num_running_seqs() for g in self.running)
 
-    def _schedule_prompts(self) -> SchedulerOutputs:
-        config = self.scheduler_config
-        out = SchedulerOutputs(prompt_run=True)
-        if not self.waiting:
-            return out
-        num_seqs = self._num_running_seqs()
-        batch_seqs = 0
-        while self.waiting:
-            seq_group = self.waiting[0]
-            waiting_seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
-            # A recomputed group re-prefills its generated tokens as well.
-            num_prompt_tokens = sum(seq.get_len() for seq in waiting_seqs)
-            admission = self._admission(seq_group, num_prompt_tokens, out)
-            if admission is AllocStatus.LATER:
-                break
-            if admission is AllocStatus.NEVER:
-                continue
-            # A prefix found in the prefix cache is not computed again.
-            num_new_tokens = num_prompt_tokens - self.block_manager.num_cached_tokens(seq_group)
-            if out.num_batched_tokens + num_new_tokens > config.max_num_batched_tokens:
-                break
-            num_new_seqs = seq_group.get_max_num_running_seqs()
-            if num_seqs + num_new_seqs > config.max_num_seqs:
-                break
-            if out.scheduled_seq_groups and batch_seqs + num_new_seqs > self._batch_cap:
-                break
-            batch_seqs += num_new_seqs
-            self.waiting.popleft()
-            self._admit(seq_group, waiting_seqs)
-            out.scheduled_seq_groups.append(seq_group)
-            out.token_chunk_sizes[seq_group.request_id] = waiting_seqs[0].get_num_new_tokens()
-            out.num_batched_tokens += num_new_tokens
-            num_seqs += num_new_seqs
-        return out
+    def _batch_full(
+        self, scheduled: Collection[SequenceGroup], batch_seqs: int, num_seqs: int
+    ) -> bool:
+        """Whether `num_seqs` more sequences would pass this micro-batch's cap (`schedule`'s
+        `max_batch_seqs`), `batch_seqs` being taken; a batch's first group always fits."""
+        return bool(scheduled) and batch_seqs + num_seqs > self._batch_cap
 
     def _admit(self, seq_group: SequenceGroup, waiting_seqs: list[Sequence]) -> None:
         cached = self.block_manager.allocate(seq_group)
@@ -484,276 +425,6 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED_IGNORED
             self.block_manager.free(seq)
         out.ignored_seq_groups.append(seq_group)
-
-    def _schedule_decodes(self) -> SchedulerOutputs:
-        out = SchedulerOutputs()
-        scheduled = out.scheduled_seq_groups
-        # FCFS: earliest arrival has the highest priority (stable for equal times).
-        pending = collections.deque(sorted(self.running, key=lambda g: g.arrival_time))
-        self.running = collections.deque()
-        batch_seqs = 0
-        while pending:
-            seq_group = pending.popleft()
-            if seq_group.is_finished():
-                self.running.append(seq_group)
-                continue
-            group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
-            if scheduled and batch_seqs + group_seqs > self._batch_cap:
-                # This micro-batch is full; the group waits for the next one.
-                self.running.append(seq_group)
-                continue
-            if seq_group.request_id in self.in_flight:
-                self.running.append(seq_group)
-                if self._can_go_ahead(seq_group) and self._schedule_ahead(seq_group, out):
-                    scheduled.append(seq_group)
-                    out.token_chunk_sizes[seq_group.request_id] = group_seqs
-                    batch_seqs += group_seqs
-                continue
-            if self._grow_or_preempt(seq_group, out, lambda: self._pop_victim(pending)):
-                self.running.append(seq_group)
-                scheduled.append(seq_group)
-                out.token_chunk_sizes[seq_group.request_id] = group_seqs
-                batch_seqs += group_seqs
-
-        # Resuming swapped groups right after preempting would only thrash.
-        if out.num_preempted == 0 and self.swapped:
-            self.swapped = collections.deque(sorted(self.swapped, key=lambda g: g.arrival_time))
-            num_seqs = self._num_running_seqs()
-            while self.swapped:
-                seq_group = self.swapped[0]
-                num_new_seqs = seq_group.get_max_num_running_seqs()
-                status = self.block_manager.can_swap_in(seq_group)
-                if status == AllocStatus.NEVER:
-                    self._ignore_swapped(seq_group, out)
-                    continue
-                if status == AllocStatus.LATER:
-                    break
-                if num_seqs + num_new_seqs > self.scheduler_config.max_num_seqs:
-                    break
-                if scheduled and batch_seqs + num_new_seqs > self._batch_cap:
-                    break
-                batch_seqs += num_new_seqs
-                self.swapped.popleft()
-                out.blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
-                for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
-                    seq.status = SequenceStatus.RUNNING
-                self._append_slots(seq_group, out)
-                self.running.append(seq_group)
-                scheduled.append(seq_group)
-                out.token_chunk_sizes[seq_group.request_id] = seq_group.num_seqs(
-                    status=SequenceStatus.RUNNING
-                )
-                num_seqs += num_new_seqs
-
-        out.num_batched_tokens = sum(g.num_seqs(status=SequenceStatus.RUNNING) for g in scheduled)
-        return out
-
-    # -- chunked prefill -------------------------------------------------------------------
-
-    def _token_budget(self) -> tuple[int, int]:
-        """(this micro-batch's token budget, the most of it decodes may take).
-
-        With N pipeline stages every stage runs every micro-batch, so the pipeline moves at
-        the pace of the largest one. One round through the pipeline runs every decoding
-        sequence once plus prefill chunks up to max_num_batched_tokens; each micro-batch takes
-        ~1/N of the decodes and ~1/N of that prefill work (more if fewer decodes are ready), so
-        a long prompt is spread over several micro-batches instead of stalling the one that
-        holds it, and prefills always progress next to many decodes."""
-        budget = self.scheduler_config.max_num_batched_tokens
-        stages = self.pipeline_parallel_size
-        if stages == 1:
-            return budget, budget
-        decode_tokens = 0
-        prefill_tokens = 0
-        for group in self.running:
-            for seq in group.get_seqs(status=SequenceStatus.RUNNING):
-                if seq.is_prefill():
-                    prefill_tokens += seq.get_num_new_tokens()
-                else:
-                    decode_tokens += 1
-        for group in self.waiting:
-            prefill_tokens += sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
-        decode_share = -(-decode_tokens // stages)
-        prefill_share = -(-min(prefill_tokens, budget) // stages)
-        return max(1, min(budget, decode_share + prefill_share)), max(1, decode_share)
-
-    def _schedule_chunked(self) -> SchedulerOutputs:
-        """vLLM 0.5's chunked-prefill policy: running decodes first, then prefill chunks of
-        running groups, swapped groups, and new prompts, within one token budget."""
-        config = self.scheduler_config
-        out = SchedulerOutputs()
-        budget, decode_budget = self._token_budget()
-        used = 0
-        batch_seqs = 0
-        decodes: collections.deque[SequenceGroup] = collections.deque()
-        prefills: collections.deque[SequenceGroup] = collections.deque()
-        pending = sorted(self.running, key=lambda g: g.arrival_time)
-        self.running = collections.deque()
-        ahead: list[SequenceGroup] = []
-        for seq_group in pending:
-            if seq_group.request_id in self.in_flight or seq_group.is_finished():
-                self.running.append(seq_group)
-                if not seq_group.is_finished() and self._can_go_ahead(seq_group):
-                    ahead.append(seq_group)
-            elif seq_group.is_prefill():
-                prefills.append(seq_group)
-            else:
-                decodes.append(seq_group)
-
-        scheduled_decodes: list[SequenceGroup] = []
-        while decodes:
-            seq_group = decodes.popleft()
-            group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
-            over_cap = scheduled_decodes and batch_seqs + group_seqs > self._batch_cap
-            if used + group_seqs > min(budget, decode_budget) or over_cap:
-                self.running.append(seq_group)
-                continue
-            if self._grow_or_preempt(
-                seq_group, out, lambda: self._pop_chunked_victim(decodes, prefills)
-            ):
-                self.running.append(seq_group)
-                scheduled_decodes.append(seq_group)
-                out.token_chunk_sizes[seq_group.request_id] = group_seqs
-                used += group_seqs
-                batch_seqs += group_seqs
-        for seq_group in ahead:
-            group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
-            over_cap = scheduled_decodes and batch_seqs + group_seqs > self._batch_cap
-            if used + group_seqs > min(budget, decode_budget) or over_cap:
-                continue
-            if self._schedule_ahead(seq_group, out):
-                scheduled_decodes.append(seq_group)
-                out.token_chunk_sizes[seq_group.request_id] = group_seqs
-                used += group_seqs
-                batch_seqs += group_seqs
-
-        scheduled_prefills: list[SequenceGroup] = []
-        for seq_group in prefills:
-            self.running.append(seq_group)
-            chunk = self._chunk(seq_group, SequenceStatus.RUNNING, budget - used)
-            if chunk > 0:
-                scheduled_prefills.append(seq_group)
-                out.token_chunk_sizes[seq_group.request_id] = chunk
-                used += chunk
-
-        if out.num_preempted == 0 and self.swapped:
-            used = self._swap_in_chunked(out, budget, used, scheduled_prefills, scheduled_decodes)
-
-        # New prompts only when nothing waits to be swapped back in (it would starve) and
-        # nothing was just preempted for lack of blocks.
-        if out.num_preempted == 0 and not self.swapped:
-            num_seqs = self._num_running_seqs()
-            while self.waiting and used < budget:
-                seq_group = self.waiting[0]
-                waiting_seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
-                num_prompt_tokens = sum(seq.get_len() for seq in waiting_seqs)
-                admission = self._admission(seq_group, num_prompt_tokens, out)
-                if admission is AllocStatus.LATER:
-                    break
-                if admission is AllocStatus.NEVER:
-                    continue
-                num_new_seqs = seq_group.get_max_num_running_seqs()
-                if num_seqs + num_new_seqs > config.max_num_seqs:
-                    break
-                cached = self.block_manager.num_cached_tokens(seq_group)
-                new_tokens = num_prompt_tokens - cached
-                max_tokens = config.max_num_batched_tokens
-                if len(waiting_seqs) == 1:
-                    chunk = min(new_tokens, budget - used)
-                elif new_tokens > max_tokens:
-                    # Several sequences (diverged before a recompute) are never chunked: if
-                    # together they exceed a step's tokens they could never run.
-                    logger.warning(
-                        "Input prompt (%d tokens) is too long and exceeds limit of %d",
-                        new_tokens,
-                        max_tokens,
-                    )
-                    self._ignore(seq_group, out.ignored_seq_groups)
-                    continue
-                elif used + new_tokens <= max_tokens:
-                    chunk = new_tokens
-                else:
-                    break
-                self.waiting.popleft()
-                self._admit(seq_group, waiting_seqs)
-                scheduled_prefills.append(seq_group)
-                out.token_chunk_sizes[seq_group.request_id] = chunk
-                used += chunk
-                num_seqs += num_new_seqs
-
-        out.scheduled_seq_groups = scheduled_prefills + scheduled_decodes
-        out.prompt_run = bool(scheduled_prefills)
-        out.num_batched_tokens = used
-        return out
-
-    def _chunk(self, seq_group: SequenceGroup, status: SequenceStatus, room: int) -> int:
-        """Tokens of a prefilling group this step can take (0 if none fit)."""
-        seqs = seq_group.get_seqs(status=status)
-        new_tokens = sum(seq.get_num_new_tokens() for seq in seqs)
-        if len(seqs) == 1:
-            return max(0, min(new_tokens, room))
-        return new_tokens if new_tokens <= room else 0
-
-    def _swap_in_chunked(
-        self,
-        out: SchedulerOutputs,
-        budget: int,
-        used: int,
-        scheduled_prefills: list[SequenceGroup],
-        scheduled_decodes: list[SequenceGroup],
-    ) -> int:
-        self.swapped = collections.deque(sorted(self.swapped, key=lambda g: g.arrival_time))
-        num_seqs = self._num_running_seqs()
-        while self.swapped:
-            seq_group = self.swapped[0]
-            status = self.block_manager.can_swap_in(seq_group)
-            if status == AllocStatus.NEVER:
-                self._ignore_swapped(seq_group, out)
-                continue
-            if status == AllocStatus.LATER:
-                break
-            num_new_seqs = seq_group.get_max_num_running_seqs()
-            if num_seqs + num_new_seqs > self.scheduler_config.max_num_seqs:
-                break
-            is_prefill = seq_group.is_prefill()
-            if is_prefill:
-                tokens = self._chunk(seq_group, SequenceStatus.SWAPPED, budget - used)
-                if tokens == 0:
-                    break
-            else:
-                tokens = seq_group.num_seqs(status=SequenceStatus.SWAPPED)
-                if used + tokens > budget:
-                    break
-            self.swapped.popleft()
-            out.blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
-            for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
-                seq.status = SequenceStatus.RUNNING
-            self._append_slots(seq_group, out)
-            self.running.append(seq_group)
-            (scheduled_prefills if is_prefill else scheduled_decodes).append(seq_group)
-            out.token_chunk_sizes[seq_group.request_id] = tokens
-            used += tokens
-            num_seqs += num_new_seqs
-        return used
-
-    def _pop_chunked_victim(
-        self, decodes: collections.deque[SequenceGroup], prefills: collections.deque[SequenceGroup]
-    ) -> SequenceGroup | None:
-        """The latest-arriving group not scheduled yet, prefilling or decoding."""
-        if not decodes and not prefills:
-            return None
-        if not prefills or (decodes and decodes[-1].arrival_time >= prefills[-1].arrival_time):
-            return decodes.pop()
-        return prefills.pop()
-
-    def _pop_victim(self, pending: collections.deque[SequenceGroup]) -> SequenceGroup | None:
-        """Remove and return the lowest-priority pending group that is not in flight."""
-        for index in range(len(pending) - 1, -1, -1):
-            if pending[index].request_id not in self.in_flight:
-                victim = pending[index]
-                del pending[index]
-                return victim
-        return None
 
     def _grow_or_preempt(
         self,
