@@ -135,15 +135,8 @@ class ChunkedPolicy(_SchedulerState):
         # nothing was just preempted for lack of blocks.
         if out.num_preempted == 0 and not self.swapped:
             num_seqs = self._num_running_seqs()
-            while self.waiting and used < budget:
-                seq_group = self.waiting[0]
-                waiting_seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
-                num_prompt_tokens = sum(seq.get_len() for seq in waiting_seqs)
-                admission = self._admission(seq_group, num_prompt_tokens, out)
-                if admission is AllocStatus.LATER:
-                    break
-                if admission is AllocStatus.NEVER:
-                    continue
+            while used < budget and (head := self._next_admissible(out)) is not None:
+                seq_group, waiting_seqs, num_prompt_tokens = head
                 num_new_seqs = seq_group.get_max_num_running_seqs()
                 if num_seqs + num_new_seqs > config.max_num_seqs:
                     break

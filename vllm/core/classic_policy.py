@@ -44,16 +44,8 @@ class ClassicPolicy(_SchedulerState):
             return out
         num_seqs = self._num_running_seqs()
         batch_seqs = 0
-        while self.waiting:
-            seq_group = self.waiting[0]
-            waiting_seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
-            # A recomputed group re-prefills its generated tokens as well.
-            num_prompt_tokens = sum(seq.get_len() for seq in waiting_seqs)
-            admission = self._admission(seq_group, num_prompt_tokens, out)
-            if admission is AllocStatus.LATER:
-                break
-            if admission is AllocStatus.NEVER:
-                continue
+        while (head := self._next_admissible(out)) is not None:
+            seq_group, waiting_seqs, num_prompt_tokens = head
             # A prefix found in the prefix cache is not computed again.
             num_new_tokens = num_prompt_tokens - self.block_manager.num_cached_tokens(seq_group)
             if out.num_batched_tokens + num_new_tokens > config.max_num_batched_tokens:

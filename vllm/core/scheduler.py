@@ -381,6 +381,24 @@ class Scheduler(ClassicPolicy, ChunkedPolicy):
         self.running.append(seq_group)
         self._admitted = True
 
+    def _next_admissible(
+        self, out: SchedulerOutputs
+    ) -> tuple[SequenceGroup, list[Sequence], int] | None:
+        """The first waiting group if it can be admitted now: (group, its waiting sequences,
+        their tokens -- a recomputed group re-prefills its generated tokens as well). Groups
+        that can never fit are finished as ignored on the way; None when the head must wait
+        or nothing waits. The group stays at the head of `waiting` until `_admit`."""
+        while self.waiting:
+            seq_group = self.waiting[0]
+            waiting_seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
+            num_prompt_tokens = sum(seq.get_len() for seq in waiting_seqs)
+            admission = self._admission(seq_group, num_prompt_tokens, out)
+            if admission is AllocStatus.LATER:
+                return None
+            if admission is AllocStatus.OK:
+                return seq_group, waiting_seqs, num_prompt_tokens
+        return None
+
     def _admission(
         self, seq_group: SequenceGroup, num_prompt_tokens: int, out: SchedulerOutputs
     ) -> AllocStatus:

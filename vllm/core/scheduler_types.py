@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from vllm.config import SchedulerConfig
-from vllm.core.block_manager import AllocStatus, BlockSpaceManager
+from vllm.core.block_manager import BlockSpaceManager
 from vllm.sequence import Sequence, SequenceGroup
 
 
@@ -74,9 +74,9 @@ class SchedulerState(abc.ABC):
     ) -> bool: ...
 
     @abc.abstractmethod
-    def _admission(
-        self, seq_group: SequenceGroup, num_prompt_tokens: int, out: SchedulerOutputs
-    ) -> AllocStatus: ...
+    def _next_admissible(
+        self, out: SchedulerOutputs
+    ) -> tuple[SequenceGroup, list[Sequence], int] | None: ...
 
     @abc.abstractmethod
     def _admit(self, seq_group: SequenceGroup, waiting_seqs: list[Sequence]) -> None: ...

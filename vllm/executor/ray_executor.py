@@ -14,9 +14,10 @@ placement-group bundle, loads its layers and re-forms the process groups with th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -182,19 +183,21 @@ class RayExecutor(ExecutorBase):
         return self._wait_calls(ranks, call_id, timeout)
 
     def _submit(self, calls: Calls) -> int:
-        try:
+        with self._failures_named("could not take a call"):
             return self.calls.submit(calls)
-        except RankCallError as err:
-            raise self._stage_failure(err, 0.0, None, err.rank) from None
 
     def _wait_calls(self, ranks: list[int], call_id: int, timeout: float) -> list[Any]:
+        with self._failures_named(f"did not finish a call within {timeout:g} s"):
+            return self.calls.wait_all(ranks, call_id, timeout)
+
+    @contextlib.contextmanager
+    def _failures_named(self, timeout_problem: str) -> Iterator[None]:
+        """A rank's error, loss or missed deadline as a StageFailedError naming the stages."""
         started = time.monotonic()
         try:
-            return self.calls.wait_all(ranks, call_id, timeout)
+            yield
         except RankCallTimeout:
-            raise self._stage_failure(
-                None, time.monotonic() - started, f"did not finish a call within {timeout:g} s"
-            ) from None
+            raise self._stage_failure(None, time.monotonic() - started, timeout_problem) from None
         except RankCallError as err:
             raise self._stage_failure(err, time.monotonic() - started, None, err.rank) from None
 
@@ -240,16 +243,10 @@ class RayExecutor(ExecutorBase):
                 heartbeat = self._check_heartbeat(heartbeat, started)
                 next_beat = now + HEARTBEAT_INTERVAL_S
 
-        try:
-            # Any rank's error or loss fails this wait: a failed earlier stage would otherwise
-            # leave the last one waiting forever.
+        # Any rank's error or loss fails this wait: a failed earlier stage would otherwise
+        # leave the last one waiting forever.
+        with self._failures_named(f"missed the {deadline_s:.0f} s step deadline"):
             output = self.calls.wait_for(self.output_rank, call_id, deadline_s, on_slice)
-        except RankCallTimeout:
-            raise self._stage_failure(
-                None, time.monotonic() - started, f"missed the {deadline_s:.0f} s step deadline"
-            ) from None
-        except RankCallError as err:
-            raise self._stage_failure(err, time.monotonic() - started, None, err.rank) from None
         # The other ranks' part of this step, and outputs of discarded earlier steps.
         self.calls.drop_through(call_id)
         return output
