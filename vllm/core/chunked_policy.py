@@ -15,7 +15,6 @@ import collections
 import logging
 from typing import TYPE_CHECKING
 
-from vllm.core.block_manager import AllocStatus
 from vllm.core.scheduler_types import SchedulerOutputs
 from vllm.sequence import SequenceGroup, SequenceStatus
 
@@ -189,17 +188,8 @@ class ChunkedPolicy(_SchedulerState):
     ) -> int:
         self.swapped = collections.deque(sorted(self.swapped, key=lambda g: g.arrival_time))
         num_seqs = self._num_running_seqs()
-        while self.swapped:
-            seq_group = self.swapped[0]
-            status = self.block_manager.can_swap_in(seq_group)
-            if status == AllocStatus.NEVER:
-                self._ignore_swapped(seq_group, out)
-                continue
-            if status == AllocStatus.LATER:
-                break
+        while (seq_group := self._next_swappable(out, num_seqs)) is not None:
             num_new_seqs = seq_group.get_max_num_running_seqs()
-            if num_seqs + num_new_seqs > self.scheduler_config.max_num_seqs:
-                break
             is_prefill = seq_group.is_prefill()
             if is_prefill:
                 tokens = self._chunk(seq_group, SequenceStatus.SWAPPED, budget - used)
@@ -209,12 +199,7 @@ class ChunkedPolicy(_SchedulerState):
                 tokens = seq_group.num_seqs(status=SequenceStatus.SWAPPED)
                 if used + tokens > budget:
                     break
-            self.swapped.popleft()
-            out.blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
-            for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
-                seq.status = SequenceStatus.RUNNING
-            self._append_slots(seq_group, out)
-            self.running.append(seq_group)
+            self._swap_in(seq_group, out)
             (scheduled_prefills if is_prefill else scheduled_decodes).append(seq_group)
             out.token_chunk_sizes[seq_group.request_id] = tokens
             used += tokens

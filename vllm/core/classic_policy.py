@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING
 
-from vllm.core.block_manager import AllocStatus
 from vllm.core.scheduler_types import SchedulerOutputs
 from vllm.sequence import SequenceGroup, SequenceStatus
 
@@ -98,28 +97,14 @@ class ClassicPolicy(_SchedulerState):
         if out.num_preempted == 0 and self.swapped:
             self.swapped = collections.deque(sorted(self.swapped, key=lambda g: g.arrival_time))
             num_seqs = self._num_running_seqs()
-            while self.swapped:
-                seq_group = self.swapped[0]
-                num_new_seqs = seq_group.get_max_num_running_seqs()
-                status = self.block_manager.can_swap_in(seq_group)
-                if status == AllocStatus.NEVER:
-                    self._ignore_swapped(seq_group, out)
-                    continue
-                if status == AllocStatus.LATER:
-                    break
-                if num_seqs + num_new_seqs > self.scheduler_config.max_num_seqs:
-                    break
+            while (swapped := self._next_swappable(out, num_seqs)) is not None:
+                num_new_seqs = swapped.get_max_num_running_seqs()
                 if self._batch_full(scheduled, batch_seqs, num_new_seqs):
                     break
                 batch_seqs += num_new_seqs
-                self.swapped.popleft()
-                out.blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
-                for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
-                    seq.status = SequenceStatus.RUNNING
-                self._append_slots(seq_group, out)
-                self.running.append(seq_group)
-                scheduled.append(seq_group)
-                out.token_chunk_sizes[seq_group.request_id] = seq_group.num_seqs(
+                self._swap_in(swapped, out)
+                scheduled.append(swapped)
+                out.token_chunk_sizes[swapped.request_id] = swapped.num_seqs(
                     status=SequenceStatus.RUNNING
                 )
                 num_seqs += num_new_seqs

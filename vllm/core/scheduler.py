@@ -399,6 +399,34 @@ class Scheduler(ClassicPolicy, ChunkedPolicy):
                 return seq_group, waiting_seqs, num_prompt_tokens
         return None
 
+    def _next_swappable(self, out: SchedulerOutputs, num_seqs: int) -> SequenceGroup | None:
+        """The first swapped group if it can come back now (blocks free, and room for its
+        sequences next to the `num_seqs` running). Groups that can never come back are
+        finished as ignored on the way; None when the head must wait or nothing is swapped."""
+        while self.swapped:
+            seq_group = self.swapped[0]
+            status = self.block_manager.can_swap_in(seq_group)
+            if status == AllocStatus.NEVER:
+                self._ignore_swapped(seq_group, out)
+                continue
+            if status == AllocStatus.LATER:
+                return None
+            num_new_seqs = seq_group.get_max_num_running_seqs()
+            if num_seqs + num_new_seqs > self.scheduler_config.max_num_seqs:
+                return None
+            return seq_group
+        return None
+
+    def _swap_in(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
+        """Bring the head of `swapped` back: its blocks in (applied before the step), its
+        sequences running, a slot for the step's token, and into `running`."""
+        self.swapped.popleft()
+        out.blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
+        for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
+            seq.status = SequenceStatus.RUNNING
+        self._append_slots(seq_group, out)
+        self.running.append(seq_group)
+
     def _admission(
         self, seq_group: SequenceGroup, num_prompt_tokens: int, out: SchedulerOutputs
     ) -> AllocStatus:
