@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from vllm.executor.rank_calls import (
+    CallsThread,
     RankCallError,
     RankCalls,
     RankCallTimeout,
     WorkerHost,
     connect_to_rank,
-    listen_for_calls,
     serve_calls,
 )
 
@@ -146,7 +146,9 @@ def test_what_pickle_refuses_goes_through_cloudpickle(two_ranks):
 def test_tcp_connection_needs_the_key():
     host = WorkerHost()
     host.worker = _Echo()
-    address = listen_for_calls(host, "127.0.0.1", b"k" * 32)
+    first = []
+    calls_thread = CallsThread(host, first=lambda: first.append(threading.get_ident()))
+    address = calls_thread.listen("127.0.0.1", b"k" * 32)
     with pytest.raises(multiprocessing.AuthenticationError):
         connect_to_rank(address, b"x" * 32, timeout=10.0)
     # A stranger is turned away; the engine holding the key is served.
@@ -154,5 +156,8 @@ def test_tcp_connection_needs_the_key():
     try:
         calls.attach(0, connect_to_rank(address, b"k" * 32, timeout=10.0))
         assert calls.wait_for(0, calls.broadcast("step", [0], "hello"), 10.0) == "hello"
+        # The calls run on the thread that ran `first` (the Ray actor imports torch there).
+        call_id = calls.broadcast("apply", [0], lambda _: threading.get_ident(), None)
+        assert calls.wait_for(0, call_id, 10.0) == first[0]
     finally:
         calls.close()

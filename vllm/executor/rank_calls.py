@@ -104,12 +104,38 @@ def _no_delay(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def listen_for_calls(host: WorkerHost, ip: str, authkey: bytes) -> tuple[str, int]:
-    """A rank's end over TCP (Ray actors): listen on `ip`, serve the first connection that
-    proves it holds `authkey` on a thread of its own, and return the address to connect to."""
-    server = socket.create_server((ip, 0))
+class CallsThread:
+    """A rank's end over TCP (Ray actors): the thread that serves the engine's calls.
 
-    def run() -> None:
+    Started when the actor is made, it first runs `first` -- the actor imports torch there:
+    torch's profiler client (Kineto) binds itself to the thread that loads torch and refuses
+    (or crashes on `stop`) when another thread profiles, and this thread runs every step.
+    `listen` then gives it a socket; it serves the first connection that proves it holds the
+    key."""
+
+    def __init__(self, host: WorkerHost, first: Optional[Callable[[], None]] = None) -> None:
+        self._server: queue.SimpleQueue[tuple[socket.socket, bytes]] = queue.SimpleQueue()
+        ready = threading.Event()
+        threading.Thread(
+            target=self._run, args=(host, first, ready), daemon=True, name="vllm-rank-calls"
+        ).start()
+        ready.wait()
+
+    def listen(self, ip: str, authkey: bytes) -> tuple[str, int]:
+        """Listen on `ip`; returns the address the engine connects to."""
+        server = socket.create_server((ip, 0))
+        self._server.put((server, authkey))
+        return ip, server.getsockname()[1]
+
+    def _run(
+        self, host: WorkerHost, first: Optional[Callable[[], None]], ready: threading.Event
+    ) -> None:
+        try:
+            if first is not None:
+                first()
+        finally:
+            ready.set()
+        server, authkey = self._server.get()
         with server:
             while True:
                 sock, _ = server.accept()
@@ -124,12 +150,9 @@ def listen_for_calls(host: WorkerHost, ip: str, authkey: bytes) -> tuple[str, in
                 break
         serve_calls(conn, host)
 
-    threading.Thread(target=run, daemon=True, name="vllm-rank-calls").start()
-    return ip, server.getsockname()[1]
-
 
 def connect_to_rank(address: tuple[str, int], authkey: bytes, timeout: float) -> Connection:
-    """The engine's end of a rank's TCP connection (see `listen_for_calls`)."""
+    """The engine's end of a rank's TCP connection (see `CallsThread`)."""
     sock = socket.create_connection(address, timeout=timeout)
     _no_delay(sock)
     # Connection reads the descriptor directly: it must be back in blocking mode.

@@ -34,17 +34,17 @@ class RayWorkerWrapper:
     stuck waiting on a neighbour -- and only a dead or frozen process leaves it unanswered."""
 
     def __init__(self) -> None:
-        from vllm.executor.rank_calls import WorkerHost
+        from vllm.executor.rank_calls import CallsThread, WorkerHost
         from vllm.logger import configure_logging
 
         configure_logging()
         self._host = WorkerHost()
+        # Before anything here imports torch: the calls thread must be the one that does.
+        self._calls = CallsThread(self._host, first=_import_torch)
 
     def open_calls(self, authkey: bytes) -> tuple[str, int]:
-        """Listen for the engine's connection (see `rank_calls.listen_for_calls`)."""
-        from vllm.executor.rank_calls import listen_for_calls
-
-        return listen_for_calls(self._host, self.get_node_ip(), authkey)
+        """Listen for the engine's connection (see `rank_calls.CallsThread`)."""
+        return self._calls.listen(self.get_node_ip(), authkey)
 
     def get_node_ip(self) -> str:
         from vllm.model_executor.parallel_utils.parallel_state import get_ip
@@ -69,6 +69,10 @@ class RayWorkerWrapper:
     def gc_frozen_objects(self) -> int:
         """How many objects are frozen out of the cyclic GC in this actor (diagnostics)."""
         return gc.get_freeze_count()
+
+
+def _import_torch() -> None:
+    import torch  # noqa: F401  (loaded on the calling thread; see CallsThread)
 
 
 def init_ray(world_size: int, use_gpu: bool) -> bool:

@@ -406,33 +406,52 @@ class Worker:
         return f"stage{ps.get_pipeline_model_parallel_rank()}-rank{self.rank}"
 
     def start_profile(self, trace_dir: str) -> None:
-        """Start torch.profiler on this rank (on the thread that runs its steps); the trace
-        goes to `trace_dir` when `stop_profile` is called."""
+        """Start torch's profiler on this rank (on the thread that runs its steps); the trace
+        goes to `trace_dir` when `stop_profile` is called.
+
+        On CPU it is torch's legacy autograd profiler, without Kineto: Kineto binds itself to
+        the thread that loaded torch and refuses (or crashes on stop) another one, and the
+        steps run on another thread in a Ray actor's or an AsyncLLMEngine's process. On CUDA it is
+        torch.profiler (Kineto, for the kernels); the Ray actors load torch on their calls
+        thread for it (rank_calls.CallsThread)."""
         if self._profiler is not None:
             raise RuntimeError("Profiler is already running.")
-        activities = [torch.profiler.ProfilerActivity.CPU]
+        profiler: Any
         if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        handler = torch.profiler.tensorboard_trace_handler(
-            trace_dir, worker_name=self._profile_name(), use_gzip=True
-        )
-        profiler = torch.profiler.profile(
-            activities=activities, record_shapes=True, on_trace_ready=handler
-        )
-        profiler.start()
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            handler = torch.profiler.tensorboard_trace_handler(
+                trace_dir, worker_name=self._profile_name(), use_gzip=True
+            )
+            profiler = torch.profiler.profile(
+                activities=activities, record_shapes=True, on_trace_ready=handler
+            )
+            profiler.start()
+        else:
+            from torch.autograd import profiler_legacy
+
+            profiler = profiler_legacy.profile(record_shapes=True)
+            profiler.__enter__()
         self._profiler = (profiler, trace_dir)
         logger.info("rank %d: profiler started (traces to %s)", self.rank, trace_dir)
 
     def stop_profile(self) -> Optional[str]:
-        """Stop the profiler: its trace (`*.pt.trace.json.gz`, for Perfetto or TensorBoard) and
-        a table of the ops by time (`<stage>-rank<r>-ops.txt`) are written. Returns the table's
-        path; None on a rank that was not profiling (one replaced after a failure)."""
+        """Stop the profiler: its trace (Chrome trace format, for https://ui.perfetto.dev:
+        `<stage>-rank<r>.pt.trace.json`, gzipped by torch on CUDA) and a table of the ops by
+        time (`<stage>-rank<r>-ops.txt`) are written. Returns the table's path; None on a rank
+        that was not profiling (one replaced after a failure)."""
         if self._profiler is None:
             return None
         (profiler, trace_dir), self._profiler = self._profiler, None
-        profiler.stop()
-        path = os.path.join(trace_dir, f"{self._profile_name()}-ops.txt")
-        sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        name = self._profile_name()
+        if self.device.type == "cuda":
+            profiler.stop()  # the handler writes the trace
+            sort_by = "self_cuda_time_total"
+        else:
+            profiler.__exit__(None, None, None)
+            os.makedirs(trace_dir, exist_ok=True)
+            profiler.export_chrome_trace(os.path.join(trace_dir, f"{name}.pt.trace.json"))
+            sort_by = "self_cpu_time_total"
+        path = os.path.join(trace_dir, f"{name}-ops.txt")
         with open(path, "w") as f:
             f.write(profiler.key_averages().table(sort_by=sort_by, row_limit=50))
         logger.info("rank %d: profiler stopped; ops by time in %s", self.rank, path)
