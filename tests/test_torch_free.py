@@ -28,6 +28,7 @@ TORCH_FREE_MODULES = [
     "vllm.core.scheduler",
     "vllm.core.scheduler_types",
     "vllm.core.classic_policy",
+    "vllm.core.queue_heads",
     "vllm.core.chunked_policy",
     "vllm.engine.beam_search",
     "vllm.engine.detokenizer",

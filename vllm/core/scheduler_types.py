@@ -64,6 +64,10 @@ class SchedulerState(abc.ABC):
     swapped: collections.deque[SequenceGroup]
     # Groups with at least one step inside the pipeline.
     in_flight: set[str]
+    # The longest prompt a group may have (tokens).
+    prompt_limit: int
+    # Whether this step admitted a new group.
+    _admitted: bool
 
     @abc.abstractmethod
     def _num_running_seqs(self) -> int: ...
