@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable, Optional
 
 from vllm.config import EngineConfig
+from vllm.executor.rank_calls import Calls, RankCalls
 from vllm.sequence import ExecuteModelRequest, SamplerOutput
 
 logger = logging.getLogger("vllm.executor")
@@ -159,3 +161,73 @@ class ExecutorBase(ABC):
     @abstractmethod
     def shutdown(self, graceful: bool = True) -> None:
         """Release the workers; `graceful=False` kills them without waiting on them."""
+
+
+class StageProcessExecutor(ExecutorBase):
+    """An executor whose ranks run in processes of their own (Ray actors, mp processes) and
+    are reached through one connection each (`self.calls`, `vllm.executor.rank_calls`).
+
+    A step goes to every rank without waiting; `get_output` waits for the last stage's
+    output and fails as soon as any rank reports an error or is lost. Subclasses start the
+    processes, attach their connections, say how a failure is named (`_failures_named`) and
+    how long a set-up call may take (`_call_timeout_s`)."""
+
+    _stages_in_own_processes = True
+    calls: RankCalls
+
+    @abstractmethod
+    def _failures_named(self, timeout_problem: str) -> AbstractContextManager[None]:
+        """Turns a rank's error, loss or missed deadline (`timeout_problem`) raised inside it
+        into a StageFailedError naming the stage."""
+
+    @abstractmethod
+    def _call_timeout_s(self) -> float:
+        """How long a set-up or stats call may take (0: no limit)."""
+
+    def _step_watch(self) -> Optional[Callable[[], None]]:
+        """What to run between the slices of a step's wait (Ray pings its stages there)."""
+        return None
+
+    def _submit(self, calls: Calls) -> int:
+        with self._failures_named("could not take a call"):
+            return self.calls.submit(calls)
+
+    def _wait_calls(
+        self, ranks: list[int], call_id: int, timeout: Optional[float] = None
+    ) -> list[Any]:
+        if timeout is None:
+            timeout = self._call_timeout_s()
+        with self._failures_named(f"did not finish a call within {timeout:g} s"):
+            return self.calls.wait_all(ranks, call_id, timeout)
+
+    def _call_ranks(
+        self, ranks: list[int], method: str, *args: Any, timeout: Optional[float] = None
+    ) -> list[Any]:
+        """Call `method` on the workers of `ranks` and return their results in that order."""
+        call_id = self._submit({r: (method, args, {}) for r in ranks})
+        return self._wait_calls(ranks, call_id, timeout)
+
+    def _run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        ranks = list(range(self.parallel_config.world_size))
+        return self._wait_calls(ranks, self._submit({r: (method, args, kwargs) for r in ranks}))
+
+    def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
+        requests = self._requests_per_rank(request)
+        call_id = self._submit(
+            {rank: ("execute_model", (req,), {}) for rank, req in enumerate(requests)}
+        )
+        return call_id, self.parallel_config.step_deadline_s(num_tokens)
+
+    def get_output(self, handle: Any) -> SamplerOutput:
+        call_id, deadline_s = handle
+        # Any rank's error or loss fails this wait: a failed earlier stage would otherwise
+        # leave the last one waiting forever.
+        with self._failures_named(f"missed the {deadline_s:.0f} s step deadline"):
+            output = self.calls.wait_for(self.output_rank, call_id, deadline_s, self._step_watch())
+        # The other ranks' part of this step, and outputs of discarded earlier steps (an
+        # error among them was raised above).
+        self.calls.drop_through(call_id)
+        return output
+
+    # discard_steps: nothing to do. The outputs of steps nobody collects are dropped when a
+    # later step is collected; an error in them still fails the next wait.

@@ -23,14 +23,13 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 from vllm import envs
-from vllm.executor.base import ExecutorBase
-from vllm.executor.rank_calls import Calls, RankCallError, RankCalls, WorkerHost, serve_calls
+from vllm.executor.base import StageProcessExecutor
+from vllm.executor.rank_calls import RankCallError, RankCalls, WorkerHost, serve_calls
 from vllm.executor.stage_supervisor import StageFailedError, StageFailure, describe_stage
 from vllm.logger import init_logger
-from vllm.sequence import ExecuteModelRequest, SamplerOutput
 
 logger = init_logger("vllm.executor.mp_executor")
 
@@ -84,7 +83,7 @@ def _rank_main(conn: Connection, rank: int, num_threads: int) -> None:
     serve_calls(conn, WorkerHost())
 
 
-class MultiprocessingExecutor(ExecutorBase):
+class MultiprocessingExecutor(StageProcessExecutor):
     """Runs each rank (pipeline stage x TP rank) in its own local process."""
 
     def _init_workers(self) -> None:
@@ -142,7 +141,7 @@ class MultiprocessingExecutor(ExecutorBase):
             )
             for rank in range(world)
         }
-        self._wait_all(self._submit(init_worker))
+        self._wait_calls(list(range(world)), self._submit(init_worker))
         for rank, proc in enumerate(self.procs):
             self.stage_infos[rank]["pid"] = proc.pid
             logger.info("Rank %d: local process (pid %d)", rank, proc.pid)
@@ -161,53 +160,17 @@ class MultiprocessingExecutor(ExecutorBase):
         failure = StageFailure(err.rank, name, err.problem)
         return StageFailedError([failure], time.monotonic() - started)
 
-    def _submit(self, calls: Calls) -> int:
-        try:
-            return self.calls.submit(calls)
-        except RankCallError as err:
-            raise self._rank_error(err, time.monotonic()) from None
-
-    def _wait_for(self, rank: int, call_id: int, timeout: Optional[float] = None) -> Any:
-        """Wait for one call's result, failing fast on any rank's error or death. `timeout`
-        defaults to VLLM_MP_CALL_TIMEOUT (0: none)."""
-        if timeout is None:
-            timeout = envs.get_float("VLLM_MP_CALL_TIMEOUT")
+    @contextlib.contextmanager
+    def _failures_named(self, timeout_problem: str) -> Iterator[None]:
+        # A missed deadline names its rank too (the wait's own "missed the N s deadline").
         started = time.monotonic()
         try:
-            return self.calls.wait_for(rank, call_id, timeout)
+            yield
         except RankCallError as err:
             raise self._rank_error(err, started) from None
 
-    def _wait_all(self, call_id: int) -> list[Any]:
-        return [self._wait_for(rank, call_id) for rank in range(len(self.procs))]
-
-    def _run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return self._wait_all(
-            self._submit({r: (method, args, kwargs) for r in range(len(self.procs))})
-        )
-
-    # ---- steps -----------------------------------------------------------------------------
-
-    _stages_in_own_processes = True
-
-    def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
-        # As on Ray; the last stage's TP driver returns the sampler output.
-        requests = self._requests_per_rank(request)
-        call_id = self._submit(
-            {rank: ("execute_model", (req,), {}) for rank, req in enumerate(requests)}
-        )
-        return call_id, self.parallel_config.step_deadline_s(num_tokens)
-
-    def get_output(self, handle: Any) -> SamplerOutput:
-        call_id, deadline_s = handle
-        output = self._wait_for(self.output_rank, call_id, deadline_s)
-        # The other ranks' results for this step (None), and outputs of discarded earlier
-        # steps, are dropped; an error among them was raised above.
-        self.calls.drop_through(call_id)
-        return output
-
-    # discard_steps: nothing to do. The outputs of steps nobody collects are dropped when a
-    # later step is collected; an error in them still fails the next wait.
+    def _call_timeout_s(self) -> float:
+        return envs.get_float("VLLM_MP_CALL_TIMEOUT")
 
     # ---- shutdown --------------------------------------------------------------------------
 

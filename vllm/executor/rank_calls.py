@@ -171,10 +171,9 @@ class _Outbox:
 
     def __init__(self, conn: Connection, on_error: Callable[[str], None]) -> None:
         self._queue: queue.SimpleQueue[Optional[bytes]] = queue.SimpleQueue()
-        self._thread = threading.Thread(
+        threading.Thread(
             target=self._run, args=(conn, on_error), daemon=True, name="rank-calls-send"
-        )
-        self._thread.start()
+        ).start()
 
     def put(self, data: bytes) -> None:
         self._queue.put(data)
@@ -225,6 +224,18 @@ class RankCalls:
     def attach(self, rank: int, conn: Connection, process: Any = None) -> None:
         """Use `conn` for `rank` from now on (a replaced rank gets a clean slate)."""
         outbox = _Outbox(conn, lambda problem: self._send_failed(rank, conn, problem))
+        self._install(rank, conn, outbox, process)
+        self._wake_send.send_bytes(b"")
+
+    def detach(self, rank: int) -> None:
+        """Stop using `rank`'s connection (its process was killed)."""
+        self._install(rank, None, None, None)
+
+    def _install(
+        self, rank: int, conn: Optional[Connection], outbox: Optional[_Outbox], process: Any
+    ) -> None:
+        """`rank`'s connection, sender and process from now on; its old ones are closed and
+        what it reported so far is forgotten."""
         with self._cond:
             old, old_outbox = self._conns[rank], self._outboxes[rank]
             self._conns[rank], self._outboxes[rank] = conn, outbox
@@ -235,20 +246,6 @@ class RankCalls:
             old_outbox.stop()
         if old is not None:
             old.close()
-        self._wake_send.send_bytes(b"")
-
-    def detach(self, rank: int) -> None:
-        """Stop using `rank`'s connection (its process was killed)."""
-        with self._cond:
-            conn, self._conns[rank] = self._conns[rank], None
-            outbox, self._outboxes[rank] = self._outboxes[rank], None
-            self._procs[rank] = None
-            self._results[rank].clear()
-            self._lost.pop(rank, None)
-        if outbox is not None:
-            outbox.stop()
-        if conn is not None:
-            conn.close()
 
     # ---- the reader --------------------------------------------------------------------------
 

@@ -17,15 +17,14 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vllm import envs
-from vllm.executor.base import ExecutorBase
+from vllm.executor.base import StageProcessExecutor
 from vllm.executor.rank_calls import (
-    Calls,
     RankCallError,
     RankCalls,
     RankCallTimeout,
@@ -52,7 +51,6 @@ from vllm.executor.stage_supervisor import (
 )
 from vllm.logger import init_logger
 from vllm.model_executor.parallel_utils.parallel_state import get_distributed_init_method
-from vllm.sequence import ExecuteModelRequest, SamplerOutput
 
 logger = init_logger("vllm.executor.ray_executor")
 
@@ -66,7 +64,7 @@ def _threads_per_stage() -> int:
     return envs.get_int("VLLM_CPU_THREADS_PER_STAGE") or 1
 
 
-class RayExecutor(ExecutorBase):
+class RayExecutor(StageProcessExecutor):
     """Runs each pipeline stage in its own Ray actor (possibly on another node)."""
 
     def _init_workers(self) -> None:
@@ -87,7 +85,7 @@ class RayExecutor(ExecutorBase):
         self._authkey = os.urandom(32)
         self._start_actors(range(world))
         self._join(range(world), survivors=[])
-        self._run_workers("load_model", timeout=_SETUP_TIMEOUT_S)
+        self._run_workers("load_model")
 
     @property
     def node_ids(self) -> list[str]:
@@ -175,20 +173,8 @@ class RayExecutor(ExecutorBase):
         calls.update({r: ("rejoin_process_groups", (init_method,), {}) for r in survivors})
         self._wait_calls(list(calls), self._submit(calls), timeout)
 
-    def _run_workers(
-        self, method: str, *args: Any, timeout: float = _SETUP_TIMEOUT_S, **kwargs: Any
-    ) -> list[Any]:
-        ranks = list(range(len(self.workers)))
-        call_id = self._submit({r: (method, args, kwargs) for r in ranks})
-        return self._wait_calls(ranks, call_id, timeout)
-
-    def _submit(self, calls: Calls) -> int:
-        with self._failures_named("could not take a call"):
-            return self.calls.submit(calls)
-
-    def _wait_calls(self, ranks: list[int], call_id: int, timeout: float) -> list[Any]:
-        with self._failures_named(f"did not finish a call within {timeout:g} s"):
-            return self.calls.wait_all(ranks, call_id, timeout)
+    def _call_timeout_s(self) -> float:
+        return _SETUP_TIMEOUT_S
 
     @contextlib.contextmanager
     def _failures_named(self, timeout_problem: str) -> Iterator[None]:
@@ -220,19 +206,10 @@ class RayExecutor(ExecutorBase):
 
     # -- steps -----------------------------------------------------------------------------
 
-    _stages_in_own_processes = True
-
-    def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
-        requests = self._requests_per_rank(request)
-        call_id = self._submit(
-            {rank: ("execute_model", (req,), {}) for rank, req in enumerate(requests)}
-        )
-        return call_id, self.parallel_config.step_deadline_s(num_tokens)
-
-    def get_output(self, handle: Any) -> SamplerOutput:
-        call_id, deadline_s = handle
+    def _step_watch(self) -> Optional[Callable[[], None]]:
+        """While a step is slow, every stage is pinged each interval: a frozen stage is found
+        in seconds, not at the step's deadline."""
         started = time.monotonic()
-        # A slow step has every stage pinged each interval; a frozen stage is found in seconds.
         heartbeat: Optional[tuple[list[Any], float]] = None
         next_beat = started + HEARTBEAT_INTERVAL_S
 
@@ -243,13 +220,7 @@ class RayExecutor(ExecutorBase):
                 heartbeat = self._check_heartbeat(heartbeat, started)
                 next_beat = now + HEARTBEAT_INTERVAL_S
 
-        # Any rank's error or loss fails this wait: a failed earlier stage would otherwise
-        # leave the last one waiting forever.
-        with self._failures_named(f"missed the {deadline_s:.0f} s step deadline"):
-            output = self.calls.wait_for(self.output_rank, call_id, deadline_s, on_slice)
-        # The other ranks' part of this step, and outputs of discarded earlier steps.
-        self.calls.drop_through(call_id)
-        return output
+        return on_slice
 
     def _check_heartbeat(
         self, heartbeat: Optional[tuple[list[Any], float]], started: float
@@ -334,11 +305,9 @@ class RayExecutor(ExecutorBase):
         self._start_actors(ranks, budget)
         self._join(ranks, survivors, budget)
         num_gpu, num_cpu = self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks
-        for method, args in (("load_model", ()), ("initialize_cache", (num_gpu, num_cpu))):
-            call_id = self._submit({r: (method, args, {}) for r in ranks})
-            self._wait_calls(ranks, call_id, budget)
-        call_id = self._submit({r: ("get_stage_info", (), {}) for r in ranks})
-        infos = self._wait_calls(ranks, call_id, budget)
+        self._call_ranks(ranks, "load_model", timeout=budget)
+        self._call_ranks(ranks, "initialize_cache", num_gpu, num_cpu, timeout=budget)
+        infos = self._call_ranks(ranks, "get_stage_info", timeout=budget)
         for rank, info in zip(ranks, infos):
             self.stage_infos[rank].update(info)
             logger.info("Replaced %s", describe_stage(self.stage_infos[rank]))
@@ -367,16 +336,12 @@ class RayExecutor(ExecutorBase):
             self.workers[rank] = None
             self.calls.detach(rank)
 
-    # discard_steps: nothing to do. The outputs of steps nobody collects are dropped when a
-    # later step is collected; an error in them still fails the next wait.
-
     def shutdown(self, graceful: bool = True) -> None:
         from ray.util.placement_group import remove_placement_group
 
         workers = getattr(self, "workers", [])
-        live = [w for w in workers if w is not None]
-        if live and ray.is_initialized():
-            alive = [r for r, w in enumerate(workers) if w is not None]
+        alive = [r for r, w in enumerate(workers) if w is not None]
+        if alive and ray.is_initialized():
             if graceful:
                 self.calls.forget()  # errors of earlier steps do not matter any more
                 try:
