@@ -104,6 +104,31 @@ def test_tp_matches_hf(kind, tp, pp, backend, model_dirs, reference, request):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["mp", pytest.param("ray", marks=pytest.mark.ray)])
+def test_tp_pp_chunked_prefill_matches_hf(backend, model_dirs, reference, request):
+    """TP=2 x PP=2 with chunked prefill (vLLM's own pipeline test rows): a micro-batch of
+    prefill chunks that end before their prompts samples nothing, and only the last stage's TP
+    driver may answer for it (a non-driver rank once acted as the driver and sent the step's
+    sampled ids to itself: gloo "Pair is not connected")."""
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+    kind = "llama-gqa-untied"
+    llm = make_llm(
+        model_dirs[kind],
+        2,
+        2,
+        backend,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+    )
+    try:
+        check_equal(llm, reference(kind))
+        assert not llm.llm_engine.fault_events
+    finally:
+        llm.shutdown()
+
+
 def test_tp_pp_grid_weights_and_shutdown(model_dirs):
     """TP=2 x PP=2 on mp: each of the 4 ranks holds ~1/4 of the weights; after shutdown no
     rank process is left."""
