@@ -211,6 +211,45 @@ def test_ctrl_c_inside_step_requeues_in_flight_requests(ray_session, tiny_model_
     llm.shutdown()
 
 
+def test_failure_that_recurs_after_a_replacement_is_not_replayed(ray_session, tiny_model_dirs):
+    """A stage that raises on a request's step is replaced and the step replayed once; when
+    the new stage raises the same error on a step of the same request, that step's requests
+    end (aborted, the error logged) instead of replaying until the restart budget is gone: the
+    replacement is not counted, the engine and the other requests go on unchanged."""
+    llm = LLM(tiny_model_dirs["llama-gqa-tied"], pipeline_parallel_size=2, max_stage_restarts=1)
+    try:
+        innocent = PROMPTS[1:6]
+        reference = token_ids(llm.generate(innocent, GREEDY, use_tqdm=False))
+
+        def poisoned(output_ids, logits):  # a closure: sent to the last stage by cloudpickle
+            raise ValueError("this logits processor always fails")
+
+        bad = SamplingParams(temperature=0.0, max_tokens=8, logits_processors=[poisoned])
+        start = time.monotonic()
+        outputs = llm.generate([PROMPTS[0], *innocent], [bad] + [GREEDY] * len(innocent))
+        assert time.monotonic() - start < 60  # no step deadline was waited out
+        engine = llm.llm_engine
+        assert not engine.is_dead
+        events = engine.fault_events
+        assert len(events) == 2 and not events[0].recurring and events[1].recurring, events
+        assert "this logits processor always fails" in events[1].message
+        assert events[0].signature == events[1].signature
+        assert outputs[0].outputs[0].finish_reason == "abort"
+        failed_with_it = set(events[1].step_request_ids)
+        completed = 0
+        for out, ref in zip(outputs[1:], reference):
+            if out.outputs[0].finish_reason == "abort":  # it shared the poisoned step twice
+                assert out.request_id in failed_with_it
+            else:
+                assert list(out.outputs[0].token_ids) == ref
+                completed += 1
+        assert completed >= len(innocent) // 2, outputs
+        # max_stage_restarts=1 was used once, by the first failure only: serving goes on.
+        assert token_ids(llm.generate(innocent, GREEDY, use_tqdm=False)) == reference
+    finally:
+        llm.shutdown()
+
+
 def test_error_inside_a_step_leaves_the_engine_usable(tiny_model_dirs):
     """Any exception out of a step (here a worker error at PP=1) re-queues what was in flight."""
     llm = LLM(tiny_model_dirs["opt-pre"])

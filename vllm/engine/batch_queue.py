@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 from vllm.core.scheduler import SchedulerOutputs
 from vllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
-from vllm.step_delta import StepEncoder, message_bytes
+from vllm.step_delta import MessageNotSerializableError, StepEncoder, message_bytes
 
 
 class StepExecutor(Protocol):
@@ -83,8 +83,13 @@ class BatchQueue:
         finished_request_ids: list[str],
         kv_blocks_bound: int,
     ) -> None:
-        """Encode and submit one scheduled batch."""
+        """Encode and submit one scheduled batch.
+
+        A step that cannot be serialised for the stages (MessageNotSerializableError from the
+        executor, raised before anything is sent) leaves the queue, its step numbers and the
+        encoder's mirror as they were, and is re-raised for the engine to handle."""
         self.encoder.forget(finished_request_ids)
+        checkpoint = self.encoder.checkpoint([meta.request_id for meta in metadata_list])
         pending = {
             seq_id: 1
             for meta in metadata_list
@@ -111,12 +116,19 @@ class BatchQueue:
             finished_request_ids=finished_request_ids,
             kv_blocks_bound=kv_blocks_bound,
         )
+        try:
+            handle = self.executor.execute_model_async(
+                request, scheduler_outputs.num_batched_tokens
+            )
+        except MessageNotSerializableError:
+            self.encoder.rollback(checkpoint)
+            self._step_no -= 1
+            raise
         if self.count_bytes:
             self._count(message, metadata_list)
         self.stats.steps += 1
         self.stats.groups += len(metadata_list)
         self.stats.ahead_groups += len(scheduler_outputs.ahead)
-        handle = self.executor.execute_model_async(request, scheduler_outputs.num_batched_tokens)
         self._batches.append(InFlightBatch(handle, scheduler_outputs, self._step_no))
 
     def _step_of_batch(self, batch_no: int) -> int:
@@ -125,6 +137,15 @@ class BatchQueue:
             if batch.scheduler_outputs.batch_no == batch_no:
                 return batch.step_no
         raise RuntimeError(f"batch {batch_no} is not in flight: nothing to schedule ahead of")
+
+    def request_ids_of_call(self, call_id: Optional[int]) -> list[str]:
+        """The requests of the in-flight step that the executor submitted as call `call_id`
+        (its handle is `(call_id, deadline)`); [] when none is in flight."""
+        for batch in self._batches:
+            handle = batch.handle
+            if call_id is not None and isinstance(handle, tuple) and handle[0] == call_id:
+                return [g.request_id for g in batch.scheduler_outputs.scheduled_seq_groups]
+        return []
 
     def _count(self, message: Any, metadata_list: list[SequenceGroupMetadata]) -> None:
         size = message_bytes(message)

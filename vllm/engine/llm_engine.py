@@ -25,12 +25,13 @@ from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.engine.batch_queue import BatchQueue
 from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
-from vllm.engine.request_validation import validate_request
+from vllm.engine.request_validation import check_sendable, validate_request
 from vllm.executor.stage_supervisor import EngineDeadError, FaultEvent, StageFailedError
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
+from vllm.step_delta import MessageNotSerializableError
 
 logger = init_logger("vllm.engine.llm_engine")
 
@@ -147,6 +148,8 @@ class LLMEngine:
                 f"best_of ({sampling_params.best_of}) must not exceed max_num_seqs "
                 f"({self.scheduler_config.max_num_seqs}): the request could never be scheduled."
             )
+        if self.executor is not None and self.executor.stages_in_own_processes:
+            check_sendable(sampling_params)
         params = sampling_params.clone()
         # Extra EOS ids of the model's generation_config stop generation too (vLLM does this).
         params.update_from_generation_config(self.generation_config, eos)
@@ -212,9 +215,36 @@ class LLMEngine:
 
     def _submit(self, scheduler_outputs: SchedulerOutputs, metadata_list: list[Any]) -> None:
         finished, self._finished_request_ids = self._finished_request_ids, []
-        self.batch_queue.submit(
-            scheduler_outputs, metadata_list, finished, self.scheduler.kv_blocks_bound()
-        )
+        try:
+            self.batch_queue.submit(
+                scheduler_outputs, metadata_list, finished, self.scheduler.kv_blocks_bound()
+            )
+        except MessageNotSerializableError as error:
+            self._finished_request_ids[:0] = finished  # not told to the stages yet
+            self._refuse_unsendable(scheduler_outputs, error)
+
+    def _refuse_unsendable(
+        self, scheduler_outputs: SchedulerOutputs, error: MessageNotSerializableError
+    ) -> None:
+        """A scheduled step could not be serialised; nothing of it was sent (the stages are in
+        step). `add_request` refuses such parameters, so this is a backstop (a processor that
+        became unpicklable later): the requests whose parameters no longer serialise finish as
+        aborted, with an error in the log; the step's other requests are recomputed."""
+        groups = scheduler_outputs.scheduled_seq_groups
+        culprits = []
+        for group in groups:
+            try:
+                check_sendable(group.sampling_params)
+            except TypeError as exc:
+                culprits.append((group, str(exc)))
+        if not culprits:  # not one request's fault: fail them all rather than loop
+            culprits = [(group, str(error)) for group in groups]
+        for group, why in culprits:
+            logger.error("Request %s failed: its step could not be sent: %s", group.request_id, why)
+        self._end_as_failed([group for group, _ in culprits])
+        # The batches already sent stay valid, but the unsent one's requests hold flights the
+        # pipeline will never return: recompute everything in flight, as after an interrupt.
+        self._discard_in_flight()
 
     def _micro_batch_cap(self) -> Optional[int]:
         """With N stages, a batch takes ~1/N of the active sequences, so N batches can be in
@@ -293,21 +323,32 @@ class LLMEngine:
         """Replace the failed stages and recompute every request; or, when restarts are used
         up or replacing fails, abort everything, release the workers and raise."""
         event = FaultEvent(error.ranks, str(error), error.detected_after_s)
+        event.signature = error.raised_signature
+        event.step_request_ids = self.batch_queue.request_ids_of_call(error.call_id)
+        previous = self.fault_events[-1] if self.fault_events else None
         self.fault_events.append(event)
         self.batch_queue.reset()
         requeued = self.scheduler.requeue_all()
         event.requeued_requests = len(requeued)
+        if (
+            previous is not None
+            and previous.recovery_s is not None
+            and event.signature is not None
+            and event.signature == previous.signature
+        ):
+            self._fail_recurring(event, previous, error)
         limit = self.parallel_config.max_stage_restarts
-        restarts = sum(1 for e in self.fault_events[:-1] if e.recovery_s is not None)
-        if restarts >= limit:
+        restarts = sum(
+            1 for e in self.fault_events[:-1] if e.recovery_s is not None and not e.recurring
+        )
+        if restarts >= limit and not event.recurring:
             self._fail(error, f"max_stage_restarts={limit} restarts used up")
         logger.warning(
-            "Replacing failed stage(s) %s (restart %d of %d); %d requests will be recomputed "
-            "with the tokens they have",
+            "Replacing failed stage(s) %s (%s); %d requests will be recomputed with the tokens "
+            "they have",
             error.ranks,
-            restarts + 1,
-            limit,
-            len(requeued),
+            "not counted as a restart" if event.recurring else f"restart {restarts + 1} of {limit}",
+            event.requeued_requests - len(event.extra.get("failed_requests", [])),
         )
         try:
             event.recovery_s = self.executor.replace_stages(error.ranks)
@@ -320,6 +361,39 @@ class LLMEngine:
             event.detected_after_s,
         )
         return self._take_pending_outputs()
+
+    def _fail_recurring(
+        self, event: FaultEvent, previous: FaultEvent, error: StageFailedError
+    ) -> None:
+        """A replaced stage raised the same error on a step of the same requests: replaying
+        them would only fail again. Those requests end (aborted, the stage's error logged) and
+        this replacement is not counted against max_stage_restarts; the others go on."""
+        poisoned = [r for r in event.step_request_ids if r in set(previous.step_request_ids)]
+        if not poisoned:
+            return
+        event.recurring = True
+        event.extra["failed_requests"] = poisoned
+        logger.error(
+            "Stage(s) %s failed again the same way on a step of the same request(s) after a "
+            "replacement; failing request(s) %s instead of replaying them: %s",
+            error.ranks,
+            poisoned,
+            error,
+        )
+        wanted = set(poisoned)
+        queues = (self.scheduler.waiting, self.scheduler.running, self.scheduler.swapped)
+        self._end_as_failed([g for q in queues for g in q if g.request_id in wanted])
+
+    def _end_as_failed(self, groups: list[SequenceGroup]) -> None:
+        """Abort `groups` (their error already logged) and return their final outputs
+        (finish_reason "abort") with this step's."""
+        ids = [group.request_id for group in groups]
+        self.scheduler.abort_seq_group(ids)
+        self._finished_request_ids.extend(ids)
+        for group in groups:
+            group.metrics.finished_time = time.time()
+            self._pending_outputs.append(RequestOutput.from_seq_group(group))
+            group.final_output_returned = True
 
     def _fail(self, error: StageFailedError, why: str) -> None:
         """Fail-stop: abort every unfinished request, release the workers, raise."""

@@ -115,6 +115,11 @@ class ExecutorBase(ABC):
     _stages_in_own_processes = False
 
     @property
+    def stages_in_own_processes(self) -> bool:
+        """Whether requests are pickled to reach the stages (so must be picklable)."""
+        return self._stages_in_own_processes
+
+    @property
     def supports_async_pipeline(self) -> bool:
         """Whether the last stage can pass sampled ids to a first stage of its own (needed to
         schedule a decode ahead of its output)."""

@@ -158,7 +158,7 @@ class MultiprocessingExecutor(StageProcessExecutor):
             info.setdefault("pid", self.procs[err.rank].pid)
         name = f"{describe_stage(info)} tp_rank {info.get('tp_rank', 0)}"
         failure = StageFailure(err.rank, name, err.problem)
-        return StageFailedError([failure], time.monotonic() - started)
+        return StageFailedError([failure], time.monotonic() - started, err.call_id)
 
     @contextlib.contextmanager
     def _failures_named(self, timeout_problem: str) -> Iterator[None]:

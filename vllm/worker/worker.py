@@ -271,6 +271,7 @@ class Worker:
         try:
             return self._execute_model(request)
         except BaseException as exc:
+            self.busy_since = None  # the step is over: a ping must not call it stuck
             if self.parallel_config.world_size > 1:
                 logger.warning(
                     "rank %d: step failed (%s: %s); leaving the process groups",
