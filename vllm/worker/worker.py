@@ -151,6 +151,7 @@ class Worker:
             "threads": torch.get_num_threads(),
             "num_params": self.model_runner.model.num_params,
             "weight_bytes": self.model_runner.model.weight_bytes,
+            "linear_path": self.model_runner.model.linear_path,
         }
 
     def get_memory_stats(self) -> dict[str, Any]:
