@@ -312,8 +312,10 @@ class Worker:
                 self._receive_sampled(request.step.recv_sampled_through)
                 tokens_wait_s = time.perf_counter() - waited
             metadata_list = self.request_state.apply(request.step)
-            if self.layout.is_first:
+            if self.layout.is_first and self.parallel_config.world_size > 1:
                 # What the engine sent this stage for the step (deltas): ~20 us to count.
+                # In-process (one rank) nothing was pickled, and a request's logits processor
+                # need not be picklable at all.
                 stats["step_bytes"] += message_bytes(request.step)
         # Cache work first: on a later stage it overlaps with the previous stage's compute.
         cached = time.perf_counter()
