@@ -212,9 +212,12 @@ class RayExecutor(StageProcessExecutor):
         started = time.monotonic()
         heartbeat: Optional[tuple[list[Any], float]] = None
         next_beat = started + HEARTBEAT_INTERVAL_S
+        check_local = super()._step_watch()
+        assert check_local is not None
 
         def on_slice() -> None:
             nonlocal heartbeat, next_beat
+            check_local()  # stages on this node: dead or stopped, within a second
             now = time.monotonic()
             if now >= next_beat:
                 heartbeat = self._check_heartbeat(heartbeat, started)
@@ -269,6 +272,15 @@ class RayExecutor(StageProcessExecutor):
     def _diagnose(self, waited_s: float, include_stuck: bool = True) -> dict[int, str]:
         """rank -> problem for every stage that is dead, frozen, or (with `include_stuck`)
         stuck in one step."""
+        # A stage process on this node that is gone or stopped is certain at once; pinging
+        # would only wait out the heartbeat timeout on the frozen one.
+        local = {
+            rank: problem
+            for rank, info in enumerate(self.stage_infos)
+            if (problem := local_process_problem(info.get("pid"), info.get("host")))
+        }
+        if local:
+            return local
         refs = {rank: w.ping.remote() for rank, w in enumerate(self.workers)}
         timeout = ping_timeout_s()
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)

@@ -90,6 +90,8 @@ class FaultEvent:
     detected_after_s: float
     recovery_s: Optional[float] = None
     requeued_requests: int = 0
+    # When the engine learned of the failure (time.time()).
+    detected_at: float = field(default_factory=time.time)
     # What StageFailedError.raised_signature said, and the requests of the step that failed.
     signature: Optional[tuple[tuple[int, str], ...]] = None
     step_request_ids: list[str] = field(default_factory=list)
