@@ -46,7 +46,9 @@ def _main_module_hidden() -> Iterator[None]:
     __main__ (their target lives in this module), so the child is told there is none.
     """
     main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
+    saved: dict[str, Any] = {
+        k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__
+    }
     try:
         if main is not None:
             main.__dict__.pop("__file__", None)

@@ -274,13 +274,13 @@ class RayExecutor(StageProcessExecutor):
         stuck in one step."""
         # A stage process on this node that is gone or stopped is certain at once; pinging
         # would only wait out the heartbeat timeout on the frozen one.
-        local = {
+        on_node = {
             rank: problem
             for rank, info in enumerate(self.stage_infos)
             if (problem := local_process_problem(info.get("pid"), info.get("host")))
         }
-        if local:
-            return local
+        if on_node:
+            return on_node
         refs = {rank: w.ping.remote() for rank, w in enumerate(self.workers)}
         timeout = ping_timeout_s()
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
