@@ -158,7 +158,7 @@ def test_mp_dead_rank_is_replaced(tp, pp, victim_rank, model_dirs, reference):
     of the last stage at TP=2 x PP=2) is respawned, the groups re-formed with the survivors,
     and every request finishes with the fault-free greedy tokens."""
     kind = "llama-gqa-untied"
-    llm = make_llm(model_dirs[kind], tp, pp, "mp")
+    llm = make_llm(model_dirs[kind], tp, pp, "mp", disable_log_stats=False)
     try:
         engine = llm.llm_engine
         victim = engine.executor.procs[victim_rank]
@@ -183,6 +183,19 @@ def test_mp_dead_rank_is_replaced(tp, pp, victim_rank, model_dirs, reference):
         assert engine.executor.stage_infos[victim_rank]["pid"] == (
             engine.executor.procs[victim_rank].pid
         )
+        # The fault is counted in vLLM-style metrics.
+        from prometheus_client import REGISTRY
+
+        def sample(name: str) -> float:
+            value = REGISTRY.get_sample_value(name, {"model_name": engine.served_model_name})
+            assert value is not None, name
+            return value
+
+        assert sample("vllm:stage_failures_total") == 1
+        assert sample("vllm:stage_recoveries_total") == 1
+        assert sample("vllm:stage_recovery_seconds_count") == 1
+        recomputed = engine.fault_events[0].extra["recomputed_tokens"]
+        assert recomputed > 0 and sample("vllm:recomputed_tokens_total") == recomputed
     finally:
         llm.shutdown()
 

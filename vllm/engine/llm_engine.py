@@ -360,6 +360,13 @@ class LLMEngine:
             event.recovery_s,
             event.detected_after_s,
         )
+        if self.stats is not None:
+            # Every unfinished request re-prefills all the tokens it has (prompt + output).
+            recomputed = sum(
+                seq.get_len() for g in self.scheduler.waiting for seq in g.get_unfinished_seqs()
+            )
+            event.extra["recomputed_tokens"] = recomputed
+            self.stats.stat_logger.log_fault(event, recomputed)
         return self._take_pending_outputs()
 
     def _fail_recurring(
@@ -397,6 +404,8 @@ class LLMEngine:
 
     def _fail(self, error: StageFailedError, why: str) -> None:
         """Fail-stop: abort every unfinished request, release the workers, raise."""
+        if self.stats is not None and self.fault_events:
+            self.stats.stat_logger.log_fault(self.fault_events[-1], 0)
         groups = [*self.scheduler.waiting, *self.scheduler.running, *self.scheduler.swapped]
         self.scheduler.abort_seq_group([g.request_id for g in groups])
         self._dead = EngineDeadError(
