@@ -34,6 +34,7 @@ import pytest
 from reference_scheduler.scheduler import Scheduler as ReferenceScheduler
 
 from vllm.config import CacheConfig, SchedulerConfig
+from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler
 from vllm.engine.output_processor import OutputProcessor
 from vllm.sampling_params import SamplingParams
@@ -77,6 +78,8 @@ class Workload:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # Sampled ids are 2 (EOS) .. vocab + 1: a small vocabulary stops sequences often.
+    vocab: int = 59
     requests: list[Request] = field(default_factory=list)
     # engine step -> request ids to abort / "interrupt" / "stage failure"
     events: dict[int, list[Any]] = field(default_factory=dict)
@@ -108,6 +111,7 @@ def draw_workload(seed: int) -> Workload:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_tokens,
         max_model_len=max_model_len,
+        vocab=rng.choice([59, 59, 6]),
     )
     prefixes = [[rng.randint(3, 60) for _ in range(rng.randint(4, 20))] for _ in range(3)]
     for i in range(rng.randint(3, 28)):
@@ -128,22 +132,33 @@ def draw_workload(seed: int) -> Workload:
     ids = [r.request_id for r in w.requests] + ["unknown"]
     for step in range(120):
         roll = rng.random()
-        if roll < 0.06:
-            w.events.setdefault(step, []).append(("abort", rng.sample(ids, rng.randint(1, 2))))
-        elif roll < 0.075:
-            w.events.setdefault(step, []).append(("interrupt", None))
-        elif roll < 0.085:
-            w.events.setdefault(step, []).append(("failure", None))
+        events = w.events.setdefault(step, [])
+        if roll < 0.05:
+            events.append(("abort", rng.sample(ids, rng.randint(1, 2))))
+        elif roll < 0.08:
+            # Groups inside the pipeline (picked when it happens), often just before an
+            # interrupt: their blocks are released in the order they were aborted.
+            events.append(("abort_in_flight", [rng.random() for _ in range(rng.randint(1, 3))]))
+            if rng.random() < 0.5:
+                events.append(("interrupt", None))
+        elif roll < 0.095:
+            events.append(("interrupt", None))
+        elif roll < 0.105:
+            events.append(("failure", None))
+        elif roll < 0.4:
+            # An interrupt while sequences that finished wait for a step to free their blocks
+            # (decided on the reference's state, so for both alike).
+            events.append(("interrupt_if_deferred", None))
     return w
 
 
-def next_tokens(seq: Sequence, count: int) -> list[int]:
+def next_tokens(seq: Sequence, count: int, vocab: int) -> list[int]:
     """What the fake last stage samples for `seq`: a fixed function of its tokens."""
     base = sum(t * (i + 7) for i, t in enumerate(seq.get_token_ids()[-12:])) + seq.get_len()
-    return [(base * 31 + 17 * k) % 59 + 2 for k in range(count)]  # 2 is EOS
+    return [(base * 31 + 17 * k) % vocab + EOS for k in range(count)]
 
 
-def fake_sampler_output(groups: list[SequenceGroup]) -> list[SequenceGroupOutput]:
+def fake_sampler_output(groups: list[SequenceGroup], vocab: int) -> list[SequenceGroupOutput]:
     outputs = []
     for group in groups:
         samples = []
@@ -151,7 +166,7 @@ def fake_sampler_output(groups: list[SequenceGroup]) -> list[SequenceGroupOutput
             first = group.num_seqs() < group.sampling_params.best_of
             for seq in group.get_seqs(status=SequenceStatus.RUNNING):
                 count = group.sampling_params.best_of if first else 1
-                for token in next_tokens(seq, count):
+                for token in next_tokens(seq, count, vocab):
                     samples.append(SequenceOutput(seq.seq_id, token, {token: Logprob(-1.0)}))
         outputs.append(SequenceGroupOutput(samples))
     return outputs
@@ -223,7 +238,7 @@ class Side:
         out, _ = self.batches.popleft()
         groups = out.scheduled_seq_groups
         self.scheduler.finish_in_flight([g.request_id for g in groups])
-        self.processor.process(groups, fake_sampler_output(groups))
+        self.processor.process(groups, fake_sampler_output(groups, self.w.vocab))
         self.scheduler.free_finished_seq_groups()
 
     def interrupt(self) -> list[str]:
@@ -242,25 +257,13 @@ class Side:
 # -- the live scheduler's construction and call (its API, in one place) ---------------------
 
 
-def make_live_scheduler(config: SchedulerConfig, cache: CacheConfig, w: Workload) -> Any:
-    sched = Scheduler(config, cache, w.cohorts)
-    sched.lookahead = w.lookahead
-    sched.lookahead_gap = w.cohorts
-    sched.test_cohorts = w.cohorts
-    sched.test_steps = {}
-    return sched
+def make_live_scheduler(config: SchedulerConfig, cache: CacheConfig, w: Workload) -> Scheduler:
+    budget = MicroBatchBudget.from_config(config, w.cohorts)
+    return Scheduler(config, cache, budget, schedule_ahead=w.lookahead)
 
 
-def schedule_live(sched: Any, step_no: int) -> tuple[list[Any], Any]:
-    cap = None
-    if sched.test_cohorts > 1:
-        cap = max(1, -(-sched.num_active_seqs() // sched.test_cohorts))
-    metadata, out = sched.schedule(cap)
-    out.step_no = step_no if not out.is_empty() else 0
-    out.ahead = {rid: sched.test_steps[b] for rid, b in out.ahead.items()}
-    if not out.is_empty():
-        sched.test_steps[out.batch_no] = step_no
-    return metadata, out
+def schedule_live(sched: Scheduler, step_no: int) -> tuple[list[Any], Any]:
+    return sched.schedule(step_no)
 
 
 # -- comparison ------------------------------------------------------------------------------
@@ -338,9 +341,18 @@ def run_workload(seed: int) -> int:
                 ref.add(request)
                 live.add(request)
         for kind, arg in w.events.get(step, []):
-            if kind == "abort":
+            if kind == "abort_in_flight":
+                in_flight = sorted(ref.in_flight())
+                arg = [in_flight[int(x * len(in_flight))] for x in arg] if in_flight else []
+                for request_id in arg:  # one by one: the order they are aborted in
+                    ref.scheduler.abort_seq_group(request_id)
+                    live.scheduler.abort_seq_group(request_id)
+            elif kind == "abort":
                 ref.scheduler.abort_seq_group(arg)
                 live.scheduler.abort_seq_group(arg)
+            elif kind == "interrupt_if_deferred":
+                if ref.scheduler._deferred_free:
+                    assert live.interrupt() == ref.interrupt(), where
             elif kind == "interrupt":
                 assert live.interrupt() == ref.interrupt(), where
             else:
