@@ -273,23 +273,21 @@ def _ids(groups: Any) -> list[str]:
     return [g.request_id for g in groups]
 
 
-def _group_state(group: SequenceGroup) -> list[tuple[Any, ...]]:
+def _group_state(group: SequenceGroup, tokens: bool) -> list[tuple[Any, ...]]:
     return [
-        (s.seq_id, s.status, s.get_token_ids(), s.data.get_num_computed_tokens())
+        (
+            s.seq_id,
+            s.status,
+            s.get_token_ids() if tokens else s.get_len(),
+            s.data.get_num_computed_tokens(),
+        )
         for s in group.get_seqs()
     ]
 
 
-def _metadata_state(meta: Any) -> tuple[Any, ...]:
-    return (
-        meta.request_id,
-        meta.is_prompt,
-        meta.token_chunk_size,
-        meta.do_sample,
-        {sid: (d.get_token_ids(), d.get_num_computed_tokens()) for sid, d in meta.seq_data.items()},
-        meta.block_tables,
-        meta.sampling_params.best_of,
-    )
+def _metadata_state(meta: Any) -> dict[str, Any]:
+    """Every field of a metadata record (SequenceData and SamplingParams compare by value)."""
+    return {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
 
 
 # SchedulerOutputs fields compared after mapping (group lists by request id, batch numbers).
@@ -314,12 +312,16 @@ def compare(ref: Side, live: Side, ref_result: Any, live_result: Any, where: str
     compare_state(ref, live, where)
 
 
-def compare_state(ref: Side, live: Side, where: str) -> None:
+def compare_state(ref: Side, live: Side, where: str, tokens: bool = False) -> None:
+    """The queues (with each sequence's status, length and computed tokens; its token ids
+    with `tokens`, after new ones were appended), the groups in flight, the free and cached
+    blocks, the KV bound and the counters."""
     r, s = ref.scheduler, live.scheduler
     for queue in ("waiting", "running", "swapped"):
         ref_q, live_q = getattr(r, queue), getattr(s, queue)
         assert _ids(live_q) == _ids(ref_q), f"{where}: {queue}"
-        assert [_group_state(g) for g in live_q] == [_group_state(g) for g in ref_q], where
+        ref_state = [_group_state(g, tokens) for g in ref_q]
+        assert [_group_state(g, tokens) for g in live_q] == ref_state, f"{where}: {queue}"
     assert live.in_flight() == ref.in_flight(), where
     bm_r, bm_s = r.block_manager, s.block_manager
     assert bm_s.get_num_free_gpu_blocks() == bm_r.get_num_free_gpu_blocks(), where
@@ -375,7 +377,7 @@ def run_workload(seed: int) -> int:
         if ref.batches:
             ref.collect()
             live.collect()
-            compare_state(ref, live, f"{where} after collect")
+            compare_state(ref, live, f"{where} after collect", tokens=True)
         elif step > 30 and not ref.scheduler.has_unfinished_seqs():
             break
     return calls

@@ -37,13 +37,7 @@ from vllm.core.block_manager import AllocStatus, BlockSpaceManager
 from vllm.core.budget import MicroBatchBudget
 from vllm.core.chunked_policy import ChunkedPolicy
 from vllm.core.classic_policy import ClassicPolicy
-from vllm.sequence import (
-    Flight,
-    Sequence,
-    SequenceGroup,
-    SequenceGroupMetadata,
-    SequenceStatus,
-)
+from vllm.sequence import Flight, Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 from vllm.utils import ceil_div
 
 __all__ = ["PreemptionMode", "Scheduler", "SchedulerOutputs"]
