@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.block_manager import AllocStatus, BlockSpaceManager
-from vllm.core.budget import MicroBatchBudget
+from vllm.core.budget import NO_CAP, MicroBatchBudget
 from vllm.core.chunked_policy import ChunkedPolicy
 from vllm.core.classic_policy import ClassicPolicy
 from vllm.sequence import Flight, Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
@@ -295,7 +295,9 @@ class Scheduler:
             raise ValueError(f"step_no must be >= 1 to schedule ahead, got {step_no}.")
         self._admitted = False
         out = SchedulerOutputs()
-        seq_cap = self.budget.max_batch_seqs(self.num_active_seqs())
+        seq_cap = NO_CAP  # one cohort: no need to count the active sequences
+        if self.budget.cohorts > 1:
+            seq_cap = self.budget.max_batch_seqs(self.num_active_seqs())
         self.policy.schedule(out, seq_cap, step_no)
         if self._admitted or out.blocks_to_swap_in:
             self._kv_blocks_bound = self._bound_running_blocks()
