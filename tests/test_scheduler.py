@@ -6,7 +6,6 @@ import logging
 import os
 import subprocess
 import sys
-from typing import Optional
 
 import pytest
 from fake_requests import FakeParams as _Params
@@ -29,7 +28,7 @@ def _scheduler(
     max_num_seqs: int = 8,
     max_tokens: int = 64,
     max_model_len: int = 64,
-    preemption_mode: Optional[str] = None,
+    preemption_mode: str | None = None,
     cohorts: int = 1,
 ) -> Scheduler:
     cache = CacheConfig(block_size=4, num_gpu_blocks=gpu, num_cpu_blocks=cpu)

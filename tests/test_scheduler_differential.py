@@ -2,9 +2,9 @@
 (`tests/reference_scheduler`, the scheduler before it was recomposed), on random workloads.
 
 Each seed draws a workload (either policy, PP 1-3 with its micro-batch cohorts, scheduling
-ahead, prefix caching, swap or recompute preemption, parallel sampling, prompts too long to
-ever run, aborts, interrupts and stage failures) and runs it through two copies of the
-engine's loop, one per scheduler, in lock step: schedule until the batch queue is full,
+ahead, prefix caching, swap or recompute preemption, parallel sampling, beam search, prompts
+too long to ever run, aborts, interrupts and stage failures) and runs it through two copies of
+the engine's loop, one per scheduler, in lock step: schedule until the batch queue is full,
 collect the oldest batch, "sample" deterministic tokens from the sequences' own token ids, and
 apply them with the engine's real `OutputProcessor` (forks, stop checks, frees). After every
 `schedule()` call the two results must be equal field by field (every field of
@@ -122,9 +122,14 @@ def draw_workload(seed: int) -> Workload:
         best_of = 1 if rng.random() < 0.7 else rng.randint(2, min(3, max_num_seqs))
         n = rng.randint(1, best_of)
         max_out = rng.choice([None, rng.randint(1, 30)])
-        params = SamplingParams(
-            n=n, best_of=best_of, max_tokens=max_out, ignore_eos=rng.random() < 0.3
-        )
+        if best_of > 1 and rng.random() < 0.3:
+            params = SamplingParams(
+                n=n, best_of=best_of, max_tokens=max_out, use_beam_search=True, temperature=0.0
+            )
+        else:
+            params = SamplingParams(
+                n=n, best_of=best_of, max_tokens=max_out, ignore_eos=rng.random() < 0.3
+            )
         arrives = rng.randint(0, 30)
         # Equal arrival times happen (FCFS ties keep queue order).
         arrival = float(arrives) + rng.choice([0.0, 0.0, 0.5])
@@ -158,11 +163,30 @@ def next_tokens(seq: Sequence, count: int, vocab: int) -> list[int]:
     return [(base * 31 + 17 * k) % vocab + EOS for k in range(count)]
 
 
+def beam_candidates(group: SequenceGroup, vocab: int) -> list[SequenceOutput]:
+    """Two candidates per running beam and beam width, best cumulative logprob first."""
+    width = group.sampling_params.best_of
+    scored = []
+    for seq in group.get_seqs(status=SequenceStatus.RUNNING):
+        for k, token in enumerate(next_tokens(seq, 2 * width, vocab)):
+            logprob = -((token * 7 + k * 3 + seq.get_len()) % 11) / 4.0
+            scored.append((seq.get_cumulative_logprob() + logprob, seq.seq_id, token, logprob))
+    scored.sort(key=lambda c: -c[0])  # stable: ties keep beam order
+    return [
+        SequenceOutput(seq_id, token, {token: Logprob(logprob)})
+        for _, seq_id, token, logprob in scored[: 2 * width]
+    ]
+
+
 def fake_sampler_output(groups: list[SequenceGroup], vocab: int) -> list[SequenceGroupOutput]:
     outputs = []
     for group in groups:
         samples = []
-        if not group.is_finished() and not group.is_prefill():
+        if group.sampling_params.use_beam_search and not (
+            group.is_finished() or group.is_prefill()
+        ):
+            samples = beam_candidates(group, vocab)
+        elif not group.is_finished() and not group.is_prefill():
             first = group.num_seqs() < group.sampling_params.best_of
             for seq in group.get_seqs(status=SequenceStatus.RUNNING):
                 count = group.sampling_params.best_of if first else 1
