@@ -34,7 +34,11 @@ def async_llm(request, ray_session, tiny_model_dirs):
         kv_cache_space=0.05,
         swap_space=0.01,
     )
-    assert llm.llm_engine.batch_queue.async_pipeline
+    engine = llm.llm_engine
+    assert engine.batch_queue.async_pipeline and engine.scheduler.schedule_ahead
+    # One budget, built by the engine, sizes the micro-batches and the queue alike.
+    assert engine.scheduler.budget.cohorts == pp
+    assert engine.batch_queue.max_concurrent_batches == 2 * pp
     yield llm
     llm.shutdown()
 

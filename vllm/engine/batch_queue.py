@@ -6,7 +6,8 @@ handle at once. Up to `max_concurrent_batches` batches are in flight: the pipeli
 twice it when decodes are scheduled ahead of their previous step's output (the asynchronous
 pipeline: the last stage then sends its sampled ids straight to the first stage, and the
 queue tells the first stage which steps' ids to wait for). Outputs are collected oldest
-first. The scheduler keeps which requests are in flight; the queue keeps the batches.
+first. The scheduler keeps which requests are in flight; the queue keeps the batches and
+numbers the steps (`next_step_no`, the number `Scheduler.schedule` is given).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class BatchQueue:
         self.max_concurrent_batches = pipeline_depth * (2 if async_pipeline else 1)
         self.encoder = StepEncoder()
         self._batches: deque[InFlightBatch] = deque()
-        # Steps are numbered for the channel of sampled ids (restarts at 0 with new groups).
+        # The one numbering of steps: the scheduler's flights and scheduling ahead, and the
+        # channel of sampled ids (restarts at 0 with new groups).
         self._step_no = 0
         # Steps whose output was collected (so their sampled ids were sent), and a floor set
         # after an interrupt: every abandoned step's ids must be drained first.
@@ -75,6 +77,12 @@ class BatchQueue:
 
     def is_full(self) -> bool:
         return len(self._batches) >= self.max_concurrent_batches
+
+    @property
+    def next_step_no(self) -> int:
+        """The number the next submitted step gets: the scheduler schedules it under this
+        number (`Scheduler.schedule`), so both name a step alike."""
+        return self._step_no + 1
 
     def submit(
         self,
@@ -97,17 +105,21 @@ class BatchQueue:
             for seq_id in meta.seq_data
         }
         message = self.encoder.encode(metadata_list, pending)
-        self._step_no += 1
-        message.step_no = self._step_no
+        if scheduler_outputs.step_no != self.next_step_no:
+            raise RuntimeError(
+                f"batch scheduled as step {scheduler_outputs.step_no}, submitted as step "
+                f"{self.next_step_no}"
+            )
+        self._step_no = message.step_no = scheduler_outputs.step_no
         if self.async_pipeline:
             message.send_sampled = True
             # The first stage drains the sampled ids of every step collected so far (they
             # were sent), and of the steps abandoned by an interrupt.
             message.recv_sampled_through = max(self._collected_through, self._drain_through)
-        for batch_no in set(scheduler_outputs.ahead.values()):
-            # The step in flight whose sampled ids the ahead decodes feed.
-            depends_on = self._step_of_batch(batch_no)
-            message.recv_sampled_through = max(message.recv_sampled_through, depends_on)
+        # The steps in flight whose sampled ids the decodes scheduled ahead feed.
+        message.recv_sampled_through = max(
+            [message.recv_sampled_through, *scheduler_outputs.ahead.values()]
+        )
         request = ExecuteModelRequest(
             step=message,
             blocks_to_swap_in=scheduler_outputs.blocks_to_swap_in,
@@ -130,13 +142,6 @@ class BatchQueue:
         self.stats.groups += len(metadata_list)
         self.stats.ahead_groups += len(scheduler_outputs.ahead)
         self._batches.append(InFlightBatch(handle, scheduler_outputs, self._step_no))
-
-    def _step_of_batch(self, batch_no: int) -> int:
-        """The step number of the in-flight batch the scheduler numbered `batch_no`."""
-        for batch in self._batches:
-            if batch.scheduler_outputs.batch_no == batch_no:
-                return batch.step_no
-        raise RuntimeError(f"batch {batch_no} is not in flight: nothing to schedule ahead of")
 
     def request_ids_of_call(self, call_id: Optional[int]) -> list[str]:
         """The requests of the in-flight step that the executor submitted as call `call_id`

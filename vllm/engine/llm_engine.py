@@ -17,10 +17,11 @@ import itertools
 import json
 import os
 import time
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable
 
 from vllm import envs
 from vllm.config import EngineConfig, ModelConfig, SchedulerConfig
+from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.engine.batch_queue import BatchQueue
 from vllm.engine.interrupts import sigint_deferred
@@ -43,7 +44,7 @@ class LLMEngine:
         self,
         engine_config: EngineConfig,
         log_stats: bool = False,
-        served_model_name: Optional[str] = None,
+        served_model_name: str | None = None,
     ) -> None:
         self.engine_config = engine_config
         model_config = self.model_config = engine_config.model_config
@@ -67,21 +68,20 @@ class LLMEngine:
         self.generation_config = _load_generation_config(model_config)
         self.eos_token_id = _eos_token_id(self.tokenizer, model_config)
         self.executor = _make_executor(engine_config)
-        self.scheduler = Scheduler(
-            scheduler_config, cache_config, parallel_config.pipeline_parallel_size
+        async_pipeline = _use_async_pipeline(scheduler_config, self.executor)
+        # The micro-batches (decode cohorts) in the pipeline, decided here once: one per
+        # stage unless VLLM_PP_MICRO_BATCHES says otherwise.
+        budget = MicroBatchBudget.for_pipeline(
+            scheduler_config, self.executor.max_concurrent_batches
         )
+        self.scheduler = Scheduler(
+            scheduler_config, cache_config, budget, schedule_ahead=async_pipeline
+        )
+        self.batch_queue = BatchQueue(self.executor, budget.cohorts, async_pipeline)
         self.output_processor = OutputProcessor(
             self.scheduler, self.tokenizer, scheduler_config.max_model_len, self._new_seq_id
         )
         self.seq_counter = itertools.count()
-        async_pipeline = _use_async_pipeline(scheduler_config, self.executor)
-        # Decode cohorts: one per stage unless VLLM_PP_MICRO_BATCHES says otherwise.
-        self.num_micro_batches = self.executor.max_concurrent_batches
-        if self.num_micro_batches > 1:
-            self.num_micro_batches = envs.get_int("VLLM_PP_MICRO_BATCHES") or self.num_micro_batches
-        self.scheduler.lookahead = async_pipeline
-        self.scheduler.lookahead_gap = self.num_micro_batches
-        self.batch_queue = BatchQueue(self.executor, self.num_micro_batches, async_pipeline)
         if async_pipeline:
             logger.info(
                 "Async scheduling: decodes are scheduled ahead of their outputs (up to %d "
@@ -95,7 +95,7 @@ class LLMEngine:
         self.num_steps = 0
         # Stage failures seen, each with its detection and recovery times.
         self.fault_events: list[FaultEvent] = []
-        self._dead: Optional[EngineDeadError] = None
+        self._dead: EngineDeadError | None = None
         self._profiling = False
         self.log_stats = log_stats
         # Metrics are labelled with the name clients use (the server's --served-model-name).
@@ -127,10 +127,10 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: Optional[str],
+        prompt: str | None,
         sampling_params: SamplingParams,
-        prompt_token_ids: Optional[list[int]] = None,
-        arrival_time: Optional[float] = None,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         """Queue a request; bad input raises ValueError/TypeError and leaves the engine as is."""
         self._check_alive()
@@ -164,7 +164,7 @@ class LLMEngine:
         )
         self.scheduler.add_seq_group(group)
 
-    def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests; one still inside the pipeline has its result discarded on return."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with sigint_deferred():
@@ -246,14 +246,6 @@ class LLMEngine:
         # pipeline will never return: recompute everything in flight, as after an interrupt.
         self._discard_in_flight()
 
-    def _micro_batch_cap(self) -> Optional[int]:
-        """With N stages, a batch takes ~1/N of the active sequences, so N batches can be in
-        the pipeline at once instead of one batch holding everything (and N-1 stages idle)."""
-        cohorts = self.num_micro_batches
-        if cohorts == 1:
-            return None
-        return max(1, -(-self.scheduler.num_active_seqs() // cohorts))
-
     def step(self) -> list[RequestOutput]:
         """Fill the pipeline with new batches, then finish the oldest one.
 
@@ -274,7 +266,7 @@ class LLMEngine:
         ignored_groups: list[SequenceGroup] = []
         while not self.batch_queue.is_full():
             with sigint_deferred():
-                metadata_list, sched_out = self.scheduler.schedule(self._micro_batch_cap())
+                metadata_list, sched_out = self.scheduler.schedule(self.batch_queue.next_step_no)
                 for group in sched_out.ignored_seq_groups:
                     group.metrics.finished_time = time.time()
                     self._pending_outputs.append(RequestOutput.from_seq_group(group))
@@ -447,7 +439,7 @@ def _load_generation_config(model_config: ModelConfig) -> dict[str, Any]:
         return json.load(f)
 
 
-def _eos_token_id(tokenizer: Any, model_config: ModelConfig) -> Optional[int]:
+def _eos_token_id(tokenizer: Any, model_config: ModelConfig) -> int | None:
     """The tokenizer's EOS id, else the model config's (the first, if it lists several)."""
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     if eos is None:
