@@ -9,6 +9,7 @@ from typing import Any
 _MODELS: dict[str, tuple[str, str]] = {
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
 }
 
 
