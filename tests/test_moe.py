@@ -237,6 +237,24 @@ def test_tp_shards_sum_to_whole(monkeypatch):
     torch.testing.assert_close(total, whole)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_experts_equal_unpacked(dtype):
+    """pack_linears prepacks the experts (the engine's CPU path), dropping the stacked
+    parameters; the outputs stay those of the unpacked matmuls (to rounding)."""
+    from vllm.model_executor.layers.linear import pack_linears
+
+    x, w13, w2, weights, ids = _random_problem(40, dtype)
+    block = SparseMoeBlock(H, INTER, 8, TOP_K, renormalize=True).to(dtype)
+    with torch.no_grad():
+        block.experts.w13_weight.copy_(w13)
+        block.experts.w2_weight.copy_(w2)
+    expected = block(x)
+    assert pack_linears(block) == 2  # the router and the experts
+    assert not list(block.experts.parameters())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(block(x), expected, rtol=0, atol=tol)
+
+
 def test_bad_moe_config_is_refused():
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         SparseMoeBlock(H, INTER, 4, 5, renormalize=True)
@@ -381,9 +399,7 @@ LAYOUTS = [(1, 2), (1, 3), (2, 1), (2, 2)]  # (tp, pp)
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
-def test_mixtral_mp_matches_hf_with_chunked_prefill_and_prefix_caching(
-    tp, pp, mixtral_dir, hf_ids
-):
+def test_mixtral_mp_matches_hf_with_chunked_prefill_and_prefix_caching(tp, pp, mixtral_dir, hf_ids):
     _run_layout(mixtral_dir, hf_ids("mixtral"), tp, pp, "mp", features=True)
 
 

@@ -16,7 +16,8 @@ the router is replicated, and the whole block's partial sums are all-reduced onc
 from __future__ import annotations
 
 import re
-from typing import Optional
+from collections.abc import Sequence
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -61,37 +62,52 @@ def _scale(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (out * weights[:, None]).to(out.dtype)
 
 
+def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [n, in] (contiguous) times a oneDNN-prepacked [out, in] weight -> [n, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 def grouped_experts(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Sequence[torch.Tensor],
+    w2: Sequence[torch.Tensor],
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    linear: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2*I, H], w2 [E, H, I], topk_weights / topk_ids [T, k] -> [T, H]:
     sum over each token's k experts of weight * down(silu(gate(x)) * up(x)), each expert's
-    matmuls run once over the rows routed to it."""
-    num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)  # [T*k]
-    # Stable: within an expert, pairs stay in token order (the order HF gathers them in).
-    order = torch.argsort(flat_ids, stable=True)  # [T*k]
-    token_of = order // top_k  # [T*k] token of each sorted pair
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    rows = x[token_of]  # [T*k, H] grouped by expert
-    out = torch.empty_like(rows)  # [T*k, H]
+    matmuls run once over the rows routed to it.
+
+    w13 / w2 may also be per-expert lists of prepacked weights, with `linear` packed_linear
+    (default: F.linear)."""
+    linear = linear or F.linear
+    num_experts = len(w13)
+    num_tokens = topk_ids.shape[0]
+    # Pairs listed choice-major ([k, T] flattened) and sorted stably by expert: an expert's
+    # rows come in HF's order (by choice rank, then token), so its matmuls see the same rows
+    # in the same order as HF's and round alike.
+    flat_ids = topk_ids.t().reshape(-1)  # [k*T]
+    order = torch.argsort(flat_ids, stable=True)  # [k*T]
+    token_of = order % num_tokens  # [k*T] token of each sorted pair
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    rows = x[token_of]  # [k*T, H] grouped by expert
+    weights = topk_weights.t().reshape(-1)[order]  # [k*T] in the same order
+    result = torch.zeros_like(x)  # [T, H]
     act = SiluAndMul()
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         end = start + count
-        h = F.linear(rows[start:end], w13[expert])  # [n, 2*I]
-        out[start:end] = F.linear(act(h), w2[expert])  # [n, H]
+        h = linear(rows[start:end], w13[expert])  # [n, 2*I]
+        h = linear(act(h), w2[expert])  # [n, H]
+        # One scatter-add per expert, in expert order, rounding to x's dtype after each (as
+        # HF): a single index_add_ over all pairs may accumulate a token's k rows in float32
+        # first (bf16), which rounds differently once top_k > 2.
+        result.index_add_(0, token_of[start:end], _scale(h, weights[start:end]))
         start = end
-    weighted = _scale(out, topk_weights.reshape(-1)[order])  # [T*k, H]
-    result = torch.zeros_like(x)  # [T, H]
-    # index_add_ adds rows in index order: each token's experts in ascending expert order.
-    return result.index_add_(0, token_of, weighted)
+    return result
 
 
 def per_token_experts(
@@ -163,10 +179,29 @@ class FusedMoE(nn.Module):
             torch.empty(num_experts, hidden_size, inter), requires_grad=False
         )
 
+        # Per-expert oneDNN-prepacked copies (see pack()), replacing the stacked parameters.
+        self._packed: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
+
+    def pack(self) -> None:
+        """Prepack each expert's matrices for oneDNN (CPU fp32/bf16; called by pack_linears
+        after loading): 1.3-1.8x faster expert matmuls at 2-32 rows, measured as
+        linear.py's are. The stacked parameters are dropped (one copy in memory)."""
+        rows = 64  # the layout hint of linear.PackedLinear
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        self._packed = (
+            [reorder(w.contiguous(), rows) for w in self.w13_weight.detach()],
+            [reorder(w.contiguous(), rows) for w in self.w2_weight.detach()],
+        )
+        del self.w13_weight, self.w2_weight
+
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        out = grouped_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if self._packed is None:
+            out = grouped_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        else:
+            w13, w2 = self._packed
+            out = grouped_experts(x, w13, w2, topk_weights, topk_ids, packed_linear)
         return tpu.all_reduce(out) if self.reduce_results else out
 
     def load_weight(self, tensor: torch.Tensor, part: str, expert: Optional[int], name: str) -> str:

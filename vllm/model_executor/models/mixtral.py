@@ -20,11 +20,13 @@ from vllm.model_executor.layers.fused_moe import (
     parse_expert_name,
 )
 from vllm.model_executor.models.llama import LlamaForCausalLM
-from vllm.model_executor.models.utils import Shard
+from vllm.model_executor.models.utils import Shard, StageLayout
 
 # A stage-local MoE tensor: layer prefix, then what lies below the block. Mixtral checkpoints
 # name the block `block_sparse_moe`, transformers' in-memory modules (and Qwen3-MoE) `mlp`.
-_MOE_RE = re.compile(r"^(model\.layers\.(\d+))\.(?:block_sparse_moe|mlp)\.(gate\.weight|experts\..+)$")
+_MOE_RE = re.compile(
+    r"^(model\.layers\.(\d+))\.(?:block_sparse_moe|mlp)\.(gate\.weight|experts\..+)$"
+)
 
 
 class MoEWeightsMixin:
@@ -95,7 +97,7 @@ class MoEWeightsMixin:
 class MixtralForCausalLM(MoEWeightsMixin, LlamaForCausalLM):
     """One pipeline stage of a Mixtral causal LM."""
 
-    def __init__(self, config: Any, layout: Any) -> None:
+    def __init__(self, config: Any, layout: StageLayout) -> None:
         self.moe_intermediate_size = config.intermediate_size
         super().__init__(config, layout)
 
