@@ -255,7 +255,16 @@ def test_prepacked_experts_equal_unpacked(dtype):
     torch.testing.assert_close(block(x), expected, rtol=0, atol=tol)
 
 
-def test_bad_moe_config_is_refused():
+def test_bad_moe_config_is_refused(model_dirs):
+    from transformers import AutoConfig
+
+    from vllm.config import ModelConfig, ParallelConfig, PlainConfig
+
+    path = model_dirs["qwen3_moe"]
+    config = ModelConfig(path, hf_config=PlainConfig.from_hf(AutoConfig.from_pretrained(path)))
+    config.hf_config.moe_intermediate_size = 90  # not a multiple of 4 ranks
+    with pytest.raises(ValueError, match=r"MoE experts' intermediate size \(90\)"):
+        config.verify_with_parallel_config(ParallelConfig(1, 4))
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         SparseMoeBlock(H, INTER, 4, 5, renormalize=True)
     with pytest.raises(ValueError, match="hidden_act"):
@@ -322,23 +331,27 @@ def test_missing_expert_is_named(mixtral_dir, tmp_path, monkeypatch):
         _load_stage(path, StageLayout(0, LAYERS, True, True), 1, 0, monkeypatch)
 
 
-def test_moe_layer_cost_in_auto_partition(mixtral_dir):
+def test_moe_layer_cost_in_auto_partition(model_dirs):
     """`--pp-layer-partition auto` weighs an MoE layer by its top_k experts and router, not as
-    one dense MLP: the lm_head counts for fewer layers than if Mixtral were dense."""
+    one dense MLP: the lm_head counts for fewer layers than if the model were dense."""
     from transformers import AutoConfig
 
     from vllm.config import ModelConfig, PlainConfig
 
-    config = ModelConfig(mixtral_dir)
-    vocab = config.get_vocab_size()
-    q, kv = 4 * 16, 2 * 16
-    attn = (q + 2 * kv) * H + H * q
-    moe = TOP_K * (2 * INTER * H + H * INTER) + EXPERTS * H
-    assert config.get_lm_head_cost_in_layers() == pytest.approx(vocab * H / (attn + moe))
-    fields = PlainConfig.from_hf(AutoConfig.from_pretrained(mixtral_dir)).__dict__
-    del fields["num_experts_per_tok"]
-    dense = ModelConfig(mixtral_dir, hf_config=PlainConfig(fields))
-    assert dense.get_lm_head_cost_in_layers() > config.get_lm_head_cost_in_layers()
+    # (attention q and kv widths, number of experts, one expert's intermediate size)
+    for kind, q, kv, experts, inter in [
+        ("mixtral", 4 * 16, 2 * 16, EXPERTS, INTER),
+        ("qwen3_moe", 4 * 32, 2 * 32, 8, INTER),  # moe_intermediate_size, not the dense 128
+    ]:
+        config = ModelConfig(model_dirs[kind])
+        vocab = config.get_vocab_size()
+        attn = (q + 2 * kv) * H + H * q
+        moe = TOP_K * (2 * inter * H + H * inter) + experts * H
+        assert config.get_lm_head_cost_in_layers() == pytest.approx(vocab * H / (attn + moe))
+        fields = PlainConfig.from_hf(AutoConfig.from_pretrained(model_dirs[kind])).__dict__
+        del fields["num_experts_per_tok"]
+        dense = ModelConfig(model_dirs[kind], hf_config=PlainConfig(fields))
+        assert dense.get_lm_head_cost_in_layers() > config.get_lm_head_cost_in_layers()
 
 
 # --- end to end: HF-equal at every layout ----------------------------------------------------

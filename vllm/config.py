@@ -144,6 +144,12 @@ class ModelConfig:
                 f"The MLP's intermediate size ({ffn}) must be divisible by tensor parallel "
                 f"size ({tp})."
             )
+        moe_ffn = getattr(cfg, "moe_intermediate_size", None)  # Qwen3-MoE's experts
+        if moe_ffn is not None and moe_ffn % tp != 0:
+            raise ValueError(
+                f"The MoE experts' intermediate size ({moe_ffn}) must be divisible by tensor "
+                f"parallel size ({tp})."
+            )
 
     def get_head_size(self) -> int:
         head_dim = getattr(self.hf_config, "head_dim", None)
