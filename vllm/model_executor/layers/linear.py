@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm import envs
+from vllm.model_executor.layers.fused_moe import FusedMoE
 from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 
 # dtypes whose linears are prepacked (oneDNN's reorder supports both).
@@ -91,7 +92,8 @@ def packed_linear_enabled(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear in `model` with a PackedLinear and prepack every tensor-parallel
-    linear (its shard: weights are sharded first, then packed); returns how many."""
+    linear and MoE experts (its shard: weights are sharded first, then packed); returns how
+    many."""
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -100,7 +102,8 @@ def pack_linears(model: nn.Module) -> int:
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
-    parallel = [m for m in model.modules() if isinstance(m, ParallelLinearBase)]
+    # MoE experts too: their per-expert matmuls gain as much as the linears.
+    parallel = [m for m in model.modules() if isinstance(m, (ParallelLinearBase, FusedMoE))]
     for module in parallel:
         module.pack()
     return len(targets) + len(parallel)

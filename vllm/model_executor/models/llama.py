@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -103,10 +103,11 @@ class LlamaDecoderLayer(nn.Module):
     plain `x + f(x)` (one add of the same two operands), so results do not change.
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, mlp: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        # The feed-forward block: LLaMA's MLP unless the family brings its own (MoE).
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -137,12 +138,21 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings (first stage), this stage's decoder layers, final norm (last stage)."""
 
-    def __init__(self, config: Any, layout: StageLayout) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layout: StageLayout,
+        make_mlp: Optional[Callable[[int], Optional[nn.Module]]] = None,
+    ) -> None:
         super().__init__()
         self.layout = layout
         if layout.is_first:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(layout.num_layers))
+        # make_mlp(global layer index): the layer's feed-forward block (None: LlamaMLP).
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, make_mlp(i) if make_mlp else None)
+            for i in range(layout.start_layer, layout.end_layer)
+        )
         if layout.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -154,12 +164,23 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.layout = layout
-        self.model = LlamaModel(config, layout)
+        self.model = LlamaModel(config, layout, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if layout.is_last:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             if self.tie_word_embeddings and layout.is_first:
                 self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, layer_idx: int) -> Optional[nn.Module]:
+        """Hook: the feed-forward block of global layer `layer_idx` (None: LlamaMLP)."""
+        return None
+
+    def load_other_weight(
+        self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
+    ) -> Optional[str]:
+        """Hook: load a (stage-local) tensor LLaMA does not know; returns the parameter's
+        name if handled, else None."""
+        return None
 
     def forward(
         self,
@@ -242,11 +263,15 @@ class LlamaForCausalLM(nn.Module):
         if attn is not None:
             # This rank's sizes: checkpoint tensors arrive already cut to its shard.
             q, kv = attn.q_size, attn.kv_size
-            inter = self.model.layers[0].mlp.gate_up_proj.output_sizes_local[0]
             stacked = [
                 ("qkv_proj", "q_proj", 0, q),
                 ("qkv_proj", "k_proj", q, kv),
                 ("qkv_proj", "v_proj", q + kv, kv),
+            ]
+        mlp = next((la.mlp for la in self.model.layers if isinstance(la.mlp, LlamaMLP)), None)
+        if mlp is not None:
+            inter = mlp.gate_up_proj.output_sizes_local[0]
+            stacked += [
                 ("gate_up_proj", "gate_proj", 0, inter),
                 ("gate_up_proj", "up_proj", inter, inter),
             ]
@@ -256,7 +281,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             local = localize_layer_name(name, self.layout)
             assert local is not None
-            fused_name = load_stacked(params, local, tensor, stacked)
+            fused_name = self.load_other_weight(params, local, tensor) or load_stacked(
+                params, local, tensor, stacked
+            )
             if fused_name is not None:
                 loaded.add(fused_name)
                 continue
