@@ -9,6 +9,8 @@ from typing import Any
 _MODELS: dict[str, tuple[str, str]] = {
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
 }
 
 
