@@ -329,12 +329,19 @@ class AsyncLLMEngine:
             if stream is None:  # aborted meanwhile
                 continue
             items = by_loop.setdefault(stream._loop, [])
-            items.append((stream, output))
+            error = self.engine.pop_request_error(output.request_id) if output.finished else None
+            if error is not None:
+                # Failed inside a stage: the caller gets the error, naming the request.
+                logger.info("Request %s failed: %s", output.request_id, error.message)
+                items.append((stream, error))
+            else:
+                items.append((stream, output))
             if output.finished:
                 del self._streams[output.request_id]
                 self._forget(output.request_id)
                 stream.finished = True
-                items.append((stream, _FINISHED))
+                if error is None:
+                    items.append((stream, _FINISHED))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
