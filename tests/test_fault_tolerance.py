@@ -211,6 +211,33 @@ def test_ctrl_c_inside_step_requeues_in_flight_requests(ray_session, tiny_model_
     llm.shutdown()
 
 
+class _StageBreaker(BaseException):
+    """Not an Exception: escapes the sampler's per-request attribution, so the stage fails."""
+
+
+def test_failing_logits_processor_fails_its_request_not_the_stage(ray_session, tiny_model_dirs):
+    """A logits processor that raises is the request's fault: that request ends (aborted,
+    the error kept for its caller), no stage is replaced, the others complete unchanged."""
+    llm = LLM(tiny_model_dirs["llama-gqa-tied"], pipeline_parallel_size=2)
+    try:
+        innocent = PROMPTS[1:6]
+        reference = token_ids(llm.generate(innocent, GREEDY, use_tqdm=False))
+
+        def poisoned(output_ids, logits):  # a closure: sent to the last stage by cloudpickle
+            raise ValueError("this logits processor always fails")
+
+        bad = SamplingParams(temperature=0.0, max_tokens=8, logits_processors=[poisoned])
+        outputs = llm.generate([PROMPTS[0], *innocent], [bad] + [GREEDY] * len(innocent))
+        engine = llm.llm_engine
+        assert engine.fault_events == []
+        assert outputs[0].outputs[0].finish_reason == "abort"
+        error = engine.pop_request_error(outputs[0].request_id)
+        assert error is not None and "this logits processor always fails" in str(error)
+        assert token_ids(outputs[1:]) == reference
+    finally:
+        llm.shutdown()
+
+
 def test_failure_that_recurs_after_a_replacement_is_not_replayed(ray_session, tiny_model_dirs):
     """A stage that raises on a request's step is replaced and the step replayed once; when
     the new stage raises the same error on a step of the same request, that step's requests
@@ -222,7 +249,7 @@ def test_failure_that_recurs_after_a_replacement_is_not_replayed(ray_session, ti
         reference = token_ids(llm.generate(innocent, GREEDY, use_tqdm=False))
 
         def poisoned(output_ids, logits):  # a closure: sent to the last stage by cloudpickle
-            raise ValueError("this logits processor always fails")
+            raise _StageBreaker("this logits processor always fails")
 
         bad = SamplingParams(temperature=0.0, max_tokens=8, logits_processors=[poisoned])
         start = time.monotonic()

@@ -365,6 +365,24 @@ def test_large_tokenize_requests_leave_memory_bounded(server):
     assert grown < 150
 
 
+def test_request_log_line_is_truncated(server, caplog):
+    """A 1 MB stop list is served, and its request's log line stays short (--max-log-len)."""
+    if server.kind != "pp1":  # type: ignore[attr-defined]
+        pytest.skip("logging is the API process's, the same at every pipeline size")
+    engine = server.engine
+    engine.log_requests, engine.max_log_len = True, 200
+    try:
+        stop = ["zq" + str(i) for i in range(100_000)]
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stop": stop}
+        with caplog.at_level("INFO", logger="vllm"):
+            assert post(server, "/v1/completions", body).status_code == 200
+    finally:
+        engine.log_requests, engine.max_log_len = False, None
+    lines = [r.getMessage() for r in caplog.records if "Received request" in r.getMessage()]
+    assert lines and all(len(line) < 400 for line in lines), [len(x) for x in lines]
+    assert "more characters" in lines[0]
+
+
 def _start_server(model_dir: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = get_open_port()
     cmd = [

@@ -322,6 +322,13 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
         "--chat-template", type=str, default=None, help="A Jinja chat template (file or text)."
     )
     parser.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="Max number of characters of a request's parameters printed in the log "
+        "(default: 1000).",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         type=str,
         default="info",
@@ -420,6 +427,7 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
     # worker runs in this process, and request bodies would then never be returned.
     keep_malloc_defaults_in_this_process()
     engine = engine if engine is not None else build_engine(args)
+    engine.max_log_len = getattr(args, "max_log_len", None)
     limits = limits_from_args(args)
     names = [args.served_model_name] if args.served_model_name else None
     app = build_app(engine, names, _api_key(args), _load_chat_template(args.chat_template), limits)
