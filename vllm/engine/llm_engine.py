@@ -40,6 +40,9 @@ from vllm.step_delta import MessageNotSerializableError
 
 logger = init_logger("vllm.engine.llm_engine")
 
+# Errors of failed requests kept for pop_request_error (the oldest are dropped past this).
+_MAX_KEPT_REQUEST_ERRORS = 1024
+
 
 class LLMEngine:
     """The offline engine: a scheduler, an executor with one worker per stage, a tokenizer."""
@@ -422,6 +425,9 @@ class LLMEngine:
         ids = [group.request_id for group in groups]
         for request_id in ids:
             self._request_errors[request_id] = RequestFailedError([request_id], why)
+        # Offline callers never take them: keep the newest only.
+        while len(self._request_errors) > _MAX_KEPT_REQUEST_ERRORS:
+            del self._request_errors[next(iter(self._request_errors))]
         self.scheduler.abort_seq_group(ids)
         self._finished_request_ids.extend(ids)
         for group in groups:
