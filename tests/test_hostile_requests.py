@@ -433,6 +433,7 @@ async def _long_stream(url: str, index: int, started: asyncio.Event) -> str:
     return ending
 
 
+@pytest.mark.slow  # a `vllm serve` process per backend (~20-40 s each)
 @pytest.mark.parametrize(
     "backend", ["pp1", "pp2-mp", pytest.param("pp2-ray", marks=pytest.mark.ray)]
 )
