@@ -234,7 +234,15 @@ def test_big_inputs_refused_without_stalling_streams(server):
     async def hostile(client: httpx.AsyncClient) -> list[httpx.Response]:
         huge = "word " * (BODY_LIMIT // 4)  # over the body limit
         long_prompt = "a" * (cap + 1)  # under the body limit, over the prompt cap
+
+        async def chunked() -> Any:  # no Content-Length: counted as it arrives
+            yield b'{"prompt": "'
+            for _ in range(BODY_LIMIT // (64 << 10) + 2):
+                yield b"a" * (64 << 10)
+            yield b'"}'
+
         return await asyncio.gather(
+            client.post("/tokenize", content=chunked()),
             client.post("/tokenize", json={"prompt": huge}),
             client.post("/v1/completions", json={"model": MODEL, "prompt": huge}),
             client.post("/tokenize", json={"prompt": long_prompt}),
@@ -242,7 +250,8 @@ def test_big_inputs_refused_without_stalling_streams(server):
             client.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 300}),
         )
 
-    too_big, too_big_prompt, long_tok, long_prompt, many = while_streaming(server, hostile)
+    chunked, too_big, too_big_prompt, long_tok, long_prompt, many = while_streaming(server, hostile)
+    assert_error(chunked, 413, text="--max-request-body-bytes")
     assert_error(too_big, 413, text="--max-request-body-bytes")
     assert_error(too_big_prompt, 413)
     assert_error(long_tok, 400, "prompt", "maximum context length")

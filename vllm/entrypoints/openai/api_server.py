@@ -234,20 +234,32 @@ class BodySizeLimit:
             await self._refuse(scope, receive, send)
             return
         received = 0
+        refused = False
 
         async def limited_receive() -> Any:
-            nonlocal received
+            # Over the limit: answer 413 now and tell the app the client left, so it stops
+            # reading (raising here would become FastAPI's own 400 "error parsing the body").
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _BodyTooLarge()
+                    refused = True
+                    await self._refuse(scope, receive, send)
+                    return {"type": "http.disconnect"}
             return message
 
+        async def guarded_send(message: Any) -> None:
+            if not refused:  # once refused, the app's own answer is dropped
+                await send(message)
+
         try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await self._refuse(scope, receive, send)
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not refused:
+                raise
 
     async def _refuse(self, scope: Any, receive: Any, send: Any) -> None:
         response = error_response(
@@ -257,10 +269,6 @@ class BodySizeLimit:
             status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
         )
         await response(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
