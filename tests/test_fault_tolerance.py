@@ -353,3 +353,17 @@ def test_restart_budget_is_a_rate(tiny_model_dirs, monkeypatch):
     finally:
         monkeypatch.undo()
         llm.shutdown()
+
+
+def test_backend_that_cannot_replace_a_stage_says_so(tiny_model_dirs, caplog):
+    """A stage failure on an executor without stage replacement (uni here; mp alike) stops
+    the engine naming the reason, without first logging that it replaces the stage."""
+    from vllm.executor.stage_supervisor import StageFailedError, StageFailure
+
+    llm = LLM(tiny_model_dirs["opt-pre"])
+    engine = llm.llm_engine
+    with caplog.at_level("WARNING", logger="vllm"):
+        with pytest.raises(EngineDeadError, match="UniProcExecutor cannot replace a stage"):
+            engine._recover(StageFailedError([StageFailure(0, "rank 0", "died")], 0.1))
+    assert not any("Replacing failed stage" in r.getMessage() for r in caplog.records)
+    llm.shutdown()

@@ -366,6 +366,9 @@ class LLMEngine:
             and event.signature == previous.signature
         ):
             self._fail_recurring(event, previous, error)
+        if not _can_replace_stages(self.executor):
+            # Said before any "Replacing..." line: the mp backend cannot replace a stage.
+            self._fail(error, f"the {type(self.executor).__name__} cannot replace a stage")
         limit = self.parallel_config.max_stage_restarts
         window = envs.get_float("VLLM_STAGE_RESTART_WINDOW_S")
         now = time.monotonic()
@@ -461,6 +464,15 @@ class LLMEngine:
             self.shutdown()
         except Exception:  # interpreter teardown: nothing left to clean up with
             pass
+
+
+def _can_replace_stages(executor: Any) -> bool:
+    from vllm.executor.base import ExecutorBase
+
+    replace = getattr(executor, "replace_stages", None)
+    return replace is not None and getattr(replace, "__func__", replace) is not (
+        ExecutorBase.replace_stages
+    )
 
 
 def _make_stats_collector(scheduler: Scheduler, model_name: str) -> Any:
