@@ -318,6 +318,28 @@ def test_failing_logits_processor_fails_only_its_request(server, tiny_model_dirs
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
+def test_stage_processes_listen_on_no_wildcard_address(server):
+    """Every listening socket of the stage processes (the rendezvous store on rank 0, gloo's
+    pairs, the call socket) is bound to a specific address, never 0.0.0.0 / ::."""
+    if server.kind == "pp1":  # type: ignore[attr-defined]
+        pytest.skip("PP=1 runs no stage process and no rendezvous")
+    infos = server.engine.engine.executor.stage_infos
+    listening = []
+    wildcard_per_process = []
+    for info in infos:
+        conns = psutil.Process(info["pid"]).net_connections("inet")
+        mine = [c.laddr for c in conns if c.status == "LISTEN"]
+        listening += mine
+        wildcard_per_process.append(len([a for a in mine if a.ip in ("0.0.0.0", "::")]))
+    kind = server.kind  # type: ignore[attr-defined]
+    print(f"{kind}: stage listeners {[(a.ip, a.port) for a in listening]}")
+    assert len(listening) >= 2 * len(infos)  # the call sockets, gloo's pairs, the store
+    # A Ray actor process also runs Ray's own core-worker server, on every interface (Ray's
+    # choice, one per process); nothing of the engine's may add another.
+    allowed = 1 if kind.endswith("ray") else 0
+    assert all(n <= allowed for n in wildcard_per_process), listening
+
+
 def test_api_key_guards_every_route(server):
     if server.kind != "pp1":  # type: ignore[attr-defined]
         pytest.skip("the routes are the same at every pipeline size")
