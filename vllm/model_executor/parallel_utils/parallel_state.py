@@ -127,19 +127,18 @@ def init_distributed_environment(
 def _rendezvous_store(
     init_method: str, rank: int, world_size: int, timeout: datetime.timedelta | None
 ) -> dist.TCPStore | None:
-    """The rendezvous store of a `tcp://host:port` init method, listening on `host` only.
+    """The rendezvous store of a TCP init method (host and port), listening on `host` only.
 
     torch's own TCP rendezvous listens on every interface (0.0.0.0 / ::), so anyone who can
     reach the node could read and write the store. Rank 0 binds the listening socket to the
     address the ranks use (127.0.0.1 on one node, the node's address across nodes) and hands
     it to the store. None for another init method (torch's own handling)."""
-    if not init_method.startswith("tcp://"):
+    from urllib.parse import urlsplit
+
+    url = urlsplit(init_method)  # the inverse of get_distributed_init_method
+    if url.scheme != "tcp" or not url.hostname or url.port is None:
         return None
-    host, _, port_text = init_method[len("tcp://") :].rpartition(":")
-    host = host.strip("[]")
-    if not host or not port_text.isdigit():
-        return None
-    port = int(port_text)
+    host, port = url.hostname, url.port
     timeout = timeout or datetime.timedelta(minutes=30)  # torch's default
     if rank != 0:
         return dist.TCPStore(host, port, world_size, False, timeout)
