@@ -511,3 +511,41 @@ def test_sigterm_drains_within_the_timeout(tiny_model_dirs, backend):
     time.sleep(2)
     left = [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert left == [], f"processes left behind: {left}"
+
+
+def test_api_key_sources_and_limit_flags(tmp_path, monkeypatch):
+    """The key from --api-key, else --api-key-file (out of `ps`), else VLLM_API_KEY; the
+    limit flags reach ServerLimits."""
+    from vllm.entrypoints.openai.api_server import _api_key, limits_from_args, make_arg_parser
+
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    parser = make_arg_parser()
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert _api_key(parser.parse_args(["--model", "m"])) == "from-env"
+    args = parser.parse_args(["--model", "m", "--api-key-file", str(key_file)])
+    assert _api_key(args) == "from-file"
+    assert _api_key(parser.parse_args(["--model", "m", "--api-key", "flag"])) == "flag"
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        _api_key(args)
+    limits = limits_from_args(
+        parser.parse_args(
+            [
+                "--model",
+                "m",
+                "--max-request-body-bytes",
+                "10",
+                "--trust-request-chat-template",
+                "--shutdown-timeout",
+                "7",
+                "--chat-template-timeout",
+                "0.5",
+                "--allow-unauthenticated-metrics",
+                "--max-prompts-per-request",
+                "3",
+            ]
+        )  # fmt: skip
+    )
+    assert limits == ServerLimits(10, 3, True, 0.5, 7.0, True)
+    assert ServerLimits().shutdown_timeout_s < 30
