@@ -262,6 +262,29 @@ def test_frozen_stage_found_within_two_seconds_of_a_long_step(backend, tiny_mode
         llm.shutdown()
 
 
+def test_failing_logits_processor_fails_its_request_not_the_stage(ray_session, tiny_model_dirs):
+    """A logits processor that raises is the request's fault: that request ends (aborted,
+    the error kept for its caller), no stage is replaced, the others complete unchanged."""
+    llm = LLM(tiny_model_dirs["llama-gqa-tied"], pipeline_parallel_size=2)
+    try:
+        innocent = PROMPTS[1:6]
+        reference = token_ids(llm.generate(innocent, GREEDY, use_tqdm=False))
+
+        def poisoned(output_ids, logits):  # a closure: sent to the last stage by cloudpickle
+            raise ValueError("this logits processor always fails")
+
+        bad = SamplingParams(temperature=0.0, max_tokens=8, logits_processors=[poisoned])
+        outputs = llm.generate([PROMPTS[0], *innocent], [bad] + [GREEDY] * len(innocent))
+        engine = llm.llm_engine
+        assert engine.fault_events == []
+        assert outputs[0].outputs[0].finish_reason == "abort"
+        error = engine.pop_request_error(outputs[0].request_id)
+        assert error is not None and "this logits processor always fails" in str(error)
+        assert token_ids(outputs[1:]) == reference
+    finally:
+        llm.shutdown()
+
+
 def test_failure_that_recurs_after_a_replacement_is_not_replayed(ray_session, tiny_model_dirs):
     """A stage that raises on a request's step is replaced and the step replayed once; when
     the new stage raises the same error on a step of the same request, that step's requests
@@ -272,8 +295,12 @@ def test_failure_that_recurs_after_a_replacement_is_not_replayed(ray_session, ti
         innocent = PROMPTS[1:6]
         reference = token_ids(llm.generate(innocent, GREEDY, use_tqdm=False))
 
+        class StageBreaker(BaseException):
+            """Not an Exception: escapes the sampler's per-request attribution, so the stage
+            fails (defined here so that cloudpickle sends it by value)."""
+
         def poisoned(output_ids, logits):  # a closure: sent to the last stage by cloudpickle
-            raise ValueError("this logits processor always fails")
+            raise StageBreaker("this logits processor always fails")
 
         bad = SamplingParams(temperature=0.0, max_tokens=8, logits_processors=[poisoned])
         start = time.monotonic()
@@ -345,3 +372,49 @@ def test_resource_errors_up_front(kwargs, match, tiny_model_dirs):
     with pytest.raises(ValueError, match=match):
         EngineArgs(model=tiny_model_dirs["opt-pre"], **kwargs).create_engine_config()
     assert time.monotonic() - started < 5
+
+
+def test_restart_budget_is_a_rate(tiny_model_dirs, monkeypatch):
+    """max_stage_restarts counts replacements within VLLM_STAGE_RESTART_WINDOW_S: faults
+    spread out over a long-lived engine never use it up, a burst still does. (The executor's
+    replacement is stubbed: this is the engine's bookkeeping.)"""
+    from vllm.executor.stage_supervisor import StageFailedError, StageFailure
+
+    llm = LLM(tiny_model_dirs["opt-pre"], max_stage_restarts=2)
+    engine = llm.llm_engine
+    monkeypatch.setattr(engine.executor, "replace_stages", lambda ranks: 0.01, raising=False)
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setenv("VLLM_STAGE_RESTART_WINDOW_S", "600")
+
+    def fault() -> None:
+        engine._recover(StageFailedError([StageFailure(0, "rank 0", "died")], 0.1))
+
+    try:
+        for _ in range(5):  # one fault every 7 minutes: never more than 2 in 10 minutes
+            fault()
+            clock[0] += 420.0
+        assert not engine.is_dead and len(engine.fault_events) == 5
+        fault()
+        clock[0] += 1.0
+        fault()  # three within the window: the budget of 2 is used up
+        raise AssertionError("the third restart within the window was allowed")
+    except EngineDeadError as exc:
+        assert "max_stage_restarts=2 restarts within 600 s used up" in str(exc)
+    finally:
+        monkeypatch.undo()
+        llm.shutdown()
+
+
+def test_backend_that_cannot_replace_a_stage_says_so(tiny_model_dirs, caplog):
+    """A stage failure on an executor without stage replacement (uni: one in-process rank) stops
+    the engine naming the reason, without first logging that it replaces the stage."""
+    from vllm.executor.stage_supervisor import StageFailedError, StageFailure
+
+    llm = LLM(tiny_model_dirs["opt-pre"])
+    engine = llm.llm_engine
+    with caplog.at_level("WARNING", logger="vllm"):
+        with pytest.raises(EngineDeadError, match="UniProcExecutor cannot replace a stage"):
+            engine._recover(StageFailedError([StageFailure(0, "rank 0", "died")], 0.1))
+    assert not any("Replacing failed stage" in r.getMessage() for r in caplog.records)
+    llm.shutdown()

@@ -54,7 +54,10 @@ def test_vllm_serve_subprocess(tiny_model_dirs):
         assert [m.id for m in client.models.list().data] == ["tiny-opt"]
         out = client.completions.create(model="tiny-opt", prompt="Hello", max_tokens=5)
         assert out.usage.completion_tokens == 5
-        assert "vllm:generation_tokens_total" in httpx.get(url + "/metrics").text
+        # The key guards /metrics too (only /health and /version are open).
+        assert httpx.get(url + "/metrics").status_code == 401
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer k"})
+        assert "vllm:generation_tokens_total" in metrics.text
     finally:
         proc.terminate()
         try:

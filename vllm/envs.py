@@ -56,6 +56,13 @@ _VARS = (
         "Seconds added to the step deadline per token in the micro-batch (long prefills).",
     ),
     EnvVar(
+        "VLLM_STAGE_RESTART_WINDOW_S",
+        "600",
+        float,
+        "The stage restart budget is a rate: at most max_stage_restarts replacements within "
+        "this many seconds (older ones no longer count); past it the engine stops.",
+    ),
+    EnvVar(
         "VLLM_PP_STAGE_RESTART_TIMEOUT_S",
         "180",
         float,

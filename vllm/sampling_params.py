@@ -16,6 +16,15 @@ from enum import IntEnum
 from functools import cached_property
 from typing import Any, Literal, overload
 
+# The engine holds integer parameters in int64 tensors (top-k filtering, seeded generators,
+# token ids): a larger value passed validation once and killed the engine in the sampler.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Fields checked against the int64 range (seed also against its lower bound).
+_INT64_FIELDS = (
+    "n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+    "truncate_prompt_tokens",
+)  # fmt: skip
+
 # Temperatures below this are greedy decoding; vLLM uses the same threshold, so a script that
 # passes temperature=1e-6 gets greedy outputs here too.
 _SAMPLING_EPS = 1e-5
@@ -235,7 +244,23 @@ class SamplingParams:
             if not all(callable(lp) for lp in self.logits_processors):
                 raise SamplingParamsTypeError("logits_processors must be a list of callables")
 
+    def _verify_int64(self) -> None:
+        """Every integer within what an int64 tensor holds (vLLM's protocol bounds seed the
+        same way), so no value can overflow a tensor inside a stage."""
+        for name in _INT64_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not INT64_MIN <= value <= INT64_MAX:
+                raise ValueError(
+                    f"{name} must be in the int64 range [{INT64_MIN}, {INT64_MAX}], got {value}."
+                )
+        for token_id in self.stop_token_ids:
+            if not 0 <= token_id <= INT64_MAX:
+                raise ValueError(
+                    f"stop_token_ids must be non-negative int64 token ids, got {token_id}."
+                )
+
     def _verify_args(self) -> None:
+        self._verify_int64()
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         if self.best_of < self.n:

@@ -453,6 +453,9 @@ class SequenceGroupOutput:
 
     samples: list[SequenceOutput]
     prompt_logprobs: PromptLogprobs | None = None
+    # Set when the group's own sampling work raised (its logits processor...): the samples
+    # are placeholders that keep the stages in step, and the engine fails the request.
+    error: str | None = None
 
 
 # The last stage returns one SequenceGroupOutput per scheduled group, in schedule order.

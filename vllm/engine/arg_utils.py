@@ -203,8 +203,9 @@ class EngineArgs:
             "--max-stage-restarts",
             type=int,
             default=d.max_stage_restarts,
-            help="How many times a failed pipeline stage is replaced (its requests recomputed, "
-            "none lost) before the engine gives up; 0 = fail-stop, like vLLM.",
+            help="How many times a failed pipeline stage may be replaced (its requests "
+            "recomputed, none lost) within VLLM_STAGE_RESTART_WINDOW_S (default 600 s) before "
+            "the engine gives up; 0 = fail-stop, like vLLM.",
         )
         add(
             "--step-timeout-s",

@@ -70,6 +70,18 @@ class AsyncStream:
             yield item
 
 
+# Characters of a request's parameters logged when --max-log-len is not given.
+DEFAULT_MAX_LOG_LEN = 1000
+
+
+def truncate_for_log(text: str, max_len: Optional[int]) -> str:
+    """`text` cut to `max_len` characters (DEFAULT_MAX_LOG_LEN if None), saying how much."""
+    limit = DEFAULT_MAX_LOG_LEN if max_len is None else max_len
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 def _put_all(items: list[tuple[AsyncStream, Any]]) -> None:
     for stream, item in items:
         stream._queue.put_nowait(item)
@@ -100,6 +112,9 @@ class AsyncLLMEngine:
     ) -> None:
         self.engine = engine
         self.log_requests = log_requests
+        # vLLM's --max-log-len: how much of a request's parameters a log line shows (a 10 MB
+        # stop list wrote a 10 MB line). None: DEFAULT_MAX_LOG_LEN.
+        self.max_log_len: Optional[int] = None
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._new_requests: list[_NewRequest] = []
@@ -252,7 +267,11 @@ class AsyncLLMEngine:
             )
         self._wakeup.set()
         if self.log_requests:
-            logger.info("Received request %s: params: %s.", request_id, params)
+            logger.info(
+                "Received request %s: params: %s.",
+                request_id,
+                truncate_for_log(repr(params), self.max_log_len),
+            )
         return stream
 
     def _abort(self, request_id: str) -> None:
@@ -329,12 +348,19 @@ class AsyncLLMEngine:
             if stream is None:  # aborted meanwhile
                 continue
             items = by_loop.setdefault(stream._loop, [])
-            items.append((stream, output))
+            error = self.engine.pop_request_error(output.request_id) if output.finished else None
+            if error is not None:
+                # Failed inside a stage: the caller gets the error, naming the request.
+                logger.info("Request %s failed: %s", output.request_id, error.message)
+                items.append((stream, error))
+            else:
+                items.append((stream, output))
             if output.finished:
                 del self._streams[output.request_id]
                 self._forget(output.request_id)
                 stream.finished = True
-                items.append((stream, _FINISHED))
+                if error is None:
+                    items.append((stream, _FINISHED))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)

@@ -6,9 +6,13 @@ decode micro-batch's next step is scheduled before its output comes back) or not
 be scheduled, then collects the oldest batch and processes its tokens.
 
 Failures: an exception escaping `step` (a KeyboardInterrupt included) re-queues what was in
-flight for recompute, so the engine stays usable. A failed stage (StageFailedError) is replaced
-and every request recomputed with the tokens it already has, up to `max_stage_restarts` times;
-after that the engine aborts everything, releases its workers and raises EngineDeadError.
+flight for recompute, so the engine stays usable. A request whose own sampling work raised in
+the last stage (its logits processor...) comes back marked failed: it ends as aborted, with a
+RequestFailedError kept for its caller (`pop_request_error`), and the stage and the other
+requests go on. A failed stage (StageFailedError) is replaced and every request recomputed
+with the tokens it already has, up to `max_stage_restarts` replacements within
+VLLM_STAGE_RESTART_WINDOW_S (a rate, so a long-lived server is not worn out by rare faults);
+past that the engine aborts everything, releases its workers and raises EngineDeadError.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.engine.batch_queue import BatchQueue
 from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
+from vllm.engine.request_failure import RequestFailedError
 from vllm.engine.request_validation import check_sendable, validate_request
 from vllm.executor.stage_supervisor import EngineDeadError, FaultEvent, StageFailedError
 from vllm.logger import init_logger
@@ -35,6 +40,9 @@ from vllm.sequence import Sequence, SequenceGroup
 from vllm.step_delta import MessageNotSerializableError
 
 logger = init_logger("vllm.engine.llm_engine")
+
+# Errors of failed requests kept for pop_request_error (the oldest are dropped past this).
+_MAX_KEPT_REQUEST_ERRORS = 1024
 
 
 class LLMEngine:
@@ -95,6 +103,11 @@ class LLMEngine:
         self.num_steps = 0
         # Stage failures seen, each with its detection and recovery times.
         self.fault_events: list[FaultEvent] = []
+        # When each counted stage replacement happened (time.monotonic()), for the rate limit.
+        self._restart_times: list[float] = []
+        # Requests that failed inside a stage (or could not be sent): their errors, until the
+        # caller takes them.
+        self._request_errors: dict[str, RequestFailedError] = {}
         self._dead: EngineDeadError | None = None
         self._profiling = False
         self.log_stats = log_stats
@@ -171,6 +184,10 @@ class LLMEngine:
             self.scheduler.abort_seq_group(ids)
         self._finished_request_ids.extend(ids)
 
+    def pop_request_error(self, request_id: str) -> RequestFailedError | None:
+        """Why a request that finished as aborted failed, if the engine failed it (once)."""
+        return self._request_errors.pop(request_id, None)
+
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups()
 
@@ -241,7 +258,7 @@ class LLMEngine:
             culprits = [(group, str(error)) for group in groups]
         for group, why in culprits:
             logger.error("Request %s failed: its step could not be sent: %s", group.request_id, why)
-        self._end_as_failed([group for group, _ in culprits])
+            self._end_as_failed([group], f"its step could not be sent: {why}")
         # The batches already sent stay valid, but the unsent one's requests hold flights the
         # pipeline will never return: recompute everything in flight, as after an interrupt.
         self._discard_in_flight()
@@ -286,12 +303,24 @@ class LLMEngine:
             before = self.stats.before_batch(groups) if self.stats is not None else []
             # Out of flight first: this releases groups aborted meanwhile (their blocks too).
             self.scheduler.finish_in_flight([g.request_id for g in groups])
+            self._fail_errored_requests(groups, output)
             request_outputs = self.output_processor.process(groups, output)
             self._finished_request_ids.extend(g.request_id for g in groups if g.is_finished())
             self.scheduler.free_finished_seq_groups()
             if self.stats is not None:
                 self.stats.after_batch(sched_out, output, before, ignored_groups)
         return self._take_pending_outputs() + request_outputs
+
+    def _fail_errored_requests(self, groups: list[SequenceGroup], output: Any) -> None:
+        """End the requests the last stage marked failed (their own sampling work raised);
+        their placeholder tokens are never applied. The stage is healthy: nothing else
+        changes."""
+        for group, group_output in zip(groups, output or ()):
+            error = getattr(group_output, "error", None)
+            if error is None or group.is_finished():
+                continue
+            logger.error("Request %s failed in the last stage: %s", group.request_id, error)
+            self._end_as_failed([group], error)
 
     def _take_pending_outputs(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -329,12 +358,16 @@ class LLMEngine:
             and event.signature == previous.signature
         ):
             self._fail_recurring(event, previous, error)
+        if not _can_replace_stages(self.executor):
+            # Said before any "Replacing..." line: the in-process backend cannot replace one.
+            self._fail(error, f"the {type(self.executor).__name__} cannot replace a stage")
         limit = self.parallel_config.max_stage_restarts
-        restarts = sum(
-            1 for e in self.fault_events[:-1] if e.recovery_s is not None and not e.recurring
-        )
+        window = envs.get_float("VLLM_STAGE_RESTART_WINDOW_S")
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < window]
+        restarts = len(self._restart_times)
         if restarts >= limit and not event.recurring:
-            self._fail(error, f"max_stage_restarts={limit} restarts used up")
+            self._fail(error, f"max_stage_restarts={limit} restarts within {window:g} s used up")
         logger.warning(
             "Replacing failed stage(s) %s (%s); %d requests will be recomputed with the tokens "
             "they have",
@@ -342,6 +375,8 @@ class LLMEngine:
             "not counted as a restart" if event.recurring else f"restart {restarts + 1} of {limit}",
             event.requeued_requests - len(event.extra.get("failed_requests", [])),
         )
+        if not event.recurring:
+            self._restart_times.append(now)
         try:
             event.recovery_s = self.executor.replace_stages(error.ranks)
         except Exception as exc:
@@ -381,12 +416,20 @@ class LLMEngine:
         )
         wanted = set(poisoned)
         queues = (self.scheduler.waiting, self.scheduler.running, self.scheduler.swapped)
-        self._end_as_failed([g for q in queues for g in q if g.request_id in wanted])
+        self._end_as_failed(
+            [g for q in queues for g in q if g.request_id in wanted],
+            f"its step failed the same way again after a stage replacement: {error}",
+        )
 
-    def _end_as_failed(self, groups: list[SequenceGroup]) -> None:
+    def _end_as_failed(self, groups: list[SequenceGroup], why: str) -> None:
         """Abort `groups` (their error already logged) and return their final outputs
-        (finish_reason "abort") with this step's."""
+        (finish_reason "abort") with this step's; `why` is kept for `pop_request_error`."""
         ids = [group.request_id for group in groups]
+        for request_id in ids:
+            self._request_errors[request_id] = RequestFailedError([request_id], why)
+        # Offline callers never take them: keep the newest only.
+        while len(self._request_errors) > _MAX_KEPT_REQUEST_ERRORS:
+            del self._request_errors[next(iter(self._request_errors))]
         self.scheduler.abort_seq_group(ids)
         self._finished_request_ids.extend(ids)
         for group in groups:
@@ -422,6 +465,15 @@ class LLMEngine:
             self.shutdown()
         except Exception:  # interpreter teardown: nothing left to clean up with
             pass
+
+
+def _can_replace_stages(executor: Any) -> bool:
+    from vllm.executor.base import ExecutorBase
+
+    replace = getattr(executor, "replace_stages", None)
+    return replace is not None and getattr(replace, "__func__", replace) is not (
+        ExecutorBase.replace_stages
+    )
 
 
 def _make_stats_collector(scheduler: Scheduler, model_name: str) -> Any:

@@ -53,6 +53,21 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
 _GLIBC_DEFAULTS = ((_M_MMAP_MAX, 65536), (_M_TRIM_THRESHOLD, 128 << 10), (_M_TOP_PAD, 0))
 # Engines (workers) in this process that asked for the tuning and are still alive.
 _tuned_users = 0
+# Set by a process that serves requests (the API server): it keeps glibc's defaults even when
+# a worker runs in it (PP=1), because its memory follows the clients, not the model.
+_keep_defaults = False
+
+
+def keep_malloc_defaults_in_this_process() -> None:
+    """Never tune malloc in this process (the API server's; stage processes still tune).
+
+    The tuning keeps every freed block (no mmap, no trim): right for a stage, whose
+    allocations are the same activations step after step, but in the API process a 10 MB
+    request body that was tokenized stayed mapped for good -- each /tokenize grew the
+    server by ~0.5 GB. With PP=1 the worker runs in the API process and loses the tuning
+    (prefill ~15% slower on the README's VM); with PP>1 (ray or mp) the stages keep it."""
+    global _keep_defaults
+    _keep_defaults = True
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -75,12 +90,13 @@ def tune_malloc() -> bool:
     0.25 s and 19.0 s (prefill ~15% faster, decode unchanged), for 9% more peak memory. This is
     what vLLM's CPU guide gets from preloading tcmalloc, without the extra library.
 
-    Applies to this process (the worker's; with PP=1 that is the caller's process).
-    VLLM_CPU_MALLOC_TUNING=0 leaves malloc alone. Returns whether the settings took effect
+    Applies to this process (the worker's; with PP=1 that is the caller's process, except in
+    the API server: see keep_malloc_defaults_in_this_process). VLLM_CPU_MALLOC_TUNING=0
+    leaves malloc alone. Returns whether the settings took effect
     (False off glibc)."""
     global _tuned_users
     libc = _libc()
-    if not envs.get_bool("VLLM_CPU_MALLOC_TUNING") or libc is None:
+    if not envs.get_bool("VLLM_CPU_MALLOC_TUNING") or libc is None or _keep_defaults:
         return False
     settings = (
         (_M_MMAP_MAX, 0),  # every block from the heap, so freed memory is reused

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
+import secrets
 from http import HTTPStatus
 from typing import Any, Optional
 
@@ -24,6 +26,8 @@ import vllm
 from vllm import envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from vllm.engine.request_failure import RequestFailedError
+from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,7 +36,7 @@ from vllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, chat_prompt
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import (
     ClientDisconnected,
@@ -49,14 +53,20 @@ def build_app(
     served_model_names: Optional[list[str]] = None,
     api_key: Optional[str] = None,
     chat_template: Optional[str] = None,
+    limits: Optional[ServerLimits] = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_names` (default: the model)."""
     names = served_model_names or [engine.engine.served_model_name]
-    completion = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names, chat_template=chat_template)
+    limits = limits or ServerLimits()
+    scheduler_config = engine.engine.scheduler_config
+    work = BoundedWork(engine.engine.get_tokenizer(), scheduler_config.max_model_len, limits)
+    completion = OpenAIServingCompletion(engine, names, work)
+    chat = OpenAIServingChat(engine, names, work, chat_template=chat_template)
     tokenizer = completion.tokenizer
     app = FastAPI()
     app.state.engine = engine
+    app.state.work = work
+    app.state.draining = False  # set at shutdown: new requests get 503
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -77,14 +87,38 @@ def build_app(
             str(exc), err_type="InternalServerError", status=HTTPStatus.INTERNAL_SERVER_ERROR
         )
 
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(
+            str(exc), err_type="InternalServerError", status=HTTPStatus.INTERNAL_SERVER_ERROR
+        )
+
+    @app.middleware("http")
+    async def refuse_when_draining(request: Request, call_next: Any) -> Any:
+        if app.state.draining and request.url.path != "/health":
+            return error_response(
+                "The server is shutting down.",
+                err_type="ServiceUnavailableError",
+                status=HTTPStatus.SERVICE_UNAVAILABLE,
+            )
+        return await call_next(request)
+
     if api_key:
+        open_paths = {"/health", "/version"}
+        if limits.allow_unauthenticated_metrics:
+            open_paths.add("/metrics")
+        # Compared as digests: compare_digest needs equal-length inputs to be constant-time.
+        wanted = hashlib.sha256(api_key.encode()).digest()
 
         @app.middleware("http")
         async def authenticate(request: Request, call_next: Any) -> Any:
-            if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
-                if request.headers.get("Authorization") != f"Bearer {api_key}":
+            if request.method != "OPTIONS" and request.url.path not in open_paths:
+                if not _authorized(request.headers.get("Authorization", ""), wanted):
                     return JSONResponse({"error": "Unauthorized"}, status_code=401)
             return await call_next(request)
+
+    # Outermost: a body over the limit is refused before any handler reads it.
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -144,12 +178,9 @@ def build_app(
             if tokenizer is None:
                 raise ValueError("tokenize needs a tokenizer (skip_tokenizer_init is set).")
             if request.messages is not None:
-                text = chat_prompt(tokenizer, request, chat_template)
-                tokens = tokenizer.encode(text, add_special_tokens=False)
+                _, tokens = await render_chat(work, request, chat_template)
             elif request.prompt is not None:
-                tokens = tokenizer.encode(
-                    request.prompt, add_special_tokens=request.add_special_tokens
-                )
+                tokens = await work.encode(request.prompt, request.add_special_tokens, "prompt")
             else:
                 raise ValueError("prompt or messages must be given.")
         except ValueError as exc:
@@ -169,10 +200,75 @@ def build_app(
         if bad or tokenizer is None:
             message = f"Token id {bad[0]} is out of vocabulary" if bad else "no tokenizer"
             return error_response(message, param="tokens")
-        body = DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
-        return JSONResponse(body.model_dump())
+        text = await work.run(lambda: tokenizer.decode(request.tokens))
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     return app
+
+
+def _authorized(header: str, wanted_digest: bytes) -> bool:
+    """`Authorization: Bearer KEY`, the scheme in any case (RFC 7235), the key compared in
+    constant time."""
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(token.strip().encode()).digest()
+    return secrets.compare_digest(digest, wanted_digest)
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 for a request body over `max_bytes`, by its Content-Length or,
+    for a chunked body, as soon as the bytes received pass the limit."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._refuse(scope, receive, send)
+            return
+        received = 0
+        refused = False
+
+        async def limited_receive() -> Any:
+            # Over the limit: answer 413 now and tell the app the client left, so it stops
+            # reading (raising here would become FastAPI's own 400 "error parsing the body").
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    refused = True
+                    await self._refuse(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Any) -> None:
+            if not refused:  # once refused, the app's own answer is dropped
+                await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not refused:
+                raise
+
+    async def _refuse(self, scope: Any, receive: Any, send: Any) -> None:
+        response = error_response(
+            f"Request body is larger than the server's limit of {self.max_bytes} bytes "
+            "(--max-request-body-bytes).",
+            err_type="RequestEntityTooLarge",
+            status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+        )
+        await response(scope, receive, send)
 
 
 def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
@@ -185,11 +281,60 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
         "--api-key",
         type=str,
         default=None,
-        help="If given, /v1 requests must send this key as 'Authorization: Bearer KEY' "
-        "(default: env VLLM_API_KEY).",
+        help="If given, every route but /health and /version needs this key as "
+        "'Authorization: Bearer KEY' (default: env VLLM_API_KEY, which keeps it out of ps).",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        type=str,
+        default=None,
+        help="Read the API key from this file (its first line), so it is not on the command line.",
+    )
+    parser.add_argument(
+        "--allow-unauthenticated-metrics",
+        action="store_true",
+        help="With an API key, leave /metrics open (for a Prometheus scraper without the key).",
+    )
+    limits = ServerLimits()
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=limits.max_request_body_bytes,
+        help="Larger request bodies are refused with 413.",
+    )
+    parser.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=limits.max_prompts_per_request,
+        help="Most prompts one /v1/completions request may carry.",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Accept a chat_template sent in a request (refused by default, as in vLLM).",
+    )
+    parser.add_argument(
+        "--chat-template-timeout",
+        type=float,
+        default=limits.chat_template_timeout_s,
+        help="Seconds a chat template may take to render before the request gets a 400.",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=limits.shutdown_timeout_s,
+        help="On SIGTERM/SIGINT: seconds in-flight requests get to finish before they are "
+        "aborted with an error and the engine is shut down.",
     )
     parser.add_argument(
         "--chat-template", type=str, default=None, help="A Jinja chat template (file or text)."
+    )
+    parser.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="Max number of characters of a request's parameters printed in the log "
+        "(default: 1000).",
     )
     parser.add_argument(
         "--uvicorn-log-level",
@@ -212,23 +357,105 @@ def build_engine(args: argparse.Namespace) -> AsyncLLMEngine:
     return AsyncLLMEngine.from_engine_args(AsyncEngineArgs.from_cli_args(args))
 
 
+def _api_key(args: argparse.Namespace) -> Optional[str]:
+    """--api-key, else --api-key-file's first line, else VLLM_API_KEY."""
+    if args.api_key:
+        return str(args.api_key)
+    path = getattr(args, "api_key_file", None)
+    if path:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {path} is empty.")
+        return key
+    return envs.get_str("VLLM_API_KEY") or None
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    defaults = ServerLimits()
+    return ServerLimits(
+        max_request_body_bytes=getattr(
+            args, "max_request_body_bytes", defaults.max_request_body_bytes
+        ),
+        max_prompts_per_request=getattr(
+            args, "max_prompts_per_request", defaults.max_prompts_per_request
+        ),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+        chat_template_timeout_s=getattr(
+            args, "chat_template_timeout", defaults.chat_template_timeout_s
+        ),
+        shutdown_timeout_s=getattr(args, "shutdown_timeout", defaults.shutdown_timeout_s),
+        allow_unauthenticated_metrics=getattr(args, "allow_unauthenticated_metrics", False),
+    )
+
+
+class GracefulServer:
+    """uvicorn.Server whose shutdown drains: on SIGTERM/SIGINT new requests get 503, the
+    in-flight ones have `timeout_s` to finish, then the engine is shut down, which ends the
+    rest with an error (InternalServerError in their streams), and the workers stop."""
+
+    def __init__(self, config: Any, app: FastAPI, engine: AsyncLLMEngine, timeout_s: float):
+        import uvicorn
+
+        outer = self
+
+        class _Server(uvicorn.Server):
+            async def shutdown(self, sockets: Any = None) -> None:
+                await outer._drain(super().shutdown(sockets))
+
+        self.server = _Server(config)
+        self.app = app
+        self.engine = engine
+        self.timeout_s = timeout_s
+
+    async def _drain(self, uvicorn_shutdown: Any) -> None:
+        self.app.state.draining = True
+        task = asyncio.ensure_future(uvicorn_shutdown)
+        done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
+        if not done:
+            logger.warning(
+                "Shutdown: requests still running after %.0f s; aborting them", self.timeout_s
+            )
+        # Ends every remaining stream with an error; its handler then completes the response.
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
+        await task
+
+    async def serve(self) -> None:
+        await self.server.serve()
+
+
 async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = None) -> None:
-    """Run the server until it is stopped (Ctrl-C / SIGTERM); shut the engine down after."""
+    """Run the server until SIGTERM/SIGINT, then drain (--shutdown-timeout) and shut the
+    engine down (its stages and, on Ray, the local Ray it started)."""
     import uvicorn
 
+    from vllm.worker.cpu_memory import keep_malloc_defaults_in_this_process
+
+    # The worker's malloc tuning (never trim) must not reach the API process: at PP=1 the
+    # worker runs in this process, and request bodies would then never be returned.
+    keep_malloc_defaults_in_this_process()
     engine = engine if engine is not None else build_engine(args)
-    api_key = args.api_key or envs.get_str("VLLM_API_KEY") or None
+    engine.max_log_len = getattr(args, "max_log_len", None)
+    limits = limits_from_args(args)
     names = [args.served_model_name] if args.served_model_name else None
-    app = build_app(engine, names, api_key, _load_chat_template(args.chat_template))
+    app = build_app(engine, names, _api_key(args), _load_chat_template(args.chat_template), limits)
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_keep_alive=5,
+        # A backstop: the drain above ends every request first.
+        timeout_graceful_shutdown=int(limits.shutdown_timeout_s) + 10,
     )
     host = args.host or "0.0.0.0"
     logger.info("Serving %s on http://%s:%d", engine.engine.served_model_name, host, args.port)
+    server = GracefulServer(config, app, engine, limits.shutdown_timeout_s)
     try:
-        await uvicorn.Server(config).serve()
+        await server.serve()
     finally:
-        engine.shutdown()
+        engine.shutdown()  # a second call is a no-op
+        app.state.work.shutdown()
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -188,7 +188,12 @@ class ChatCompletionRequest(_SamplingFields):
             raise ParameterError("tools are not supported by this server.", "tools")
         if self.top_logprobs and not self.logprobs:
             raise ParameterError("top_logprobs needs logprobs=true.", "top_logprobs")
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        # 0 is a value (refused as below 1), not "no limit".
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         # vLLM 0.5's chat default temperature.
         return self._params(max_tokens, logprobs, 0.7)
@@ -293,6 +298,8 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: Optional[list[dict[str, Any]]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # Refused unless the server runs with --trust-request-chat-template (as in vLLM).
+    chat_template: Optional[str] = None
 
 
 class TokenizeResponse(OpenAIBaseModel):

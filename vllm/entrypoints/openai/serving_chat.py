@@ -11,6 +11,7 @@ from typing import Any, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from vllm.entrypoints.openai.bounded_work import BoundedWork, check_unicode
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -26,15 +27,11 @@ from vllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_uuid,
 )
-from vllm.entrypoints.openai.serving_completion import (
-    _chain,
-    bad_request_body,
-    start_all,
-    token_text,
-)
+from vllm.entrypoints.openai.serving_completion import _chain, start_all, token_text
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     bad_request,
+    error_body,
     sse,
     until_disconnected,
 )
@@ -64,7 +61,13 @@ def chat_prompt(tokenizer: Any, request: Any, chat_template: Optional[str] = Non
     for message in request.messages:
         if not isinstance(message, dict) or "role" not in message:
             raise ParameterError("each message needs a 'role'.", "messages")
-        messages.append({"role": message["role"], "content": _text_content(message.get("content"))})
+        content = _text_content(message.get("content"))
+        role = message["role"]
+        if not isinstance(role, str):
+            raise ParameterError("a message's 'role' must be a string.", "messages")
+        check_unicode(role, "messages")
+        check_unicode(content, "messages")
+        messages.append({"role": role, "content": content})
     template = getattr(request, "chat_template", None) or chat_template
     try:
         return tokenizer.apply_chat_template(
@@ -73,8 +76,32 @@ def chat_prompt(tokenizer: Any, request: Any, chat_template: Optional[str] = Non
             add_generation_prompt=request.add_generation_prompt,
             chat_template=template,
         )
-    except Exception as exc:  # no template, or a template error: the client's problem
+    except Exception as exc:  # no template, a template error or its time budget: a 400
         raise ParameterError(f"cannot apply the chat template: {exc}", "messages") from exc
+
+
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
+async def render_chat(
+    work: BoundedWork, request: Any, chat_template: Optional[str]
+) -> tuple[str, list[int]]:
+    """The chat prompt and its token ids, rendered and tokenized in the bounded-work pool (a
+    request's own template only with --trust-request-chat-template)."""
+    if getattr(request, "chat_template", None) is not None:
+        if not work.limits.trust_request_chat_template:
+            raise ParameterError(UNTRUSTED_TEMPLATE, "chat_template")
+    tokenizer = work.tokenizer
+
+    def render() -> tuple[str, list[int]]:
+        prompt = work.render_sync(lambda: chat_prompt(tokenizer, request, chat_template))
+        # The template holds the BOS token where the model wants one (as LLM.chat).
+        return prompt, work.encode_sync(prompt, False, "messages")
+
+    return await work.run(render)
 
 
 def chat_logprobs(
@@ -118,9 +145,8 @@ class OpenAIServingChat(OpenAIServing):
             return error
         try:
             params = request.to_sampling_params()
-            prompt = chat_prompt(self.tokenizer, request, self.chat_template)
-            # The template holds the BOS token where the model wants one (as LLM.chat).
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            prompt, token_ids = await render_chat(self.work, request, self.chat_template)
+            self.check_context(len(token_ids), params, "messages")
         except ValueError as exc:
             return bad_request(exc)
         request_id = f"chat-{random_uuid()}"
@@ -228,5 +254,5 @@ class OpenAIServingChat(OpenAIServing):
                     )
                 )
         except Exception as exc:
-            yield sse(bad_request_body(exc))
+            yield sse(error_body(exc))
         yield sse("[DONE]")

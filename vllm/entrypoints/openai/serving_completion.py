@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from vllm.engine.async_llm_engine import AsyncEngineDeadError
 from vllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -25,8 +26,11 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     bad_request,
+    error_body,
     first_output,
+    is_client_error,
     merge_streams,
+    server_error,
     sse,
     until_disconnected,
 )
@@ -90,12 +94,20 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             params = request.to_sampling_params()
             prompts = _prompts(request.prompt)
+            if len(prompts) > self.limits.max_prompts_per_request:
+                raise ParameterError(
+                    f"prompt holds {len(prompts)} prompts; this server takes at most "
+                    f"{self.limits.max_prompts_per_request} per request "
+                    "(--max-prompts-per-request).",
+                    "prompt",
+                )
+            inputs = [await self._engine_input(p, params) for p in prompts]
         except ValueError as exc:
             return bad_request(exc)
         request_id = f"cmpl-{random_uuid()}"
         created = int(time.time())
         generators = [
-            self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)
+            self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(inputs)
         ]
 
         firsts, error = await start_all(raw_request, generators, self.prompt_limit)
@@ -115,6 +127,16 @@ class OpenAIServingCompletion(OpenAIServing):
 
         await until_disconnected(raw_request, collect())
         return JSONResponse(self._response(request, request_id, created, finals).model_dump())
+
+    async def _engine_input(self, prompt: Union[str, list[int]], params: Any) -> dict[str, Any]:
+        """The prompt as the engine takes it, tokenized here (off the event loop and off the
+        engine thread) and checked against the context."""
+        if isinstance(prompt, str):
+            token_ids = await self.work.encode(prompt, True, "prompt")
+            self.check_context(len(token_ids), params, "prompt")
+            return {"prompt": prompt, "prompt_token_ids": token_ids}
+        self.check_context(len(prompt), params, "prompt")
+        return {"prompt_token_ids": prompt}
 
     def _response(
         self,
@@ -227,15 +249,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                 )
         except Exception as exc:  # after the headers: report it in the stream, as vLLM does
-            yield sse(bad_request_body(exc))
+            yield sse(error_body(exc))
         yield sse("[DONE]")
-
-
-def bad_request_body(exc: BaseException) -> Any:
-    from vllm.entrypoints.openai.protocol import ErrorResponse
-    from vllm.entrypoints.openai.serving_engine import error_param
-
-    return ErrorResponse(message=str(exc), type="BadRequestError", param=error_param(exc), code=400)
 
 
 async def _chain(first: Optional[RequestOutput], rest: Generator) -> Generator:
@@ -285,6 +300,8 @@ async def start_all(
     for gen in generators:
         await gen.aclose()
     for exc in errors:
-        if not isinstance(exc, (ValueError, TypeError)):
-            raise exc
+        if not is_client_error(exc):
+            if isinstance(exc, AsyncEngineDeadError):
+                raise exc  # the app's handler answers it (500)
+            return [], server_error(exc)  # e.g. the request failed inside a stage
     return [], bad_request(errors[0])

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from vllm.engine.async_llm_engine import AsyncLLMEngine
+from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
 from vllm.entrypoints.openai.protocol import ErrorResponse, ModelCard, ModelList, ParameterError
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -61,10 +62,37 @@ def bad_request(exc: BaseException) -> JSONResponse:
     return error_response(str(exc), param=error_param(exc))
 
 
+def is_client_error(exc: BaseException) -> bool:
+    """A request the client can fix (400); anything else is the server's failure (500)."""
+    return isinstance(exc, (ValueError, TypeError))
+
+
+def error_body(exc: BaseException) -> ErrorResponse:
+    """The error object for `exc`, sent inside a stream that has already started: vLLM's
+    BadRequestError (400) for a bad request, InternalServerError (500) for a server failure
+    (an engine shut down or dead, a request that failed inside a stage)."""
+    if is_client_error(exc):
+        return ErrorResponse(
+            message=str(exc), type="BadRequestError", param=error_param(exc), code=400
+        )
+    return ErrorResponse(message=str(exc), type="InternalServerError", code=500)
+
+
+def server_error(exc: BaseException) -> JSONResponse:
+    return error_response(
+        str(exc), err_type="InternalServerError", status=HTTPStatus.INTERNAL_SERVER_ERROR
+    )
+
+
 class OpenAIServing:
     """Base of the completion and chat handlers."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_names: list[str],
+        work: Optional[BoundedWork] = None,
+    ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.model_config = engine.engine.model_config
@@ -72,6 +100,38 @@ class OpenAIServing:
         # Longer prompts are ignored by the scheduler; the server refuses them with a 400.
         self.prompt_limit = engine.engine.scheduler.prompt_limit
         self.tokenizer = engine.engine.get_tokenizer()
+        self.work = work or BoundedWork(self.tokenizer, self.max_model_len, ServerLimits())
+        self.limits = self.work.limits
+
+    def check_context(self, num_prompt_tokens: int, params: SamplingParams, param: str) -> None:
+        """Refuse (400, vLLM's and OpenAI's messages) a prompt that does not fit the context,
+        or a max_tokens / min_tokens that the context cannot hold after the prompt."""
+        truncate = params.truncate_prompt_tokens
+        if truncate is not None:
+            if truncate > self.max_model_len:
+                raise ParameterError(
+                    f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len "
+                    f"({self.max_model_len}). Please, select a smaller truncation size.",
+                    "truncate_prompt_tokens",
+                )
+            num_prompt_tokens = min(num_prompt_tokens, truncate)
+        if num_prompt_tokens > self.prompt_limit:
+            raise ParameterError(
+                f"This model's maximum context length is {self.prompt_limit} tokens. However, "
+                f"you requested {num_prompt_tokens} tokens in the {param}. "
+                f"Please reduce the length of the {param}.",
+                param,
+            )
+        room = self.max_model_len - num_prompt_tokens
+        for name, value in (("max_tokens", params.max_tokens), ("min_tokens", params.min_tokens)):
+            if value is not None and value > room:
+                what = "'max_tokens' or 'max_completion_tokens'" if name == "max_tokens" else name
+                raise ParameterError(
+                    f"{what} is too large: {value}. This model's maximum context length is "
+                    f"{self.max_model_len} tokens and your request has {num_prompt_tokens} "
+                    f"input tokens ({value} > {self.max_model_len} - {num_prompt_tokens}).",
+                    name,
+                )
 
     def show_models(self) -> ModelList:
         root = self.model_config.model

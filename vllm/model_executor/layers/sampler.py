@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from vllm import _custom_ops as ops
+from vllm.engine.request_failure import describe
 from vllm.model_executor.layers.logprob_utils import (
     Draw,
     StepLogprobs,
@@ -107,17 +108,20 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        apply_logits_processors(logits, md)
-        apply_min_tokens(logits, md)
-        apply_penalties(logits, md)
-        apply_temperature_and_filters(logits, md)
+        # Requests whose own sampling work raised: they get placeholder tokens (the stages
+        # stay in step) and an error the engine fails them with; the others are unaffected.
+        failed: dict[str, str] = {}
+        apply_logits_processors(logits, md, failed)
+        apply_min_tokens(logits, md, failed)
+        apply_penalties(logits, md, failed)
+        apply_temperature_and_filters(logits, md, failed)
         vocab = logits.shape[1]
 
         greedy_groups: list[SeqGroupRows] = []
         beam_groups: list[SeqGroupRows] = []
         random_groups: list[SeqGroupRows] = []
         for group in md.groups:
-            if not group.rows:
+            if not group.rows or group.request_id in failed:
                 continue  # a prefill chunk before the end of its prompt: nothing to sample
             kind = group.params.sampling_type
             if kind == SamplingType.GREEDY:
@@ -153,26 +157,39 @@ class Sampler:
                 (row, seq_id, argmax[row]) for seq_id, row in zip(group.seq_ids, group.rows)
             ]
         for group in beam_groups:
-            draws[id(group)] = _beam_candidates(logprobs, group, vocab)
+            try:
+                draws[id(group)] = _beam_candidates(logprobs, group, vocab)
+            except Exception as exc:
+                failed[group.request_id] = describe(exc, "beam search")
         next_drawn = 0
         for rows, parents, group in plan:
             if group.generator is None:
                 tokens = drawn[next_drawn : next_drawn + len(rows)]
                 next_drawn += len(rows)
             else:
-                tokens = _seeded_draws(logits, rows, group)
+                try:
+                    tokens = _seeded_draws(logits, rows, group)
+                except Exception as exc:
+                    failed[group.request_id] = describe(exc, "the seeded draw")
+                    continue
             draws[id(group)] = list(zip(rows, parents, tokens))
+        for group in md.groups:
+            if group.request_id in failed:
+                # Token 0 in place of a sample, so a decode scheduled ahead finds one.
+                draws[id(group)] = [(row, seq, 0) for seq, row in zip(group.seq_ids, group.rows)]
 
         ordered = [draws.get(id(group), []) for group in md.groups]
-        entries = build_logprob_entries(logprobs, [g.params.logprobs for g in md.groups], ordered)
+        num_logprobs = [None if g.request_id in failed else g.params.logprobs for g in md.groups]
+        entries = build_logprob_entries(logprobs, num_logprobs, ordered)
         outputs: SamplerOutput = []
         for group, group_draws, group_entries in zip(md.groups, ordered, entries):
             samples = [
                 SequenceOutput(parent, token, entry)
                 for (_, parent, token), entry in zip(group_draws, group_entries)
             ]
+            error = failed.get(group.request_id)
             prompt_logprobs = None
-            if group.want_prompt_logprobs:
+            if group.want_prompt_logprobs and error is None:
                 prompt_logprobs = build_prompt_logprobs(logprobs, group)
-            outputs.append(SequenceGroupOutput(samples, prompt_logprobs))
+            outputs.append(SequenceGroupOutput(samples, prompt_logprobs, error))
         return outputs

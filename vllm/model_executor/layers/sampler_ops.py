@@ -4,16 +4,50 @@ penalties, temperature, top-k/top-p, min-p.
 Every function touches only the rows of groups that use its feature, and returns at once (no
 tensor work, no per-row Python) when no group in the batch does: penalties, processors and
 filters cost nothing for requests that do not ask for them.
+
+Each takes `failed` (request id -> why), skips the groups already in it and adds the groups
+whose own work raises: a request's bad processor or parameter fails that request, never the
+step (see vllm/engine/request_failure.py).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from vllm.engine.request_failure import describe
 from vllm.model_executor.sampling_metadata import SamplingMetadata, SeqGroupRows
+
+Failures = dict[str, str]  # request id -> what raised
+
+
+def _live(md: SamplingMetadata, failed: Failures) -> list[SeqGroupRows]:
+    return [g for g in md.groups if g.request_id not in failed]
+
+
+def _guarded(
+    fn: Callable[[torch.Tensor, list[SeqGroupRows]], None],
+    logits: torch.Tensor,
+    groups: list[SeqGroupRows],
+    failed: Failures,
+    where: str,
+) -> None:
+    """`fn` over all `groups` at once; if it raises, group by group, so only the groups that
+    raise on their own fail. `fn` must write `logits` only at its very end (one index_copy),
+    so a failed batched attempt left nothing behind to apply twice."""
+    try:
+        fn(logits, groups)
+        return
+    except Exception:  # noqa: BLE001 - attributed below, group by group
+        pass
+    for group in groups:
+        try:
+            fn(logits, [group])
+        except Exception as exc:
+            failed[group.request_id] = describe(exc, where)
+
 
 _SAMPLING_EPS = 1e-5
 
@@ -25,32 +59,41 @@ def _num_params(proc: Any) -> int:
         return 2
 
 
-def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> None:
+def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata, failed: Failures) -> None:
     """vLLM's processors: (output_ids, logits_row) or (prompt_ids, output_ids, logits_row)
-    -> new logits_row, applied to sample rows only (never to prompt-logprob rows)."""
-    for group in md.groups:
+    -> new logits_row, applied to sample rows only (never to prompt-logprob rows). A
+    processor that raises or returns something that is not a row of logits fails its request
+    (its row is left as it was)."""
+    for group in _live(md, failed):
         processors = group.params.logits_processors
         if not processors:
             continue
-        for seq_id, row in zip(group.seq_ids, group.rows):
-            data = group.seq_data[seq_id]
-            logits_row = logits[row]
-            for proc in processors:
-                if _num_params(proc) == 3:
-                    logits_row = proc(
-                        list(data.prompt_token_ids), list(data.output_token_ids), logits_row
-                    )
-                else:
-                    logits_row = proc(list(data.output_token_ids), logits_row)
-            logits[row] = logits_row
+        try:
+            for seq_id, row in zip(group.seq_ids, group.rows):
+                data = group.seq_data[seq_id]
+                logits_row = logits[row]
+                for proc in processors:
+                    if _num_params(proc) == 3:
+                        logits_row = proc(
+                            list(data.prompt_token_ids), list(data.output_token_ids), logits_row
+                        )
+                    else:
+                        logits_row = proc(list(data.output_token_ids), logits_row)
+                logits[row] = logits_row
+        except Exception as exc:
+            failed[group.request_id] = describe(exc, "a logits processor")
 
 
-def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> None:
+def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata, failed: Failures) -> None:
     """Until a sequence has min_tokens output tokens, its stop tokens (stop_token_ids and the
     EOS ids, even with ignore_eos, as in vLLM) cannot be sampled."""
+    _guarded(_min_tokens, logits, _live(md, failed), failed, "min_tokens")
+
+
+def _min_tokens(logits: torch.Tensor, groups: list[SeqGroupRows]) -> None:
     rows: list[int] = []
     cols: list[int] = []
-    for group in md.groups:
+    for group in groups:
         min_tokens = group.params.min_tokens
         if min_tokens <= 0:
             continue
@@ -77,33 +120,39 @@ def _needs_penalties(group: SeqGroupRows) -> bool:
     )
 
 
-def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata, failed: Failures) -> None:
     """vLLM's penalties on sample rows. Repetition (HF's rule: divide positive, multiply
     negative logits of tokens seen in the prompt or the output), then frequency (times the
     count in the output) and presence (once if in the output), as in the OpenAI API.
     Work is proportional to the sequence length, not to the vocabulary."""
-    device = logits.device
-    for group in md.groups:
+    for group in _live(md, failed):
         if not _needs_penalties(group):
             continue
-        p = group.params
-        for seq_id, row in zip(group.seq_ids, group.rows):
-            data = group.seq_data[seq_id]
-            out_ids = torch.tensor(data.output_token_ids, dtype=torch.long, device=device)
-            if abs(p.repetition_penalty - 1.0) >= _SAMPLING_EPS:
-                prompt_ids = torch.tensor(data.prompt_token_ids, dtype=torch.long, device=device)
-                seen = torch.cat([prompt_ids, out_ids]).unique()
-                vals = logits[row, seen]
-                logits[row, seen] = torch.where(
-                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-                )
-            if out_ids.numel() and (
-                abs(p.frequency_penalty) >= _SAMPLING_EPS
-                or abs(p.presence_penalty) >= _SAMPLING_EPS
-            ):
-                ids, counts = out_ids.unique(return_counts=True)
-                penalty = p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
-                logits[row, ids] -= penalty
+        try:
+            _penalize(logits, group)
+        except Exception as exc:
+            failed[group.request_id] = describe(exc, "the penalties")
+
+
+def _penalize(logits: torch.Tensor, group: SeqGroupRows) -> None:
+    device = logits.device
+    p = group.params
+    for seq_id, row in zip(group.seq_ids, group.rows):
+        data = group.seq_data[seq_id]
+        out_ids = torch.tensor(data.output_token_ids, dtype=torch.long, device=device)
+        if abs(p.repetition_penalty - 1.0) >= _SAMPLING_EPS:
+            prompt_ids = torch.tensor(data.prompt_token_ids, dtype=torch.long, device=device)
+            seen = torch.cat([prompt_ids, out_ids]).unique()
+            vals = logits[row, seen]
+            logits[row, seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
+        if out_ids.numel() and (
+            abs(p.frequency_penalty) >= _SAMPLING_EPS or abs(p.presence_penalty) >= _SAMPLING_EPS
+        ):
+            ids, counts = out_ids.unique(return_counts=True)
+            penalty = p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+            logits[row, ids] -= penalty
 
 
 # Top-p looks at this many most likely tokens first; a full sort (~3.6 ms per 49k-token row
@@ -163,34 +212,54 @@ def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < floor, float("-inf"))
 
 
-def apply_temperature_and_filters(logits: torch.Tensor, md: SamplingMetadata) -> None:
+def apply_temperature_and_filters(
+    logits: torch.Tensor, md: SamplingMetadata, failed: Failures
+) -> None:
     """Temperature (greedy counts as 1, so its logprobs are the model's), top-k/top-p and
     min-p, on sample rows and -- as in vLLM V0 -- on the group's prompt-logprob rows."""
+    groups = _live(md, failed)
+    _guarded(_temperature, logits, groups, failed, "temperature")
+    _guarded(_filters, logits, _live(md, failed), failed, "top-k/top-p/min-p")
+
+
+def _group_rows(group: SeqGroupRows) -> list[int]:
+    return group.prompt_rows + group.rows if group.prompt_rows else group.rows
+
+
+def _temperature(logits: torch.Tensor, groups: list[SeqGroupRows]) -> None:
     temp_rows: list[int] = []
     temps: list[float] = []
+    for group in groups:
+        p = group.params
+        if p.temperature >= _SAMPLING_EPS and abs(p.temperature - 1.0) >= _SAMPLING_EPS:
+            rows = _group_rows(group)
+            temp_rows.extend(rows)
+            temps.extend([p.temperature] * len(rows))
+    if temp_rows:
+        device = logits.device
+        idx = torch.tensor(temp_rows, dtype=torch.long, device=device)
+        scaled = logits.index_select(0, idx).div_(torch.tensor(temps, device=device).unsqueeze(1))
+        logits.index_copy_(0, idx, scaled)
+
+
+def _filters(logits: torch.Tensor, groups: list[SeqGroupRows]) -> None:
     filter_rows: list[int] = []
     top_ks: list[int] = []
     top_ps: list[float] = []
     min_ps: list[float] = []
     vocab = logits.shape[1]
-    for group in md.groups:
+    for group in groups:
         p = group.params
-        rows = group.prompt_rows + group.rows if group.prompt_rows else group.rows
-        if p.temperature >= _SAMPLING_EPS and abs(p.temperature - 1.0) >= _SAMPLING_EPS:
-            temp_rows.extend(rows)
-            temps.extend([p.temperature] * len(rows))
         if p.top_k > 0 or p.top_p < 1.0 - _SAMPLING_EPS or p.min_p > _SAMPLING_EPS:
+            rows = _group_rows(group)
             filter_rows.extend(rows)
-            top_ks.extend([p.top_k if p.top_k > 0 else vocab] * len(rows))
+            # top_k beyond the vocabulary keeps every token (and must not overflow int64).
+            top_ks.extend([min(p.top_k, vocab) if p.top_k > 0 else vocab] * len(rows))
             top_ps.extend([p.top_p] * len(rows))
             min_ps.extend([p.min_p] * len(rows))
-    device = logits.device
-    if temp_rows:
-        idx = torch.tensor(temp_rows, dtype=torch.long, device=device)
-        scaled = logits.index_select(0, idx).div_(torch.tensor(temps, device=device).unsqueeze(1))
-        logits.index_copy_(0, idx, scaled)
     if not filter_rows:
         return
+    device = logits.device
     idx = torch.tensor(filter_rows, dtype=torch.long, device=device)
     sub = logits.index_select(0, idx)
     k = torch.tensor(top_ks, dtype=torch.long, device=device)

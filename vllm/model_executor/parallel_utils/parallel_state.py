@@ -108,13 +108,51 @@ def init_distributed_environment(
         # NCCL binds a communicator to the current device; set it before the first collective
         # so every rank does not end up on cuda:0.
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(
-        backend=backend,
-        init_method=distributed_init_method,
-        world_size=world_size,
-        rank=rank,
-        timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    store = _rendezvous_store(distributed_init_method, rank, world_size, timeout)
+    if store is None:
+        dist.init_process_group(
+            backend=backend,
+            init_method=distributed_init_method,
+            world_size=world_size,
+            rank=rank,
+            timeout=timeout,
+        )
+    else:
+        dist.init_process_group(
+            backend=backend, store=store, world_size=world_size, rank=rank, timeout=timeout
+        )
+
+
+def _rendezvous_store(
+    init_method: str, rank: int, world_size: int, timeout: datetime.timedelta | None
+) -> dist.TCPStore | None:
+    """The rendezvous store of a TCP init method (host and port), listening on `host` only.
+
+    torch's own TCP rendezvous listens on every interface (0.0.0.0 / ::), so anyone who can
+    reach the node could read and write the store. Rank 0 binds the listening socket to the
+    address the ranks use (127.0.0.1 on one node, the node's address across nodes) and hands
+    it to the store. None for another init method (torch's own handling)."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(init_method)  # the inverse of get_distributed_init_method
+    if url.scheme != "tcp" or not url.hostname or url.port is None:
+        return None
+    host, port = url.hostname, url.port
+    timeout = timeout or datetime.timedelta(minutes=30)  # torch's default
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    # detach(): the store owns the descriptor from here on (and closes it).
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=listener.detach())
 
 
 def initialize_model_parallel(
