@@ -110,7 +110,9 @@ def _requests() -> tuple[list[str], list[SamplingParams]]:
             temperature=0, max_tokens=30, guided_decoding=GuidedDecodingParams(choice=CHOICES)
         ),
         SamplingParams(
-            temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(grammar=GRAMMAR)
+            temperature=0,
+            max_tokens=40,
+            structured_outputs=StructuredOutputsParams(grammar=GRAMMAR),
         ),
     ]
     # n=2 seeded samples, each with its own matcher; logprobs of the masked distribution.

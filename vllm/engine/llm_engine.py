@@ -145,7 +145,7 @@ class LLMEngine:
             self.model_config,
         )
         if sampling_params.structured_outputs is not None:
-            self._check_structured_outputs(sampling_params)
+            self.check_structured_outputs(sampling_params)
         eos = self.eos_token_id
         if sampling_params.best_of > self.scheduler_config.max_num_seqs:
             raise ValueError(
@@ -168,7 +168,7 @@ class LLMEngine:
         )
         self.scheduler.add_seq_group(group)
 
-    def _check_structured_outputs(self, sampling_params: SamplingParams) -> None:
+    def check_structured_outputs(self, sampling_params: SamplingParams) -> None:
         """Compile the request's grammar now (cached per spec): a schema, regex or grammar
         the backend refuses is a ValueError here, before the request is queued."""
         if self.tokenizer is None:

@@ -35,9 +35,9 @@ def _schema_text(schema: Any) -> str:
 
 @dataclass
 class StructuredOutputsParams:
-    """At most one constraint on a request's output (vLLM's names): a JSON schema (`json`), a regular
-    expression (`regex`), one of a list of strings (`choice`), an EBNF grammar (`grammar`), any
-    JSON object (`json_object=True`) or an xgrammar structural tag (`structural_tag`).
+    """At most one constraint on a request's output (vLLM's names): a JSON schema (`json`), a
+    regular expression (`regex`), one of a list of strings (`choice`), an EBNF grammar
+    (`grammar`), any JSON value (`json_object=True`) or an xgrammar structural tag.
 
     None set means no constraint (the server fills the object in from `response_format` or
     the tool choice). `disable_any_whitespace` forbids whitespace between JSON tokens (some

@@ -49,11 +49,19 @@ def build_app(
     served_model_names: Optional[list[str]] = None,
     api_key: Optional[str] = None,
     chat_template: Optional[str] = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: Optional[str] = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_names` (default: the model)."""
     names = served_model_names or [engine.engine.served_model_name]
     completion = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names, chat_template=chat_template)
+    chat = OpenAIServingChat(
+        engine,
+        names,
+        chat_template=chat_template,
+        enable_auto_tools=enable_auto_tool_choice,
+        tool_parser=tool_call_parser,
+    )
     tokenizer = completion.tokenizer
     app = FastAPI()
     app.state.engine = engine
@@ -191,6 +199,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
     parser.add_argument(
         "--chat-template", type=str, default=None, help="A Jinja chat template (file or text)."
     )
+    add_tool_args(parser)
     parser.add_argument(
         "--uvicorn-log-level",
         type=str,
@@ -199,6 +208,24 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
         help="Log level for uvicorn.",
     )
     return AsyncEngineArgs.add_cli_args(parser)
+
+
+def add_tool_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling flags."""
+    from vllm.entrypoints.openai.tool_parsers import ToolParserManager
+
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="Let the model call tools on its own (tool_choice='auto'); needs --tool-call-parser.",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        type=str,
+        default=None,
+        choices=sorted(ToolParserManager.tool_parsers),
+        help="How tool calls are read from the model's output (the model's format).",
+    )
 
 
 def _load_chat_template(value: Optional[str]) -> Optional[str]:
@@ -216,10 +243,19 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
     """Run the server until it is stopped (Ctrl-C / SIGTERM); shut the engine down after."""
     import uvicorn
 
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser to be set")
     engine = engine if engine is not None else build_engine(args)
     api_key = args.api_key or envs.get_str("VLLM_API_KEY") or None
     names = [args.served_model_name] if args.served_model_name else None
-    app = build_app(engine, names, api_key, _load_chat_template(args.chat_template))
+    app = build_app(
+        engine,
+        names,
+        api_key,
+        _load_chat_template(args.chat_template),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+    )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=5
     )

@@ -21,8 +21,11 @@ from vllm.entrypoints.openai.protocol import (
     ChatLogProb,
     ChatLogProbsContent,
     ChatMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     ParameterError,
+    ToolCall,
     UsageInfo,
     random_uuid,
 )
@@ -35,11 +38,22 @@ from vllm.entrypoints.openai.serving_completion import (
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     bad_request,
+    check_structured_outputs,
     sse,
     until_disconnected,
 )
+from vllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
+from vllm.entrypoints.openai.tools import (
+    forced_tool_calls,
+    messages_for_template,
+    tool_choice_mode,
+    tool_schema,
+)
 from vllm.outputs import RequestOutput
 from vllm.sequence import Logprob
+
+# Message keys a chat template may read besides role and content (tool calling).
+_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id")
 
 
 def _text_content(content: Any) -> str:
@@ -64,14 +78,22 @@ def chat_prompt(tokenizer: Any, request: Any, chat_template: Optional[str] = Non
     for message in request.messages:
         if not isinstance(message, dict) or "role" not in message:
             raise ParameterError("each message needs a 'role'.", "messages")
-        messages.append({"role": message["role"], "content": _text_content(message.get("content"))})
+        item = {"role": message["role"], "content": _text_content(message.get("content"))}
+        item.update({k: message[k] for k in _MESSAGE_KEYS if message.get(k) is not None})
+        messages.append(item)
+    messages = messages_for_template(messages)
     template = getattr(request, "chat_template", None) or chat_template
+    extra = dict(getattr(request, "chat_template_kwargs", None) or {})
+    tools = getattr(request, "tools", None)
+    if tools and getattr(request, "tool_choice", None) != "none":
+        extra["tools"] = tools
     try:
         return tokenizer.apply_chat_template(
             messages,
             tokenize=False,
             add_generation_prompt=request.add_generation_prompt,
             chat_template=template,
+            **extra,
         )
     except Exception as exc:  # no template, or a template error: the client's problem
         raise ParameterError(f"cannot apply the chat template: {exc}", "messages") from exc
@@ -106,9 +128,20 @@ def chat_logprobs(
 class OpenAIServingChat(OpenAIServing):
     """Handles /v1/chat/completions."""
 
-    def __init__(self, *args: Any, chat_template: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        chat_template: Optional[str] = None,
+        enable_auto_tools: bool = False,
+        tool_parser: Optional[str] = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
+        self.enable_auto_tools = enable_auto_tools
+        self.tool_parser: Optional[ToolParser] = None
+        if tool_parser is not None:
+            self.tool_parser = ToolParserManager.get_tool_parser(tool_parser)(self.tokenizer)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -117,12 +150,19 @@ class OpenAIServingChat(OpenAIServing):
         if error is not None:
             return error
         try:
-            params = request.to_sampling_params()
+            mode, name = tool_choice_mode(
+                request, self.enable_auto_tools, self.tool_parser is not None
+            )
+            params = request.to_sampling_params(tool_schema(request, mode, name))
             prompt = chat_prompt(self.tokenizer, request, self.chat_template)
             # The template holds the BOS token where the model wants one (as LLM.chat).
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         except ValueError as exc:
             return bad_request(exc)
+        error = await check_structured_outputs(self.engine, params, request.structured_param)
+        if error is not None:
+            return error
+        tools = _ToolMode(mode, name, self.tool_parser if mode == "auto" else None, request)
         request_id = f"chat-{random_uuid()}"
         created = int(time.time())
         generator = self.engine.generate(
@@ -134,7 +174,7 @@ class OpenAIServingChat(OpenAIServing):
         stream = _chain(*firsts[0])
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, created, stream),
+                self._stream(request, request_id, created, stream, tools),
                 media_type="text/event-stream",
             )
 
@@ -146,7 +186,8 @@ class OpenAIServingChat(OpenAIServing):
 
         final = await until_disconnected(raw_request, collect())
         assert final is not None
-        return JSONResponse(self._response(request, request_id, created, final).model_dump())
+        body = self._response(request, request_id, created, final, tools)
+        return JSONResponse(body.model_dump())
 
     def _logprobs(self, request: ChatCompletionRequest, out: Any) -> Any:
         if not request.logprobs or out.logprobs is None:
@@ -154,18 +195,25 @@ class OpenAIServingChat(OpenAIServing):
         return chat_logprobs(out.token_ids, out.logprobs, self.tokenizer, request.top_logprobs or 0)
 
     def _response(
-        self, request: ChatCompletionRequest, request_id: str, created: int, final: RequestOutput
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        created: int,
+        final: RequestOutput,
+        tools: _ToolMode,
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionResponseChoice(
-                index=out.index,
-                message=ChatMessage(role="assistant", content=out.text),
-                logprobs=self._logprobs(request, out),
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
+        choices = []
+        for out in final.outputs:
+            content, calls, finish = tools.split(out.text, out.finish_reason)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=out.index,
+                    message=ChatMessage(role="assistant", content=content, tool_calls=calls),
+                    logprobs=self._logprobs(request, out),
+                    finish_reason=finish,
+                    stop_reason=out.stop_reason,
+                )
             )
-            for out in final.outputs
-        ]
         choices.sort(key=lambda c: c.index)
         prompt_tokens = len(final.prompt_token_ids)
         completion_tokens = sum(len(out.token_ids) for out in final.outputs)
@@ -179,7 +227,12 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def _stream(
-        self, request: ChatCompletionRequest, request_id: str, created: int, stream: Any
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        created: int,
+        stream: Any,
+        tools: _ToolMode,
     ) -> AsyncIterator[str]:
         def chunk(index: int, delta: DeltaMessage, **extra: Any) -> str:
             choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, **extra)
@@ -194,6 +247,8 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk(index, DeltaMessage(role="assistant", content=""))
         finished: set[int] = set()
         prompt_tokens = completion_tokens = 0
+        texts: dict[int, str] = {}  # each choice's whole text so far
+        streamed: dict[int, int] = {}  # characters of it already sent as content
         try:
             async for output in stream:
                 prompt_tokens = len(output.prompt_token_ids)
@@ -205,11 +260,33 @@ class OpenAIServingChat(OpenAIServing):
                     completion_tokens += len(out.token_ids)
                     if out.finish_reason is not None:
                         finished.add(out.index)
+                    if not tools.active:
+                        yield chunk(
+                            out.index,
+                            DeltaMessage(content=out.text),
+                            logprobs=self._logprobs(request, out),
+                            finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason,
+                        )
+                        continue
+                    text = texts[out.index] = texts.get(out.index, "") + out.text
+                    sent = streamed.get(out.index, 0)
+                    if out.finish_reason is None:
+                        # Content streams until the text may be opening a tool call; from
+                        # there it is held until the choice ends and the parser reads it.
+                        if tools.parser is not None and not tools.parser.may_start_tool_call(text):
+                            streamed[out.index] = len(text)
+                            yield chunk(out.index, DeltaMessage(content=text[sent:]))
+                        continue
+                    content, calls, finish = tools.split(text, out.finish_reason)
+                    if content is not None and len(content) > sent:
+                        yield chunk(out.index, DeltaMessage(content=content[sent:]))
+                    if calls:
+                        yield chunk(out.index, DeltaMessage(tool_calls=_tool_call_deltas(calls)))
                     yield chunk(
                         out.index,
-                        DeltaMessage(content=out.text),
-                        logprobs=self._logprobs(request, out),
-                        finish_reason=out.finish_reason,
+                        DeltaMessage(content=""),
+                        finish_reason=finish,
                         stop_reason=out.stop_reason,
                     )
             if request.stream_options is not None and request.stream_options.include_usage:
@@ -230,3 +307,49 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:
             yield sse(bad_request_body(exc))
         yield sse("[DONE]")
+
+
+class _ToolMode:
+    """How one request's choices turn into a message: plain content (`none`), the parser's
+    reading (`auto`), or the tool calls of an output the schema forced (`required`, named)."""
+
+    def __init__(
+        self, mode: str, name: Optional[str], parser: Optional[ToolParser], request: Any
+    ) -> None:
+        self.mode = mode
+        self.name = name
+        self.parser = parser
+        self.request = request
+
+    @property
+    def active(self) -> bool:
+        return self.mode in ("required", "named") or self.parser is not None
+
+    def split(
+        self, text: str, finish_reason: Optional[str]
+    ) -> tuple[Optional[str], list[ToolCall], Optional[str]]:
+        """(content, tool calls, finish_reason) of a whole choice."""
+        if self.mode in ("required", "named"):
+            calls = forced_tool_calls(text, self.mode, self.name)
+            if not calls:  # cut short (max_tokens): hand back the text
+                return text, [], finish_reason
+            # vLLM: a named choice finishes with "stop", a required one with "tool_calls".
+            return None, calls, finish_reason if self.mode == "named" else "tool_calls"
+        if self.parser is not None:
+            info = self.parser.extract_tool_calls(text, self.request)
+            if info.tools_called:
+                return info.content, info.tool_calls, "tool_calls"
+        return text, [], finish_reason
+
+
+def _tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
+    """Each call as one delta: id, type, name and the whole arguments text."""
+    return [
+        DeltaToolCall(
+            index=i,
+            id=call.id,
+            type="function",
+            function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
+        )
+        for i, call in enumerate(calls)
+    ]

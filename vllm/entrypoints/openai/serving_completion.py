@@ -25,6 +25,7 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     bad_request,
+    check_structured_outputs,
     first_output,
     merge_streams,
     sse,
@@ -92,6 +93,9 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = _prompts(request.prompt)
         except ValueError as exc:
             return bad_request(exc)
+        error = await check_structured_outputs(self.engine, params, request.structured_param)
+        if error is not None:
+            return error
         request_id = f"cmpl-{random_uuid()}"
         created = int(time.time())
         generators = [
