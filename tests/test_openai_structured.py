@@ -92,7 +92,9 @@ def servers(request, tiny_model_dirs):
     kw = dict(chat_template=HERMES_TEMPLATE, enable_auto_tool_choice=True)
     hermes = ServerThread(engine, tool_call_parser="hermes", **kw)
     llama = ServerThread(engine, tool_call_parser="llama3_json", **kw)
-    yield {"hermes": hermes, "llama3_json": llama}
+    think = ServerThread(engine, reasoning_parser="deepseek_r1")
+    yield {"hermes": hermes, "llama3_json": llama, "deepseek_r1": think}
+    think.stop(shutdown_engine=False)
     llama.stop(shutdown_engine=False)
     hermes.stop()
 
@@ -219,13 +221,16 @@ def _calls(message) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
-def _streamed(client, **kw) -> tuple[str, list[tuple[str, str]], str]:
-    """(content, tool calls, finish_reason) reassembled from a stream's deltas."""
+def _streamed(client, reasoning: list | None = None, **kw) -> tuple[str, list, str]:
+    """(content, tool calls, finish_reason) reassembled from a stream's deltas (reasoning
+    deltas appended to `reasoning`)."""
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(stream=True, **kw):
         for choice in chunk.choices:
             delta = choice.delta
             content += delta.content or ""
+            if reasoning is not None:
+                reasoning.append(getattr(delta, "reasoning_content", None) or "")
             for tc in delta.tool_calls or []:
                 entry = calls.setdefault(tc.index, ["", ""])
                 entry[0] += tc.function.name or ""
@@ -320,3 +325,19 @@ def test_auto_without_a_tool_call_is_plain_content(client):
     assert message.tool_calls == [] and re.fullmatch("Sunny, [0-9]{2} degrees", message.content)
     content, streamed, _ = _streamed(client, **kw)
     assert content == message.content and streamed == []
+
+
+def test_reasoning_parser_splits_think_tags(servers):
+    client = servers["deepseek_r1"].client()
+    kw = dict(
+        model=MODEL, messages=USER, temperature=0, max_tokens=20,
+        extra_body={"guided_regex": "[a-z]{3,6}</think>\n\n(yes|no)"},
+    )  # fmt: skip
+    message = client.chat.completions.create(**kw).choices[0].message
+    assert re.fullmatch("[a-z]{3,6}", message.reasoning_content) and message.content in (
+        "yes",
+        "no",
+    )
+    pieces: list = []
+    content, _, _ = _streamed(client, reasoning=pieces, **kw)
+    assert "".join(pieces) == message.reasoning_content and content == message.content

@@ -51,6 +51,7 @@ def build_app(
     chat_template: Optional[str] = None,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: Optional[str] = None,
+    reasoning_parser: Optional[str] = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_names` (default: the model)."""
     names = served_model_names or [engine.engine.served_model_name]
@@ -61,6 +62,7 @@ def build_app(
         chat_template=chat_template,
         enable_auto_tools=enable_auto_tool_choice,
         tool_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
     tokenizer = completion.tokenizer
     app = FastAPI()
@@ -212,6 +214,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
 
 def add_tool_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's tool-calling flags."""
+    from vllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
     from vllm.entrypoints.openai.tool_parsers import ToolParserManager
 
     parser.add_argument(
@@ -225,6 +228,13 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=sorted(ToolParserManager.tool_parsers),
         help="How tool calls are read from the model's output (the model's format).",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        type=str,
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="Split a think-tag model's reasoning into `reasoning_content`.",
     )
 
 
@@ -255,6 +265,7 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
         _load_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=5

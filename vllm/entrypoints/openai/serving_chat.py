@@ -29,6 +29,7 @@ from vllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_uuid,
 )
+from vllm.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from vllm.entrypoints.openai.serving_completion import (
     _chain,
     bad_request_body,
@@ -134,6 +135,7 @@ class OpenAIServingChat(OpenAIServing):
         chat_template: Optional[str] = None,
         enable_auto_tools: bool = False,
         tool_parser: Optional[str] = None,
+        reasoning_parser: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -142,6 +144,9 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser: Optional[ToolParser] = None
         if tool_parser is not None:
             self.tool_parser = ToolParserManager.get_tool_parser(tool_parser)(self.tokenizer)
+        self.reasoning: Optional[ReasoningParser] = None
+        if reasoning_parser is not None:
+            self.reasoning = get_reasoning_parser(reasoning_parser)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -162,7 +167,9 @@ class OpenAIServingChat(OpenAIServing):
         error = await check_structured_outputs(self.engine, params, request.structured_param)
         if error is not None:
             return error
-        tools = _ToolMode(mode, name, self.tool_parser if mode == "auto" else None, request)
+        tools = _ToolMode(
+            mode, name, self.tool_parser if mode == "auto" else None, request, self.reasoning
+        )
         request_id = f"chat-{random_uuid()}"
         created = int(time.time())
         generator = self.engine.generate(
@@ -204,11 +211,16 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse:
         choices = []
         for out in final.outputs:
-            content, calls, finish = tools.split(out.text, out.finish_reason)
+            reasoning, content, calls, finish = tools.split(out.text, out.finish_reason)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=out.index,
-                    message=ChatMessage(role="assistant", content=content, tool_calls=calls),
+                    message=ChatMessage(
+                        role="assistant",
+                        content=content,
+                        reasoning_content=reasoning,
+                        tool_calls=calls,
+                    ),
                     logprobs=self._logprobs(request, out),
                     finish_reason=finish,
                     stop_reason=out.stop_reason,
@@ -248,7 +260,8 @@ class OpenAIServingChat(OpenAIServing):
         finished: set[int] = set()
         prompt_tokens = completion_tokens = 0
         texts: dict[int, str] = {}  # each choice's whole text so far
-        streamed: dict[int, int] = {}  # characters of it already sent as content
+        streamed: dict[int, int] = {}  # characters of its content already sent
+        streamed_r: dict[int, int] = {}  # characters of its reasoning already sent
         try:
             async for output in stream:
                 prompt_tokens = len(output.prompt_token_ids)
@@ -271,14 +284,21 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     text = texts[out.index] = texts.get(out.index, "") + out.text
                     sent = streamed.get(out.index, 0)
-                    if out.finish_reason is None:
-                        # Content streams until the text may be opening a tool call; from
-                        # there it is held until the choice ends and the parser reads it.
-                        if tools.parser is not None and not tools.parser.may_start_tool_call(text):
-                            streamed[out.index] = len(text)
-                            yield chunk(out.index, DeltaMessage(content=text[sent:]))
+                    sent_r = streamed_r.get(out.index, 0)
+                    final = out.finish_reason is not None
+                    reasoning, content, calls, finish = tools.split(text, out.finish_reason, final)
+                    if reasoning is not None and len(reasoning) > sent_r:
+                        streamed_r[out.index] = len(reasoning)
+                        yield chunk(out.index, DeltaMessage(reasoning_content=reasoning[sent_r:]))
+                    if not final:
+                        # Content streams until it may be opening a tool call (or always
+                        # for a forced choice); from there it is held until the choice ends
+                        # and the parser reads it.
+                        if tools.streams_content(content or ""):
+                            streamed[out.index] = len(content or "")
+                            if content and len(content) > sent:
+                                yield chunk(out.index, DeltaMessage(content=content[sent:]))
                         continue
-                    content, calls, finish = tools.split(text, out.finish_reason)
                     if content is not None and len(content) > sent:
                         yield chunk(out.index, DeltaMessage(content=content[sent:]))
                     if calls:
@@ -310,36 +330,59 @@ class OpenAIServingChat(OpenAIServing):
 
 
 class _ToolMode:
-    """How one request's choices turn into a message: plain content (`none`), the parser's
-    reading (`auto`), or the tool calls of an output the schema forced (`required`, named)."""
+    """How one request's choices turn into a message: the reasoning parser's split (if any),
+    then plain content (`none`), the tool parser's reading (`auto`), or the tool calls of an
+    output the schema forced (`required`, named)."""
 
     def __init__(
-        self, mode: str, name: Optional[str], parser: Optional[ToolParser], request: Any
+        self,
+        mode: str,
+        name: Optional[str],
+        parser: Optional[ToolParser],
+        request: Any,
+        reasoning: Optional[ReasoningParser] = None,
     ) -> None:
         self.mode = mode
         self.name = name
         self.parser = parser
         self.request = request
+        self.reasoning = reasoning
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
 
     @property
     def active(self) -> bool:
-        return self.mode in ("required", "named") or self.parser is not None
+        return self.forced or self.parser is not None or self.reasoning is not None
+
+    def streams_content(self, content: str) -> bool:
+        """Whether content so far may be sent before the choice ends."""
+        if self.forced:
+            return False
+        return self.parser is None or not self.parser.may_start_tool_call(content)
 
     def split(
-        self, text: str, finish_reason: Optional[str]
-    ) -> tuple[Optional[str], list[ToolCall], Optional[str]]:
-        """(content, tool calls, finish_reason) of a whole choice."""
-        if self.mode in ("required", "named"):
+        self, text: str, finish_reason: Optional[str], final: bool = True
+    ) -> tuple[Optional[str], Optional[str], list[ToolCall], Optional[str]]:
+        """(reasoning, content, tool calls, finish_reason) of a choice's text; before its end
+        (`final` False) the calls are not read yet."""
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text, final)
+        if not final:
+            return reasoning, text, [], finish_reason
+        if self.forced:
             calls = forced_tool_calls(text, self.mode, self.name)
             if not calls:  # cut short (max_tokens): hand back the text
-                return text, [], finish_reason
+                return reasoning, text, [], finish_reason
             # vLLM: a named choice finishes with "stop", a required one with "tool_calls".
-            return None, calls, finish_reason if self.mode == "named" else "tool_calls"
+            return reasoning, None, calls, finish_reason if self.mode == "named" else "tool_calls"
         if self.parser is not None:
             info = self.parser.extract_tool_calls(text, self.request)
             if info.tools_called:
-                return info.content, info.tool_calls, "tool_calls"
-        return text, [], finish_reason
+                return reasoning, info.content, info.tool_calls, "tool_calls"
+        return reasoning, text, [], finish_reason
 
 
 def _tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
