@@ -3,11 +3,12 @@ the same workload (same prompts, batch and token count), plus the mask's own cos
 
     python benchmarks/structured_output.py [--model smollm2] [--batch 8] [--max-tokens 64] [-pp 1]
 
-The constrained run uses a schema whose output does not end early (an array of objects with
-bounded fields and up to 1000 items, no whitespace), so both runs generate about the same
-number of tokens; tokens/s is computed from the tokens actually generated. The unconstrained run
-uses `ignore_eos` for the same reason. Each configuration is run twice and the second run is
-reported (the first warms up, and compiles the grammar).
+The constrained run uses a schema whose output cannot end early (exactly 200 objects with
+bounded fields, no whitespace), so both runs generate the same number of tokens (the
+unconstrained run uses `ignore_eos` for the same reason). Each configuration is run twice and the
+second run is reported (the first warms up and compiles the grammar). The mask's own cost is
+measured by replaying the constrained outputs' tokens through fresh matchers: the mean time to
+fill one row's bitmask at each position, plus applying it to the logits.
 """
 
 from __future__ import annotations
@@ -33,21 +34,24 @@ SCHEMA = {
         "required": ["name", "age", "role"],
         "additionalProperties": False,
     },
-    "maxItems": 1000,
+    # Exactly 200 items: the output cannot end before max_tokens, whatever the model prefers.
+    "minItems": 200,
+    "maxItems": 200,
 }
 PROMPT = "List the users of the system as JSON:"
 
 
-def run(llm, params, batch: int) -> tuple[int, float]:
-    """(tokens generated, seconds) of one batch."""
+def run(llm, params, batch: int) -> tuple[int, float, list]:
+    """(tokens generated, seconds, outputs) of one batch."""
     start = time.perf_counter()
     outputs = llm.generate([f"{PROMPT} #{i}" for i in range(batch)], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outputs), elapsed
+    return sum(len(o.outputs[0].token_ids) for o in outputs), elapsed, outputs
 
 
-def mask_cost(llm, rows: int = 64) -> float:
-    """Seconds per row to fill one sequence's bitmask and apply it to a [rows, V] logits."""
+def mask_cost(llm, outputs) -> float:
+    """Mean seconds per sampled token to fill its row's bitmask and apply it, replaying the
+    constrained outputs' tokens (the states the engine really met)."""
     import torch
     import xgrammar as xgr
 
@@ -59,17 +63,20 @@ def mask_cost(llm, rows: int = 64) -> float:
     spec = grammar_spec(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
     compiled = cache.compile(spec)
     vocab = engine.model_config.get_vocab_size()
-    matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
-    for m in matchers:
-        m.accept_string('[{"name": "ab')
-    logits = torch.randn(rows, vocab)
-    bitmask = xgr.allocate_token_bitmask(rows, vocab)
-    start = time.perf_counter()
-    for _ in range(10):
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=list(range(rows)))
-    return (time.perf_counter() - start) / (10 * rows)
+    logits = torch.randn(1, vocab)
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    elapsed, count = 0.0, 0
+    for output in outputs:
+        matcher = xgr.GrammarMatcher(compiled)
+        for token in output.outputs[0].token_ids:
+            start = time.perf_counter()
+            matcher.fill_next_token_bitmask(bitmask, 0)
+            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[0])
+            elapsed += time.perf_counter() - start
+            count += 1
+            if not matcher.accept_token(token):
+                break
+    return elapsed / max(count, 1)
 
 
 def main() -> None:
@@ -93,12 +100,12 @@ def main() -> None:
         results[name] = run(llm, params, args.batch)
     print(f"model={args.model} batch={args.batch} max_tokens={args.max_tokens} "
           f"pp={args.pipeline_parallel_size}")  # fmt: skip
-    for name, (tokens, seconds) in results.items():
+    for name, (tokens, seconds, _) in results.items():
         print(f"{name:12s} {tokens:6d} tokens in {seconds:7.2f} s: {tokens / seconds:8.1f} tok/s")
     base = results["no schema"][0] / results["no schema"][1]
     with_schema = results["json schema"][0] / results["json schema"][1]
     print(f"json schema / no schema: {with_schema / base:.3f}")
-    print(f"mask fill + apply: {mask_cost(llm) * 1e6:.1f} us per row")
+    print(f"mask fill + apply: {mask_cost(llm, results['json schema'][2]) * 1e6:.1f} us per row")
     llm.shutdown()
 
 
