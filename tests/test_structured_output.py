@@ -1,7 +1,7 @@
 """Structured outputs in the engine: JSON schemas, regex, choice and grammar constrain a tiny
-random model's output (which would otherwise be noise), at PP=1 and PP=2 (mp with chunked
-prefill, prefix caching and async scheduling; Ray), with n=2 seeded samples, identical across
-pipeline depths, and through a stage kill."""
+random model's output (which would otherwise be noise) at PP=1, TP=2 x PP=2 on mp (chunked
+prefill, prefix caching, async scheduling) and PP=2 on Ray, with n=2 seeded samples; greedy
+outputs identical across depths, and through a stage kill."""
 
 from __future__ import annotations
 
@@ -231,11 +231,13 @@ def _assert_same(expected, got) -> None:
     ]
 
 
-def test_pp2_mp_chunked_prefill_prefix_caching_same_outputs(reference, tiny_model_dirs):
-    """PP=2 on mp with async scheduling, chunked prefill (a 16-token budget splits the long
-    prompts) and prefix caching (the second run hits the cache): the same tokens as PP=1."""
+def test_tp2_pp2_mp_chunked_prefill_prefix_caching_same_outputs(reference, tiny_model_dirs):
+    """TP=2 x PP=2 on mp with async scheduling (only the last stage's TP driver holds matchers
+    and samples), chunked prefill (a 16-token budget splits the long prompts) and prefix
+    caching (the second run hits the cache): the same greedy tokens as PP=1."""
     llm = LLM(
         tiny_model_dirs[KIND],
+        tensor_parallel_size=2,
         pipeline_parallel_size=2,
         distributed_executor_backend="mp",
         enable_chunked_prefill=True,
@@ -284,3 +286,4 @@ def test_pp2_ray_same_outputs_and_survives_a_stage_kill(reference, ray_session, 
         llm.shutdown()
     _check(survived)
     _assert_same(clean, survived)
+
