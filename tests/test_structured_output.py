@@ -286,4 +286,3 @@ def test_pp2_ray_same_outputs_and_survives_a_stage_kill(reference, ray_session, 
         llm.shutdown()
     _check(survived)
     _assert_same(clean, survived)
-
