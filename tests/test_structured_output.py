@@ -180,6 +180,29 @@ def test_unconstrained_requests_unchanged_next_to_constrained(reference):
     assert mixed[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
 
 
+def test_stop_strings_and_pydantic_schemas(reference):
+    """A stop string cuts a constrained output as any other; a pydantic model is a schema."""
+    import pydantic
+
+    class Point(pydantic.BaseModel):
+        x: int = pydantic.Field(ge=0, le=99)
+        label: str = pydantic.Field(max_length=5)
+
+    llm, outputs = reference
+    full = outputs[len(SCHEMAS)].outputs[0].text  # the regex request: digits, "-", letters
+    regex = SamplingParams(
+        temperature=0,
+        max_tokens=30,
+        stop=["-"],
+        structured_outputs=StructuredOutputsParams(regex=REGEX),
+    )
+    point = _json_params(Point)
+    cut, obj = llm.generate([tiny_models.PROMPTS[7], "A"], [regex, point], use_tqdm=False)
+    assert cut.outputs[0].text == full.split("-")[0] and cut.outputs[0].stop_reason == "-"
+    assert obj.outputs[0].finish_reason == "stop"
+    Point.model_validate(_parse(obj.outputs[0].text))
+
+
 def test_bad_constraints_refused_at_add_request(reference):
     llm, _ = reference
     engine = llm.llm_engine

@@ -57,6 +57,10 @@ class StructuredOutputsParams:
     structural_tag: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
+            # A pydantic model class: its schema (a dict pickles to the stages; a class
+            # defined in a script might not).
+            self.json = self.json.model_json_schema()
         count = sum(getattr(self, kind) is not None for kind in _KINDS)
         if count > 1:
             raise ValueError(

@@ -86,7 +86,7 @@ def chat_prompt(tokenizer: Any, request: Any, chat_template: Optional[str] = Non
     template = getattr(request, "chat_template", None) or chat_template
     extra = dict(getattr(request, "chat_template_kwargs", None) or {})
     tools = getattr(request, "tools", None)
-    if tools and getattr(request, "tool_choice", None) != "none":
+    if tools:  # as vLLM: the template sees the tools even with tool_choice "none"
         extra["tools"] = tools
     try:
         return tokenizer.apply_chat_template(
