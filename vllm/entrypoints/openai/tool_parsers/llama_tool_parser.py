@@ -18,7 +18,8 @@ def decode_json_objects(text: str) -> list[Any]:
     """The JSON values of `text`, one after another, separated by whitespace, `;` or `,`
     (ValueError when anything else is left)."""
     decoder = json.JSONDecoder()
-    values, pos = [], 0
+    values: list[Any] = []
+    pos = 0
     while True:
         while pos < len(text) and text[pos] in " \t\r\n;,":
             pos += 1
