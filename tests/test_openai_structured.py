@@ -221,9 +221,11 @@ def _calls(message) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
-def _streamed(client, reasoning: list | None = None, **kw) -> tuple[str, list, str]:
+def _streamed(
+    client, reasoning: list | None = None, pieces: list | None = None, **kw
+) -> tuple[str, list, str]:
     """(content, tool calls, finish_reason) reassembled from a stream's deltas (reasoning
-    deltas appended to `reasoning`)."""
+    deltas appended to `reasoning`, tool-call deltas to `pieces`)."""
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(stream=True, **kw):
         for choice in chunk.choices:
@@ -232,6 +234,8 @@ def _streamed(client, reasoning: list | None = None, **kw) -> tuple[str, list, s
             if reasoning is not None:
                 reasoning.append(getattr(delta, "reasoning_content", None) or "")
             for tc in delta.tool_calls or []:
+                if pieces is not None:
+                    pieces.append(tc)
                 entry = calls.setdefault(tc.index, ["", ""])
                 entry[0] += tc.function.name or ""
                 entry[1] += tc.function.arguments or ""
@@ -259,9 +263,12 @@ def test_forced_tool_choice_arguments_parse_streamed_or_not(client, choice):
         assert response.choices[0].finish_reason == "stop"
     else:
         assert response.choices[0].finish_reason == "tool_calls"
-    content, streamed, finish = _streamed(client, **kw)
+    pieces: list = []
+    content, streamed, finish = _streamed(client, pieces=pieces, **kw)
     assert streamed == calls and not content
     assert finish == response.choices[0].finish_reason
+    if choice == "named":  # the arguments stream as they are generated
+        assert len(pieces) > 2 and pieces[0].id and pieces[0].function.name == "get_time"
 
 
 @pytest.mark.parametrize("parser, regex", [("hermes", HERMES_CALL), ("llama3_json", LLAMA_CALL)])

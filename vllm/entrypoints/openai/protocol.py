@@ -318,9 +318,13 @@ class FunctionCall(OpenAIBaseModel):
 
 
 class ToolCall(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: f"chatcmpl-tool-{random_uuid()}")
+    id: str = Field(default_factory=lambda: ToolCall.new_id())
     type: Literal["function"] = "function"
     function: FunctionCall
+
+    @staticmethod
+    def new_id() -> str:
+        return f"chatcmpl-tool-{random_uuid()}"
 
 
 class DeltaFunctionCall(OpenAIBaseModel):

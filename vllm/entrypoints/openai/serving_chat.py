@@ -262,6 +262,7 @@ class OpenAIServingChat(OpenAIServing):
         texts: dict[int, str] = {}  # each choice's whole text so far
         streamed: dict[int, int] = {}  # characters of its content already sent
         streamed_r: dict[int, int] = {}  # characters of its reasoning already sent
+        named_ids: dict[int, str] = {}  # the tool-call id of each choice (named tool_choice)
         try:
             async for output in stream:
                 prompt_tokens = len(output.prompt_token_ids)
@@ -290,6 +291,40 @@ class OpenAIServingChat(OpenAIServing):
                     if reasoning is not None and len(reasoning) > sent_r:
                         streamed_r[out.index] = len(reasoning)
                         yield chunk(out.index, DeltaMessage(reasoning_content=reasoning[sent_r:]))
+                    if tools.mode == "named":
+                        # The output is the arguments JSON itself: stream it as they grow,
+                        # after a first delta naming the function (vLLM's named streaming).
+                        arguments = tools.split(text, None, final=False)[1] or ""
+                        delta_args = arguments[sent:]
+                        if delta_args or (final and out.index not in named_ids):
+                            first = out.index not in named_ids
+                            call_id = named_ids.setdefault(out.index, ToolCall.new_id())
+                            streamed[out.index] = len(arguments)
+                            yield chunk(
+                                out.index,
+                                DeltaMessage(
+                                    tool_calls=[
+                                        DeltaToolCall(
+                                            index=0,
+                                            id=call_id if first else None,
+                                            type="function" if first else None,
+                                            function=DeltaFunctionCall(
+                                                name=tools.name if first else None,
+                                                arguments=delta_args,
+                                            ),
+                                        )
+                                    ]
+                                ),
+                            )
+                        if final:
+                            _, _, _, finish = tools.split(text, out.finish_reason)
+                            yield chunk(
+                                out.index,
+                                DeltaMessage(content=""),
+                                finish_reason=finish,
+                                stop_reason=out.stop_reason,
+                            )
+                        continue
                     if not final:
                         # Content streams until it may be opening a tool call (or always
                         # for a forced choice); from there it is held until the choice ends

@@ -106,10 +106,12 @@ def forced_tool_calls(text: str, mode: str, name: Optional[str]) -> list[ToolCal
     try:
         value = json.loads(text, strict=False)
     except ValueError:
-        return []
+        return []  # cut short (max_tokens)
     if mode == "named":
         assert name is not None
-        return [ToolCall(function=FunctionCall(name=name, arguments=json.dumps(value)))]
+        # The output is the arguments: kept as generated (as vLLM), so a stream of it
+        # reassembles to the same text.
+        return [ToolCall(function=FunctionCall(name=name, arguments=text))]
     calls = []
     for item in value if isinstance(value, list) else []:
         if isinstance(item, dict) and isinstance(item.get("name"), str):
