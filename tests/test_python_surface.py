@@ -105,8 +105,9 @@ def test_newer_vllm_keywords_ray_data_passes():
     from vllm import AsyncEngineArgs, SamplingParams
 
     assert SamplingParams(structured_outputs=None).structured_outputs is None
+    assert SamplingParams(structured_outputs={"json": {}}).structured_outputs.json == {}
     with pytest.raises(ValueError, match="structured_outputs"):
-        SamplingParams(structured_outputs={"json": {}})
+        SamplingParams(structured_outputs={"jsn": {}})
     args = AsyncEngineArgs(model="smollm2", runner="generate", enable_log_requests=False)
     assert args.runner == "generate"
     with pytest.raises(ValueError, match="runner='pooling'"):

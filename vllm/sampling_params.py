@@ -16,6 +16,16 @@ from enum import IntEnum
 from functools import cached_property
 from typing import Any, Literal, overload
 
+from vllm.structured_output.params import GuidedDecodingParams, StructuredOutputsParams
+
+__all__ = [
+    "GuidedDecodingParams",
+    "RequestOutputKind",
+    "SamplingParams",
+    "SamplingType",
+    "StructuredOutputsParams",
+]
+
 # The engine holds integer parameters in int64 tensors (top-k filtering, seeded generators,
 # token ids): a larger value passed validation once and killed the engine in the sampler.
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -157,19 +167,16 @@ class SamplingParams:
     logits_processors: list[LogitsProcessor] | None = None
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Newer vLLM's guided decoding parameters; this engine has none, so only None is taken
-    # (Ray Data's LLM processor always passes the keyword).
-    structured_outputs: Any = None
+    # A constraint on the output (JSON schema, regex, choice, grammar): vLLM's current name,
+    # and the 0.6-era one (converted to the former).
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: GuidedDecodingParams | None = None
     # Derived in __post_init__, not constructor arguments.
     output_text_buffer_length: int = field(default=0, init=False)
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
-        if self.structured_outputs is not None:
-            raise ValueError(
-                "structured_outputs (guided decoding) is not supported by this engine; "
-                "pass structured_outputs=None."
-            )
+        self._normalize_structured_outputs()
         self._normalize()
         # The detokenizer holds back this many characters: they may be the start of a stop
         # string that must not reach the user.
@@ -188,6 +195,41 @@ class SamplingParams:
                 self._verify_greedy_sampling()
         # The engine adds the model's EOS id(s) here via update_from_generation_config.
         self._all_stop_token_ids = set(self.stop_token_ids)
+
+    def _normalize_structured_outputs(self) -> None:
+        guided = self.guided_decoding
+        if isinstance(guided, dict):
+            guided = GuidedDecodingParams(**guided)
+        if guided is not None and not isinstance(guided, GuidedDecodingParams):
+            raise SamplingParamsTypeError(
+                f"guided_decoding must be a GuidedDecodingParams, but is of type {type(guided)}"
+            )
+        structured = self.structured_outputs
+        if isinstance(structured, dict):
+            structured = StructuredOutputsParams.from_dict(structured)
+        if structured is not None and not isinstance(structured, StructuredOutputsParams):
+            raise SamplingParamsTypeError(
+                "structured_outputs must be a StructuredOutputsParams, but is of type "
+                f"{type(structured)}"
+            )
+        if guided is not None:
+            if structured is not None:
+                raise ValueError(
+                    "Cannot set both structured_outputs and guided_decoding; "
+                    "guided_decoding is the older name of structured_outputs."
+                )
+            # An all-None GuidedDecodingParams (vLLM's default object) asks for nothing.
+            if not all(
+                getattr(guided, k) is None
+                for k in ("json", "regex", "choice", "grammar", "json_object")
+            ):
+                structured = guided.to_structured_outputs()
+        if structured is not None and structured.all_constraints_none():
+            structured = None  # only options (e.g. disable_any_whitespace): nothing to match
+        self.guided_decoding = guided
+        self.structured_outputs = structured
+        if structured is not None and self.use_beam_search:
+            raise ValueError("structured_outputs is not supported with beam search.")
 
     def _normalize(self) -> None:
         self.n = _as_int("n", self.n)
@@ -401,4 +443,6 @@ class SamplingParams:
 
     def __repr__(self) -> str:
         body = ", ".join(f"{name}={getattr(self, name)}" for name in _REPR_FIELDS)
+        if self.structured_outputs is not None:
+            body += f", structured_outputs={self.structured_outputs}"
         return f"SamplingParams({body})"

@@ -97,6 +97,8 @@ class LLMEngine:
                 self.batch_queue.max_concurrent_batches,
             )
         self._finished_request_ids: list[str] = []
+        # Structured outputs: grammars compiled at add_request (built on first use).
+        self._grammar_cache: Any = None
         # Outputs made while scheduling (ignored prompts), returned by this or the next step
         # even if the step fails after making them.
         self._pending_outputs: list[RequestOutput] = []
@@ -155,6 +157,8 @@ class LLMEngine:
             self.tokenizer,
             self.model_config,
         )
+        if sampling_params.structured_outputs is not None:
+            self.check_structured_outputs(sampling_params)
         eos = self.eos_token_id
         if sampling_params.best_of > self.scheduler_config.max_num_seqs:
             raise ValueError(
@@ -176,6 +180,20 @@ class LLMEngine:
             arrival_time if arrival_time is not None else time.time(),
         )
         self.scheduler.add_seq_group(group)
+
+    def check_structured_outputs(self, sampling_params: SamplingParams) -> None:
+        """Compile the request's grammar now (cached per spec): a schema, regex or grammar
+        the backend refuses is a ValueError here, before the request is queued."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs the tokenizer (skip_tokenizer_init=True)")
+        if self._grammar_cache is None:
+            from vllm.structured_output.compiler import compile_cache_for
+
+            self._grammar_cache = compile_cache_for(self.model_config, self.tokenizer)
+        from vllm.structured_output.params import grammar_spec
+
+        assert sampling_params.structured_outputs is not None
+        self._grammar_cache.compile(grammar_spec(sampling_params.structured_outputs))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests; one still inside the pipeline has its result discarded on return."""

@@ -18,6 +18,8 @@ from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.parallel_utils import parallel_state as ps
 from vllm.model_executor.sampling_metadata import build_sampling_metadata
 from vllm.sequence import SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput
+from vllm.structured_output.compiler import compile_cache_for
+from vllm.structured_output.matcher import StructuredOutputState
 
 
 def prepare_inputs(
@@ -98,19 +100,44 @@ class ModelRunner:
     """Runs this stage's slice of the model for one step."""
 
     def __init__(
-        self, model: nn.Module, layout: StageLayout, block_size: int, device: torch.device
+        self,
+        model: nn.Module,
+        layout: StageLayout,
+        block_size: int,
+        device: torch.device,
+        model_config: Any = None,
     ) -> None:
         self.model = model
+        self.model_config = model_config
         self.layout = layout
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
         # Per-request seeded generators live across steps on the last stage.
         self.generators: dict[str, torch.Generator] = {}
+        # Grammars and matchers of structured outputs, on the sampling rank; built on the
+        # first constrained request (see vllm/structured_output/matcher.py for why here).
+        self._structured: Optional[StructuredOutputState] = None
 
     def drop_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.generators.pop(request_id, None)
+        if self._structured is not None:
+            self._structured.drop(request_ids)
+
+    def _structured_state(self, metadata_list: list[SequenceGroupMetadata]) -> Any:
+        """The structured-output state when this step has a constrained group (and this rank
+        samples), with the grammars of new requests compiling in the background."""
+        if ps.get_tensor_model_parallel_rank() != 0:
+            return None
+        if not any(m.sampling_params.structured_outputs is not None for m in metadata_list):
+            return None
+        if self._structured is None:
+            if self.model_config is None:
+                raise ValueError("structured outputs need the model config on the last stage")
+            self._structured = StructuredOutputState(compile_cache_for(self.model_config))
+        self._structured.prefetch(metadata_list)
+        return self._structured
 
     @torch.inference_mode()
     def execute_stage(
@@ -123,6 +150,9 @@ class ModelRunner:
 
         The first stage builds inputs from `metadata_list`; later stages take the hidden
         states and metadata in `received` (from the previous stage)."""
+        structured = None
+        if self.layout.is_last and metadata_list is not None:
+            structured = self._structured_state(metadata_list)
         if self.layout.is_first:
             assert metadata_list is not None
             input_ids, positions, md = prepare_inputs(metadata_list, self.block_size, self.device)
@@ -148,4 +178,7 @@ class ModelRunner:
         )
         if logits is None:  # a TP rank other than the driver: the driver samples
             return None, None
+        if structured is not None:
+            logits = logits.float()  # [S, V]; the mask kernel takes fp32
+            structured.apply(logits, sampling_md)
         return None, self.sampler(logits, sampling_md)

@@ -131,7 +131,7 @@ class Worker:
     def load_model(self) -> None:
         model = load_stage_model(self.model_config, self.layout, self.device)
         self.model_runner = ModelRunner(
-            model, self.layout, self.cache_config.block_size, self.device
+            model, self.layout, self.cache_config.block_size, self.device, self.model_config
         )
 
     def get_stage_info(self) -> dict[str, Any]:

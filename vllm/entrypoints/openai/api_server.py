@@ -54,6 +54,9 @@ def build_app(
     api_key: Optional[str] = None,
     chat_template: Optional[str] = None,
     limits: Optional[ServerLimits] = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: Optional[str] = None,
+    reasoning_parser: Optional[str] = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_names` (default: the model)."""
     names = served_model_names or [engine.engine.served_model_name]
@@ -61,7 +64,15 @@ def build_app(
     scheduler_config = engine.engine.scheduler_config
     work = BoundedWork(engine.engine.get_tokenizer(), scheduler_config.max_model_len, limits)
     completion = OpenAIServingCompletion(engine, names, work)
-    chat = OpenAIServingChat(engine, names, work, chat_template=chat_template)
+    chat = OpenAIServingChat(
+        engine,
+        names,
+        work,
+        chat_template=chat_template,
+        enable_auto_tools=enable_auto_tool_choice,
+        tool_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+    )
     tokenizer = completion.tokenizer
     app = FastAPI()
     app.state.engine = engine
@@ -329,6 +340,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
     parser.add_argument(
         "--chat-template", type=str, default=None, help="A Jinja chat template (file or text)."
     )
+    add_tool_args(parser)
     parser.add_argument(
         "--max-log-len",
         type=int,
@@ -344,6 +356,32 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
         help="Log level for uvicorn.",
     )
     return AsyncEngineArgs.add_cli_args(parser)
+
+
+def add_tool_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling flags."""
+    from vllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from vllm.entrypoints.openai.tool_parsers import ToolParserManager
+
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="Let the model call tools on its own (tool_choice='auto'); needs --tool-call-parser.",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        type=str,
+        default=None,
+        choices=sorted(ToolParserManager.tool_parsers),
+        help="How tool calls are read from the model's output (the model's format).",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        type=str,
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="Split a think-tag model's reasoning into `reasoning_content`.",
+    )
 
 
 def _load_chat_template(value: Optional[str]) -> Optional[str]:
@@ -429,6 +467,9 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
     engine down (its stages and, on Ray, the local Ray it started)."""
     import uvicorn
 
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser to be set")
+
     from vllm.worker.cpu_memory import keep_malloc_defaults_in_this_process
 
     # The worker's malloc tuning (never trim) must not reach the API process: at PP=1 the
@@ -438,7 +479,16 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
     engine.max_log_len = getattr(args, "max_log_len", None)
     limits = limits_from_args(args)
     names = [args.served_model_name] if args.served_model_name else None
-    app = build_app(engine, names, _api_key(args), _load_chat_template(args.chat_template), limits)
+    app = build_app(
+        engine,
+        names,
+        _api_key(args),
+        _load_chat_template(args.chat_template),
+        limits,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
     config = uvicorn.Config(
         app,
         host=args.host,

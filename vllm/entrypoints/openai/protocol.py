@@ -2,7 +2,8 @@
 
 Requests turn into SamplingParams with `to_sampling_params`; a bad value raises the
 SamplingParams ValueError (vLLM's wording), which the server returns as a 400 naming the
-parameter. Unknown fields are ignored, as vLLM does.
+parameter. Unknown fields are logged and ignored, as vLLM does; the OpenAI fields this server
+knows but does not implement are refused with a 400 naming them (structured_fields.py).
 """
 
 from __future__ import annotations
@@ -11,9 +12,16 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from vllm.entrypoints.openai.structured_fields import (
+    check_unsupported,
+    structured_outputs_from_request,
+)
+from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = init_logger(__name__)
 
 
 def random_uuid() -> str:
@@ -21,9 +29,24 @@ def random_uuid() -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    """Ignores unknown fields (clients send newer OpenAI fields than the server knows)."""
+    """Keeps unknown fields aside (`model_extra`) and logs them as vLLM does: clients send
+    newer OpenAI fields than the server knows, and a dropped one must at least be visible."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_extra_fields(cls, data: Any, handler: Any) -> Any:
+        result = handler(data)
+        if isinstance(data, dict):
+            names = set(cls.model_fields)
+            names |= {f.alias for f in cls.model_fields.values() if f.alias}
+            extra = data.keys() - names
+            if extra:
+                logger.warning(
+                    "The following fields were present in the request but ignored: %s", extra
+                )
+        return result
 
 
 class ErrorResponse(OpenAIBaseModel):
@@ -78,6 +101,22 @@ class UsageInfo(OpenAIBaseModel):
     completion_tokens: Optional[int] = 0
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    """`response_format.json_schema`: OpenAI's structured outputs."""
+
+    name: str = "response"
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """`response_format`: text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaResponseFormat] = None
+
+
 class _SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
@@ -109,8 +148,32 @@ class _SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    # Structured outputs: OpenAI's response_format, vLLM's object and its older extras.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    _structured_param: str = PrivateAttr(default="structured_outputs")
 
-    def _params(self, max_tokens: Optional[int], logprobs: Optional[int], temp: float) -> Any:
+    def _params(
+        self,
+        max_tokens: Optional[int],
+        logprobs: Optional[int],
+        temp: float,
+        tool_schema: Optional[dict[str, Any]] = None,
+    ) -> Any:
+        check_unsupported(self.model_extra or {})
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            raise ParameterError(
+                f"guided_decoding_backend {self.guided_decoding_backend!r} is not available; "
+                "this server uses 'xgrammar'.",
+                "guided_decoding_backend",
+            )
+        structured, self._structured_param = structured_outputs_from_request(self, tool_schema)
         if self.logit_bias:
             raise ParameterError("logit_bias is not supported by this server.", "logit_bias")
         if self.stream and self.best_of is not None and self.best_of != self.n:
@@ -144,7 +207,13 @@ class _SamplingFields(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             output_kind=kind,
+            structured_outputs=structured,
         )
+
+    @property
+    def structured_param(self) -> str:
+        """The field that set the request's constraint (after `to_sampling_params`)."""
+        return self._structured_param
 
 
 class ParameterError(ValueError):
@@ -181,11 +250,13 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     echo: bool = False
     chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = True
 
-    def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise ParameterError("tools are not supported by this server.", "tools")
+    def to_sampling_params(self, tool_schema: Optional[dict[str, Any]] = None) -> SamplingParams:
+        """`tool_schema`: the JSON schema a `required` or named tool_choice imposes."""
         if self.top_logprobs and not self.logprobs:
             raise ParameterError("top_logprobs needs logprobs=true.", "top_logprobs")
         # 0 is a value (refused as below 1), not "no limit".
@@ -196,7 +267,7 @@ class ChatCompletionRequest(_SamplingFields):
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         # vLLM 0.5's chat default temperature.
-        return self._params(max_tokens, logprobs, 0.7)
+        return self._params(max_tokens, logprobs, 0.7, tool_schema)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -246,14 +317,48 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: Optional[list[ChatLogProbsContent]] = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: ToolCall.new_id())
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    @staticmethod
+    def new_id() -> str:
+        return f"chatcmpl-tool-{random_uuid()}"
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """One piece of a streamed tool call: the first has id, type and name, later ones append
+    to `arguments` (matched by `index`)."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):

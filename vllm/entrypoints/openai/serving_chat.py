@@ -22,21 +22,40 @@ from vllm.entrypoints.openai.protocol import (
     ChatLogProb,
     ChatLogProbsContent,
     ChatMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     ParameterError,
+    ToolCall,
     UsageInfo,
     random_uuid,
 )
-from vllm.entrypoints.openai.serving_completion import _chain, start_all, token_text
+from vllm.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from vllm.entrypoints.openai.serving_completion import (
+    _chain,
+    start_all,
+    token_text,
+)
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     bad_request,
+    check_structured_outputs,
     error_body,
     sse,
     until_disconnected,
 )
+from vllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
+from vllm.entrypoints.openai.tools import (
+    forced_tool_calls,
+    messages_for_template,
+    tool_choice_mode,
+    tool_schema,
+)
 from vllm.outputs import RequestOutput
 from vllm.sequence import Logprob
+
+# Message keys a chat template may read besides role and content (tool calling).
+_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id")
 
 
 def _text_content(content: Any) -> str:
@@ -67,14 +86,22 @@ def chat_prompt(tokenizer: Any, request: Any, chat_template: Optional[str] = Non
             raise ParameterError("a message's 'role' must be a string.", "messages")
         check_unicode(role, "messages")
         check_unicode(content, "messages")
-        messages.append({"role": role, "content": content})
+        item = {"role": role, "content": content}
+        item.update({k: message[k] for k in _MESSAGE_KEYS if message.get(k) is not None})
+        messages.append(item)
+    messages = messages_for_template(messages)
     template = getattr(request, "chat_template", None) or chat_template
+    extra = dict(getattr(request, "chat_template_kwargs", None) or {})
+    tools = getattr(request, "tools", None)
+    if tools:  # as vLLM: the template sees the tools even with tool_choice "none"
+        extra["tools"] = tools
     try:
         return tokenizer.apply_chat_template(
             messages,
             tokenize=False,
             add_generation_prompt=request.add_generation_prompt,
             chat_template=template,
+            **extra,
         )
     except Exception as exc:  # no template, a template error or its time budget: a 400
         raise ParameterError(f"cannot apply the chat template: {exc}", "messages") from exc
@@ -133,9 +160,24 @@ def chat_logprobs(
 class OpenAIServingChat(OpenAIServing):
     """Handles /v1/chat/completions."""
 
-    def __init__(self, *args: Any, chat_template: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        chat_template: Optional[str] = None,
+        enable_auto_tools: bool = False,
+        tool_parser: Optional[str] = None,
+        reasoning_parser: Optional[str] = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
+        self.enable_auto_tools = enable_auto_tools
+        self.tool_parser: Optional[ToolParser] = None
+        if tool_parser is not None:
+            self.tool_parser = ToolParserManager.get_tool_parser(tool_parser)(self.tokenizer)
+        self.reasoning: Optional[ReasoningParser] = None
+        if reasoning_parser is not None:
+            self.reasoning = get_reasoning_parser(reasoning_parser)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -144,11 +186,20 @@ class OpenAIServingChat(OpenAIServing):
         if error is not None:
             return error
         try:
-            params = request.to_sampling_params()
+            mode, name = tool_choice_mode(
+                request, self.enable_auto_tools, self.tool_parser is not None
+            )
+            params = request.to_sampling_params(tool_schema(request, mode, name))
             prompt, token_ids = await render_chat(self.work, request, self.chat_template)
             self.check_context(len(token_ids), params, "messages")
         except ValueError as exc:
             return bad_request(exc)
+        error = await check_structured_outputs(self.engine, params, request.structured_param)
+        if error is not None:
+            return error
+        tools = _ToolMode(
+            mode, name, self.tool_parser if mode == "auto" else None, request, self.reasoning
+        )
         request_id = f"chat-{random_uuid()}"
         created = int(time.time())
         generator = self.engine.generate(
@@ -160,7 +211,7 @@ class OpenAIServingChat(OpenAIServing):
         stream = _chain(*firsts[0])
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, created, stream),
+                self._stream(request, request_id, created, stream, tools),
                 media_type="text/event-stream",
             )
 
@@ -172,7 +223,8 @@ class OpenAIServingChat(OpenAIServing):
 
         final = await until_disconnected(raw_request, collect())
         assert final is not None
-        return JSONResponse(self._response(request, request_id, created, final).model_dump())
+        body = self._response(request, request_id, created, final, tools)
+        return JSONResponse(body.model_dump())
 
     def _logprobs(self, request: ChatCompletionRequest, out: Any) -> Any:
         if not request.logprobs or out.logprobs is None:
@@ -180,18 +232,30 @@ class OpenAIServingChat(OpenAIServing):
         return chat_logprobs(out.token_ids, out.logprobs, self.tokenizer, request.top_logprobs or 0)
 
     def _response(
-        self, request: ChatCompletionRequest, request_id: str, created: int, final: RequestOutput
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        created: int,
+        final: RequestOutput,
+        tools: _ToolMode,
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionResponseChoice(
-                index=out.index,
-                message=ChatMessage(role="assistant", content=out.text),
-                logprobs=self._logprobs(request, out),
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
+        choices = []
+        for out in final.outputs:
+            reasoning, content, calls, finish = tools.split(out.text, out.finish_reason)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=out.index,
+                    message=ChatMessage(
+                        role="assistant",
+                        content=content,
+                        reasoning_content=reasoning,
+                        tool_calls=calls,
+                    ),
+                    logprobs=self._logprobs(request, out),
+                    finish_reason=finish,
+                    stop_reason=out.stop_reason,
+                )
             )
-            for out in final.outputs
-        ]
         choices.sort(key=lambda c: c.index)
         prompt_tokens = len(final.prompt_token_ids)
         completion_tokens = sum(len(out.token_ids) for out in final.outputs)
@@ -205,7 +269,12 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def _stream(
-        self, request: ChatCompletionRequest, request_id: str, created: int, stream: Any
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        created: int,
+        stream: Any,
+        tools: _ToolMode,
     ) -> AsyncIterator[str]:
         def chunk(index: int, delta: DeltaMessage, **extra: Any) -> str:
             choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, **extra)
@@ -220,6 +289,10 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk(index, DeltaMessage(role="assistant", content=""))
         finished: set[int] = set()
         prompt_tokens = completion_tokens = 0
+        texts: dict[int, str] = {}  # each choice's whole text so far
+        streamed: dict[int, int] = {}  # characters of its content already sent
+        streamed_r: dict[int, int] = {}  # characters of its reasoning already sent
+        named_ids: dict[int, str] = {}  # the tool-call id of each choice (named tool_choice)
         try:
             async for output in stream:
                 prompt_tokens = len(output.prompt_token_ids)
@@ -231,11 +304,74 @@ class OpenAIServingChat(OpenAIServing):
                     completion_tokens += len(out.token_ids)
                     if out.finish_reason is not None:
                         finished.add(out.index)
+                    if not tools.active:
+                        yield chunk(
+                            out.index,
+                            DeltaMessage(content=out.text),
+                            logprobs=self._logprobs(request, out),
+                            finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason,
+                        )
+                        continue
+                    text = texts[out.index] = texts.get(out.index, "") + out.text
+                    sent = streamed.get(out.index, 0)
+                    sent_r = streamed_r.get(out.index, 0)
+                    final = out.finish_reason is not None
+                    reasoning, content, calls, finish = tools.split(text, out.finish_reason, final)
+                    if reasoning is not None and len(reasoning) > sent_r:
+                        streamed_r[out.index] = len(reasoning)
+                        yield chunk(out.index, DeltaMessage(reasoning_content=reasoning[sent_r:]))
+                    if tools.mode == "named":
+                        # The output is the arguments JSON itself: stream it as they grow,
+                        # after a first delta naming the function (vLLM's named streaming).
+                        arguments = tools.split(text, None, final=False)[1] or ""
+                        delta_args = arguments[sent:]
+                        if delta_args or (final and out.index not in named_ids):
+                            first = out.index not in named_ids
+                            call_id = named_ids.setdefault(out.index, ToolCall.new_id())
+                            streamed[out.index] = len(arguments)
+                            yield chunk(
+                                out.index,
+                                DeltaMessage(
+                                    tool_calls=[
+                                        DeltaToolCall(
+                                            index=0,
+                                            id=call_id if first else None,
+                                            type="function" if first else None,
+                                            function=DeltaFunctionCall(
+                                                name=tools.name if first else None,
+                                                arguments=delta_args,
+                                            ),
+                                        )
+                                    ]
+                                ),
+                            )
+                        if final:
+                            _, _, _, finish = tools.split(text, out.finish_reason)
+                            yield chunk(
+                                out.index,
+                                DeltaMessage(content=""),
+                                finish_reason=finish,
+                                stop_reason=out.stop_reason,
+                            )
+                        continue
+                    if not final:
+                        # Content streams until it may be opening a tool call (or always
+                        # for a forced choice); from there it is held until the choice ends
+                        # and the parser reads it.
+                        if tools.streams_content(content or ""):
+                            streamed[out.index] = len(content or "")
+                            if content and len(content) > sent:
+                                yield chunk(out.index, DeltaMessage(content=content[sent:]))
+                        continue
+                    if content is not None and len(content) > sent:
+                        yield chunk(out.index, DeltaMessage(content=content[sent:]))
+                    if calls:
+                        yield chunk(out.index, DeltaMessage(tool_calls=_tool_call_deltas(calls)))
                     yield chunk(
                         out.index,
-                        DeltaMessage(content=out.text),
-                        logprobs=self._logprobs(request, out),
-                        finish_reason=out.finish_reason,
+                        DeltaMessage(content=""),
+                        finish_reason=finish,
                         stop_reason=out.stop_reason,
                     )
             if request.stream_options is not None and request.stream_options.include_usage:
@@ -256,3 +392,72 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:
             yield sse(error_body(exc))
         yield sse("[DONE]")
+
+
+class _ToolMode:
+    """How one request's choices turn into a message: the reasoning parser's split (if any),
+    then plain content (`none`), the tool parser's reading (`auto`), or the tool calls of an
+    output the schema forced (`required`, named)."""
+
+    def __init__(
+        self,
+        mode: str,
+        name: Optional[str],
+        parser: Optional[ToolParser],
+        request: Any,
+        reasoning: Optional[ReasoningParser] = None,
+    ) -> None:
+        self.mode = mode
+        self.name = name
+        self.parser = parser
+        self.request = request
+        self.reasoning = reasoning
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+    @property
+    def active(self) -> bool:
+        return self.forced or self.parser is not None or self.reasoning is not None
+
+    def streams_content(self, content: str) -> bool:
+        """Whether content so far may be sent before the choice ends."""
+        if self.forced:
+            return False
+        return self.parser is None or not self.parser.may_start_tool_call(content)
+
+    def split(
+        self, text: str, finish_reason: Optional[str], final: bool = True
+    ) -> tuple[Optional[str], Optional[str], list[ToolCall], Optional[str]]:
+        """(reasoning, content, tool calls, finish_reason) of a choice's text; before its end
+        (`final` False) the calls are not read yet."""
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text, final)
+        if not final:
+            return reasoning, text, [], finish_reason
+        if self.forced:
+            calls = forced_tool_calls(text, self.mode, self.name)
+            if not calls:  # cut short (max_tokens): hand back the text
+                return reasoning, text, [], finish_reason
+            # vLLM: a named choice finishes with "stop", a required one with "tool_calls".
+            return reasoning, None, calls, finish_reason if self.mode == "named" else "tool_calls"
+        if self.parser is not None:
+            info = self.parser.extract_tool_calls(text, self.request)
+            if info.tools_called:
+                return reasoning, info.content, info.tool_calls, "tool_calls"
+        return reasoning, text, [], finish_reason
+
+
+def _tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
+    """Each call as one delta: id, type, name and the whole arguments text."""
+    return [
+        DeltaToolCall(
+            index=i,
+            id=call.id,
+            type="function",
+            function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
+        )
+        for i, call in enumerate(calls)
+    ]

@@ -26,6 +26,7 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     bad_request,
+    check_structured_outputs,
     error_body,
     first_output,
     is_client_error,
@@ -104,6 +105,9 @@ class OpenAIServingCompletion(OpenAIServing):
             inputs = [await self._engine_input(p, params) for p in prompts]
         except ValueError as exc:
             return bad_request(exc)
+        error = await check_structured_outputs(self.engine, params, request.structured_param)
+        if error is not None:
+            return error
         request_id = f"cmpl-{random_uuid()}"
         created = int(time.time())
         generators = [

@@ -38,6 +38,8 @@ def error_param(exc: BaseException) -> Optional[str]:
     """The request parameter an error is about (the engine's messages name it first)."""
     if isinstance(exc, ParameterError):
         return exc.param
+    if isinstance(getattr(exc, "param", None), str):  # structured_fields.StructuredFieldError
+        return exc.param  # type: ignore[attr-defined]
     message = str(exc)
     first = message.split(" ", 1)[0].rstrip(":,.")
     if first in _PARAM_NAMES:
@@ -235,3 +237,15 @@ def sse(data: Any) -> str:
     if isinstance(data, str):
         return f"data: {data}\n\n"
     return f"data: {json.dumps(data.model_dump(exclude_unset=False))}\n\n"
+
+
+async def check_structured_outputs(engine: Any, params: Any, param: str) -> Any:
+    """Compile the request's grammar (cached per spec) off the event loop: a schema, regex or
+    grammar the backend refuses is a 400 naming the field that carried it; else None."""
+    if params.structured_outputs is None:
+        return None
+    try:
+        await asyncio.to_thread(engine.engine.check_structured_outputs, params)
+    except ValueError as exc:
+        return bad_request(ParameterError(str(exc), param))
+    return None
