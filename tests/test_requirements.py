@@ -35,6 +35,7 @@ def _local_names() -> set[str]:
     names = set(LOCAL_ROOTS) | {"run", "masstest"}
     for root in LOCAL_ROOTS:
         names |= {p.stem for p in (REPO / root).glob("*.py")}
+        names |= {p.parent.name for p in (REPO / root).glob("*/__init__.py")}
     return names
 
 
