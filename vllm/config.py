@@ -195,6 +195,14 @@ def _derive_max_model_len(hf_config: Any, max_model_len: Optional[int]) -> int:
             break
     if derived is None:
         derived = 2048
+    elif key == "max_position_embeddings":
+        # vLLM's rule: linear / dynamic / yarn rope scaling stretch the context length. An
+        # unknown rope type fails here, at once, naming it.
+        from vllm.transformers_utils import rope_config
+
+        rope = rope_config.get_rope_parameters(hf_config)
+        rope_config.check_rope_type(rope["rope_type"])
+        derived = rope_config.scaled_max_positions(rope, derived)
     if max_model_len is None:
         return derived
     if not isinstance(max_model_len, int) or max_model_len <= 0:

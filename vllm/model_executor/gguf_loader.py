@@ -112,7 +112,11 @@ def iter_gguf_weights(
         if name is None or (wanted is not None and not wanted(name)):
             continue
         shard = shard_of(name) if shard_of is not None else None
-        tensor = _dequantize(blob, info, shard)
+        if isinstance(shard, (list, tuple)):  # parts of a fused tensor, joined
+            parts = [_dequantize(blob, info, one) for one in shard]
+            tensor = torch.cat(parts, dim=shard[0].dim)
+        else:
+            tensor = _dequantize(blob, info, shard)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = n_head if name.endswith("q_proj.weight") else n_kv_head
             head_rows = info.shape[0] // heads

@@ -1,0 +1,147 @@
+"""Tiny random-weight checkpoints of the LLaMA-style families (Llama 3.1, Mistral, Qwen2.5,
+Qwen3, Phi-3), saved by HF transformers with SmolLM2's tokenizer, as tiny_models.py does for
+OPT and LLaMA (weights std 0.08, norms 1 + 0.1 N(0, 1), fixed seed).
+
+Each config carries what makes its family different and what users' checkpoints carry:
+  llama3   Llama 3.1 rope scaling (`rope_type: llama3`, original context 32 of 256), GQA
+  mistral  an explicit head_dim (32) wider than hidden / heads (16), GQA, no sliding window
+  qwen2    q/k/v biases, tied embeddings, YaRN scaling (Qwen2.5's long-context recipe)
+  qwen3    per-head q/k RMSNorm, head_dim 32 (hidden 64, 4 heads), tied embeddings
+  phi3     fused qkv_proj / gate_up_proj, one KV head (replicated over TP ranks), longrope
+           with original context 128 of 512: tiny_models.PROMPTS stay within it (short
+           factors), LONG_PROMPTS start past it (long factors)
+The sliding window stays off (`sliding_window=None`): windowed attention is not wired yet.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "phi3")
+NUM_LAYERS = 4
+
+# Longer than phi3's original context (128 tokens) from the prompt on: 141 and 167 tokens.
+LONG_PROMPTS = [
+    "Once upon a time, in a kingdom far away, there was a princess who loved to read books "
+    "about distant stars, ancient machines and the people who built them long ago. " * 4,
+    " ".join(str(i) for i in range(1, 60)),
+]
+PHI3_ORIGINAL_CONTEXT = 128
+
+LONGROPE_SHORT = [1.0, 1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0]
+LONGROPE_LONG = [1.0, 1.3, 1.7, 2.2, 3.0, 4.0, 6.0, 8.0]
+
+
+def family_config(kind: str, tokenizer: Any, num_layers: int = NUM_LAYERS) -> Any:
+    """The HF config of one tiny family model."""
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    if kind == "llama3":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+        return transformers.LlamaConfig(
+            max_position_embeddings=256, rope_parameters=rope, tie_word_embeddings=False, **common
+        )
+    if kind == "mistral":
+        return transformers.MistralConfig(
+            head_dim=32, max_position_embeddings=256, sliding_window=None, **common
+        )
+    if kind == "qwen2":
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+        return transformers.Qwen2Config(
+            max_position_embeddings=128,
+            rope_parameters=rope,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            **common,
+        )
+    if kind == "qwen3":
+        return transformers.Qwen3Config(
+            head_dim=32, max_position_embeddings=256, tie_word_embeddings=True, **common
+        )
+    if kind == "phi3":
+        common["num_key_value_heads"] = 1
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": LONGROPE_SHORT,
+            "long_factor": LONGROPE_LONG,
+        }
+        return transformers.Phi3Config(
+            max_position_embeddings=4 * PHI3_ORIGINAL_CONTEXT,
+            original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+            rope_scaling=rope,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            **common,
+        )
+    raise ValueError(f"unknown family {kind!r}")
+
+
+def save_random_model(config: Any, out_dir: str, tokenizer: Any, seed: int = 0) -> str:
+    """Instantiate `config` in HF transformers, randomise it (std 0.08; norms around 1) and
+    save it with the tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(0.08 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_family(kind: str, out_dir: str, tokenizer_dir: str, num_layers: int = NUM_LAYERS) -> str:
+    """Create and save one tiny family model; returns its directory."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return save_random_model(family_config(kind, tokenizer, num_layers), out_dir, tokenizer)
+
+
+def family_dirs(root: str) -> dict[str, str]:
+    """Build (once per root) the tokenizer and every family model; returns kind -> directory."""
+    import tiny_models
+
+    tok_dir = os.path.join(root, "tokenizer")
+    if not os.path.isdir(tok_dir):
+        tiny_models.build_tokenizer(tok_dir)
+    dirs = {}
+    for kind in FAMILIES:
+        path = os.path.join(root, kind)
+        if not os.path.isdir(path):
+            build_family(kind, path, tok_dir)
+        dirs[kind] = path
+    return dirs
