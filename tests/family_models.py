@@ -104,6 +104,47 @@ def family_config(kind: str, tokenizer: Any, num_layers: int = NUM_LAYERS) -> An
     raise ValueError(f"unknown family {kind!r}")
 
 
+# Each family's chat format, small: what LLM.chat must render through the tokenizer.
+CHAT_TEMPLATES = {
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+        "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+        "{% endif %}"
+    ),
+    "mistral": (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+        "[INST] {{ m['content'] }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}"
+        "{% endif %}{% endfor %}"
+    ),
+    "qwen2": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+    "phi3": (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    ),
+}
+CHAT_TEMPLATES["qwen3"] = CHAT_TEMPLATES["qwen2"]
+
+
+def expected_chat_text(kind: str, tokenizer: Any, conversation: list[dict[str, str]]) -> str:
+    """One user message rendered in the family's format (what its template must produce)."""
+    (message,) = conversation
+    text = message["content"]
+    if kind == "llama3":
+        return (
+            f"{tokenizer.bos_token}<|start_header_id|>user<|end_header_id|>\n\n{text}<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        )
+    if kind == "mistral":
+        return f"{tokenizer.bos_token}[INST] {text} [/INST]"
+    if kind == "phi3":
+        return f"<|user|>\n{text}<|end|>\n<|assistant|>\n"
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
 def save_random_model(config: Any, out_dir: str, tokenizer: Any, seed: int = 0) -> str:
     """Instantiate `config` in HF transformers, randomise it (std 0.08; norms around 1) and
     save it with the tokenizer."""
@@ -128,6 +169,7 @@ def build_family(kind: str, out_dir: str, tokenizer_dir: str, num_layers: int = 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = CHAT_TEMPLATES[kind]
     return save_random_model(family_config(kind, tokenizer, num_layers), out_dir, tokenizer)
 
 
