@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
 FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "phi3")
@@ -187,3 +188,98 @@ def family_dirs(root: str) -> dict[str, str]:
             build_family(kind, path, tok_dir)
         dirs[kind] = path
     return dirs
+
+
+# HF name (after "model.layers.N.") -> llama.cpp tensor name.
+_GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+GGUF_ARCH = {
+    "mistral": "llama",
+    "llama3": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+}
+
+
+def _llama_cpp_permute(weight: Any, n_head: int) -> Any:
+    """llama.cpp's Q/K row order for llama files (gguf_loader undoes it)."""
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_gguf(model_dir: str, out_path: str, kind: str) -> str:
+    """Write a saved tiny family model as an F32 GGUF file the way llama.cpp's converter
+    names it (llama for Mistral, with permuted Q/K rows; Phi-3's longrope factors as tensors).
+    The tokenizer is not written: pass the HF directory as `tokenizer`."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    arch = GGUF_ARCH[kind]
+    cfg = AutoConfig.from_pretrained(model_dir)
+    state = load_file(os.path.join(model_dir, "model.safetensors"))
+    writer = gguf.GGUFWriter(out_path, arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    rope = cfg.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if arch in ("llama", "phi3"):
+        writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if rope["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch == "phi3":
+        writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    globals_ = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    for name, tensor in state.items():
+        array = tensor.float().numpy()
+        if name in globals_:
+            writer.add_tensor(globals_[name], array)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, kind_ = rest.rsplit(".", 1)
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
+            array = _llama_cpp_permute(array, heads)
+        writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind_}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path

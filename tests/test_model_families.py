@@ -411,3 +411,30 @@ def test_token_seq_lens_mixes_chunks_and_decodes():
     )  # fmt: skip
     positions = torch.tensor([16, 17, 18, 19, 7, 69])
     assert token_seq_lens(positions, md).tolist() == [40, 40, 40, 40, 8, 70]
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+@pytest.mark.parametrize(
+    "kind,tp,arch",
+    [
+        ("mistral", 1, "LlamaForCausalLM"),  # llama.cpp writes Mistral as llama (Q/K permuted)
+        ("qwen2", 1, "Qwen2ForCausalLM"),  # biases; yarn from the rope.scaling keys
+        ("qwen3", 1, "Qwen3ForCausalLM"),  # q/k norms; head_dim from attention.key_length
+        ("phi3", 2, "Phi3ForCausalLM"),  # fused tensors cut per TP rank; longrope factor tensors
+    ],
+)
+def test_gguf_families_match_hf(kind, tp, arch, dirs, hf_ids, tmp_path):
+    """Each family written as an F32 GGUF file the way llama.cpp names it loads to the same
+    model: greedy output equal to HF's on the original checkpoint."""
+    from vllm.transformers_utils.gguf_config import load_gguf_config
+
+    path = family_models.write_gguf(dirs[kind], str(tmp_path / f"{kind}.gguf"), kind)
+    config = load_gguf_config(path)
+    assert config.architectures == [arch]
+    llm = make_llm(path, tp, 1, "mp" if tp > 1 else None, tokenizer=dirs[kind])
+    try:
+        check_equal(llm, kind, hf_ids, prompts_of(kind))
+    finally:
+        llm.shutdown()
