@@ -438,3 +438,20 @@ def test_gguf_families_match_hf(kind, tp, arch, dirs, hf_ids, tmp_path):
         check_equal(llm, kind, hf_ids, prompts_of(kind))
     finally:
         llm.shutdown()
+
+
+def test_sliding_window_is_read_per_layer():
+    """Recorded for the attention backend: Mistral and Phi-3 window every layer, Qwen2/3 only
+    the layers `layer_types` marks (from max_window_layers on), none when switched off."""
+    from transformers import MistralConfig, Qwen2Config
+
+    from vllm.model_executor.models.llama import sliding_window_of
+
+    mistral = MistralConfig(num_hidden_layers=3, sliding_window=64)
+    assert [sliding_window_of(mistral, i) for i in range(3)] == [64, 64, 64]
+    qwen = Qwen2Config(
+        num_hidden_layers=4, use_sliding_window=True, sliding_window=32, max_window_layers=2
+    )
+    assert [sliding_window_of(qwen, i) for i in range(4)] == [None, None, 32, 32]
+    off = Qwen2Config(num_hidden_layers=2, use_sliding_window=False, sliding_window=32)
+    assert [sliding_window_of(off, i) for i in range(2)] == [None, None]

@@ -107,8 +107,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rope if rope is not None else get_rope(config, self.head_dim)
-        # Recorded for windowed attention (Mistral, Qwen2/3 sliding layers, Phi-3): the one
-        # place it goes to the attention backend is the PagedAttention call below.
+        # The layer's window (Mistral, Qwen2/3 sliding layers, Phi-3), recorded for windowed
+        # attention: it reaches the backend in one place, this PagedAttention call (to pass as
+        # `sliding_window=self.sliding_window` once PagedAttention takes it).
         self.sliding_window = sliding_window_of(config, layer_idx)
         self.attn = PagedAttention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads
@@ -128,8 +129,9 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             # [T, H, D] per head, as HF's q_norm(q_proj(x).view(..., -1, head_dim)).
-            q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).view(q.shape[0], -1)
-            k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).view(k.shape[0], -1)
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
         q, k = self.rotary_emb(positions, q, k, rope_seq_lens)
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
 
