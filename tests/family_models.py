@@ -16,7 +16,7 @@ The sliding window stays off (`sliding_window=None`): windowed attention is not 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -224,10 +224,44 @@ def _llama_cpp_permute(weight: Any, n_head: int) -> Any:
     )
 
 
-def write_gguf(model_dir: str, out_path: str, kind: str) -> str:
+def gguf_tokenizer_fields(path: str) -> dict[str, Any]:
+    """The tokenizer.* metadata of a GGUF file (SmolLM2's: a gpt2-style BPE), as Python values."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer.ggml."):
+            continue
+        values = [field.parts[i] for i in field.data]
+        if field.types[-1] == gguf.GGUFValueType.STRING:
+            items: list[Any] = [bytes(v).decode("utf-8") for v in values]
+        else:
+            items = [v.tolist()[0] for v in values]
+        out[key] = items if field.types[0] == gguf.GGUFValueType.ARRAY else items[0]
+    return out
+
+
+def _write_tokenizer(writer: Any, fields: dict[str, Any], chat_template: str) -> None:
+    t = "tokenizer.ggml."
+    writer.add_tokenizer_model(fields[t + "model"])
+    writer.add_tokenizer_pre(fields[t + "pre"])
+    writer.add_token_list(fields[t + "tokens"])
+    writer.add_token_types(fields[t + "token_type"])
+    writer.add_token_merges(fields[t + "merges"])
+    writer.add_unk_token_id(fields[t + "unknown_token_id"])
+    writer.add_pad_token_id(fields[t + "padding_token_id"])
+    writer.add_add_bos_token(fields[t + "add_bos_token"])
+    writer.add_chat_template(chat_template)
+
+
+def write_gguf(
+    model_dir: str, out_path: str, kind: str, tokenizer_fields: Optional[dict[str, Any]] = None
+) -> str:
     """Write a saved tiny family model as an F32 GGUF file the way llama.cpp's converter
     names it (llama for Mistral, with permuted Q/K rows; Phi-3's longrope factors as tensors).
-    The tokenizer is not written: pass the HF directory as `tokenizer`."""
+    With `tokenizer_fields` (`gguf_tokenizer_fields`) the file also holds the tokenizer and
+    the family's chat template; else pass the HF directory as `tokenizer`."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -246,6 +280,8 @@ def write_gguf(model_dir: str, out_path: str, kind: str) -> str:
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
+    if tokenizer_fields is not None:
+        _write_tokenizer(writer, tokenizer_fields, CHAT_TEMPLATES[kind])
     rope = cfg.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -460,3 +460,30 @@ def test_sliding_window_is_read_per_layer():
     assert [sliding_window_of(qwen, i) for i in range(4)] == [None, None, 32, 32]
     off = Qwen2Config(num_hidden_layers=2, use_sliding_window=False, sliding_window=32)
     assert [sliding_window_of(off, i) for i in range(2)] == [None, None]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_gguf_tokenizer_and_chat_template_from_the_file(kind, dirs, hf_ids, tmp_path, monkeypatch):
+    """A GGUF file holding its tokenizer (SmolLM2's BPE) and the family's chat template: the
+    engine builds both from the file; ids, text and LLM.chat equal HF's."""
+    from transformers import AutoTokenizer
+
+    from vllm.transformers_utils.gguf_config import resolve_model
+
+    monkeypatch.setenv("VLLM_PP_CACHE_DIR", str(tmp_path / "cache"))
+    fields = family_models.gguf_tokenizer_fields(resolve_model("smollm2"))
+    path = family_models.write_gguf(dirs[kind], str(tmp_path / f"{kind}.gguf"), kind, fields)
+    llm = make_llm(path)
+    try:
+        tokenizer = llm.get_tokenizer()
+        reference = AutoTokenizer.from_pretrained(dirs[kind])
+        for prompt in tiny_models.PROMPTS:
+            assert tokenizer.encode(prompt) == reference.encode(prompt)
+        assert tokenizer.chat_template == family_models.CHAT_TEMPLATES[kind]
+        check_equal(llm, kind, hf_ids, tiny_models.PROMPTS[:4])
+        text = reference.apply_chat_template(CHAT[0], tokenize=False, add_generation_prompt=True)
+        (ref,) = hf_ids(kind, [reference.encode(text, add_special_tokens=False)])
+        (out,) = llm.chat(CHAT[0], GREEDY, use_tqdm=False)
+        assert out.prompt == text and out.outputs[0].token_ids == ref
+    finally:
+        llm.shutdown()
