@@ -6,12 +6,15 @@
 // with at::parallel_for. Query head h reads KV head h / G with G = H / Hkv (grouped-query
 // attention); the G heads sharing a KV head are handled together, so each K/V row is loaded
 // once for all of them. For each query head:
-//   1. s[t]  = scale * q . k_t          for every context token t (fp32)
+//   1. s[t]  = scale * q . k_t          for every visible context token t (fp32); with a
+//                                       soft-cap c, s[t] = c * tanh(s[t] / c)
 //   2. p[t]  = exp(s[t] - max(s))       two-pass softmax: max first, so exp never overflows;
 //                                       the sum of p accumulated in fp32
 //   3. out   = (sum_t p[t] v_t) / sum(p)
-// Only tokens t < context_len are ever touched, so uninitialised (even NaN) cache memory past
-// the end of a sequence cannot reach the output.
+// The visible tokens are start <= t < context_len, with start = 0, or context_len - W with a
+// sliding window W (the last W positions, the query's own included, as HF masks them). Only
+// those rows are ever read: blocks wholly before the window are skipped, and uninitialised
+// (even NaN) cache memory past the end of a sequence cannot reach the output.
 
 #include "ops.h"
 
@@ -19,6 +22,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -38,9 +42,11 @@ struct DecodeArgs {
   const int64_t* context_lens;  // [B]
   int64_t num_heads, num_kv_heads, head_size, block_size, num_blocks;
   int64_t table_stride, q_stride_tok, q_stride_head;
-  int64_t max_context_len;  // over the batch; sizes the per-thread scratch
+  int64_t max_span;         // most visible tokens of a sequence; sizes the per-thread scratch
   int64_t kv_per_task;      // KV heads per task, a divisor of num_kv_heads
+  int64_t sliding_window;   // > 0: only the last sliding_window positions are visible
   float scale;
+  float soft_cap;  // > 0: scores become soft_cap * tanh(scores / soft_cap)
 };
 
 // Software prefetch of the next block's rows while the current block is processed. The blocks
@@ -195,7 +201,7 @@ struct DecodeKernel {
     const int64_t width = kv_per_task * D;          // elements of a row this task reads
     const int64_t row_stride = a.num_kv_heads * D;  // elements between consecutive tokens
     const int64_t row_bytes = width * static_cast<int64_t>(sizeof(scalar_t));
-    const int64_t ctx_pad = (a.max_context_len + W - 1) / W * W;
+    const int64_t ctx_pad = (a.max_span + W - 1) / W * W;
     const auto* key_cache = static_cast<const scalar_t*>(a.key_cache);
     const auto* value_cache = static_cast<const scalar_t*>(a.value_cache);
     const auto* query = static_cast<const scalar_t*>(a.query);
@@ -210,14 +216,18 @@ struct DecodeKernel {
       const int64_t b = task / chunks, kv0 = task % chunks * kv_per_task;
       const int64_t ctx = a.context_lens[b];
       const int64_t* table = a.block_tables + b * a.table_stride;
-      const int64_t n_blocks = (ctx + bs - 1) / bs;
+      // Visible positions [start, ctx): blocks [first_block, n_blocks) hold them.
+      const int64_t start =
+          a.sliding_window > 0 ? std::max<int64_t>(0, ctx - a.sliding_window) : 0;
+      const int64_t span = ctx - start;
+      const int64_t first_block = start / bs, n_blocks = (ctx + bs - 1) / bs;
       scalar_t* out_b = out + (b * a.num_heads + kv0 * G) * D;  // nq heads, back to back
 
       if (ctx == 0) {  // nothing to attend to: define the output as zeros
         std::fill(out_b, out_b + nq * D, scalar_t(0));
         continue;
       }
-      for (int64_t i = 0; i < n_blocks; ++i)
+      for (int64_t i = first_block; i < n_blocks; ++i)
         TORCH_CHECK(table[i] >= 0 && table[i] < a.num_blocks, "paged_attention_decode: block "
                     "table entry ", table[i], " out of range [0, ", a.num_blocks, ")");
       // Query heads kv0*G .. kv0*G+nq-1 (head h reads KV head h / G); scale folded in once.
@@ -225,11 +235,14 @@ struct DecodeKernel {
         const scalar_t* qh = query + b * a.q_stride_tok + (kv0 * G + h) * a.q_stride_head;
         for (int64_t d = 0; d < D; ++d) q[h * D + d] = simd::to_float(qh[d]) * a.scale;
       }
-      // This task's first row in block i, and the number of context tokens in that block.
+      // The visible rows of block i: from position block_lo(i) (the window's start in the
+      // first block), block_len(i) of them; this task's first such row; and where their
+      // scores go (index block_lo(i) - start of each score row).
+      auto block_lo = [&](int64_t i) { return std::max(start, i * bs); };
+      auto block_len = [&](int64_t i) { return std::min((i + 1) * bs, ctx) - block_lo(i); };
       auto block_rows = [&](const scalar_t* cache, int64_t i) {
-        return cache + table[i] * bs * row_stride + kv0 * D;
+        return cache + (table[i] * bs + block_lo(i) - i * bs) * row_stride + kv0 * D;
       };
-      auto block_len = [&](int64_t i) { return std::min(bs, ctx - i * bs); };
       // Prefetch of block i + 1, spread over the nq passes of the query heads over block i.
       auto prefetch_next = [&](const scalar_t* cache, int64_t i) {
         if (i + 1 >= n_blocks) return Prefetch{};
@@ -238,8 +251,8 @@ struct DecodeKernel {
                         nq * block_len(i));
       };
 
-      // 1. Scores, walking the block table.
-      for (int64_t i = 0; i < n_blocks; ++i) {
+      // 1. Scores, walking the block table (from the window's first block).
+      for (int64_t i = first_block; i < n_blocks; ++i) {
         Prefetch pf = prefetch_next(key_cache, i);
         int64_t stride = row_stride;
         const float* k =
@@ -247,24 +260,31 @@ struct DecodeKernel {
         for (int64_t kh = 0, h = 0; kh < kv_per_task; ++kh)
           for (int64_t g = 0; g < G; ++g, ++h)
             block_scores(&q[h * D], k + kh * D, stride, block_len(i), D,
-                         &scores[h * ctx_pad + i * bs], pf);
+                         &scores[h * ctx_pad + block_lo(i) - start], pf);
+      }
+      if (a.soft_cap > 0.0f) {
+        // HF's order: scores / c, tanh, * c.
+        for (int64_t h = 0; h < nq; ++h) {
+          float* s = &scores[h * ctx_pad];
+          for (int64_t t = 0; t < span; ++t) s[t] = std::tanh(s[t] / a.soft_cap) * a.soft_cap;
+        }
       }
 
       // 2. Softmax numerators and their sums.
       for (int64_t h = 0; h < nq; ++h)
-        inv_sum[h] = 1.0f / softmax_numerators(&scores[h * ctx_pad], ctx);
+        inv_sum[h] = 1.0f / softmax_numerators(&scores[h * ctx_pad], span);
 
       // 3. Probability-weighted sum of the value rows.
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t i = 0; i < n_blocks; ++i) {
+      for (int64_t i = first_block; i < n_blocks; ++i) {
         Prefetch pf = prefetch_next(value_cache, i);
         int64_t stride = row_stride;
         const float* v =
             rows_f32(block_rows(value_cache, i), block_len(i), width, stride, block_buf.data());
         for (int64_t kh = 0, h = 0; kh < kv_per_task; ++kh)
           for (int64_t g = 0; g < G; ++g, ++h)
-            block_values(&scores[h * ctx_pad + i * bs], v + kh * D, stride, block_len(i), D,
-                         &acc[h * D], pf);
+            block_values(&scores[h * ctx_pad + block_lo(i) - start], v + kh * D, stride,
+                         block_len(i), D, &acc[h * D], pf);
       }
       for (int64_t h = 0; h < nq; ++h)
         for (int64_t d = 0; d < D; ++d) out_b[h * D + d] = scalar_t(acc[h * D + d] * inv_sum[h]);
@@ -303,7 +323,8 @@ TaskFn select_tasks() {
 
 void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale) {
+                            const at::Tensor& context_lens, double scale,
+                            int64_t sliding_window, double soft_cap) {
   TORCH_CHECK(query.dim() == 3, "paged_attention_decode: query must be [B, H, D]");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "paged_attention_decode: caches must both be [num_blocks, block_size, Hkv, D]");
@@ -330,6 +351,10 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
               "paged_attention_decode: context_lens must be contiguous int64 [B]");
   for (const auto& t : {query, key_cache, value_cache, block_tables, context_lens, out})
     TORCH_CHECK(t.device().is_cpu(), "paged_attention_decode: CPU tensors only");
+  TORCH_CHECK(sliding_window >= 0, "paged_attention_decode: sliding_window must be >= 0 "
+              "(0: no window), got ", sliding_window);
+  TORCH_CHECK(soft_cap >= 0.0, "paged_attention_decode: soft_cap must be >= 0 (0: none), got ",
+              soft_cap);
   if (B == 0) return;
 
   DecodeArgs a{};
@@ -348,13 +373,16 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
   a.q_stride_tok = query.stride(0);
   a.q_stride_head = query.stride(1);
   a.scale = static_cast<float>(scale);
+  a.sliding_window = sliding_window;
+  a.soft_cap = static_cast<float>(soft_cap);
   // Validate the lengths up front: a bad one must not read past the block table.
   const int64_t table_capacity = block_tables.size(1) * a.block_size;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = a.context_lens[b];
     TORCH_CHECK(len >= 0 && len <= table_capacity, "paged_attention_decode: context_lens[", b,
                 "] = ", len, " outside [0, ", table_capacity, "]");
-    a.max_context_len = std::max(a.max_context_len, len);
+    const int64_t span = sliding_window > 0 ? std::min(len, sliding_window) : len;
+    a.max_span = std::max(a.max_span, span);
   }
 
   // Whole sequences per task stream the cache best; split them by KV head only when there are

@@ -9,10 +9,13 @@ namespace vllm_pp {
 
 // out[B, H, D] = softmax(scale * q k^T) v for one query token per sequence, with K/V read from
 // the paged caches [num_blocks, block_size, Hkv, D] through block_tables[B, max_blocks] (int64)
-// up to context_lens[B] (int64). float32 or bfloat16; fp32 accumulation.
+// up to context_lens[B] (int64). float32 or bfloat16; fp32 accumulation. sliding_window > 0:
+// only the last sliding_window positions are visible (blocks before them are not read);
+// soft_cap > 0: scores become soft_cap * tanh(scores / soft_cap) before the softmax.
 void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale);
+                            const at::Tensor& context_lens, double scale,
+                            int64_t sliding_window, double soft_cap);
 
 // key/value [T, Hkv, D] -> caches at flat slot slot_mapping[t] (int64); slots < 0 are skipped.
 void write_to_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,

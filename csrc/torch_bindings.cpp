@@ -10,7 +10,8 @@
 TORCH_LIBRARY(vllm_pp, m) {
   m.def(
       "paged_attention_decode(Tensor(a!) out, Tensor query, Tensor key_cache, "
-      "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale) -> ()");
+      "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale, "
+      "int sliding_window=0, float soft_cap=0.0) -> ()");
   m.def(
       "write_to_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slot_mapping) -> ()");

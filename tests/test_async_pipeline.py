@@ -10,6 +10,8 @@ engine per PP size is shared by the tests of this module.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import tiny_models
@@ -32,7 +34,11 @@ def async_llm(request, ray_session, tiny_model_dirs):
         kv_cache_space=0.05,
         swap_space=0.01,
     )
-    assert llm.llm_engine.batch_queue.async_pipeline
+    engine = llm.llm_engine
+    assert engine.batch_queue.async_pipeline and engine.scheduler.schedule_ahead
+    # One budget, built by the engine, sizes the micro-batches and the queue alike.
+    assert engine.scheduler.budget.cohorts == pp
+    assert engine.batch_queue.max_concurrent_batches == 2 * pp
     yield llm
     llm.shutdown()
 
@@ -150,6 +156,74 @@ def test_closure_logits_processor_reaches_the_last_stage(async_llm, hf_reference
     )[0].outputs[0]
     assert list(out.token_ids) == reference[:at] + [forced]
     assert not async_llm.llm_engine.fault_events
+
+
+class _HoldsALock:
+    """A logits processor neither pickle nor cloudpickle can serialise (it holds a lock); with
+    `lock_now=False` one that serialises until its `lock` is set (the engine's backstop)."""
+
+    def __init__(self, lock_now: bool = True) -> None:
+        self.lock = threading.Lock() if lock_now else None
+
+    def __call__(self, output_ids, logits):
+        return logits
+
+
+def _run_until_done(engine, request_ids: set[str], timeout_s: float = 120.0) -> dict:
+    outputs, deadline = {}, time.monotonic() + timeout_s
+    while request_ids - set(outputs) and time.monotonic() < deadline:
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    return outputs
+
+
+def test_unpicklable_logits_processor_refused_at_add_request(async_llm, hf_reference):
+    """A request the engine could not send to its stages is refused at add_request with a
+    TypeError naming the field, at once; a request already running completes untouched."""
+    engine = async_llm.llm_engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    engine.add_request("concurrent", tiny_models.PROMPTS[0], greedy)
+    engine.step()  # the concurrent request is inside the pipeline
+    start = time.monotonic()
+    bad = SamplingParams(temperature=0.0, max_tokens=4, logits_processors=[_HoldsALock()])
+    with pytest.raises(TypeError, match=r"logits_processors\[0\] .* cannot be serialised"):
+        engine.add_request("unsendable", tiny_models.PROMPTS[1], bad)
+    assert time.monotonic() - start < 1.0
+    done = _run_until_done(engine, {"concurrent"})
+    assert list(done["concurrent"].outputs[0].token_ids) == hf_reference(KIND)[0][:16]
+    assert not engine.has_unfinished_requests()
+    assert not engine.fault_events
+
+
+def test_step_that_cannot_be_serialised_sends_nothing(async_llm, hf_reference):
+    """The backstop: a processor that became unpicklable after add_request. Nothing of its
+    step is sent (every rank's part is serialised first), so no stage waits for a step its
+    neighbour never got: its request ends aborted at once, the others in the same step are
+    recomputed and equal HF, and no stage is treated as failed."""
+    engine = async_llm.llm_engine
+    processor = _HoldsALock(lock_now=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    engine.add_request("a", tiny_models.PROMPTS[0], greedy)
+    engine.add_request(
+        "poisoned",
+        tiny_models.PROMPTS[1],
+        SamplingParams(temperature=0.0, max_tokens=16, logits_processors=[processor]),
+    )
+    engine.add_request("b", tiny_models.PROMPTS[2], greedy)
+    # Unpicklable from now on, before the request's first step carries its parameters.
+    processor.lock = threading.Lock()
+    start = time.monotonic()
+    done = _run_until_done(engine, {"a", "poisoned", "b"})
+    assert done["poisoned"].outputs[0].finish_reason == "abort"
+    reference = hf_reference(KIND)
+    assert list(done["a"].outputs[0].token_ids) == reference[0][:16]
+    assert list(done["b"].outputs[0].token_ids) == reference[2][:16]
+    assert time.monotonic() - start < 60  # never a step deadline
+    assert not engine.fault_events
+    # The engine goes on serving.
+    out = async_llm.generate(tiny_models.PROMPTS[:1], greedy, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == reference[0][:16]
 
 
 def test_profiling_writes_a_trace_per_stage(async_llm, hf_reference, tmp_path, monkeypatch):

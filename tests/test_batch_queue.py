@@ -16,6 +16,7 @@ from fake_requests import FakeParams
 from fake_requests import seq_ids as _seq_ids
 
 from vllm.config import CacheConfig, SchedulerConfig
+from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler
 from vllm.engine.batch_queue import BatchQueue
 from vllm.sequence import (
@@ -107,8 +108,8 @@ class MiniEngine:
         cache = CacheConfig(block_size=4, num_gpu_blocks=gpu_blocks, num_cpu_blocks=0)
         config = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32, max_model_len=256)
         self.pp = pp
-        self.scheduler = Scheduler(config, cache, pp)
-        self.scheduler.lookahead = lookahead
+        budget = MicroBatchBudget.from_config(config, cohorts=pp)
+        self.scheduler = Scheduler(config, cache, budget, schedule_ahead=lookahead)
         self.pipeline = FakePipeline(pp, fail_step)
         self.queue = BatchQueue(self.pipeline, pp, lookahead)
         self.finished_ids: list[str] = []
@@ -124,8 +125,7 @@ class MiniEngine:
     def step(self) -> None:
         sched = self.scheduler
         while not self.queue.is_full():
-            cap = max(1, -(-sched.num_active_seqs() // self.pp)) if self.pp > 1 else None
-            metadata, out = sched.schedule(cap)
+            metadata, out = sched.schedule(self.queue.next_step_no)
             if out.is_empty():
                 break
             finished, self.finished_ids = self.finished_ids, []
@@ -207,7 +207,7 @@ def test_abort_while_two_steps_in_flight_frees_after_return():
     sched = engine.scheduler
     for _ in range(8):
         engine.step()
-    deep = [rid for rid, flights in sched._flights.items() if len(flights) == 2]
+    deep = [rid for rid, group in sched.in_flight.items() if len(group.flights) == 2]
     assert deep, "some groups have two steps in flight"
     victim = deep[0]
     blocks_before = sched.block_manager.get_num_free_gpu_blocks()

@@ -11,6 +11,7 @@ from fake_requests import FakeParams as _Params
 from fake_requests import seq_ids as _seq_ids
 
 from vllm.config import CacheConfig, SchedulerConfig
+from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
@@ -29,7 +30,7 @@ def _scheduler(budget: int, gpu: int = 64, pp: int = 1, caching: bool = False) -
         max_model_len=128,
         enable_chunked_prefill=True,
     )
-    return Scheduler(config, cache, pipeline_parallel_size=pp)
+    return Scheduler(config, cache, MicroBatchBudget.from_config(config, cohorts=pp))
 
 
 def _add(sched: Scheduler, rid: str, prompt_len: int, arrival: float = 0.0) -> SequenceGroup:
@@ -59,7 +60,7 @@ def test_long_prompt_is_prefilled_in_chunks_next_to_decodes() -> None:
         ("long", 5, False),
     ]
     assert out.num_batched_tokens == 8 and out.prompt_run
-    assert sched.in_flight == {"short", "long"}
+    assert set(sched.in_flight) == {"short", "long"}
     _, empty = sched.schedule()  # both in flight: the next chunk waits for this one
     assert empty.is_empty()
     _return(sched, metadata)
@@ -118,8 +119,9 @@ def test_pipeline_micro_batches_are_balanced_by_tokens() -> None:
     _add(sched, "long", 100, arrival=100.0)
     # One round through two stages: 8 decode tokens + up to 64 prompt tokens; each
     # micro-batch takes half of the decodes and half of that prefill work.
-    first, out1 = sched.schedule(max_batch_seqs=5)
-    second, out2 = sched.schedule(max_batch_seqs=5)
+    assert sched.budget.max_batch_seqs(sched.num_active_seqs()) == 5
+    first, out1 = sched.schedule()
+    second, out2 = sched.schedule()
     assert [(m.request_id, m.token_chunk_size) for m in first] == [
         ("long", 32),
         ("d0", 1),
@@ -131,7 +133,7 @@ def test_pipeline_micro_batches_are_balanced_by_tokens() -> None:
     assert [m.request_id for m in second] == ["d4", "d5", "d6", "d7"]
     assert (out1.num_batched_tokens, out2.num_batched_tokens) == (36, 4)
     # Without pipelining a step takes every decode and fills the budget with the prompt.
-    sched.pipeline_parallel_size = 1
+    sched.budget = MicroBatchBudget.from_config(sched.scheduler_config)
     _return(sched, first + second)
     third, out3 = sched.schedule()
     assert third[0].request_id == "long" and third[0].token_chunk_size == 56
@@ -188,3 +190,42 @@ def test_diverged_recompute_group_too_big_for_a_step_is_ignored_not_hung() -> No
     assert out.num_batched_tokens == 7
     sched.finish_in_flight(["fits"])
     assert all(not s.is_prefill() for s in small)
+
+
+def test_vllm_pp_micro_batches_sizes_every_micro_batch_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """VLLM_PP_MICRO_BATCHES sets the cohorts once (the engine's budget): the sequence cap, the
+    chunked token budget and the scheduling-ahead gap all divide by it, not by the pipeline
+    size (the token budget used to divide by the pipeline size while the engine split the
+    sequences by the variable)."""
+    monkeypatch.setenv("VLLM_PP_MICRO_BATCHES", "4")
+    config = SchedulerConfig(
+        max_num_batched_tokens=64, max_num_seqs=16, max_model_len=128, enable_chunked_prefill=True
+    )
+    assert MicroBatchBudget.for_pipeline(config, 1).cohorts == 1  # no pipeline: ignored
+    budget = MicroBatchBudget.for_pipeline(config, 2)
+    assert budget.cohorts == 4
+    cache = CacheConfig(block_size=4, num_gpu_blocks=256, num_cpu_blocks=8)
+    sched = Scheduler(config, cache, budget, schedule_ahead=True)
+    decoders = [_add(sched, f"d{i}", 2, arrival=float(i)) for i in range(8)]
+    step = 0
+    while any(g.is_prefill() for g in decoders):
+        step += 1
+        metadata, _ = sched.schedule(step)
+        _return(sched, metadata)
+    _add(sched, "long", 100, arrival=100.0)
+    # 9 active sequences over 4 cohorts: at most 3 per micro-batch. Tokens: a quarter of
+    # the 8 decodes (2) and a quarter of the 64 prompt tokens a round may take (16).
+    assert budget.max_batch_seqs(sched.num_active_seqs()) == 3
+    first, out = sched.schedule(step + 1)
+    assert [(m.request_id, m.token_chunk_size) for m in first] == [
+        ("long", 16),
+        ("d0", 1),
+        ("d1", 1),
+    ]
+    assert out.num_batched_tokens == 18
+    # A decode in flight as step s may go ahead from step s + 4 on (4 - 1 steps between).
+    d0 = decoders[0]
+    for later, allowed in [(1, False), (2, False), (3, False), (4, True)]:
+        assert sched.can_go_ahead(d0, step + 1 + later) is allowed

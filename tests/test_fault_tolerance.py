@@ -46,6 +46,13 @@ def kill_stage(llm: LLM, rank: int, mode: str) -> int:
     return pid
 
 
+def kill_stage_pid(llm: LLM, rank: int, sig: int) -> int:
+    """Signal one stage's process (any backend); returns its pid."""
+    pid = llm.llm_engine.executor.stage_infos[rank]["pid"]
+    os.kill(pid, sig)
+    return pid
+
+
 def after_steps(llm: LLM, steps: int, action) -> threading.Thread:
     """Run `action()` from another thread once the engine has made `steps` more steps."""
     engine = llm.llm_engine
@@ -209,6 +216,89 @@ def test_ctrl_c_inside_step_requeues_in_flight_requests(ray_session, tiny_model_
     assert interrupted == 1
     assert token_ids(finished[str(i)] for i in range(len(PROMPTS))) == reference
     llm.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_frozen_stage_found_within_two_seconds_of_a_long_step(backend, tiny_model_dirs):
+    """SIGSTOP while a step runs far longer than the detection target (a logits processor
+    sleeps 4 s on the last stage): the frozen stage is found within 2 s of the signal, not
+    when the step ends or at its deadline, and nothing is lost."""
+    llm = LLM(
+        tiny_model_dirs["llama-gqa-tied"],
+        pipeline_parallel_size=2,
+        distributed_executor_backend=backend,
+        disable_log_stats=True,
+    )
+    try:
+        reference = token_ids(llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False))
+        sleeps: list[int] = []
+
+        def slow(output_ids, logits):  # cloudpickled to the last stage
+            if len(output_ids) == 3 and not sleeps:
+                sleeps.append(1)
+                time.sleep(4.0)
+            return logits
+
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        slow_params = SamplingParams(
+            temperature=0.0, max_tokens=40, ignore_eos=True, logits_processors=[slow]
+        )
+        stopped: list[float] = []
+
+        def freeze() -> None:
+            time.sleep(1.0)  # inside the slow step
+            kill_stage_pid(llm, 0, signal.SIGSTOP)
+            stopped.append(time.time())
+
+        thread = after_steps(llm, 4, freeze)
+        outputs = llm.generate(PROMPTS[:4], [slow_params] + [params] * 3, use_tqdm=False)
+        thread.join(timeout=60)
+        events = llm.llm_engine.fault_events
+        assert stopped and len(events) == 1 and events[0].ranks == [0], events
+        assert "stopped" in events[0].message
+        assert events[0].detected_at - stopped[0] < 2.0
+        assert token_ids(outputs) == reference
+    finally:
+        llm.shutdown()
+
+
+def test_failure_that_recurs_after_a_replacement_is_not_replayed(ray_session, tiny_model_dirs):
+    """A stage that raises on a request's step is replaced and the step replayed once; when
+    the new stage raises the same error on a step of the same request, that step's requests
+    end (aborted, the error logged) instead of replaying until the restart budget is gone: the
+    replacement is not counted, the engine and the other requests go on unchanged."""
+    llm = LLM(tiny_model_dirs["llama-gqa-tied"], pipeline_parallel_size=2, max_stage_restarts=1)
+    try:
+        innocent = PROMPTS[1:6]
+        reference = token_ids(llm.generate(innocent, GREEDY, use_tqdm=False))
+
+        def poisoned(output_ids, logits):  # a closure: sent to the last stage by cloudpickle
+            raise ValueError("this logits processor always fails")
+
+        bad = SamplingParams(temperature=0.0, max_tokens=8, logits_processors=[poisoned])
+        start = time.monotonic()
+        outputs = llm.generate([PROMPTS[0], *innocent], [bad] + [GREEDY] * len(innocent))
+        assert time.monotonic() - start < 60  # no step deadline was waited out
+        engine = llm.llm_engine
+        assert not engine.is_dead
+        events = engine.fault_events
+        assert len(events) == 2 and not events[0].recurring and events[1].recurring, events
+        assert "this logits processor always fails" in events[1].message
+        assert events[0].signature == events[1].signature
+        assert outputs[0].outputs[0].finish_reason == "abort"
+        failed_with_it = set(events[1].step_request_ids)
+        completed = 0
+        for out, ref in zip(outputs[1:], reference):
+            if out.outputs[0].finish_reason == "abort":  # it shared the poisoned step twice
+                assert out.request_id in failed_with_it
+            else:
+                assert list(out.outputs[0].token_ids) == ref
+                completed += 1
+        assert completed >= len(innocent) // 2, outputs
+        # max_stage_restarts=1 was used once, by the first failure only: serving goes on.
+        assert token_ids(llm.generate(innocent, GREEDY, use_tqdm=False)) == reference
+    finally:
+        llm.shutdown()
 
 
 def test_error_inside_a_step_leaves_the_engine_usable(tiny_model_dirs):

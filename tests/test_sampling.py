@@ -340,3 +340,24 @@ def test_unseeded_sampling_distribution(llm, hf, kernels, monkeypatch):
     expected = _first_token_probs(hf, ids, 1.2, 6, 1.0, 0.0)
     params = SamplingParams(temperature=1.2, top_k=6, max_tokens=1)
     _assert_frequencies(llm.generate([prompt] * 300, params, use_tqdm=False), expected)
+
+
+def test_closure_logits_processor_in_process(llm):
+    """uni (PP = TP = 1, the stage in the engine's process): a closure processor runs as is,
+    and one that could not be pickled is fine too (nothing is sent to another process)."""
+    import threading
+
+    lock = threading.Lock()
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    reference = list(llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    forced = next(t for t in range(100, 200) if t != reference[3])
+
+    def force(output_ids: list[int], logits):
+        with lock:  # holds a lock: neither pickle nor cloudpickle could send it
+            if len(output_ids) == 3:
+                logits[forced] = 1e4
+        return logits
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, logits_processors=[force])
+    out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == reference[:3] + [forced]

@@ -6,13 +6,13 @@ import logging
 import os
 import subprocess
 import sys
-from typing import Optional
 
 import pytest
 from fake_requests import FakeParams as _Params
 from fake_requests import seq_ids as _seq_ids
 
 from vllm.config import CacheConfig, SchedulerConfig
+from vllm.core.budget import NO_CAP, MicroBatchBudget
 from vllm.core.scheduler import PreemptionMode, Scheduler
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 
@@ -28,7 +28,8 @@ def _scheduler(
     max_num_seqs: int = 8,
     max_tokens: int = 64,
     max_model_len: int = 64,
-    preemption_mode: Optional[str] = None,
+    preemption_mode: str | None = None,
+    cohorts: int = 1,
 ) -> Scheduler:
     cache = CacheConfig(block_size=4, num_gpu_blocks=gpu, num_cpu_blocks=cpu)
     config = SchedulerConfig(
@@ -37,7 +38,7 @@ def _scheduler(
         max_model_len=max_model_len,
         preemption_mode=preemption_mode,
     )
-    return Scheduler(config, cache)
+    return Scheduler(config, cache, MicroBatchBudget.from_config(config, cohorts))
 
 
 def _add(
@@ -91,7 +92,7 @@ def test_token_budget_fcfs_and_metadata() -> None:
     assert metadata[0].block_tables == {seq_a.seq_id: [0, 1]}
     assert metadata[1].block_tables == {b.get_seqs()[0].seq_id: [2, 3]}
     assert seq_a.status == SequenceStatus.RUNNING
-    assert sched.in_flight == {"a", "b"}
+    assert set(sched.in_flight) == {"a", "b"}
 
     # While a and b are in the pipeline, the next batch gets the other request.
     _, out = sched.schedule()
@@ -136,7 +137,7 @@ def test_ignored_long_prompt_alongside_normal(caplog: pytest.LogCaptureFixture) 
     assert ok.get_seqs()[0].status == SequenceStatus.RUNNING
     assert "Input prompt (20 tokens) is too long and exceeds limit of 16" in caplog.text
     assert "(12 tokens) is too long and exceeds the capacity of block_manager" in caplog.text
-    assert not sched.waiting and sched.in_flight == {"ok"}
+    assert not sched.waiting and set(sched.in_flight) == {"ok"}
 
 
 def test_recompute_preemption_victim_is_last_and_reprefills() -> None:
@@ -260,7 +261,7 @@ def test_in_flight_group_is_never_preempted() -> None:
     assert a.num_preemptions == 1 and b.num_preemptions == 0
     assert b.get_seqs()[0].status == SequenceStatus.RUNNING
     assert sched.block_manager.get_block_table(b.get_seqs()[0]) == [3, 4, 5]
-    assert sched.in_flight == {"b"}
+    assert set(sched.in_flight) == {"b"}
 
     _complete(sched, [b])
     _, out = sched.schedule()  # a (13 tokens) waits for 4 blocks; b decodes into block 0
@@ -285,7 +286,7 @@ def test_abort_waiting_running_and_in_flight() -> None:
     assert sched.block_manager.get_num_free_gpu_blocks() == 7
     sched.abort_seq_group("a")  # in flight: its blocks may still be written
     assert a.get_seqs()[0].status == SequenceStatus.FINISHED_ABORTED
-    assert not sched.running and sched.in_flight == {"a"}
+    assert not sched.running and set(sched.in_flight) == {"a"}
     assert sched.block_manager.get_num_free_gpu_blocks() == 7
     assert not sched.has_unfinished_seqs()
     sched.finish_in_flight(["a"])
@@ -307,23 +308,50 @@ def test_free_finished_seq_groups_keeps_unfinished() -> None:
 
 
 def test_micro_batch_cap_splits_prompts_and_decodes() -> None:
-    sched = _scheduler(gpu=64, max_num_seqs=8, max_tokens=64)
+    sched = _scheduler(gpu=64, max_num_seqs=8, max_tokens=64, cohorts=3)
     for i in range(6):
         _add(sched, f"r{i}", 4, arrival=float(i))
     assert sched.num_active_seqs() == 6
-    # Two stages: each micro-batch takes at most half of the active sequences.
-    _, first = sched.schedule(max_batch_seqs=3)
-    _, second = sched.schedule(max_batch_seqs=3)
-    assert _ids(first.scheduled_seq_groups) == ["r0", "r1", "r2"]
-    assert _ids(second.scheduled_seq_groups) == ["r3", "r4", "r5"]
-    _, nothing = sched.schedule(max_batch_seqs=3)  # everything is in flight
-    assert nothing.is_empty()
-    _complete(sched, first.scheduled_seq_groups)
-    _, decode = sched.schedule(max_batch_seqs=2)
+    # Three cohorts: each micro-batch takes at most a third of the active sequences.
+    batches = [sched.schedule()[1] for _ in range(3)]
+    assert [_ids(b.scheduled_seq_groups) for b in batches] == [
+        ["r0", "r1"],
+        ["r2", "r3"],
+        ["r4", "r5"],
+    ]
+    assert sched.schedule()[1].is_empty()  # everything is in flight
+    _complete(sched, batches[0].scheduled_seq_groups + batches[1].scheduled_seq_groups)
+    _, decode = sched.schedule()
     assert not decode.prompt_run and _ids(decode.scheduled_seq_groups) == ["r0", "r1"]
-    # A cap below one group's size still lets that group run alone.
-    _, single = sched.schedule(max_batch_seqs=0)
-    assert _ids(single.scheduled_seq_groups) == ["r2"]
+    _, decode = sched.schedule()
+    assert _ids(decode.scheduled_seq_groups) == ["r2", "r3"]
+
+
+def test_a_group_larger_than_the_cap_runs_alone() -> None:
+    sched = _scheduler(gpu=64, max_num_seqs=8, max_tokens=64, cohorts=4)
+    _add(sched, "big", 4, best_of=3, arrival=0.0)
+    _add(sched, "small", 4, arrival=1.0)
+    # 2 active sequences over 4 cohorts: a cap of 1, yet the first group always fits.
+    assert sched.budget.max_batch_seqs(sched.num_active_seqs()) == 1
+    _, first = sched.schedule()
+    assert _ids(first.scheduled_seq_groups) == ["big"]
+    _, second = sched.schedule()
+    assert _ids(second.scheduled_seq_groups) == ["small"]
+
+
+def test_budget_splits_sequences_and_tokens_by_cohorts() -> None:
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    one = MicroBatchBudget.from_config(config)
+    assert (one.cohorts, one.max_num_seqs, one.max_num_batched_tokens) == (1, 8, 64)
+    assert one.max_batch_seqs(100) == NO_CAP
+    assert one.token_budget(10, 500) == (64, 64)
+    three = MicroBatchBudget.from_config(config, 3)
+    assert [three.max_batch_seqs(n) for n in (0, 1, 3, 4, 7)] == [1, 1, 1, 2, 3]
+    # ceil(10 / 3) decode tokens + ceil(min(500, 64) / 3) prefill tokens per micro-batch.
+    assert three.token_budget(10, 500) == (4 + 22, 4)
+    assert three.token_budget(0, 0) == (1, 1)
+    with pytest.raises(ValueError, match="cohorts"):
+        MicroBatchBudget(0, 8, 64)
 
 
 def test_kv_blocks_bound_covers_every_admitted_sequence_at_its_longest():

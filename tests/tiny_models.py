@@ -112,7 +112,9 @@ def hf_greedy(model_dir: str, prompts: list[str], max_new_tokens: int) -> list[l
     return hf_greedy_with(load_hf(model_dir), tokenizer, prompts, max_new_tokens)
 
 
-def hf_smollm2_greedy(prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+def hf_smollm2_greedy(
+    prompts: list[str], max_new_tokens: int, dtype: torch.dtype = torch.float32
+) -> list[list[int]]:
     """The same oracle for the bundled SmolLM2 GGUF, loaded the way transformers loads it."""
     from transformers import AutoModelForCausalLM
 
@@ -120,7 +122,7 @@ def hf_smollm2_greedy(prompts: list[str], max_new_tokens: int) -> list[list[int]
 
     path = resolve_model("smollm2")
     directory, name = os.path.split(path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
     return hf_greedy_with(model, load_gguf_tokenizer(path), prompts, max_new_tokens)
 
 

@@ -8,6 +8,8 @@ fallback at any time (it is read on every call, so tests and benchmarks can comp
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from vllm import envs
@@ -77,11 +79,15 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; see csrc/attention.cpp.
 
     query [B, H, D] (rows may be strided); caches [num_blocks, block_size, Hkv, D];
     block_tables [B, max_blocks]; context_lens [B]. Returns a new contiguous [B, H, D].
+    `sliding_window` W: only the last W positions are seen (blocks before them are not read);
+    `logits_soft_cap` c: scores become c * tanh(scores / c) before the softmax.
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.stride(-1) != 1:
@@ -94,6 +100,8 @@ def paged_attention_decode(
         block_tables.to(torch.int64).contiguous(),
         context_lens.to(torch.int64).contiguous(),
         float(scale),
+        int(sliding_window or 0),  # the kernel's "none" is 0
+        float(logits_soft_cap or 0.0),
     )
     return out
 

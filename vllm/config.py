@@ -90,7 +90,15 @@ class ModelConfig:
         q = self.get_num_attention_heads() * self.get_head_size()
         kv = self.get_num_kv_heads() * self.get_head_size()
         ffn = getattr(cfg, "intermediate_size", None)
-        if ffn is not None:  # LLaMA: fused qkv, o, fused gate_up, down.
+        top_k = getattr(cfg, "num_experts_per_tok", None)
+        if ffn is not None and top_k:
+            # MoE (Mixtral, Qwen3-MoE): a token runs its top_k experts' matmuls and the
+            # router, not one dense MLP (layers that stay dense are counted as MoE too).
+            expert = getattr(cfg, "moe_intermediate_size", None) or ffn
+            experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+            layer = [(q + 2 * kv, hidden), (hidden, q), (experts, hidden)]
+            layer += top_k * [(2 * expert, hidden), (hidden, expert)]
+        elif ffn is not None:  # LLaMA: fused qkv, o, fused gate_up, down.
             layer = [(q + 2 * kv, hidden), (hidden, q), (2 * ffn, hidden), (hidden, ffn)]
         else:  # OPT: fused qkv, out, fc1, fc2.
             layer = [(3 * hidden, hidden), (hidden, hidden), (cfg.ffn_dim, hidden)]
@@ -135,6 +143,12 @@ class ModelConfig:
             raise ValueError(
                 f"The MLP's intermediate size ({ffn}) must be divisible by tensor parallel "
                 f"size ({tp})."
+            )
+        moe_ffn = getattr(cfg, "moe_intermediate_size", None)  # Qwen3-MoE's experts
+        if moe_ffn is not None and moe_ffn % tp != 0:
+            raise ValueError(
+                f"The MoE experts' intermediate size ({moe_ffn}) must be divisible by tensor "
+                f"parallel size ({tp})."
             )
 
     def get_head_size(self) -> int:
@@ -200,9 +214,8 @@ def _derive_max_model_len(hf_config: Any, max_model_len: Optional[int]) -> int:
         # unknown rope type fails here, at once, naming it.
         from vllm.transformers_utils import rope_config
 
-        rope = rope_config.get_rope_parameters(hf_config)
-        rope_config.check_rope_type(rope["rope_type"])
-        derived = rope_config.scaled_max_positions(rope, derived)
+        rope_config.check_rope_type(rope_config.get_rope_parameters(hf_config)["rope_type"])
+        derived = rope_config.max_positions_served(hf_config)
     if max_model_len is None:
         return derived
     if not isinstance(max_model_len, int) or max_model_len <= 0:

@@ -119,7 +119,8 @@ _VARS = (
         "VLLM_CPU_PACKED_LINEAR",
         "1",
         bool,
-        "0 disables the oneDNN pre-packed weights of CPU linear layers (fp32/bf16).",
+        "0 forces plain matmuls in CPU linear layers instead of oneDNN pre-packed weights "
+        "(fp32/bf16; used anyway where oneDNN cannot prepack, e.g. bf16 on an AVX2-only CPU).",
     ),
     EnvVar(
         "VLLM_PP_DISABLE_KERNELS",

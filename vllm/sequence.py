@@ -6,11 +6,12 @@ fake sequences in milliseconds, and every record here pickles cheaply to Ray wor
 
 from __future__ import annotations
 
+import collections
 import copy
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
@@ -22,8 +23,8 @@ class Logprob:
     """Log-probability of one token, with its rank in the vocabulary and decoded text."""
 
     logprob: float
-    rank: Optional[int] = None
-    decoded_token: Optional[str] = None
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 def beam_search_score(cumulative_logprob: float, output_len: int, length_penalty: float) -> float:
@@ -38,7 +39,7 @@ def beam_search_score(cumulative_logprob: float, output_len: int, length_penalty
 
 # One dict per generated position: token id -> Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
-PromptLogprobs = list[Optional[dict[int, Logprob]]]
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 class SequenceStatus(enum.IntEnum):
@@ -57,7 +58,7 @@ class SequenceStatus(enum.IntEnum):
         return status >= SequenceStatus.FINISHED_STOPPED
 
     @staticmethod
-    def get_finished_reason(status: SequenceStatus) -> Optional[str]:
+    def get_finished_reason(status: SequenceStatus) -> str | None:
         """vLLM's `finish_reason` strings; an ignored (too long) prompt reports "length"."""
         return {
             SequenceStatus.FINISHED_STOPPED: "stop",
@@ -77,10 +78,10 @@ class RequestMetrics:
 
     arrival_time: float
     last_token_time: float
-    first_scheduled_time: Optional[float] = None
-    first_token_time: Optional[float] = None
-    time_in_queue: Optional[float] = None
-    finished_time: Optional[float] = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None
+    finished_time: float | None = None
 
 
 class SequenceStage(enum.Enum):
@@ -103,7 +104,7 @@ class SequenceData:
     output_token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     # The sequence's EOS id: the sampler suppresses it (with the stop ids) during min_tokens.
-    eos_token_id: Optional[int] = None
+    eos_token_id: int | None = None
     _num_computed_tokens: int = 0
     _stage: SequenceStage = SequenceStage.PREFILL
 
@@ -161,10 +162,10 @@ class Sequence:
     def __init__(
         self,
         seq_id: int,
-        prompt: Optional[str],
+        prompt: str | None,
         prompt_token_ids: list[int],
         block_size: int,
-        eos_token_id: Optional[int] = None,
+        eos_token_id: int | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.prompt = prompt
@@ -174,9 +175,9 @@ class Sequence:
         self.output_logprobs: SampleLogprobs = []
         self.output_text = ""
         self.status = SequenceStatus.WAITING
-        self.stop_reason: Union[int, str, None] = None
+        self.stop_reason: int | str | None = None
         # Incremental detokenization state (see engine/detokenizer.py).
-        self.tokens: Optional[list[str]] = None
+        self.tokens: list[str] | None = None
         self.prefix_offset = 0
         self.read_offset = 0
         # (characters of text, output tokens) already returned under output_kind=DELTA.
@@ -273,8 +274,21 @@ class Sequence:
         )
 
 
+class Flight(NamedTuple):
+    """One step of a group inside the pipeline."""
+
+    # Tokens the step feeds (the chunk of a prefill; 1 for a decode).
+    num_tokens: int
+    # The step's number (`BatchQueue`'s).
+    step_no: int
+
+
 class SequenceGroup:
-    """The sequences generated from one prompt (one request): n/best_of samples or beams."""
+    """The sequences generated from one prompt (one request): n/best_of samples or beams.
+
+    It also carries the request's in-flight facts, as vLLM V1 keeps its output placeholders on
+    its `Request`: written only by the scheduler (when it schedules the group, when a step
+    comes back, on abort and on re-queue), read by it and its policies."""
 
     def __init__(
         self,
@@ -287,7 +301,7 @@ class SequenceGroup:
         self.seqs_dict = {seq.seq_id: seq for seq in seqs}
         self.sampling_params = sampling_params
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
-        self.prompt_logprobs: Optional[PromptLogprobs] = None
+        self.prompt_logprobs: PromptLogprobs | None = None
         # Prompt logprobs of the prefill chunks received so far (complete: prompt_logprobs).
         self.partial_prompt_logprobs: PromptLogprobs = []
         # How many sequences of this group ever got preempted (reported by masstest).
@@ -295,13 +309,31 @@ class SequenceGroup:
         # Set once the engine returned the group's finished RequestOutput: a step still in
         # flight when it finished (scheduled ahead, or aborted) comes back without another.
         self.final_output_returned = False
+        # Its steps inside the pipeline, oldest first: until its last one is back the group
+        # is in flight and is not rescheduled (unless ahead), preempted, swapped or freed.
+        self.flights: collections.deque[Flight] = collections.deque()
+        # Aborted while a step was in flight: its blocks are freed when the last step returns.
+        self.abort_pending = False
+        # Sequences that finished while a step was in flight (one scheduled ahead): their
+        # blocks are freed when that step returns.
+        self.deferred_free: list[Sequence] = []
+
+    def is_in_flight(self) -> bool:
+        """Whether a step of this group is inside the pipeline."""
+        return bool(self.flights)
+
+    def clear_flights(self) -> None:
+        """Forget every step in flight and what waited for them (the pipeline was emptied)."""
+        self.flights.clear()
+        self.abort_pending = False
+        self.deferred_free = []
 
     @property
     def arrival_time(self) -> float:
         return self.metrics.arrival_time
 
     @property
-    def prompt(self) -> Optional[str]:
+    def prompt(self) -> str | None:
         return next(iter(self.seqs_dict.values())).prompt
 
     @property
@@ -336,7 +368,7 @@ class SequenceGroup:
             return self.sampling_params.best_of
         return self.num_unfinished_seqs()
 
-    def get_seqs(self, status: Optional[SequenceStatus] = None) -> list[Sequence]:
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
             return list(self.seqs_dict.values())
         return [seq for seq in self.seqs_dict.values() if seq.status == status]
@@ -347,7 +379,7 @@ class SequenceGroup:
     def get_finished_seqs(self) -> list[Sequence]:
         return [seq for seq in self.seqs_dict.values() if seq.is_finished()]
 
-    def num_seqs(self, status: Optional[SequenceStatus] = None) -> int:
+    def num_seqs(self, status: SequenceStatus | None = None) -> int:
         return len(self.get_seqs(status))
 
     def num_unfinished_seqs(self) -> int:
@@ -394,7 +426,7 @@ class SequenceGroupMetadata:
     seq_data: dict[int, SequenceData]
     sampling_params: SamplingParams
     block_tables: dict[int, list[int]]
-    token_chunk_size: Optional[int] = None
+    token_chunk_size: int | None = None
     do_sample: bool = True
 
     def __post_init__(self) -> None:
@@ -420,7 +452,7 @@ class SequenceGroupOutput:
     """The samples of one group in one step, plus its prompt logprobs on the prompt step."""
 
     samples: list[SequenceOutput]
-    prompt_logprobs: Optional[PromptLogprobs] = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 # The last stage returns one SequenceGroupOutput per scheduled group, in schedule order.
@@ -433,7 +465,7 @@ class ExecuteModelRequest:
     stages get their inputs from the previous stage) and the cache operations every stage
     applies."""
 
-    step: Optional[StepMessage]
+    step: StepMessage | None
     blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
     blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
     blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)

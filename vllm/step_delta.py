@@ -86,6 +86,13 @@ class _Sent:
     seqs: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
 
 
+class EncoderCheckpoint(NamedTuple):
+    """The mirror's entries of one step's requests before it was encoded (None: not held)."""
+
+    held: dict[str, Optional[_Sent]]
+    reset_pending: bool
+
+
 class StepEncoder:
     """Engine side: turns a step's metadata into deltas against what the stages hold."""
 
@@ -156,6 +163,24 @@ class StepEncoder:
             tuple(deltas),
             params,
         )
+
+    def checkpoint(self, request_ids: list[str]) -> EncoderCheckpoint:
+        """What the mirror holds of these requests now, for `rollback` if the step encoded
+        next is never sent."""
+        held = {}
+        for request_id in request_ids:
+            sent = self._sent.get(request_id)
+            held[request_id] = None if sent is None else _Sent(sent.params, dict(sent.seqs))
+        return EncoderCheckpoint(held, self._reset_pending)
+
+    def rollback(self, checkpoint: EncoderCheckpoint) -> None:
+        """The step encoded since `checkpoint` was not sent: the stages hold what they held."""
+        for request_id, sent in checkpoint.held.items():
+            if sent is None:
+                self._sent.pop(request_id, None)
+            else:
+                self._sent[request_id] = sent
+        self._reset_pending = checkpoint.reset_pending
 
     def forget(self, request_ids: list[str]) -> None:
         """These requests finished: the stages drop them too (`finished_request_ids`)."""
@@ -286,18 +311,30 @@ class StageRequestState:
         return len(self._requests)
 
 
+class MessageNotSerializableError(TypeError):
+    """Neither pickle nor cloudpickle can serialise a message for a stage. Raised before any
+    byte of the step is sent (`RankCalls.submit` serialises every rank's part first), so the
+    stages never see a half-sent step."""
+
+
 def dumps_message(message: object) -> bytes:
     """Pickle what crosses to a stage (a step, a call, a result).
 
     Plain pickle first (the fastest); what it refuses -- a user's logits processor defined
     inside a function -- goes through cloudpickle, as Ray would send it (plain `pickle.loads`
-    reads both)."""
+    reads both). MessageNotSerializableError when neither can."""
     try:
         return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, AttributeError, TypeError):
-        import cloudpickle  # installed with Ray
+        pass
+    import cloudpickle
 
+    try:
         return cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # cloudpickle raises whatever the object's reduction raises
+        raise MessageNotSerializableError(
+            f"cannot be serialised for the pipeline stages: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def message_bytes(message: object) -> int:

@@ -1,217 +1,221 @@
 """The scheduler's chunked-prefill policy, vLLM 0.5's (`enable_chunked_prefill`).
 
-A step takes the running decodes first, then prefill chunks up to `max_num_batched_tokens`,
-so a long prompt is prefilled over several steps next to the decodes (between two chunks its
-group is in flight like a decode: chunks reach the cache in order). With pipeline parallelism
-the micro-batches are balanced by tokens (`_token_budget`).
+A step takes the running decodes first, then prefill chunks up to the token budget, so a long
+prompt is prefilled over several steps next to the decodes (between two chunks its group is in
+flight like a decode: chunks reach the cache in order). With pipeline parallelism the
+micro-batches are balanced by tokens (`MicroBatchBudget.token_budget`).
 
-A mixin of `vllm.core.scheduler.Scheduler`, which owns the state and the shared machinery
-(see `SchedulerState`). Imports no torch.
+`Scheduler.schedule` calls `ChunkedPolicy.schedule`; the queues, admission, swap-in,
+preemption and scheduling ahead are the scheduler's (`vllm.core.scheduler`). Imports no torch.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vllm.core.scheduler_types import SchedulerOutputs
+from vllm.core.budget import over_cap
 from vllm.sequence import SequenceGroup, SequenceStatus
 
 if TYPE_CHECKING:
-    from vllm.core.scheduler_types import SchedulerState as _SchedulerState
-else:
-    _SchedulerState = object
+    from vllm.core.scheduler import Scheduler, SchedulerOutputs
 
 # The scheduler's logger: its warnings read the same whichever policy runs.
 logger = logging.getLogger("vllm.core.scheduler")
 
 
-class ChunkedPolicy(_SchedulerState):
-    """Decodes first, then prefill chunks, within one token budget per step.
+@dataclass
+class _Step:
+    """One step being filled: its limits, what it took so far, and the running groups not
+    in flight sorted by phase (decoding or prefilling, FCFS)."""
 
-    Scheduler state it reads: `scheduler_config` (max_num_batched_tokens, max_num_seqs),
-    `pipeline_parallel_size`, `in_flight`, `block_manager` (cached prefix tokens, whether a
-    swapped group fits), the tokens left to prefill in `running` and `waiting`. It writes:
-    `waiting` (admitted or ignored prompts leave it), `running` (rebuilt each step), `swapped`
-    (sorted; groups leave it when swapped in) and their sequences' statuses, through the
-    Scheduler's admission, micro-batch cap, scheduling-ahead and preemption helpers
-    (`SchedulerState`)."""
+    out: SchedulerOutputs
+    budget: int  # tokens
+    decode_room: int  # tokens the decodes may take
+    seq_cap: int  # sequences
+    step_no: int
+    used: int = 0  # tokens taken
+    batch_seqs: int = 0  # sequences taken by decodes
+    decodes: collections.deque[SequenceGroup] = field(default_factory=collections.deque)
+    prefills: collections.deque[SequenceGroup] = field(default_factory=collections.deque)
+    # In flight, and allowed to run their next decode now (scheduling ahead).
+    ahead: list[SequenceGroup] = field(default_factory=list)
+    scheduled_decodes: list[SequenceGroup] = field(default_factory=list)
+    scheduled_prefills: list[SequenceGroup] = field(default_factory=list)
+
+    def take(self, seq_group: SequenceGroup, tokens: int, prefill: bool) -> None:
+        (self.scheduled_prefills if prefill else self.scheduled_decodes).append(seq_group)
+        self.out.token_chunk_sizes[seq_group.request_id] = tokens
+        self.used += tokens
+
+
+class ChunkedPolicy:
+    """Decodes first, then prefill chunks of running groups, swapped groups and new prompts,
+    within one token budget per step; a decode that needs a block preempts the
+    latest-arriving group not scheduled yet."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.sched = scheduler
+
+    def schedule(self, out: SchedulerOutputs, seq_cap: int, step_no: int) -> None:
+        """Fill `out` with one step, at most `seq_cap` decoding sequences (the first group
+        always fits); `step_no` is the step it will be submitted as."""
+        budget, decode_budget = self._token_budget()
+        step = _Step(out, budget, min(budget, decode_budget), seq_cap, step_no)
+        self._sort_running(step)
+        self._schedule_decodes(step)
+        self._schedule_running_prefills(step)
+        if out.num_preempted == 0 and self.sched.swapped:
+            self._swap_in(step)
+        # New prompts only when nothing waits to be swapped back in (it would starve) and
+        # nothing was just preempted for lack of blocks.
+        if out.num_preempted == 0 and not self.sched.swapped:
+            self._admit_prompts(step)
+        out.scheduled_seq_groups = step.scheduled_prefills + step.scheduled_decodes
+        out.prompt_run = bool(step.scheduled_prefills)
+        out.num_batched_tokens = step.used
 
     def _token_budget(self) -> tuple[int, int]:
-        """(this micro-batch's token budget, the most of it decodes may take).
-
-        With N pipeline stages every stage runs every micro-batch, so the pipeline moves at
-        the pace of the largest one. One round through the pipeline runs every decoding
-        sequence once plus prefill chunks up to max_num_batched_tokens; each micro-batch takes
-        ~1/N of the decodes and ~1/N of that prefill work (more if fewer decodes are ready), so
-        a long prompt is spread over several micro-batches instead of stalling the one that
-        holds it, and prefills always progress next to many decodes."""
-        budget = self.scheduler_config.max_num_batched_tokens
-        stages = self.pipeline_parallel_size
-        if stages == 1:
-            return budget, budget
+        """(this micro-batch's token budget, the most of it decodes may take), from the decode
+        and prefill work waiting (see `MicroBatchBudget.token_budget`)."""
+        sched = self.sched
+        if sched.budget.cohorts == 1:
+            return sched.budget.token_budget(0, 0)
         decode_tokens = 0
         prefill_tokens = 0
-        for group in self.running:
+        for group in sched.running:
             for seq in group.get_seqs(status=SequenceStatus.RUNNING):
                 if seq.is_prefill():
                     prefill_tokens += seq.get_num_new_tokens()
                 else:
                     decode_tokens += 1
-        for group in self.waiting:
+        for group in sched.waiting:
             prefill_tokens += sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
-        decode_share = -(-decode_tokens // stages)
-        prefill_share = -(-min(prefill_tokens, budget) // stages)
-        return max(1, min(budget, decode_share + prefill_share)), max(1, decode_share)
+        return sched.budget.token_budget(decode_tokens, prefill_tokens)
 
-    def _schedule_chunked(self) -> SchedulerOutputs:
-        """vLLM 0.5's chunked-prefill policy: running decodes first, then prefill chunks of
-        running groups, swapped groups, and new prompts, within one token budget."""
-        config = self.scheduler_config
-        out = SchedulerOutputs()
-        budget, decode_budget = self._token_budget()
-        decode_room = min(budget, decode_budget)
-        used = 0
-        batch_seqs = 0
-        decodes: collections.deque[SequenceGroup] = collections.deque()
-        prefills: collections.deque[SequenceGroup] = collections.deque()
-        pending = sorted(self.running, key=lambda g: g.arrival_time)
-        self.running = collections.deque()
-        ahead: list[SequenceGroup] = []
+    def _sort_running(self, step: _Step) -> None:
+        """Take `running` apart, FCFS: groups in flight (or finished) stay in it, the others
+        are sorted into decodes and prefills, put back as they are scheduled or passed over."""
+        sched = self.sched
+        pending = sorted(sched.running, key=lambda g: g.arrival_time)
+        sched.running = collections.deque()
         for seq_group in pending:
-            if seq_group.request_id in self.in_flight or seq_group.is_finished():
-                self.running.append(seq_group)
-                if not seq_group.is_finished() and self._can_go_ahead(seq_group):
-                    ahead.append(seq_group)
+            if seq_group.is_in_flight() or seq_group.is_finished():
+                sched.running.append(seq_group)
+                if not seq_group.is_finished() and sched.can_go_ahead(seq_group, step.step_no):
+                    step.ahead.append(seq_group)
             elif seq_group.is_prefill():
-                prefills.append(seq_group)
+                step.prefills.append(seq_group)
             else:
-                decodes.append(seq_group)
+                step.decodes.append(seq_group)
 
-        scheduled_decodes: list[SequenceGroup] = []
-        while decodes:
-            seq_group = decodes.popleft()
+    def _schedule_decodes(self, step: _Step) -> None:
+        """The running decodes (preempting later groups for blocks), then those in flight
+        that may go ahead (never preempting), within the decode room and the sequence cap."""
+        sched = self.sched
+        while step.decodes:
+            seq_group = step.decodes.popleft()
             group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
-            if used + group_seqs > decode_room or self._batch_full(
-                scheduled_decodes, batch_seqs, group_seqs
-            ):
-                self.running.append(seq_group)
+            if not self._decode_fits(step, group_seqs):
+                sched.running.append(seq_group)
                 continue
-            if self._grow_or_preempt(
-                seq_group, out, lambda: self._pop_chunked_victim(decodes, prefills)
+            if sched.grow_or_preempt(
+                seq_group, step.out, lambda: _pop_victim(step.decodes, step.prefills)
             ):
-                self.running.append(seq_group)
-                scheduled_decodes.append(seq_group)
-                out.token_chunk_sizes[seq_group.request_id] = group_seqs
-                used += group_seqs
-                batch_seqs += group_seqs
-        for seq_group in ahead:
+                sched.running.append(seq_group)
+                step.take(seq_group, group_seqs, prefill=False)
+                step.batch_seqs += group_seqs
+        for seq_group in step.ahead:
             group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
-            if used + group_seqs > decode_room or self._batch_full(
-                scheduled_decodes, batch_seqs, group_seqs
+            if self._decode_fits(step, group_seqs) and sched.try_schedule_ahead(
+                seq_group, step.out
             ):
-                continue
-            if self._schedule_ahead(seq_group, out):
-                scheduled_decodes.append(seq_group)
-                out.token_chunk_sizes[seq_group.request_id] = group_seqs
-                used += group_seqs
-                batch_seqs += group_seqs
+                step.take(seq_group, group_seqs, prefill=False)
+                step.batch_seqs += group_seqs
 
-        scheduled_prefills: list[SequenceGroup] = []
-        for seq_group in prefills:
-            self.running.append(seq_group)
-            chunk = self._chunk(seq_group, SequenceStatus.RUNNING, budget - used)
+    @staticmethod
+    def _decode_fits(step: _Step, group_seqs: int) -> bool:
+        return step.used + group_seqs <= step.decode_room and not over_cap(
+            step.scheduled_decodes, step.batch_seqs + group_seqs, step.seq_cap
+        )
+
+    def _schedule_running_prefills(self, step: _Step) -> None:
+        """The next chunk of each running prefill, while tokens are left."""
+        for seq_group in step.prefills:
+            self.sched.running.append(seq_group)
+            chunk = _chunk(seq_group, SequenceStatus.RUNNING, step.budget - step.used)
             if chunk > 0:
-                scheduled_prefills.append(seq_group)
-                out.token_chunk_sizes[seq_group.request_id] = chunk
-                used += chunk
+                step.take(seq_group, chunk, prefill=True)
 
-        if out.num_preempted == 0 and self.swapped:
-            used = self._swap_in_chunked(out, budget, used, scheduled_prefills, scheduled_decodes)
-
-        # New prompts only when nothing waits to be swapped back in (it would starve) and
-        # nothing was just preempted for lack of blocks.
-        if out.num_preempted == 0 and not self.swapped:
-            num_seqs = self._num_running_seqs()
-            while used < budget and (head := self._next_admissible(out)) is not None:
-                seq_group, waiting_seqs, num_prompt_tokens = head
-                num_new_seqs = seq_group.get_max_num_running_seqs()
-                if num_seqs + num_new_seqs > config.max_num_seqs:
-                    break
-                cached = self.block_manager.num_cached_tokens(seq_group)
-                new_tokens = num_prompt_tokens - cached
-                max_tokens = config.max_num_batched_tokens
-                if len(waiting_seqs) == 1:
-                    chunk = min(new_tokens, budget - used)
-                elif new_tokens > max_tokens:
-                    # Several sequences (diverged before a recompute) are never chunked: if
-                    # together they exceed a step's tokens they could never run.
-                    logger.warning(
-                        "Input prompt (%d tokens) is too long and exceeds limit of %d",
-                        new_tokens,
-                        max_tokens,
-                    )
-                    self._ignore(seq_group, out.ignored_seq_groups)
-                    continue
-                elif used + new_tokens <= max_tokens:
-                    chunk = new_tokens
-                else:
-                    break
-                self.waiting.popleft()
-                self._admit(seq_group, waiting_seqs)
-                scheduled_prefills.append(seq_group)
-                out.token_chunk_sizes[seq_group.request_id] = chunk
-                used += chunk
-                num_seqs += num_new_seqs
-
-        out.scheduled_seq_groups = scheduled_prefills + scheduled_decodes
-        out.prompt_run = bool(scheduled_prefills)
-        out.num_batched_tokens = used
-        return out
-
-    def _chunk(self, seq_group: SequenceGroup, status: SequenceStatus, room: int) -> int:
-        """Tokens of a prefilling group this step can take (0 if none fit)."""
-        seqs = seq_group.get_seqs(status=status)
-        new_tokens = sum(seq.get_num_new_tokens() for seq in seqs)
-        if len(seqs) == 1:
-            return max(0, min(new_tokens, room))
-        return new_tokens if new_tokens <= room else 0
-
-    def _swap_in_chunked(
-        self,
-        out: SchedulerOutputs,
-        budget: int,
-        used: int,
-        scheduled_prefills: list[SequenceGroup],
-        scheduled_decodes: list[SequenceGroup],
-    ) -> int:
-        self.swapped = collections.deque(sorted(self.swapped, key=lambda g: g.arrival_time))
-        num_seqs = self._num_running_seqs()
-        while (seq_group := self._next_swappable(out, num_seqs)) is not None:
+    def _swap_in(self, step: _Step) -> None:
+        """Swapped groups back in, FCFS, while their chunk or decode tokens fit."""
+        sched = self.sched
+        sched.sort_swapped()
+        num_seqs = sched.num_running_seqs()
+        while (seq_group := sched.next_swappable(step.out, num_seqs)) is not None:
             num_new_seqs = seq_group.get_max_num_running_seqs()
             is_prefill = seq_group.is_prefill()
             if is_prefill:
-                tokens = self._chunk(seq_group, SequenceStatus.SWAPPED, budget - used)
+                tokens = _chunk(seq_group, SequenceStatus.SWAPPED, step.budget - step.used)
                 if tokens == 0:
                     break
             else:
                 tokens = seq_group.num_seqs(status=SequenceStatus.SWAPPED)
-                if used + tokens > budget:
+                if step.used + tokens > step.budget:
                     break
-            self._swap_in(seq_group, out)
-            (scheduled_prefills if is_prefill else scheduled_decodes).append(seq_group)
-            out.token_chunk_sizes[seq_group.request_id] = tokens
-            used += tokens
+            sched.swap_in(seq_group, step.out)
+            step.take(seq_group, tokens, prefill=is_prefill)
             num_seqs += num_new_seqs
-        return used
 
-    def _pop_chunked_victim(
-        self, decodes: collections.deque[SequenceGroup], prefills: collections.deque[SequenceGroup]
-    ) -> SequenceGroup | None:
-        """The latest-arriving group not scheduled yet, prefilling or decoding."""
-        if not decodes and not prefills:
-            return None
-        if not prefills or (decodes and decodes[-1].arrival_time >= prefills[-1].arrival_time):
-            return decodes.pop()
-        return prefills.pop()
+    def _admit_prompts(self, step: _Step) -> None:
+        """New prompts, FCFS: the first chunk of each while tokens are left."""
+        sched, budget = self.sched, self.sched.budget
+        num_seqs = sched.num_running_seqs()
+        while step.used < step.budget and (head := sched.next_admissible(step.out)) is not None:
+            seq_group, waiting_seqs, num_prompt_tokens = head
+            num_new_seqs = seq_group.get_max_num_running_seqs()
+            if num_seqs + num_new_seqs > budget.max_num_seqs:
+                break
+            new_tokens = num_prompt_tokens - sched.block_manager.num_cached_tokens(seq_group)
+            max_tokens = budget.max_num_batched_tokens
+            if len(waiting_seqs) == 1:
+                chunk = min(new_tokens, step.budget - step.used)
+            elif new_tokens > max_tokens:
+                # Several sequences (diverged before a recompute) are never chunked: if
+                # together they exceed a step's tokens they could never run.
+                logger.warning(
+                    "Input prompt (%d tokens) is too long and exceeds limit of %d",
+                    new_tokens,
+                    max_tokens,
+                )
+                sched.ignore(seq_group, step.out)
+                continue
+            elif step.used + new_tokens <= max_tokens:
+                chunk = new_tokens
+            else:
+                break
+            sched.admit(seq_group, waiting_seqs)
+            step.take(seq_group, chunk, prefill=True)
+            num_seqs += num_new_seqs
+
+
+def _chunk(seq_group: SequenceGroup, status: SequenceStatus, room: int) -> int:
+    """Tokens of a prefilling group this step can take (0 if none fit)."""
+    seqs = seq_group.get_seqs(status=status)
+    new_tokens = sum(seq.get_num_new_tokens() for seq in seqs)
+    if len(seqs) == 1:
+        return max(0, min(new_tokens, room))
+    return new_tokens if new_tokens <= room else 0
+
+
+def _pop_victim(
+    decodes: collections.deque[SequenceGroup], prefills: collections.deque[SequenceGroup]
+) -> SequenceGroup | None:
+    """The latest-arriving group not scheduled yet, prefilling or decoding."""
+    if not decodes and not prefills:
+        return None
+    if not prefills or (decodes and decodes[-1].arrival_time >= prefills[-1].arrival_time):
+        return decodes.pop()
+    return prefills.pop()

@@ -1,7 +1,7 @@
 """The scheduler's default policy, vLLM V0's: a step runs either new prompts (whole) or decodes.
 
-A mixin of `vllm.core.scheduler.Scheduler`, which owns the state and the shared machinery
-(see `SchedulerState`). Imports no torch.
+`Scheduler.schedule` calls `ClassicPolicy.schedule`; the queues, admission, swap-in,
+preemption and scheduling ahead are the scheduler's (`vllm.core.scheduler`). Imports no torch.
 """
 
 from __future__ import annotations
@@ -9,114 +9,117 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING
 
-from vllm.core.scheduler_types import SchedulerOutputs
+from vllm.core.budget import over_cap
 from vllm.sequence import SequenceGroup, SequenceStatus
 
 if TYPE_CHECKING:
-    from vllm.core.scheduler_types import SchedulerState as _SchedulerState
-else:
-    _SchedulerState = object
+    from vllm.core.scheduler import Scheduler, SchedulerOutputs
 
 
-class ClassicPolicy(_SchedulerState):
+class ClassicPolicy:
     """FCFS whole-prompt or decode steps (`enable_chunked_prefill` off).
 
-    Scheduler state it reads: `scheduler_config` (max_num_batched_tokens, max_num_seqs),
-    `in_flight`, `block_manager` (cached prefix tokens, whether a swapped group fits). It
-    writes: `waiting` (admitted or ignored prompts leave it), `running` (rebuilt each decode
-    step), `swapped` (sorted; groups leave it when swapped in) and their sequences' statuses,
-    through the Scheduler's admission, micro-batch cap, scheduling-ahead and preemption
-    helpers (`SchedulerState`)."""
+    Like vLLM V0, swapped groups are resumed before any new prompt is admitted; a decode that
+    needs a block preempts the latest-arriving group that is not in flight."""
 
-    def _schedule(self) -> SchedulerOutputs:
-        # Like vLLM V0: swapped groups are resumed before any new prompt is admitted.
-        if not self.swapped:
-            prompt_outputs = self._schedule_prompts()
-            if prompt_outputs.scheduled_seq_groups or prompt_outputs.ignored_seq_groups:
-                return prompt_outputs
-        return self._schedule_decodes()
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.sched = scheduler
 
-    def _schedule_prompts(self) -> SchedulerOutputs:
-        config = self.scheduler_config
-        out = SchedulerOutputs(prompt_run=True)
-        if not self.waiting:
-            return out
-        num_seqs = self._num_running_seqs()
+    def schedule(self, out: SchedulerOutputs, seq_cap: int, step_no: int) -> None:
+        """Fill `out` with one step, at most `seq_cap` sequences (the first group always
+        fits); `step_no` is the step it will be submitted as."""
+        if not self.sched.swapped:
+            self._schedule_prompts(out, seq_cap)
+            if out.scheduled_seq_groups or out.ignored_seq_groups:
+                out.prompt_run = True
+                return
+        self._schedule_decodes(out, seq_cap, step_no)
+        if out.num_preempted == 0 and self.sched.swapped:
+            # Resuming swapped groups right after preempting would only thrash.
+            self._swap_in(out, seq_cap)
+        out.num_batched_tokens = sum(
+            g.num_seqs(status=SequenceStatus.RUNNING) for g in out.scheduled_seq_groups
+        )
+
+    def _schedule_prompts(self, out: SchedulerOutputs, seq_cap: int) -> None:
+        sched, budget = self.sched, self.sched.budget
+        if not sched.waiting:
+            return
+        num_seqs = sched.num_running_seqs()
         batch_seqs = 0
-        while (head := self._next_admissible(out)) is not None:
+        while (head := sched.next_admissible(out)) is not None:
             seq_group, waiting_seqs, num_prompt_tokens = head
             # A prefix found in the prefix cache is not computed again.
-            num_new_tokens = num_prompt_tokens - self.block_manager.num_cached_tokens(seq_group)
-            if out.num_batched_tokens + num_new_tokens > config.max_num_batched_tokens:
+            num_new_tokens = num_prompt_tokens - sched.block_manager.num_cached_tokens(seq_group)
+            if out.num_batched_tokens + num_new_tokens > budget.max_num_batched_tokens:
                 break
             num_new_seqs = seq_group.get_max_num_running_seqs()
-            if num_seqs + num_new_seqs > config.max_num_seqs:
+            if num_seqs + num_new_seqs > budget.max_num_seqs:
                 break
-            if self._batch_full(out.scheduled_seq_groups, batch_seqs, num_new_seqs):
+            if over_cap(out.scheduled_seq_groups, batch_seqs + num_new_seqs, seq_cap):
                 break
             batch_seqs += num_new_seqs
-            self.waiting.popleft()
-            self._admit(seq_group, waiting_seqs)
+            sched.admit(seq_group, waiting_seqs)
             out.scheduled_seq_groups.append(seq_group)
             out.token_chunk_sizes[seq_group.request_id] = waiting_seqs[0].get_num_new_tokens()
             out.num_batched_tokens += num_new_tokens
             num_seqs += num_new_seqs
-        return out
 
-    def _schedule_decodes(self) -> SchedulerOutputs:
-        out = SchedulerOutputs()
+    def _schedule_decodes(self, out: SchedulerOutputs, seq_cap: int, step_no: int) -> None:
+        sched = self.sched
         scheduled = out.scheduled_seq_groups
         # FCFS: earliest arrival has the highest priority (stable for equal times).
-        pending = collections.deque(sorted(self.running, key=lambda g: g.arrival_time))
-        self.running = collections.deque()
-        batch_seqs = 0
+        pending = collections.deque(sorted(sched.running, key=lambda g: g.arrival_time))
+        sched.running = collections.deque()
+        self._batch_seqs = 0
         while pending:
             seq_group = pending.popleft()
             if seq_group.is_finished():
-                self.running.append(seq_group)
+                sched.running.append(seq_group)
                 continue
             group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
-            if self._batch_full(scheduled, batch_seqs, group_seqs):
+            if over_cap(scheduled, self._batch_seqs + group_seqs, seq_cap):
                 # This micro-batch is full; the group waits for the next one.
-                self.running.append(seq_group)
+                sched.running.append(seq_group)
                 continue
-            if seq_group.request_id in self.in_flight:
-                self.running.append(seq_group)
-                if self._can_go_ahead(seq_group) and self._schedule_ahead(seq_group, out):
-                    scheduled.append(seq_group)
-                    out.token_chunk_sizes[seq_group.request_id] = group_seqs
-                    batch_seqs += group_seqs
+            if seq_group.is_in_flight():
+                sched.running.append(seq_group)
+                if sched.can_go_ahead(seq_group, step_no) and sched.try_schedule_ahead(
+                    seq_group, out
+                ):
+                    self._take(out, seq_group, group_seqs)
                 continue
-            if self._grow_or_preempt(seq_group, out, lambda: self._pop_victim(pending)):
-                self.running.append(seq_group)
-                scheduled.append(seq_group)
-                out.token_chunk_sizes[seq_group.request_id] = group_seqs
-                batch_seqs += group_seqs
+            if sched.grow_or_preempt(seq_group, out, lambda: _pop_victim(pending)):
+                sched.running.append(seq_group)
+                self._take(out, seq_group, group_seqs)
 
-        # Resuming swapped groups right after preempting would only thrash.
-        if out.num_preempted == 0 and self.swapped:
-            self.swapped = collections.deque(sorted(self.swapped, key=lambda g: g.arrival_time))
-            num_seqs = self._num_running_seqs()
-            while (swapped := self._next_swappable(out, num_seqs)) is not None:
-                num_new_seqs = swapped.get_max_num_running_seqs()
-                if self._batch_full(scheduled, batch_seqs, num_new_seqs):
-                    break
-                batch_seqs += num_new_seqs
-                self._swap_in(swapped, out)
-                scheduled.append(swapped)
-                out.token_chunk_sizes[swapped.request_id] = swapped.num_seqs(
-                    status=SequenceStatus.RUNNING
-                )
-                num_seqs += num_new_seqs
+    def _swap_in(self, out: SchedulerOutputs, seq_cap: int) -> None:
+        sched = self.sched
+        sched.sort_swapped()
+        num_seqs = sched.num_running_seqs()
+        while (swapped := sched.next_swappable(out, num_seqs)) is not None:
+            num_new_seqs = swapped.get_max_num_running_seqs()
+            if over_cap(out.scheduled_seq_groups, self._batch_seqs + num_new_seqs, seq_cap):
+                break
+            self._batch_seqs += num_new_seqs
+            sched.swap_in(swapped, out)
+            out.scheduled_seq_groups.append(swapped)
+            out.token_chunk_sizes[swapped.request_id] = swapped.num_seqs(
+                status=SequenceStatus.RUNNING
+            )
+            num_seqs += num_new_seqs
 
-        out.num_batched_tokens = sum(g.num_seqs(status=SequenceStatus.RUNNING) for g in scheduled)
-        return out
+    def _take(self, out: SchedulerOutputs, seq_group: SequenceGroup, group_seqs: int) -> None:
+        out.scheduled_seq_groups.append(seq_group)
+        out.token_chunk_sizes[seq_group.request_id] = group_seqs
+        self._batch_seqs += group_seqs
 
-    def _pop_victim(self, pending: collections.deque[SequenceGroup]) -> SequenceGroup | None:
-        """Remove and return the lowest-priority pending group that is not in flight."""
-        for index in range(len(pending) - 1, -1, -1):
-            if pending[index].request_id not in self.in_flight:
-                victim = pending[index]
-                del pending[index]
-                return victim
-        return None
+
+def _pop_victim(pending: collections.deque[SequenceGroup]) -> SequenceGroup | None:
+    """Remove and return the lowest-priority pending group that is not in flight."""
+    for index in range(len(pending) - 1, -1, -1):
+        if not pending[index].is_in_flight():
+            victim = pending[index]
+            del pending[index]
+            return victim
+    return None

@@ -1,24 +1,26 @@
-"""Continuous batching with vLLM V0's FCFS policy, plus in-flight tracking for pipelining.
+"""Continuous batching with vLLM V0's FCFS policies, plus in-flight tracking for pipelining.
 
-With pipeline parallelism the engine keeps several batches inside the pipeline at once; a group
-that is in flight has not produced its next token yet, so it must not be scheduled, preempted or
-swapped until the engine reports its batch back (`finish_in_flight`). Imports no torch.
-
-Two policies, as in vLLM 0.5, each a mixin of `Scheduler` in its own module: by default a step
+`Scheduler` owns the queues (waiting, running, swapped), admission, swap-in, preemption and
+the KV block bound, and each `schedule()` dispatches to one policy object: by default a step
 runs either new prompts (whole) or decodes (`vllm.core.classic_policy`); with
-`enable_chunked_prefill` a step takes the running decodes first, then prefill chunks up to
-`max_num_batched_tokens` (`vllm.core.chunked_policy`). This module keeps what both share: the
-queues and in-flight tracking, `schedule()`, admission, the micro-batch cap, scheduling ahead,
-preemption and the KV block bound. A group that can never fit the cache (a prompt, or a swapped
-group that can never be swapped back in) is finished as FINISHED_IGNORED with a warning instead
-of waiting forever.
+`enable_chunked_prefill` a step takes the running decodes first, then prefill chunks
+(`vllm.core.chunked_policy`). How large one batch may be is the engine's `MicroBatchBudget`.
+A group that can never fit the cache (a prompt, or a swapped group that can never be swapped
+back in) is finished as FINISHED_IGNORED with a warning instead of waiting forever. Imports
+no torch.
 
-Scheduling ahead (`lookahead`, the asynchronous pipeline): a decoding group whose step is in
-flight may get its next step before that step's token comes back; the stages feed the token
-they sampled themselves. A group is taken ahead only once `pipeline_parallel_size - 1` other
-batches were submitted after its step, so the first stage runs the micro-batches round robin
-and never waits for a token it cannot have yet. Blocks of a sequence that finishes while a
-step of its group is still in flight are freed when that step comes back.
+In flight: with pipeline parallelism the engine keeps several batches inside the pipeline at
+once; a group in flight has not produced its next token yet, so it is not scheduled, preempted
+or swapped until the engine reports its batch back (`finish_in_flight`). The facts of each
+step in flight live on its `SequenceGroup` (`flights`, `abort_pending`, `deferred_free`);
+the scheduler keeps only the index of the groups that have one (`in_flight`).
+
+Scheduling ahead (`schedule_ahead`, the asynchronous pipeline): a decoding group whose step is
+in flight may get its next step before that step's token comes back; the stages feed the token
+they sampled themselves. A group is taken ahead only once `cohorts - 1` other batches were
+submitted after its step, so the first stage runs the micro-batches round robin and never
+waits for a token it cannot have yet. Blocks of a sequence that finishes while a step of its
+group is still in flight are freed when that step comes back.
 """
 
 from __future__ import annotations
@@ -27,15 +29,16 @@ import collections
 import enum
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from vllm.config import CacheConfig, SchedulerConfig
-from vllm.core.block_manager import BlockSpaceManager
+from vllm.core.block_manager import AllocStatus, BlockSpaceManager
+from vllm.core.budget import NO_CAP, MicroBatchBudget
 from vllm.core.chunked_policy import ChunkedPolicy
 from vllm.core.classic_policy import ClassicPolicy
-from vllm.core.queue_heads import QueueHeads
-from vllm.core.scheduler_types import SchedulerOutputs
-from vllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
+from vllm.sequence import Flight, Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
+from vllm.utils import ceil_div
 
 __all__ = ["PreemptionMode", "Scheduler", "SchedulerOutputs"]
 
@@ -49,25 +52,62 @@ class PreemptionMode(enum.Enum):
     RECOMPUTE = enum.auto()
 
 
-class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
-    """Decides, step by step, which sequence groups run, and owns their KV blocks."""
+@dataclass
+class SchedulerOutputs:
+    """One step's decisions: the groups to run and the block operations to apply first."""
+
+    scheduled_seq_groups: list[SequenceGroup] = field(default_factory=list)
+    prompt_run: bool = False
+    num_batched_tokens: int = 0
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
+    ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
+    num_preempted: int = 0
+    # request id -> tokens this step feeds for the group (1 per sequence for a decode).
+    token_chunk_sizes: dict[str, int] = field(default_factory=dict)
+    # Groups scheduled ahead -> the step number of their step in flight: each of their
+    # sequences feeds the token that step samples.
+    ahead: dict[str, int] = field(default_factory=dict)
+    # The step number this batch was scheduled as (0 when it is empty).
+    step_no: int = 0
+
+    def is_empty(self) -> bool:
+        """True when there is nothing to run and no block to move or copy."""
+        return not (
+            self.scheduled_seq_groups
+            or self.blocks_to_swap_in
+            or self.blocks_to_swap_out
+            or self.blocks_to_copy
+        )
+
+
+class Scheduler:
+    """Decides, step by step, which sequence groups run, and owns their KV blocks.
+
+    `budget` sizes each batch (default: the config's limits, one micro-batch); with
+    `schedule_ahead` a decode may be scheduled while its previous step is in flight, once
+    `budget.cohorts - 1` other steps were submitted after that one."""
 
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
-        pipeline_parallel_size: int = 1,
+        budget: MicroBatchBudget | None = None,
+        schedule_ahead: bool = False,
     ) -> None:
         if cache_config.num_gpu_blocks is None or cache_config.num_cpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks and num_cpu_blocks must be set.")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
-        self.pipeline_parallel_size = pipeline_parallel_size
-        self.chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.budget = budget or MicroBatchBudget.from_config(scheduler_config)
+        self.schedule_ahead = schedule_ahead
+        chunked = scheduler_config.enable_chunked_prefill
+        self.policy = ChunkedPolicy(self) if chunked else ClassicPolicy(self)
         # A prompt must fit the context window and, unless chunked, one step's token budget.
         self.prompt_limit = scheduler_config.max_model_len
-        if not self.chunked_prefill:
-            self.prompt_limit = min(self.prompt_limit, scheduler_config.max_num_batched_tokens)
+        if not chunked:
+            self.prompt_limit = min(self.prompt_limit, self.budget.max_num_batched_tokens)
         self.block_manager = BlockSpaceManager(
             cache_config.block_size,
             cache_config.num_gpu_blocks,
@@ -77,27 +117,16 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
         self.waiting: collections.deque[SequenceGroup] = collections.deque()
         self.running: collections.deque[SequenceGroup] = collections.deque()
         self.swapped: collections.deque[SequenceGroup] = collections.deque()
-        # Groups with at least one step inside the pipeline.
-        self.in_flight: set[str] = set()
-        self._in_flight_groups: dict[str, SequenceGroup] = {}
-        # Per in-flight group, oldest first: (tokens the step feeds, its batch number).
-        self._flights: dict[str, collections.deque[tuple[int, int]]] = {}
-        # Sequences finished while a step of their group was in flight: freed on its return.
-        self._deferred_free: dict[str, list[Sequence]] = {}
-        self._batch_no = 0
-        # Schedule decodes ahead of their in-flight step's output (set by the engine), once
-        # `lookahead_gap - 1` other batches were submitted after that step.
-        self.lookahead = False
-        self.lookahead_gap = pipeline_parallel_size
+        # The groups with at least one step inside the pipeline (also those aborted since:
+        # they left the queues, their blocks wait for the step), by request id.
+        self.in_flight: dict[str, SequenceGroup] = {}
+        # Whether this step admitted a new group (the KV block bound then moves).
         self._admitted = False
-        # Aborted while in flight: their blocks are still being written by the pipeline.
-        self._aborted_in_flight: dict[str, SequenceGroup] = {}
         self.num_cumulative_preemption = 0
-        self._batch_cap = 1 << 62
         # See kv_blocks_bound(); recomputed when requests are admitted or swapped back in.
         self._kv_blocks_bound = 0
 
-    # -- queue management ------------------------------------------------------------------
+    # -- queues ----------------------------------------------------------------------------
 
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
         """Queue a new request (FCFS)."""
@@ -112,8 +141,10 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
                 ids.discard(seq_group.request_id)
                 for seq in seq_group.get_unfinished_seqs():
                     seq.status = SequenceStatus.FINISHED_ABORTED
-                if seq_group.request_id in self.in_flight:
-                    self._aborted_in_flight[seq_group.request_id] = seq_group
+                if seq_group.is_in_flight():
+                    # The pipeline may still write its blocks: freed when the step is back.
+                    seq_group.abort_pending = True
+                    self._index_last(seq_group)
                 else:
                     self._free_group(seq_group)
 
@@ -125,6 +156,11 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
         """Number of groups waiting, running or swapped."""
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
+    def num_active_seqs(self) -> int:
+        """Sequences waiting, running (in flight or not) or swapped."""
+        queues = (self.waiting, self.running, self.swapped)
+        return sum(g.num_unfinished_seqs() for queue in queues for g in queue)
+
     def fork_seq(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         """Let a new sample or beam share its parent's KV blocks."""
         self.block_manager.fork(parent_seq, child_seq)
@@ -132,9 +168,11 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
     def free_seq(self, seq: Sequence) -> None:
         """Release a (finished) sequence's KV blocks; if a step of its group is still in
         the pipeline (it was scheduled ahead), once that step comes back."""
-        for request_id, group in self._in_flight_groups.items():
+        for group in self.in_flight.values():
             if seq.seq_id in group.seqs_dict:
-                self._deferred_free.setdefault(request_id, []).append(seq)
+                if not group.deferred_free:
+                    self._index_last(group)
+                group.deferred_free.append(seq)
                 return
         self.block_manager.free(seq)
 
@@ -142,26 +180,37 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
         """Drop finished groups from `running` (their sequences were freed by the engine)."""
         self.running = collections.deque(g for g in self.running if not g.is_finished())
 
+    def get_stats(self) -> dict[str, float]:
+        """Counters for metrics: preemptions so far and the prefix cache hit rate (-1 off)."""
+        return {
+            "num_cumulative_preemption": self.num_cumulative_preemption,
+            "gpu_prefix_cache_hit_rate": self.block_manager.get_prefix_cache_hit_rate(),
+        }
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (for a stage that lost its KV cache)."""
+        self.block_manager.reset_prefix_cache()
+
+    # -- in flight -------------------------------------------------------------------------
+
     def finish_in_flight(self, request_ids: Iterable[str]) -> None:
         """The batch holding these groups left the pipeline: their tokens' KV is in the cache
         (counted as computed; full prompt blocks become shareable) and they may be scheduled
         again."""
         for request_id in request_ids:
-            flights = self._flights.get(request_id)
-            if not flights:
+            group = self.in_flight.get(request_id)
+            if group is None:
                 continue
-            num_tokens, _ = flights.popleft()
-            group = self._in_flight_groups[request_id]
-            if not flights:
+            num_tokens = group.flights.popleft().num_tokens
+            if not group.flights:
                 # Its last step is back: it may be scheduled, preempted or freed again.
-                del self._flights[request_id]
-                del self._in_flight_groups[request_id]
-                self.in_flight.discard(request_id)
-                for seq in self._deferred_free.pop(request_id, []):
+                del self.in_flight[request_id]
+                deferred, group.deferred_free = group.deferred_free, []
+                for seq in deferred:
                     self.block_manager.free(seq)
-                aborted = self._aborted_in_flight.pop(request_id, None)
-                if aborted is not None:
-                    self._free_group(aborted)
+                if group.abort_pending:
+                    group.abort_pending = False
+                    self._free_group(group)
                     continue
             if group.is_finished():
                 continue
@@ -176,17 +225,6 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
                 elif seq.data.get_num_uncomputed_tokens() > 0:
                     seq.data.update_num_computed_tokens(1)
 
-    def get_stats(self) -> dict[str, float]:
-        """Counters for metrics: preemptions so far and the prefix cache hit rate (-1 off)."""
-        return {
-            "num_cumulative_preemption": self.num_cumulative_preemption,
-            "gpu_prefix_cache_hit_rate": self.block_manager.get_prefix_cache_hit_rate(),
-        }
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (for a stage that lost its KV cache)."""
-        self.block_manager.reset_prefix_cache()
-
     def requeue_in_flight(self) -> list[str]:
         """Put every group inside the pipeline back in the waiting queue for recompute.
 
@@ -194,16 +232,15 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
         stage): the KV it wrote may be partial, so the group re-prefills all its tokens,
         keeping the ones it already generated. Groups aborted while in flight are released.
         Returns the re-queued request ids."""
-        for group in self._aborted_in_flight.values():
-            self._free_group(group)
-        self._aborted_in_flight.clear()
-        for seqs in self._deferred_free.values():
-            for seq in seqs:
+        groups = list(self.in_flight.values())
+        for group in groups:
+            if group.abort_pending:
+                self._free_group(group)
+        for group in groups:
+            for seq in group.deferred_free:
                 self.block_manager.free(seq)
-        requeued = [g for g in self.running if g.request_id in self.in_flight]
-        self.running = collections.deque(
-            g for g in self.running if g.request_id not in self.in_flight
-        )
+        requeued = [g for g in self.running if g.is_in_flight()]
+        self.running = collections.deque(g for g in self.running if not g.is_in_flight())
         self._clear_flights()
         self._requeue(requeued, free_blocks=True)
         return [g.request_id for g in requeued]
@@ -214,7 +251,6 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
         Every running, in-flight or swapped group goes back to the waiting queue with the
         tokens it generated; all blocks (device and swap) are free afterwards. Returns the
         re-queued request ids."""
-        self._aborted_in_flight.clear()
         self._clear_flights()
         groups = [g for g in (*self.running, *self.swapped) if not g.is_finished()]
         self.running.clear()
@@ -223,11 +259,17 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
         self._requeue(groups, free_blocks=False)
         return [g.request_id for g in groups]
 
+    def _index_last(self, group: SequenceGroup) -> None:
+        """Move an in-flight group to the end of `in_flight`, which thus lists the aborted
+        groups in the order they were aborted, and the groups with deferred frees in the
+        order of their first one: `requeue_in_flight` releases blocks in these orders, and
+        with prefix caching the order blocks are freed in is the order they are evicted in."""
+        self.in_flight[group.request_id] = self.in_flight.pop(group.request_id)
+
     def _clear_flights(self) -> None:
+        for group in self.in_flight.values():
+            group.clear_flights()
         self.in_flight.clear()
-        self._in_flight_groups.clear()
-        self._flights.clear()
-        self._deferred_free.clear()
 
     def _requeue(self, groups: list[SequenceGroup], free_blocks: bool) -> None:
         for group in groups:
@@ -244,36 +286,30 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
         for seq in seq_group.get_seqs():
             self.block_manager.free(seq)
 
-    # -- scheduling ------------------------------------------------------------------------
+    # -- one step --------------------------------------------------------------------------
 
-    def num_active_seqs(self) -> int:
-        """Sequences waiting, running (in flight or not) or swapped."""
-        queues = (self.waiting, self.running, self.swapped)
-        return sum(g.num_unfinished_seqs() for queue in queues for g in queue)
-
-    def schedule(
-        self, max_batch_seqs: int | None = None
-    ) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
-        """Pick the next batch; its groups stay in flight until `finish_in_flight`.
-
-        `max_batch_seqs` caps this batch's sequences (at least one group is always taken):
-        with pipelining the engine splits the work into micro-batches so every stage has one.
-        """
-        self._batch_cap = max_batch_seqs if max_batch_seqs is not None else 1 << 62
+    def schedule(self, step_no: int = 0) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
+        """Pick the next batch, to be submitted as step `step_no` (`BatchQueue.next_step_no`;
+        needed to schedule ahead); its groups stay in flight until `finish_in_flight`."""
+        if self.schedule_ahead and step_no < 1:
+            raise ValueError(f"step_no must be >= 1 to schedule ahead, got {step_no}.")
         self._admitted = False
-        number = self._batch_no + 1
-        outputs = self._schedule_chunked() if self.chunked_prefill else self._schedule()
-        if self._admitted or outputs.blocks_to_swap_in:
+        out = SchedulerOutputs()
+        seq_cap = NO_CAP  # one cohort: no need to count the active sequences
+        if self.budget.cohorts > 1:
+            seq_cap = self.budget.max_batch_seqs(self.num_active_seqs())
+        self.policy.schedule(out, seq_cap, step_no)
+        if self._admitted or out.blocks_to_swap_in:
             self._kv_blocks_bound = self._bound_running_blocks()
-        if not outputs.is_empty():
-            self._batch_no = outputs.batch_no = number
+        if not out.is_empty():
+            out.step_no = step_no
         metadata = []
         now = time.time()
-        for seq_group in outputs.scheduled_seq_groups:
+        for seq_group in out.scheduled_seq_groups:
             seq_group.maybe_set_first_scheduled_time(now)
             seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
             is_prompt = seq_group.is_prefill()
-            chunk = outputs.token_chunk_sizes[seq_group.request_id]
+            chunk = out.token_chunk_sizes[seq_group.request_id]
             do_sample = True
             if is_prompt:
                 data = seqs[0].data
@@ -292,21 +328,17 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
                     do_sample=do_sample,
                 )
             )
-            self.in_flight.add(seq_group.request_id)
-            self._in_flight_groups[seq_group.request_id] = seq_group
-            flight = (chunk if is_prompt else 1, number)
-            self._flights.setdefault(seq_group.request_id, collections.deque()).append(flight)
-        return metadata, outputs
+            seq_group.flights.append(Flight(chunk if is_prompt else 1, step_no))
+            self.in_flight[seq_group.request_id] = seq_group
+        return metadata, out
 
-    def _can_go_ahead(self, seq_group: SequenceGroup) -> bool:
-        """Whether an in-flight group may get its next decode step now (see module doc)."""
-        if not self.lookahead:
+    # -- scheduling ahead (both policies) ---------------------------------------------------
+
+    def can_go_ahead(self, seq_group: SequenceGroup, step_no: int) -> bool:
+        """Whether an in-flight group may get its next decode step as step `step_no` now."""
+        if not self.schedule_ahead or len(seq_group.flights) != 1:
             return False
-        flights = self._flights.get(seq_group.request_id)
-        if flights is None or len(flights) != 1:
-            return False
-        _, batch_no = flights[0]
-        if self._batch_no + 1 - batch_no < self.lookahead_gap:
+        if step_no - seq_group.flights[0].step_no < self.budget.cohorts:
             return False  # the first stage would wait for that step's token
         params = seq_group.sampling_params
         if params.use_beam_search or seq_group.num_seqs() < params.best_of:
@@ -322,58 +354,136 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
             for seq in seqs
         )
 
-    def _schedule_ahead(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> bool:
+    def try_schedule_ahead(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> bool:
         """Schedule an in-flight group's next decode if its slots fit (never preempts)."""
         if not self.block_manager.can_append_slots(seq_group):
             return False
         for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
             for src, dst in self.block_manager.append_slots(seq, num_lookahead_slots=1):
                 out.blocks_to_copy.setdefault(src, []).append(dst)
-        out.ahead[seq_group.request_id] = self._flights[seq_group.request_id][0][1]
+        out.ahead[seq_group.request_id] = seq_group.flights[0].step_no
         return True
 
-    def kv_blocks_bound(self) -> int:
-        """A bound on the device block ids the admitted requests can reach before the next
-        admission: the blocks of every running sequence at its longest, plus the free blocks
-        that still hold prefix-cache KV.
+    # -- admission (both policies) ---------------------------------------------------------
 
-        The block manager hands out the lowest free block first (a cached block is reused
-        only when no other is free), so a block id never reaches the peak number of blocks in
-        use or cached, which these cannot exceed. Workers use
-        it to map and zero their cache ahead of the writes (CacheEngine.reserve)."""
-        return self._kv_blocks_bound
-
-    def _bound_running_blocks(self) -> int:
-        max_model_len = self.scheduler_config.max_model_len
-        block_size = self.cache_config.block_size
-        total = 0
-        for group in self.running:
-            max_tokens = group.sampling_params.max_tokens
-            # Sequences still to fork (best_of) count like the one they fork from.
-            seqs = max(group.num_seqs(), group.get_max_num_running_seqs())
-            longest = max(
-                min(seq.get_prompt_len() + (max_tokens or max_model_len), max_model_len)
-                for seq in group.get_seqs()
-            )
-            total += seqs * -(-longest // block_size)
-        # Parked prefix-cache blocks keep their ids until they are evicted.
-        total += self.block_manager.get_num_cached_free_blocks()
-        return min(total, self.block_manager.num_total_gpu_blocks)
-
-    # -- shared by both policies (vllm.core.classic_policy, vllm.core.chunked_policy) -----
-
-    def _num_running_seqs(self) -> int:
-        # In-flight groups keep their slots: they come back for more tokens.
+    def num_running_seqs(self) -> int:
+        """Sequences the running groups may have (in-flight groups keep their slots: they
+        come back for more tokens)."""
         return sum(g.get_max_num_running_seqs() for g in self.running)
 
-    def _batch_full(
-        self, scheduled: Collection[SequenceGroup], batch_seqs: int, num_seqs: int
-    ) -> bool:
-        """Whether `num_seqs` more sequences would pass this micro-batch's cap (`schedule`'s
-        `max_batch_seqs`), `batch_seqs` being taken; a batch's first group always fits."""
-        return bool(scheduled) and batch_seqs + num_seqs > self._batch_cap
+    def next_admissible(
+        self, out: SchedulerOutputs
+    ) -> tuple[SequenceGroup, list[Sequence], int] | None:
+        """The first waiting group if it can be admitted now: (group, its waiting sequences,
+        their tokens -- a recomputed group re-prefills its generated tokens as well). Groups
+        that can never fit are finished as ignored on the way; None when the head must wait
+        or nothing waits. The group stays at the head of `waiting` until `admit`."""
+        while self.waiting:
+            seq_group = self.waiting[0]
+            waiting_seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
+            num_prompt_tokens = sum(seq.get_len() for seq in waiting_seqs)
+            admission = self._admission(seq_group, num_prompt_tokens, out)
+            if admission is AllocStatus.LATER:
+                return None
+            if admission is AllocStatus.OK:
+                return seq_group, waiting_seqs, num_prompt_tokens
+        return None
 
-    def _grow_or_preempt(
+    def admit(self, seq_group: SequenceGroup, waiting_seqs: list[Sequence]) -> None:
+        """Take the head of `waiting` into `running` with its blocks (a cached prefix is
+        counted as computed)."""
+        self.waiting.popleft()
+        cached = self.block_manager.allocate(seq_group)
+        for seq in waiting_seqs:
+            seq.status = SequenceStatus.RUNNING
+            if cached:
+                seq.data.update_num_computed_tokens(cached)
+        self.running.append(seq_group)
+        self._admitted = True
+
+    def ignore(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
+        """End the head of `waiting`, which can never run, as FINISHED_IGNORED."""
+        for seq in seq_group.get_seqs(status=SequenceStatus.WAITING):
+            seq.status = SequenceStatus.FINISHED_IGNORED
+        out.ignored_seq_groups.append(seq_group)
+        self.waiting.popleft()
+
+    def _admission(
+        self, seq_group: SequenceGroup, num_prompt_tokens: int, out: SchedulerOutputs
+    ) -> AllocStatus:
+        """Whether the first waiting group can be admitted now (OK), must wait (LATER: no
+        blocks yet, or its prefix is being computed in flight and it waits to reuse it), or
+        never fits (NEVER: it was finished as ignored, with vLLM's warning)."""
+        if num_prompt_tokens > self.prompt_limit:
+            logger.warning(
+                "Input prompt (%d tokens) is too long and exceeds limit of %d",
+                num_prompt_tokens,
+                self.prompt_limit,
+            )
+            self.ignore(seq_group, out)
+            return AllocStatus.NEVER
+        status = self.block_manager.can_allocate(seq_group)
+        if status == AllocStatus.LATER or self.block_manager.prefix_pending(seq_group):
+            return AllocStatus.LATER
+        if status == AllocStatus.NEVER:
+            logger.warning(
+                "Input prompt (%d tokens) is too long and exceeds the capacity of block_manager",
+                num_prompt_tokens,
+            )
+            self.ignore(seq_group, out)
+        return status
+
+    # -- swap-in (both policies) -----------------------------------------------------------
+
+    def sort_swapped(self) -> None:
+        """FCFS order of the swapped groups (earliest arrival first)."""
+        self.swapped = collections.deque(sorted(self.swapped, key=lambda g: g.arrival_time))
+
+    def next_swappable(self, out: SchedulerOutputs, num_seqs: int) -> SequenceGroup | None:
+        """The first swapped group if it can come back now (blocks free, and room for its
+        sequences next to the `num_seqs` running). Groups that can never come back are
+        finished as ignored on the way; None when the head must wait or nothing is swapped."""
+        while self.swapped:
+            seq_group = self.swapped[0]
+            status = self.block_manager.can_swap_in(seq_group)
+            if status == AllocStatus.NEVER:
+                self._ignore_swapped(seq_group, out)
+                continue
+            if status == AllocStatus.LATER:
+                return None
+            num_new_seqs = seq_group.get_max_num_running_seqs()
+            if num_seqs + num_new_seqs > self.budget.max_num_seqs:
+                return None
+            return seq_group
+        return None
+
+    def swap_in(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
+        """Bring the head of `swapped` back: its blocks in (applied before the step), its
+        sequences running, a slot for the step's token, and into `running`."""
+        self.swapped.popleft()
+        out.blocks_to_swap_in.update(self.block_manager.swap_in(seq_group))
+        for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
+            seq.status = SequenceStatus.RUNNING
+        self._append_slots(seq_group, out)
+        self.running.append(seq_group)
+
+    def _ignore_swapped(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
+        """vLLM's rule for a swapped group that needs more blocks than the whole cache: it
+        can never run again, so it ends (FINISHED_IGNORED, finish_reason "length")."""
+        logger.warning(
+            "Failing the request %s because there's not enough kv cache blocks to run the "
+            "entire sequence.",
+            seq_group.request_id,
+        )
+        self.swapped.popleft()
+        for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
+            seq.status = SequenceStatus.FINISHED_IGNORED
+            self.block_manager.free(seq)
+        out.ignored_seq_groups.append(seq_group)
+
+    # -- preemption (both policies) --------------------------------------------------------
+
+    def grow_or_preempt(
         self,
         seq_group: SequenceGroup,
         out: SchedulerOutputs,
@@ -441,3 +551,33 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
         if seq_group.get_max_num_running_seqs() == 1:
             return PreemptionMode.RECOMPUTE
         return PreemptionMode.SWAP
+
+    # -- the KV block bound ----------------------------------------------------------------
+
+    def kv_blocks_bound(self) -> int:
+        """A bound on the device block ids the admitted requests can reach before the next
+        admission: the blocks of every running sequence at its longest, plus the free blocks
+        that still hold prefix-cache KV.
+
+        The block manager hands out the lowest free block first (a cached block is reused
+        only when no other is free), so a block id never reaches the peak number of blocks in
+        use or cached, which these cannot exceed. Workers use it to map and zero their cache
+        ahead of the writes (CacheEngine.reserve)."""
+        return self._kv_blocks_bound
+
+    def _bound_running_blocks(self) -> int:
+        max_model_len = self.scheduler_config.max_model_len
+        block_size = self.cache_config.block_size
+        total = 0
+        for group in self.running:
+            max_tokens = group.sampling_params.max_tokens
+            # Sequences still to fork (best_of) count like the one they fork from.
+            seqs = max(group.num_seqs(), group.get_max_num_running_seqs())
+            longest = max(
+                min(seq.get_prompt_len() + (max_tokens or max_model_len), max_model_len)
+                for seq in group.get_seqs()
+            )
+            total += seqs * ceil_div(longest, block_size)
+        # Parked prefix-cache blocks keep their ids until they are evicted.
+        total += self.block_manager.get_num_cached_free_blocks()
+        return min(total, self.block_manager.num_total_gpu_blocks)

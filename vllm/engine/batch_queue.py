@@ -6,18 +6,19 @@ handle at once. Up to `max_concurrent_batches` batches are in flight: the pipeli
 twice it when decodes are scheduled ahead of their previous step's output (the asynchronous
 pipeline: the last stage then sends its sampled ids straight to the first stage, and the
 queue tells the first stage which steps' ids to wait for). Outputs are collected oldest
-first. The scheduler keeps which requests are in flight; the queue keeps the batches.
+first. The scheduler keeps which requests are in flight; the queue keeps the batches and
+numbers the steps (`next_step_no`, the number `Scheduler.schedule` is given).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 from vllm.core.scheduler import SchedulerOutputs
 from vllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
-from vllm.step_delta import StepEncoder, message_bytes
+from vllm.step_delta import MessageNotSerializableError, StepEncoder, message_bytes
 
 
 class StepExecutor(Protocol):
@@ -61,7 +62,8 @@ class BatchQueue:
         self.max_concurrent_batches = pipeline_depth * (2 if async_pipeline else 1)
         self.encoder = StepEncoder()
         self._batches: deque[InFlightBatch] = deque()
-        # Steps are numbered for the channel of sampled ids (restarts at 0 with new groups).
+        # The one numbering of steps: the scheduler's flights and scheduling ahead, and the
+        # channel of sampled ids (restarts at 0 with new groups).
         self._step_no = 0
         # Steps whose output was collected (so their sampled ids were sent), and a floor set
         # after an interrupt: every abandoned step's ids must be drained first.
@@ -76,6 +78,12 @@ class BatchQueue:
     def is_full(self) -> bool:
         return len(self._batches) >= self.max_concurrent_batches
 
+    @property
+    def next_step_no(self) -> int:
+        """The number the next submitted step gets: the scheduler schedules it under this
+        number (`Scheduler.schedule`), so both name a step alike."""
+        return self._step_no + 1
+
     def submit(
         self,
         scheduler_outputs: SchedulerOutputs,
@@ -83,8 +91,13 @@ class BatchQueue:
         finished_request_ids: list[str],
         kv_blocks_bound: int,
     ) -> None:
-        """Encode and submit one scheduled batch."""
+        """Encode and submit one scheduled batch.
+
+        A step that cannot be serialised for the stages (MessageNotSerializableError from the
+        executor, raised before anything is sent) leaves the queue, its step numbers and the
+        encoder's mirror as they were, and is re-raised for the engine to handle."""
         self.encoder.forget(finished_request_ids)
+        checkpoint = self.encoder.checkpoint([meta.request_id for meta in metadata_list])
         pending = {
             seq_id: 1
             for meta in metadata_list
@@ -92,17 +105,21 @@ class BatchQueue:
             for seq_id in meta.seq_data
         }
         message = self.encoder.encode(metadata_list, pending)
-        self._step_no += 1
-        message.step_no = self._step_no
+        if scheduler_outputs.step_no != self.next_step_no:
+            raise RuntimeError(
+                f"batch scheduled as step {scheduler_outputs.step_no}, submitted as step "
+                f"{self.next_step_no}"
+            )
+        self._step_no = message.step_no = scheduler_outputs.step_no
         if self.async_pipeline:
             message.send_sampled = True
             # The first stage drains the sampled ids of every step collected so far (they
             # were sent), and of the steps abandoned by an interrupt.
             message.recv_sampled_through = max(self._collected_through, self._drain_through)
-        for batch_no in set(scheduler_outputs.ahead.values()):
-            # The step in flight whose sampled ids the ahead decodes feed.
-            depends_on = self._step_of_batch(batch_no)
-            message.recv_sampled_through = max(message.recv_sampled_through, depends_on)
+        # The steps in flight whose sampled ids the decodes scheduled ahead feed.
+        message.recv_sampled_through = max(
+            [message.recv_sampled_through, *scheduler_outputs.ahead.values()]
+        )
         request = ExecuteModelRequest(
             step=message,
             blocks_to_swap_in=scheduler_outputs.blocks_to_swap_in,
@@ -111,20 +128,29 @@ class BatchQueue:
             finished_request_ids=finished_request_ids,
             kv_blocks_bound=kv_blocks_bound,
         )
+        try:
+            handle = self.executor.execute_model_async(
+                request, scheduler_outputs.num_batched_tokens
+            )
+        except MessageNotSerializableError:
+            self.encoder.rollback(checkpoint)
+            self._step_no -= 1
+            raise
         if self.count_bytes:
             self._count(message, metadata_list)
         self.stats.steps += 1
         self.stats.groups += len(metadata_list)
         self.stats.ahead_groups += len(scheduler_outputs.ahead)
-        handle = self.executor.execute_model_async(request, scheduler_outputs.num_batched_tokens)
         self._batches.append(InFlightBatch(handle, scheduler_outputs, self._step_no))
 
-    def _step_of_batch(self, batch_no: int) -> int:
-        """The step number of the in-flight batch the scheduler numbered `batch_no`."""
+    def request_ids_of_call(self, call_id: Optional[int]) -> list[str]:
+        """The requests of the in-flight step that the executor submitted as call `call_id`
+        (its handle is `(call_id, deadline)`); [] when none is in flight."""
         for batch in self._batches:
-            if batch.scheduler_outputs.batch_no == batch_no:
-                return batch.step_no
-        raise RuntimeError(f"batch {batch_no} is not in flight: nothing to schedule ahead of")
+            handle = batch.handle
+            if call_id is not None and isinstance(handle, tuple) and handle[0] == call_id:
+                return [g.request_id for g in batch.scheduler_outputs.scheduled_seq_groups]
+        return []
 
     def _count(self, message: Any, metadata_list: list[SequenceGroupMetadata]) -> None:
         size = message_bytes(message)

@@ -17,20 +17,22 @@ import itertools
 import json
 import os
 import time
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable
 
 from vllm import envs
 from vllm.config import EngineConfig, ModelConfig, SchedulerConfig
+from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.engine.batch_queue import BatchQueue
 from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
-from vllm.engine.request_validation import validate_request
+from vllm.engine.request_validation import check_sendable, validate_request
 from vllm.executor.stage_supervisor import EngineDeadError, FaultEvent, StageFailedError
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
+from vllm.step_delta import MessageNotSerializableError
 
 logger = init_logger("vllm.engine.llm_engine")
 
@@ -42,7 +44,7 @@ class LLMEngine:
         self,
         engine_config: EngineConfig,
         log_stats: bool = False,
-        served_model_name: Optional[str] = None,
+        served_model_name: str | None = None,
     ) -> None:
         self.engine_config = engine_config
         model_config = self.model_config = engine_config.model_config
@@ -66,21 +68,20 @@ class LLMEngine:
         self.generation_config = _load_generation_config(model_config)
         self.eos_token_id = _eos_token_id(self.tokenizer, model_config)
         self.executor = _make_executor(engine_config)
-        self.scheduler = Scheduler(
-            scheduler_config, cache_config, parallel_config.pipeline_parallel_size
+        async_pipeline = _use_async_pipeline(scheduler_config, self.executor)
+        # The micro-batches (decode cohorts) in the pipeline, decided here once: one per
+        # stage unless VLLM_PP_MICRO_BATCHES says otherwise.
+        budget = MicroBatchBudget.for_pipeline(
+            scheduler_config, self.executor.max_concurrent_batches
         )
+        self.scheduler = Scheduler(
+            scheduler_config, cache_config, budget, schedule_ahead=async_pipeline
+        )
+        self.batch_queue = BatchQueue(self.executor, budget.cohorts, async_pipeline)
         self.output_processor = OutputProcessor(
             self.scheduler, self.tokenizer, scheduler_config.max_model_len, self._new_seq_id
         )
         self.seq_counter = itertools.count()
-        async_pipeline = _use_async_pipeline(scheduler_config, self.executor)
-        # Decode cohorts: one per stage unless VLLM_PP_MICRO_BATCHES says otherwise.
-        self.num_micro_batches = self.executor.max_concurrent_batches
-        if self.num_micro_batches > 1:
-            self.num_micro_batches = envs.get_int("VLLM_PP_MICRO_BATCHES") or self.num_micro_batches
-        self.scheduler.lookahead = async_pipeline
-        self.scheduler.lookahead_gap = self.num_micro_batches
-        self.batch_queue = BatchQueue(self.executor, self.num_micro_batches, async_pipeline)
         if async_pipeline:
             logger.info(
                 "Async scheduling: decodes are scheduled ahead of their outputs (up to %d "
@@ -94,7 +95,7 @@ class LLMEngine:
         self.num_steps = 0
         # Stage failures seen, each with its detection and recovery times.
         self.fault_events: list[FaultEvent] = []
-        self._dead: Optional[EngineDeadError] = None
+        self._dead: EngineDeadError | None = None
         self._profiling = False
         self.log_stats = log_stats
         # Metrics are labelled with the name clients use (the server's --served-model-name).
@@ -126,10 +127,10 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: Optional[str],
+        prompt: str | None,
         sampling_params: SamplingParams,
-        prompt_token_ids: Optional[list[int]] = None,
-        arrival_time: Optional[float] = None,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         """Queue a request; bad input raises ValueError/TypeError and leaves the engine as is."""
         self._check_alive()
@@ -147,6 +148,8 @@ class LLMEngine:
                 f"best_of ({sampling_params.best_of}) must not exceed max_num_seqs "
                 f"({self.scheduler_config.max_num_seqs}): the request could never be scheduled."
             )
+        if self.executor is not None and self.executor.stages_in_own_processes:
+            check_sendable(sampling_params)
         params = sampling_params.clone()
         # Extra EOS ids of the model's generation_config stop generation too (vLLM does this).
         params.update_from_generation_config(self.generation_config, eos)
@@ -161,7 +164,7 @@ class LLMEngine:
         )
         self.scheduler.add_seq_group(group)
 
-    def abort_request(self, request_id: Union[str, Iterable[str]]) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests; one still inside the pipeline has its result discarded on return."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with sigint_deferred():
@@ -212,17 +215,36 @@ class LLMEngine:
 
     def _submit(self, scheduler_outputs: SchedulerOutputs, metadata_list: list[Any]) -> None:
         finished, self._finished_request_ids = self._finished_request_ids, []
-        self.batch_queue.submit(
-            scheduler_outputs, metadata_list, finished, self.scheduler.kv_blocks_bound()
-        )
+        try:
+            self.batch_queue.submit(
+                scheduler_outputs, metadata_list, finished, self.scheduler.kv_blocks_bound()
+            )
+        except MessageNotSerializableError as error:
+            self._finished_request_ids[:0] = finished  # not told to the stages yet
+            self._refuse_unsendable(scheduler_outputs, error)
 
-    def _micro_batch_cap(self) -> Optional[int]:
-        """With N stages, a batch takes ~1/N of the active sequences, so N batches can be in
-        the pipeline at once instead of one batch holding everything (and N-1 stages idle)."""
-        cohorts = self.num_micro_batches
-        if cohorts == 1:
-            return None
-        return max(1, -(-self.scheduler.num_active_seqs() // cohorts))
+    def _refuse_unsendable(
+        self, scheduler_outputs: SchedulerOutputs, error: MessageNotSerializableError
+    ) -> None:
+        """A scheduled step could not be serialised; nothing of it was sent (the stages are in
+        step). `add_request` refuses such parameters, so this is a backstop (a processor that
+        became unpicklable later): the requests whose parameters no longer serialise finish as
+        aborted, with an error in the log; the step's other requests are recomputed."""
+        groups = scheduler_outputs.scheduled_seq_groups
+        culprits = []
+        for group in groups:
+            try:
+                check_sendable(group.sampling_params)
+            except TypeError as exc:
+                culprits.append((group, str(exc)))
+        if not culprits:  # not one request's fault: fail them all rather than loop
+            culprits = [(group, str(error)) for group in groups]
+        for group, why in culprits:
+            logger.error("Request %s failed: its step could not be sent: %s", group.request_id, why)
+        self._end_as_failed([group for group, _ in culprits])
+        # The batches already sent stay valid, but the unsent one's requests hold flights the
+        # pipeline will never return: recompute everything in flight, as after an interrupt.
+        self._discard_in_flight()
 
     def step(self) -> list[RequestOutput]:
         """Fill the pipeline with new batches, then finish the oldest one.
@@ -244,7 +266,7 @@ class LLMEngine:
         ignored_groups: list[SequenceGroup] = []
         while not self.batch_queue.is_full():
             with sigint_deferred():
-                metadata_list, sched_out = self.scheduler.schedule(self._micro_batch_cap())
+                metadata_list, sched_out = self.scheduler.schedule(self.batch_queue.next_step_no)
                 for group in sched_out.ignored_seq_groups:
                     group.metrics.finished_time = time.time()
                     self._pending_outputs.append(RequestOutput.from_seq_group(group))
@@ -293,21 +315,32 @@ class LLMEngine:
         """Replace the failed stages and recompute every request; or, when restarts are used
         up or replacing fails, abort everything, release the workers and raise."""
         event = FaultEvent(error.ranks, str(error), error.detected_after_s)
+        event.signature = error.raised_signature
+        event.step_request_ids = self.batch_queue.request_ids_of_call(error.call_id)
+        previous = self.fault_events[-1] if self.fault_events else None
         self.fault_events.append(event)
         self.batch_queue.reset()
         requeued = self.scheduler.requeue_all()
         event.requeued_requests = len(requeued)
+        if (
+            previous is not None
+            and previous.recovery_s is not None
+            and event.signature is not None
+            and event.signature == previous.signature
+        ):
+            self._fail_recurring(event, previous, error)
         limit = self.parallel_config.max_stage_restarts
-        restarts = sum(1 for e in self.fault_events[:-1] if e.recovery_s is not None)
-        if restarts >= limit:
+        restarts = sum(
+            1 for e in self.fault_events[:-1] if e.recovery_s is not None and not e.recurring
+        )
+        if restarts >= limit and not event.recurring:
             self._fail(error, f"max_stage_restarts={limit} restarts used up")
         logger.warning(
-            "Replacing failed stage(s) %s (restart %d of %d); %d requests will be recomputed "
-            "with the tokens they have",
+            "Replacing failed stage(s) %s (%s); %d requests will be recomputed with the tokens "
+            "they have",
             error.ranks,
-            restarts + 1,
-            limit,
-            len(requeued),
+            "not counted as a restart" if event.recurring else f"restart {restarts + 1} of {limit}",
+            event.requeued_requests - len(event.extra.get("failed_requests", [])),
         )
         try:
             event.recovery_s = self.executor.replace_stages(error.ranks)
@@ -319,10 +352,52 @@ class LLMEngine:
             event.recovery_s,
             event.detected_after_s,
         )
+        if self.stats is not None:
+            # Every unfinished request re-prefills all the tokens it has (prompt + output).
+            recomputed = sum(
+                seq.get_len() for g in self.scheduler.waiting for seq in g.get_unfinished_seqs()
+            )
+            event.extra["recomputed_tokens"] = recomputed
+            self.stats.stat_logger.log_fault(event, recomputed)
         return self._take_pending_outputs()
+
+    def _fail_recurring(
+        self, event: FaultEvent, previous: FaultEvent, error: StageFailedError
+    ) -> None:
+        """A replaced stage raised the same error on a step of the same requests: replaying
+        them would only fail again. Those requests end (aborted, the stage's error logged) and
+        this replacement is not counted against max_stage_restarts; the others go on."""
+        poisoned = [r for r in event.step_request_ids if r in set(previous.step_request_ids)]
+        if not poisoned:
+            return
+        event.recurring = True
+        event.extra["failed_requests"] = poisoned
+        logger.error(
+            "Stage(s) %s failed again the same way on a step of the same request(s) after a "
+            "replacement; failing request(s) %s instead of replaying them: %s",
+            error.ranks,
+            poisoned,
+            error,
+        )
+        wanted = set(poisoned)
+        queues = (self.scheduler.waiting, self.scheduler.running, self.scheduler.swapped)
+        self._end_as_failed([g for q in queues for g in q if g.request_id in wanted])
+
+    def _end_as_failed(self, groups: list[SequenceGroup]) -> None:
+        """Abort `groups` (their error already logged) and return their final outputs
+        (finish_reason "abort") with this step's."""
+        ids = [group.request_id for group in groups]
+        self.scheduler.abort_seq_group(ids)
+        self._finished_request_ids.extend(ids)
+        for group in groups:
+            group.metrics.finished_time = time.time()
+            self._pending_outputs.append(RequestOutput.from_seq_group(group))
+            group.final_output_returned = True
 
     def _fail(self, error: StageFailedError, why: str) -> None:
         """Fail-stop: abort every unfinished request, release the workers, raise."""
+        if self.stats is not None and self.fault_events:
+            self.stats.stat_logger.log_fault(self.fault_events[-1], 0)
         groups = [*self.scheduler.waiting, *self.scheduler.running, *self.scheduler.swapped]
         self.scheduler.abort_seq_group([g.request_id for g in groups])
         self._dead = EngineDeadError(
@@ -364,7 +439,7 @@ def _load_generation_config(model_config: ModelConfig) -> dict[str, Any]:
         return json.load(f)
 
 
-def _eos_token_id(tokenizer: Any, model_config: ModelConfig) -> Optional[int]:
+def _eos_token_id(tokenizer: Any, model_config: ModelConfig) -> int | None:
     """The tokenizer's EOS id, else the model config's (the first, if it lists several)."""
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     if eos is None:

@@ -25,6 +25,7 @@ LOCAL_LOGGING_INTERVAL_SEC = 5.0
 
 _REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                             40.0, 50.0, 60.0]  # fmt: skip
+_RECOVERY_BUCKETS = [0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0]
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0]  # fmt: skip
 _TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
@@ -129,6 +130,30 @@ class PrometheusMetrics:
             "Average generation throughput in tokens/s.",
             label,
         )
+        # Pipeline faults (vllm-pp's own; vLLM is fail-stop), in vLLM's naming style.
+        self.stage_failures = Counter(
+            "vllm:stage_failures", "Number of pipeline stage failures detected.", label
+        )
+        self.stage_recoveries = Counter(
+            "vllm:stage_recoveries", "Number of failed stages replaced while serving.", label
+        )
+        self.stage_failure_detection = Histogram(
+            "vllm:stage_failure_detection_seconds",
+            "Histogram of the time from a step's wait to a stage failure being known.",
+            label,
+            buckets=_RECOVERY_BUCKETS,
+        )
+        self.stage_recovery = Histogram(
+            "vllm:stage_recovery_seconds",
+            "Histogram of the time to replace failed stages and serve again.",
+            label,
+            buckets=_RECOVERY_BUCKETS,
+        )
+        self.recomputed_tokens = Counter(
+            "vllm:recomputed_tokens",
+            "Number of tokens re-prefilled because a stage lost its KV cache.",
+            label,
+        )
 
 
 _metrics_lock = threading.Lock()
@@ -178,6 +203,16 @@ class StatLogger:
         self._e2e = metrics.e2e_request_latency.labels(m)
         self._req_prompt = metrics.request_prompt_tokens.labels(m)
         self._req_gen = metrics.request_generation_tokens.labels(m)
+
+    def log_fault(self, event: Any, recomputed_tokens: int) -> None:
+        """One stage failure (a FaultEvent), after the engine replaced the stages or gave up."""
+        m, labels = self.metrics, (self.model_name,)
+        m.stage_failures.labels(*labels).inc()
+        m.stage_failure_detection.labels(*labels).observe(event.detected_after_s)
+        if event.recovery_s is not None:
+            m.stage_recoveries.labels(*labels).inc()
+            m.stage_recovery.labels(*labels).observe(event.recovery_s)
+            m.recomputed_tokens.labels(*labels).inc(recomputed_tokens)
 
     def log(self, stats: Stats) -> None:
         """Record one Stats; log the throughput line when the interval has passed."""

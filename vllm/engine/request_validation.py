@@ -70,3 +70,25 @@ def validate_request(
     if truncate is not None:
         prompt_token_ids = prompt_token_ids[-truncate:]
     return prompt_token_ids
+
+
+def check_sendable(sampling_params: SamplingParams) -> None:
+    """Refuse parameters the engine could not send to stage processes (TypeError naming the
+    field): a logits processor that neither pickle nor cloudpickle can serialise (one holding
+    a lock, an open file, a generator...). Checked at `add_request`, so a step holding the
+    request can never fail to serialise half-way through the pipeline."""
+    from vllm.step_delta import MessageNotSerializableError, dumps_message
+
+    for index, processor in enumerate(sampling_params.logits_processors or ()):
+        try:
+            dumps_message(processor)
+        except MessageNotSerializableError as exc:
+            raise TypeError(
+                f"logits_processors[{index}] ({processor!r}) {exc}. The pipeline stages run in "
+                "processes of their own: a logits processor must be picklable (cloudpickle is "
+                "used for closures and lambdas)."
+            ) from exc
+    try:
+        dumps_message(sampling_params)
+    except MessageNotSerializableError as exc:
+        raise TypeError(f"sampling_params {exc}.") from exc

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from vllm.config import EngineConfig
-from vllm.executor.rank_calls import Calls, RankCalls
+from vllm.executor.rank_calls import Calls, RankCallError, RankCalls
+from vllm.executor.stage_supervisor import local_process_problem
 from vllm.sequence import ExecuteModelRequest, SamplerOutput
+
+# How often a step's wait checks the stage processes on this node (seconds).
+_LOCAL_CHECK_INTERVAL_S = 0.25
 
 logger = logging.getLogger("vllm.executor")
 
@@ -115,6 +120,11 @@ class ExecutorBase(ABC):
     _stages_in_own_processes = False
 
     @property
+    def stages_in_own_processes(self) -> bool:
+        """Whether requests are pickled to reach the stages (so must be picklable)."""
+        return self._stages_in_own_processes
+
+    @property
     def supports_async_pipeline(self) -> bool:
         """Whether the last stage can pass sampled ids to a first stage of its own (needed to
         schedule a decode ahead of its output)."""
@@ -185,8 +195,27 @@ class StageProcessExecutor(ExecutorBase):
         """How long a set-up or stats call may take (0: no limit)."""
 
     def _step_watch(self) -> Optional[Callable[[], None]]:
-        """What to run between the slices of a step's wait (Ray pings its stages there)."""
-        return None
+        """What to run between the slices of a step's wait: every rank process on this node
+        is checked (dead, or stopped by SIGSTOP), so a frozen stage is found within a second
+        whatever the step's length (Ray adds its pings, for stages on other nodes)."""
+        last_check = 0.0
+
+        def on_slice() -> None:
+            nonlocal last_check
+            now = time.monotonic()
+            if now - last_check >= _LOCAL_CHECK_INTERVAL_S:
+                last_check = now
+                self._check_local_processes()
+
+        return on_slice
+
+    def _check_local_processes(self) -> None:
+        """RankCallError (lost) for the first rank whose process on this node is gone or
+        stopped; ranks on other nodes are left to their heartbeats."""
+        for rank, info in enumerate(self.stage_infos):
+            problem = local_process_problem(info.get("pid"), info.get("host"))
+            if problem is not None:
+                raise RankCallError(rank, problem, lost=True)
 
     def _submit(self, calls: Calls) -> int:
         with self._failures_named("could not take a call"):

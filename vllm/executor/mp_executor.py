@@ -5,9 +5,9 @@ runs them on its Worker and writes the results back, in order. The engine's side
 to every rank without waiting (the pipes keep the order, like Ray's per-actor call order), so
 several micro-batches can be inside the pipeline at once. The calls and their results go
 through `rank_calls` (shared with the Ray backend): `get_output` fails at once when any rank
-reports an error or its process dies (a StageFailedError naming the rank, as on Ray). This
-backend does not replace failed ranks: the engine then stops (EngineDeadError) and a new LLM
-must be built.
+reports an error or its process dies (a StageFailedError naming the rank, as on Ray). A failed
+rank is replaced as on Ray (`replace_stages`: a new process, the groups re-formed with the
+survivors, which keep their weights), up to `max_stage_restarts` times.
 
 Ports come from the OS (`get_open_port`); shutdown asks every rank to stop, then terminates and
 finally kills whatever is left, so no process outlives the engine. A rank also exits by itself
@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 from vllm import envs
 from vllm.executor.base import StageProcessExecutor
-from vllm.executor.rank_calls import RankCallError, RankCalls, WorkerHost, serve_calls
+from vllm.executor.rank_calls import Calls, RankCallError, RankCalls, WorkerHost, serve_calls
 from vllm.executor.stage_supervisor import StageFailedError, StageFailure, describe_stage
 from vllm.logger import init_logger
 
@@ -46,7 +46,9 @@ def _main_module_hidden() -> Iterator[None]:
     __main__ (their target lives in this module), so the child is told there is none.
     """
     main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
+    saved: dict[str, Any] = {
+        k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__
+    }
     try:
         if main is not None:
             main.__dict__.pop("__file__", None)
@@ -100,28 +102,42 @@ class MultiprocessingExecutor(StageProcessExecutor):
             logger.warning(
                 "%d ranks on %d CPU cores: ranks are oversubscribed", world, os.cpu_count() or 1
             )
-        ctx = multiprocessing.get_context("spawn")
         tp = pc.tensor_parallel_size
         # Replaced by the ranks' own get_stage_info once they are up (ExecutorBase).
         self.stage_infos = [
             {"rank": r, "pp_rank": r // tp, "tp_rank": r % tp} for r in range(world)
         ]
         self.calls = RankCalls(world)
-        self.procs: list[Any] = []
+        self._threads = threads
+        self.procs: list[Any] = [None] * world
         for rank in range(world):
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(child_end, rank, threads),
-                name=f"vllm-rank-{rank}",
-                daemon=True,  # terminated by multiprocessing's exit hook if we never shut down
-            )
-            with _main_module_hidden():
-                proc.start()
-            child_end.close()
-            self.calls.attach(rank, parent_end, process=proc)
-            self.procs.append(proc)
+            self._spawn(rank)
         init_method = get_distributed_init_method("127.0.0.1", get_open_port())
+        ranks = list(range(world))
+        self._wait_calls(ranks, self._submit(self._init_worker_calls(ranks, init_method)))
+        # Process-group rendezvous needs every rank at once: send all, then wait.
+        self._run_workers("init_device")
+        self._run_workers("load_model")
+
+    def _spawn(self, rank: int) -> None:
+        """Start `rank`'s process and attach its pipe to the calls."""
+        ctx = multiprocessing.get_context("spawn")
+        parent_end, child_end = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=_rank_main,
+            args=(child_end, rank, self._threads),
+            name=f"vllm-rank-{rank}",
+            daemon=True,  # terminated by multiprocessing's exit hook if we never shut down
+        )
+        with _main_module_hidden():
+            proc.start()
+        child_end.close()
+        self.calls.attach(rank, parent_end, process=proc)
+        self.procs[rank] = proc
+        self.stage_infos[rank]["pid"] = proc.pid
+        logger.info("Rank %d: local process (pid %d)", rank, proc.pid)
+
+    def _init_worker_calls(self, ranks: list[int], init_method: str) -> Calls:
         configs = (
             self.model_config,
             self.parallel_config,
@@ -129,25 +145,53 @@ class MultiprocessingExecutor(StageProcessExecutor):
             self.device_config,
             self.cache_config,
         )
-        init_worker = {
-            rank: (
-                "init_worker",
-                configs,
-                dict(
-                    rank=rank,
-                    distributed_init_method=init_method,
-                    num_threads=None if use_gpu else threads,
-                ),
-            )
-            for rank in range(world)
-        }
-        self._wait_calls(list(range(world)), self._submit(init_worker))
-        for rank, proc in enumerate(self.procs):
-            self.stage_infos[rank]["pid"] = proc.pid
-            logger.info("Rank %d: local process (pid %d)", rank, proc.pid)
+        use_gpu = self.device_config.device == "cuda"
+        kwargs = dict(
+            distributed_init_method=init_method, num_threads=None if use_gpu else self._threads
+        )
+        return {rank: ("init_worker", configs, dict(kwargs, rank=rank)) for rank in ranks}
+
+    # ---- recovery --------------------------------------------------------------------------
+
+    def replace_stages(self, ranks: list[int]) -> float:
+        """Kill the failed ranks' processes, spawn new ones, re-form the process groups with
+        the survivors (who keep their weights), load the new ranks' layers and give them
+        caches of the engine's size. Returns the seconds it took. The engine recomputes its
+        requests, so no KV from before the failure is read."""
+        from vllm.model_executor.parallel_utils.parallel_state import (
+            get_distributed_init_method,
+            get_open_port,
+        )
+
+        started = time.monotonic()
+        budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
+        for rank in ranks:
+            proc = self.procs[rank]
+            self.calls.detach(rank)
+            if proc is not None and proc.is_alive():
+                proc.kill()  # a frozen (SIGSTOPped) process ignores anything milder
+            if proc is not None:
+                proc.join(10.0)
+        # The survivors still run (and fail) the steps sent before the failure, before they
+        # rejoin: nobody wants those results or errors.
+        self.calls.forget()
+        survivors = [r for r in range(len(self.procs)) if r not in ranks]
+        for rank in ranks:
+            self._spawn(rank)
+        init_method = get_distributed_init_method("127.0.0.1", get_open_port())
+        self._wait_calls(ranks, self._submit(self._init_worker_calls(ranks, init_method)), budget)
         # Process-group rendezvous needs every rank at once: send all, then wait.
-        self._run_workers("init_device")
-        self._run_workers("load_model")
+        calls: dict[int, tuple[str, tuple, dict]] = {r: ("init_device", (), {}) for r in ranks}
+        calls.update({r: ("rejoin_process_groups", (init_method,), {}) for r in survivors})
+        self._wait_calls(list(calls), self._submit(calls), budget)
+        num_gpu, num_cpu = self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks
+        self._call_ranks(ranks, "load_model", timeout=budget)
+        self._call_ranks(ranks, "initialize_cache", num_gpu, num_cpu, timeout=budget)
+        infos = self._call_ranks(ranks, "get_stage_info", timeout=budget)
+        for rank, info in zip(ranks, infos):
+            self.stage_infos[rank].update(info)
+            logger.info("Replaced %s", describe_stage(self.stage_infos[rank]))
+        return time.monotonic() - started
 
     # ---- calls -----------------------------------------------------------------------------
 
@@ -158,7 +202,7 @@ class MultiprocessingExecutor(StageProcessExecutor):
             info.setdefault("pid", self.procs[err.rank].pid)
         name = f"{describe_stage(info)} tp_rank {info.get('tp_rank', 0)}"
         failure = StageFailure(err.rank, name, err.problem)
-        return StageFailedError([failure], time.monotonic() - started)
+        return StageFailedError([failure], time.monotonic() - started, err.call_id)
 
     @contextlib.contextmanager
     def _failures_named(self, timeout_problem: str) -> Iterator[None]:

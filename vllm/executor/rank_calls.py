@@ -29,7 +29,7 @@ import traceback
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 from typing import Any, Callable, Mapping, Optional
 
-from vllm.step_delta import dumps_message
+from vllm.step_delta import MessageNotSerializableError, dumps_message
 
 # A rank that is lost is noticed within this many seconds, whatever the call's deadline.
 _POLL_S = 0.5
@@ -41,10 +41,14 @@ Calls = Mapping[int, tuple[str, tuple, dict]]
 class RankCallError(RuntimeError):
     """A rank reported an error for a call, or was lost (its process or connection gone)."""
 
-    def __init__(self, rank: int, problem: str, lost: bool = False) -> None:
+    def __init__(
+        self, rank: int, problem: str, lost: bool = False, call_id: Optional[int] = None
+    ) -> None:
         self.rank = rank
         self.problem = problem
         self.lost = lost
+        # The call the rank raised in (None for a lost rank or a missed deadline).
+        self.call_id = call_id
         super().__init__(f"rank {rank}: {problem}")
 
 
@@ -91,7 +95,11 @@ def serve_calls(conn: Connection, host: WorkerHost) -> None:
         except BaseException as exc:  # report everything; the engine decides
             reply = (call_id, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         try:
-            conn.send_bytes(dumps_message(reply))
+            data = dumps_message(reply)
+        except MessageNotSerializableError as exc:  # a result the engine cannot be sent
+            data = pickle.dumps((call_id, False, f"{method} returned a result that {exc}"))
+        try:
+            conn.send_bytes(data)
         except (BrokenPipeError, OSError):
             break
     # Also after a "shutdown" call, the engine closes its end first: a rank that closed its
@@ -323,23 +331,34 @@ class RankCalls:
 
     def submit(self, calls: Calls) -> int:
         """Send one call (one id) to each rank in `calls`, without waiting. Arguments that are
-        the same objects for several ranks are pickled once."""
+        the same objects for several ranks are pickled once.
+
+        All or nothing: every rank's bytes are pickled, and every rank checked reachable,
+        before any is sent. A call that cannot be serialised (MessageNotSerializableError) or
+        that names a lost rank raises with nothing sent, so no rank runs a step another rank
+        never gets (the pipeline would fall out of step and wait out a deadline)."""
         payloads: dict[tuple[int, int], bytes] = {}
+        encoded: list[tuple[int, str, bytes]] = []
+        for rank, (method, args, kwargs) in calls.items():
+            key = (id(args), id(kwargs))
+            payload = payloads.get(key)
+            if payload is None:
+                payload = payloads[key] = dumps_message((args, kwargs))
+            encoded.append((rank, method, payload))
         with self._send_lock:  # one call's bytes at a time on each connection, ids in order
+            outboxes = [self._outbox(rank) for rank, _, _ in encoded]
             call_id = next(self._ids)
             self._last_id = call_id
-            for rank, (method, args, kwargs) in calls.items():
-                key = (id(args), id(kwargs))
-                payload = payloads.get(key)
-                if payload is None:
-                    payload = payloads[key] = dumps_message((args, kwargs))
-                self._send(rank, dumps_message((call_id, method, payload)))
+            for outbox, (_, method, payload) in zip(outboxes, encoded):
+                # A tuple of an int, a str and bytes: plain pickle never refuses it.
+                outbox.put(pickle.dumps((call_id, method, payload), pickle.HIGHEST_PROTOCOL))
         return call_id
 
     def broadcast(self, method: str, ranks: list[int], *args: Any, **kwargs: Any) -> int:
         return self.submit({rank: (method, args, kwargs) for rank in ranks})
 
-    def _send(self, rank: int, data: bytes) -> None:
+    def _outbox(self, rank: int) -> _Outbox:
+        """The sender queue of `rank`; RankCallError when the rank is lost or closed."""
         with self._cond:
             lost = self._lost.get(rank)
             outbox = self._outboxes[rank]
@@ -347,7 +366,7 @@ class RankCalls:
             raise RankCallError(rank, lost, lost=True)
         if outbox is None:
             raise RankCallError(rank, "its connection is closed", lost=True)
-        outbox.put(data)
+        return outbox
 
     def _send_failed(self, rank: int, conn: Connection, problem: str) -> None:
         with self._cond:
@@ -393,9 +412,9 @@ class RankCalls:
         """Raise for the first rank that reported an error, else the first lost (under the
         lock)."""
         for rank, results in enumerate(self._results):
-            for ok, value in results.values():
+            for call_id, (ok, value) in results.items():
                 if not ok:
-                    raise RankCallError(rank, f"raised {value}")
+                    raise RankCallError(rank, f"raised {value}", call_id=call_id)
         if self._lost:
             rank = min(self._lost)
             raise RankCallError(rank, self._lost[rank], lost=True)

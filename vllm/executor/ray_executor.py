@@ -212,9 +212,12 @@ class RayExecutor(StageProcessExecutor):
         started = time.monotonic()
         heartbeat: Optional[tuple[list[Any], float]] = None
         next_beat = started + HEARTBEAT_INTERVAL_S
+        check_local = super()._step_watch()
+        assert check_local is not None
 
         def on_slice() -> None:
             nonlocal heartbeat, next_beat
+            check_local()  # stages on this node: dead or stopped, within a second
             now = time.monotonic()
             if now >= next_beat:
                 heartbeat = self._check_heartbeat(heartbeat, started)
@@ -247,21 +250,37 @@ class RayExecutor(StageProcessExecutor):
     ) -> StageFailedError:
         """Name the failed stages: dead or frozen ones first; else the one that raised; else
         (a missed deadline with every stage alive) the ones stuck in a step."""
-        problems = self._diagnose(waited_s)
+        # A stage that raised is the cause; stages busy meanwhile (waiting on it) are not.
+        raised = exc is not None and not exc.lost
+        problems = self._diagnose(waited_s, include_stuck=not raised)
+        call_id = None
         if not problems and exc is not None:
-            problems = {raising_rank: exc.problem.strip()[-500:]}
+            # The error's first line, then the end of its traceback (where it was raised).
+            head, _, trace = exc.problem.strip().partition("\n")
+            problems = {raising_rank: head[:500] + (f"\n{trace[-500:]}" if trace else "")}
+            call_id = exc.call_id
         if not problems:
             problems = {r: timeout_problem or "failed" for r in range(len(self.workers))}
         failures = [
             StageFailure(rank, describe_stage(self.stage_infos[rank]), problem)
             for rank, problem in sorted(problems.items())
         ]
-        error = StageFailedError(failures, waited_s)
+        error = StageFailedError(failures, waited_s, call_id)
         logger.error("%s", error)
         return error
 
-    def _diagnose(self, waited_s: float) -> dict[int, str]:
-        """rank -> problem for every stage that is dead, frozen, or stuck in one step."""
+    def _diagnose(self, waited_s: float, include_stuck: bool = True) -> dict[int, str]:
+        """rank -> problem for every stage that is dead, frozen, or (with `include_stuck`)
+        stuck in one step."""
+        # A stage process on this node that is gone or stopped is certain at once; pinging
+        # would only wait out the heartbeat timeout on the frozen one.
+        on_node = {
+            rank: problem
+            for rank, info in enumerate(self.stage_infos)
+            if (problem := local_process_problem(info.get("pid"), info.get("host")))
+        }
+        if on_node:
+            return on_node
         refs = {rank: w.ping.remote() for rank, w in enumerate(self.workers)}
         timeout = ping_timeout_s()
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
@@ -286,7 +305,7 @@ class RayExecutor(StageProcessExecutor):
             elif state["busy_s"] is not None and state["busy_s"] >= waited_s > 0:
                 stuck[rank] = f"stuck in one step for {state['busy_s']:.1f} s"
         # A stage stuck in a receive from a dead one is a victim, not a cause.
-        return problems or stuck
+        return problems or (stuck if include_stuck else {})
 
     # -- recovery --------------------------------------------------------------------------
 

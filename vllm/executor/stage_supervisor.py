@@ -48,15 +48,31 @@ class StageFailedError(RuntimeError):
     `failures` names each stage (rank, layers, node, pid) and what was seen; `__cause__` is the
     underlying error when there is one (Ray's ActorDiedError, a gloo error, a timeout)."""
 
-    def __init__(self, failures: list[StageFailure], detected_after_s: float) -> None:
+    def __init__(
+        self,
+        failures: list[StageFailure],
+        detected_after_s: float,
+        call_id: Optional[int] = None,
+    ) -> None:
         self.failures = failures
         self.detected_after_s = detected_after_s
+        # The engine's call (a step) a stage raised in, when one did: which requests it held.
+        self.call_id = call_id
         lines = "; ".join(f"{f.description}: {f.problem}" for f in failures)
         super().__init__(f"pipeline stage failure after {detected_after_s:.1f} s: {lines}")
 
     @property
     def ranks(self) -> list[int]:
         return [f.rank for f in self.failures]
+
+    @property
+    def raised_signature(self) -> Optional[tuple[tuple[int, str], ...]]:
+        """(rank, first line of the error) of each failed stage when every one of them raised
+        an exception (not died, froze or missed a deadline): the same signature again after a
+        replacement means a failure that replaying the step will only repeat."""
+        if not self.failures or not all(f.problem.startswith("raised ") for f in self.failures):
+            return None
+        return tuple((f.rank, f.problem.splitlines()[0]) for f in self.failures)
 
 
 class EngineDeadError(RuntimeError):
@@ -74,6 +90,14 @@ class FaultEvent:
     detected_after_s: float
     recovery_s: Optional[float] = None
     requeued_requests: int = 0
+    # When the engine learned of the failure (time.time()).
+    detected_at: float = field(default_factory=time.time)
+    # What StageFailedError.raised_signature said, and the requests of the step that failed.
+    signature: Optional[tuple[tuple[int, str], ...]] = None
+    step_request_ids: list[str] = field(default_factory=list)
+    # The same failure again on the same requests after a replacement: those requests were
+    # failed instead of replayed, and the replacement was not counted as a restart.
+    recurring: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -14,7 +14,7 @@ class UniProcExecutor(ExecutorBase):
     """Runs the only worker in the engine's own process; steps complete synchronously."""
 
     def _init_workers(self) -> None:
-        self.worker = Worker(
+        self.worker: Worker = Worker(
             self.model_config,
             self.parallel_config,
             self.scheduler_config,
@@ -38,4 +38,4 @@ class UniProcExecutor(ExecutorBase):
     def shutdown(self, graceful: bool = True) -> None:
         if getattr(self, "worker", None) is not None:
             self.worker.shutdown()
-            self.worker = None
+            self.worker = None  # type: ignore[assignment]  # shut down: nothing to call

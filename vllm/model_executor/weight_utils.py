@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig
-from vllm.model_executor.layers.linear import pack_linears, packed_linear_enabled
+from vllm.model_executor.layers.linear import linear_path, pack_linears
 from vllm.model_executor.models import get_model_class
 from vllm.model_executor.models.utils import Shard, StageLayout
 
@@ -149,14 +149,17 @@ def load_stage_model(
     model.num_params = n_params
     # Bytes of this rank's weights (tied tensors once): what TP x PP divides.
     model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if packed_linear_enabled(device, dtype):
+    packed, path = linear_path(device, dtype)
+    if packed:
         pack_linears(model)
+    model.linear_path = path
     logger.info(
-        "Loaded layers [%d, %d) (%.1fM params, %s) in %.2f s",
+        "Loaded layers [%d, %d) (%.1fM params, %s) in %.2f s; linear layers: %s",
         layout.start_layer,
         layout.end_layer,
         n_params / 1e6,
         model_config.dtype,
         time.perf_counter() - start,
+        path,
     )
     return model

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm import envs
+from vllm.utils import ceil_div
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -194,7 +195,7 @@ def read_header(path: str) -> GGUFHeader:
             # ggml lists dimensions innermost first; torch wants them outermost first.
             raw.append((name, tuple(reversed(dims)), ggml_type, offset))
     align = int(metadata.get("general.alignment", 32))
-    data_start = -(-pos // align) * align  # tensor data begins at the next alignment boundary
+    data_start = ceil_div(pos, align) * align  # tensor data begins at the next alignment boundary
     tensors = [TensorInfo(n, s, t, data_start + o) for n, s, t, o in raw]
     return GGUFHeader(metadata, tensors)
 

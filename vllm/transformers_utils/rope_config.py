@@ -68,3 +68,13 @@ def scaled_max_positions(params: dict[str, Any], max_position_embeddings: int) -
         original = params.get("original_max_position_embeddings") or max_position_embeddings
         return max(int(original * factor), max_position_embeddings)
     return max_position_embeddings
+
+
+def max_positions_served(config: Any, params: Optional[dict[str, Any]] = None) -> int:
+    """The context length a config's rope serves (`scaled_max_positions` of its rope dict, or
+    of `params`), except Gemma 3, whose `max_position_embeddings` is already the scaled
+    length (vLLM's exception)."""
+    max_position = config.max_position_embeddings
+    if "gemma3" in str(getattr(config, "model_type", "")):
+        return max_position
+    return scaled_max_positions(get_rope_parameters(config, params), max_position)

@@ -21,6 +21,7 @@ import platform
 import torch
 
 from vllm import envs
+from vllm.utils import ceil_div
 
 HUGE_PAGE = 2 << 20
 
@@ -34,7 +35,7 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     first write, like torch.empty's. The tensor keeps the mapping alive; it is unmapped when
     the tensor is freed."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
+    length = ceil_div(nbytes, HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
     buf = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:

@@ -15,6 +15,7 @@ from vllm.model_executor.input_metadata import InputMetadata
 from vllm.model_executor.layers.attention import KVCache
 from vllm.model_executor.layers.sampler import Sampler
 from vllm.model_executor.models.utils import StageLayout
+from vllm.model_executor.parallel_utils import parallel_state as ps
 from vllm.model_executor.sampling_metadata import build_sampling_metadata
 from vllm.sequence import SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput
 
@@ -139,7 +140,11 @@ class ModelRunner:
         assert metadata_list is not None
         sampling_md = build_sampling_metadata(metadata_list, self.generators, self.device)
         if sampling_md.num_rows == 0:
-            # Only prefill chunks that end before their prompts do: nothing to sample.
+            # Only prefill chunks that end before their prompts do: nothing to sample. Only the
+            # TP driver answers, as when there are rows: a non-driver rank that returned an
+            # output would act as the driver and send the step's sampled ids itself.
+            if ps.get_tensor_model_parallel_rank() != 0:
+                return None, None
             return None, [SequenceGroupOutput([]) for _ in metadata_list]
         logits = self.model.compute_logits(
             hidden.index_select(0, sampling_md.selected_token_indices)

@@ -151,6 +151,7 @@ class Worker:
             "threads": torch.get_num_threads(),
             "num_params": self.model_runner.model.num_params,
             "weight_bytes": self.model_runner.model.weight_bytes,
+            "linear_path": self.model_runner.model.linear_path,
         }
 
     def get_memory_stats(self) -> dict[str, Any]:
@@ -279,6 +280,7 @@ class Worker:
         try:
             return self._execute_model(request)
         except BaseException as exc:
+            self.busy_since = None  # the step is over: a ping must not call it stuck
             if self.parallel_config.world_size > 1:
                 logger.warning(
                     "rank %d: step failed (%s: %s); leaving the process groups",
@@ -318,8 +320,10 @@ class Worker:
                 self._receive_sampled(request.step.recv_sampled_through)
                 tokens_wait_s = time.perf_counter() - waited
             metadata_list = self.request_state.apply(request.step)
-            if self.layout.is_first:
+            if self.layout.is_first and self.parallel_config.world_size > 1:
                 # What the engine sent this stage for the step (deltas): ~20 us to count.
+                # In-process (one rank) nothing was pickled, and a request's logits processor
+                # need not be picklable at all.
                 stats["step_bytes"] += message_bytes(request.step)
         # Cache work first: on a later stage it overlaps with the previous stage's compute.
         cached = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Activations: SwiGLU (LLaMA's gated MLP) and a lookup for OPT's activation_function."""
+"""Activations: SwiGLU (LLaMA's gated MLP), GeGLU (Gemma's) and a lookup for OPT's
+activation_function."""
 
 from __future__ import annotations
 
@@ -25,6 +26,23 @@ class SiluAndMul(nn.Module):
             return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """x [T, 2*I] holding (gate, up) -> gelu(gate) * up, [T, I]: Gemma's gated MLP.
+
+    `approximate` is "tanh" for HF's gelu_pytorch_tanh (Gemma 2/3), "none" for the exact gelu.
+    """
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}.")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm import envs
+from vllm.model_executor.layers.fused_moe import FusedMoE
 from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 
 # dtypes whose linears are prepacked (oneDNN's reorder supports both).
@@ -46,19 +47,53 @@ class PackedLinear(nn.Module):
         return out.view(*lead, self.out_features)
 
 
+# dtype -> None when oneDNN prepacks it on this CPU, else why not (probed once per process).
+_PACK_PROBES: dict[torch.dtype, Optional[str]] = {}
+
+
+def _probe_packing(dtype: torch.dtype) -> Optional[str]:
+    """Whether oneDNN can reorder and run a linear of `dtype` on this CPU: None if so, else
+    its error. bf16 reorders need avx512bw/vl/dq or avx_ne_convert (an AVX2-only CPU has
+    neither, and torch raises at load); asking oneDNN itself covers every CPU torch runs on."""
+    if dtype not in _PACK_PROBES:
+        try:
+            weight = torch.ones(16, 16, dtype=dtype)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PackedLinear.ROWS_HINT)
+            x = torch.ones(2, 16, dtype=dtype)
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            _PACK_PROBES[dtype] = None
+        except RuntimeError as exc:
+            _PACK_PROBES[dtype] = str(exc).strip().splitlines()[0]
+    return _PACK_PROBES[dtype]
+
+
+def linear_path(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """(prepack the linears?, a description of the path for the logs and benchmarks).
+
+    CPU fp32/bf16 prepack into oneDNN's layout when oneDNN can on this CPU, unless
+    VLLM_CPU_PACKED_LINEAR=0; otherwise plain matmuls (F.linear), on every CPU."""
+    if device.type != "cpu" or dtype not in PACKED_DTYPES:
+        return False, f"plain matmul ({device.type}, {dtype})"
+    if not torch.backends.mkldnn.is_available():
+        return False, "plain matmul (torch built without oneDNN)"
+    if not envs.get_bool("VLLM_CPU_PACKED_LINEAR"):
+        return False, "plain matmul (VLLM_CPU_PACKED_LINEAR=0)"
+    why_not = _probe_packing(dtype)
+    if why_not is not None:
+        return False, f"plain matmul (oneDNN cannot prepack {dtype} on this CPU: {why_not})"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return True, f"oneDNN prepacked ({dtype}, CPU capability {capability})"
+
+
 def packed_linear_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """fp32/bf16 on CPU with oneDNN available, unless VLLM_CPU_PACKED_LINEAR=0."""
-    return (
-        device.type == "cpu"
-        and dtype in PACKED_DTYPES
-        and torch.backends.mkldnn.is_available()
-        and envs.get_bool("VLLM_CPU_PACKED_LINEAR")
-    )
+    """Whether linears are prepacked for oneDNN (see `linear_path`)."""
+    return linear_path(device, dtype)[0]
 
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear in `model` with a PackedLinear and prepack every tensor-parallel
-    linear (its shard: weights are sharded first, then packed); returns how many."""
+    linear and MoE experts (its shard: weights are sharded first, then packed); returns how
+    many."""
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -67,7 +102,8 @@ def pack_linears(model: nn.Module) -> int:
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
-    parallel = [m for m in model.modules() if isinstance(m, ParallelLinearBase)]
+    # MoE experts too: their per-expert matmuls gain as much as the linears.
+    parallel = [m for m in model.modules() if isinstance(m, (ParallelLinearBase, FusedMoE))]
     for module in parallel:
         module.pack()
     return len(targets) + len(parallel)

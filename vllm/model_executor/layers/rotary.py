@@ -31,6 +31,7 @@ from vllm import _custom_ops as ops
 from vllm.transformers_utils.rope_config import (
     check_rope_type,
     get_rope_parameters,
+    max_positions_served,
     rope_type_of,
     scaled_max_positions,
 )
@@ -168,8 +169,9 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to query and key. cos/sin are computed in float32 like HF, then cast.
 
     `max_position` is the config's `max_position_embeddings` (the reference of dynamic NTK and
-    of longrope's default factor); the caches cover `cache_positions` positions (default: what
-    the scaling serves, see `scaled_max_positions`). `rope_scaling` is the config's rope dict
+    of longrope's default factor); the caches cover `cache_positions` positions (default
+    `max_position`; `get_rope` passes the length the scaling serves, as the engine's
+    max_model_len, `rope_config.max_positions_served`). `rope_scaling` is the config's rope dict
     (`rope_parameters` or the older `rope_scaling`; `rope_theta` inside it wins over `base`).
     `rotary_dim` < head_size rotates only the first dims of each head (partial rotary; default
     head_size x the dict's `partial_rotary_factor`).
@@ -204,7 +206,7 @@ class RotaryEmbedding(nn.Module):
             )
         self.rotary_dim = rotary_dim
         self.max_position = max_position
-        n = cache_positions or scaled_max_positions(params, max_position)
+        n = cache_positions or max_position
         self.cache_positions = n
         positions = torch.arange(n, dtype=torch.int64).float()
         inv_freq, scale = compute_inv_freq(params, rotary_dim, max_position)
@@ -322,5 +324,10 @@ def get_rope(
 
     `rope_parameters` overrides the config's rope dict (e.g. one layer type's)."""
     params = get_rope_parameters(config, rope_parameters)
+    served = max_positions_served(config, rope_parameters)
+    if max_position is not None:  # an explicit reference length (tests, per-layer ropes)
+        served = scaled_max_positions(params, max_position)
     max_position = max_position or config.max_position_embeddings
-    return RotaryEmbedding(head_size, max_position, params["rope_theta"], params)
+    return RotaryEmbedding(
+        head_size, max_position, params["rope_theta"], params, cache_positions=served
+    )

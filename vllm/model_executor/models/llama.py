@@ -4,10 +4,9 @@ them: see `DecoderOptions`)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -36,8 +35,6 @@ from vllm.model_executor.models.utils import (
     localize_layer_name,
 )
 from vllm.model_executor.parallel_utils import tensor_parallel as tpu
-
-logger = logging.getLogger("vllm.model_executor.models.llama")
 
 
 @dataclass(frozen=True)
@@ -79,7 +76,8 @@ def sliding_window_of(config: Any, layer_idx: int) -> Optional[int]:
 class LlamaAttention(nn.Module):
     """Self-attention with a fused q/k/v projection and RoPE; with TP, this rank's heads only
     (column-parallel q/k/v, row-parallel output projection). Options: q/k/v and output biases,
-    per-head q/k RMSNorm before the rope (Qwen3), an explicit head_dim, a sliding window."""
+    per-head q/k RMSNorm before the rope (Qwen3), an explicit head_dim, a sliding window.
+    Also the attention of MoE families (Mixtral; Qwen3-MoE with qk_norm)."""
 
     def __init__(
         self,
@@ -107,12 +105,14 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rope if rope is not None else get_rope(config, self.head_dim)
-        # The layer's window (Mistral, Qwen2/3 sliding layers, Phi-3), recorded for windowed
-        # attention: it reaches the backend in one place, this PagedAttention call (to pass as
-        # `sliding_window=self.sliding_window` once PagedAttention takes it).
+        # The layer's window (Mistral, Qwen2/3 sliding layers, Phi-3).
         self.sliding_window = sliding_window_of(config, layer_idx)
         self.attn = PagedAttention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            sliding_window=self.sliding_window,
         )
 
     def forward(
@@ -169,10 +169,12 @@ class LlamaDecoderLayer(nn.Module):
         options: Optional[DecoderOptions] = None,
         rope: Optional[RotaryEmbedding] = None,
         layer_idx: int = 0,
+        mlp: Optional[nn.Module] = None,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, options, rope, layer_idx)
-        self.mlp = LlamaMLP(config, options)
+        # The feed-forward block: LLaMA's MLP unless the family brings its own (MoE).
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, options)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -206,16 +208,23 @@ class LlamaModel(nn.Module):
     layers share one rotary embedding (its caches are per model, not per layer)."""
 
     def __init__(
-        self, config: Any, layout: StageLayout, options: Optional[DecoderOptions] = None
+        self,
+        config: Any,
+        layout: StageLayout,
+        options: Optional[DecoderOptions] = None,
+        make_mlp: Optional[Callable[[int], Optional[nn.Module]]] = None,
     ) -> None:
         super().__init__()
         self.layout = layout
         if layout.is_first:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = get_rope(config, head_dim_of(config))
+        # make_mlp(global layer index): the layer's feed-forward block (None: LlamaMLP).
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, options, self.rotary_emb, idx)
-            for idx in range(layout.start_layer, layout.end_layer)
+            LlamaDecoderLayer(
+                config, options, self.rotary_emb, i, make_mlp(i) if make_mlp else None
+            )
+            for i in range(layout.start_layer, layout.end_layer)
         )
         if layout.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -230,21 +239,12 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.layout = layout
         self.options = self.decoder_options(config)
-        self.model = LlamaModel(config, layout, self.options)
+        self.model = LlamaModel(config, layout, self.options, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if layout.is_last:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             if self.tie_word_embeddings and layout.is_first:
                 self.lm_head.weight = self.model.embed_tokens.weight
-        windows = {
-            sliding_window_of(config, i) for i in range(layout.start_layer, layout.end_layer)
-        }
-        if windows - {None}:
-            logger.warning(
-                "sliding_window %s is recorded but not applied yet: layers attend over the whole "
-                "context, which equals the windowed model only for sequences within the window.",
-                sorted(w for w in windows if w is not None),
-            )
 
     @classmethod
     def decoder_options(cls, config: Any) -> DecoderOptions:
@@ -261,6 +261,17 @@ class LlamaForCausalLM(nn.Module):
         return [
             (layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.model.layers
         ]
+
+    def make_mlp(self, layer_idx: int) -> Optional[nn.Module]:
+        """Hook: the feed-forward block of global layer `layer_idx` (None: LlamaMLP)."""
+        return None
+
+    def load_other_weight(
+        self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
+    ) -> Optional[str]:
+        """Hook: load a (stage-local) tensor LLaMA does not know; returns the parameter's
+        name if handled, else None."""
+        return None
 
     def forward(
         self,
@@ -281,12 +292,15 @@ class LlamaForCausalLM(nn.Module):
             # copy, not on the caller's tensor (one [T, hidden] copy per step).
             hidden_states = hidden_states.clone()
         residual: Optional[torch.Tensor] = None
-        rope_seq_lens = None
-        if self.model.rotary_emb.depends_on_seq_len:  # longrope, dynamic NTK
-            rope_seq_lens = token_seq_lens(positions, md)
+        # Longrope and dynamic NTK need each token's sequence length (once per step). Models
+        # that reuse this forward with layers of their own (Gemma) have no shared rope.
+        extra = {}
+        rope = getattr(self.model, "rotary_emb", None)
+        if rope is not None and rope.depends_on_seq_len:
+            extra["rope_seq_lens"] = token_seq_lens(positions, md)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden_states, residual = layer(
-                positions, hidden_states, kv_cache, md, residual, rope_seq_lens
+                positions, hidden_states, kv_cache, md, residual, **extra
             )
         if self.layout.is_last:
             if residual is None:  # a stage without layers
@@ -362,11 +376,23 @@ class LlamaForCausalLM(nn.Module):
         if attn is not None:
             # This rank's sizes: checkpoint tensors arrive already cut to its shard.
             q, kv = attn.q_size, attn.kv_size
-            inter = self.model.layers[0].mlp.gate_up_proj.output_sizes_local[0]
             stacked = [
                 ("qkv_proj", "q_proj", 0, q),
                 ("qkv_proj", "k_proj", q, kv),
                 ("qkv_proj", "v_proj", q + kv, kv),
+            ]
+        # Any gated MLP with a fused gate/up projection (LLaMA's, Gemma's; not an MoE block).
+        gate_up = next(
+            (
+                la.mlp.gate_up_proj
+                for la in self.model.layers
+                if isinstance(getattr(la.mlp, "gate_up_proj", None), MergedColumnParallelLinear)
+            ),
+            None,
+        )
+        if gate_up is not None:
+            inter = gate_up.output_sizes_local[0]
+            stacked += [
                 ("gate_up_proj", "gate_proj", 0, inter),
                 ("gate_up_proj", "up_proj", inter, inter),
             ]
@@ -376,7 +402,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             local = localize_layer_name(name, self.layout)
             assert local is not None
-            fused_name = load_stacked(params, local, tensor, stacked)
+            fused_name = self.load_other_weight(params, local, tensor) or load_stacked(
+                params, local, tensor, stacked
+            )
             if fused_name is not None:
                 loaded.add(fused_name)
                 continue

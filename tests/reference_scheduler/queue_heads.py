@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from reference_scheduler.scheduler_types import SchedulerOutputs
 from vllm.core.block_manager import AllocStatus
-from vllm.core.scheduler_types import SchedulerOutputs
 from vllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 if TYPE_CHECKING:
-    from vllm.core.scheduler_types import SchedulerState as _SchedulerState
+    from reference_scheduler.scheduler_types import SchedulerState as _SchedulerState
 else:
     _SchedulerState = object
 
