@@ -10,7 +10,8 @@ Each config carries what makes its family different and what users' checkpoints 
   phi3     fused qkv_proj / gate_up_proj, one KV head (replicated over TP ranks), longrope
            with original context 128 of 512: tiny_models.PROMPTS stay within it (short
            factors), LONG_PROMPTS start past it (long factors)
-The sliding window stays off (`sliding_window=None`): windowed attention is not wired yet.
+WINDOWED adds windowed variants (16-token windows, shorter than most prompts): Mistral's on
+every layer, Qwen2's on the layers from max_window_layers (2) on.
 """
 
 from __future__ import annotations
@@ -36,9 +37,30 @@ LONGROPE_SHORT = [1.0, 1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0]
 LONGROPE_LONG = [1.0, 1.3, 1.7, 2.2, 3.0, 4.0, 6.0, 8.0]
 
 
+WINDOWED = {
+    "mistral-window": ("mistral", {"sliding_window": 16}),
+    "qwen2-window": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2},
+    ),
+}
+
+
 def family_config(kind: str, tokenizer: Any, num_layers: int = NUM_LAYERS) -> Any:
-    """The HF config of one tiny family model."""
+    """The HF config of one tiny family model (or of a WINDOWED variant)."""
     import transformers
+
+    if kind in WINDOWED:
+        base, overrides = WINDOWED[kind]
+        config = family_config(base, tokenizer, num_layers)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        if base == "qwen2":  # layer_types is derived at construction: derive it again
+            config.layer_types = [
+                "sliding_attention" if i >= config.max_window_layers else "full_attention"
+                for i in range(num_layers)
+            ]
+        return config
 
     common: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
@@ -170,7 +192,7 @@ def build_family(kind: str, out_dir: str, tokenizer_dir: str, num_layers: int = 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tokenizer.chat_template = CHAT_TEMPLATES[kind]
+    tokenizer.chat_template = CHAT_TEMPLATES[WINDOWED.get(kind, (kind,))[0]]
     return save_random_model(family_config(kind, tokenizer, num_layers), out_dir, tokenizer)
 
 

@@ -55,7 +55,7 @@ def dirs(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def hf_ids(dirs):
+def hf_ids(dirs, request):
     """(kind, prompt token ids) -> HF greedy new ids, each computed once; models loaded once
     per kind."""
     models: dict[str, Any] = {}
@@ -63,7 +63,8 @@ def hf_ids(dirs):
 
     def get(kind: str, prompts: list[list[int]]) -> list[list[int]]:
         if kind not in models:
-            models[kind] = tiny_models.load_hf(dirs[kind])
+            path = dirs.get(kind) or request.getfixturevalue("window_dirs")[kind]
+            models[kind] = tiny_models.load_hf(path)
         model = models[kind]
         out = []
         for ids in prompts:
@@ -485,5 +486,56 @@ def test_gguf_tokenizer_and_chat_template_from_the_file(kind, dirs, hf_ids, tmp_
         (ref,) = hf_ids(kind, [reference.encode(text, add_special_tokens=False)])
         (out,) = llm.chat(CHAT[0], GREEDY, use_tqdm=False)
         assert out.prompt == text and out.outputs[0].token_ids == ref
+    finally:
+        llm.shutdown()
+
+
+# ---------------------------------------------------------------- sliding windows
+
+
+@pytest.fixture(scope="module")
+def window_dirs(dirs) -> dict[str, str]:
+    import os
+
+    root = os.path.dirname(dirs["mistral"])
+    tok_dir = os.path.join(root, "tokenizer")
+    return {
+        kind: family_models.build_family(kind, os.path.join(root, kind), tok_dir)
+        for kind in family_models.WINDOWED
+    }
+
+
+@pytest.mark.parametrize(
+    "kind,pp,backend,chunked",
+    [
+        ("mistral-window", 1, None, False),
+        ("qwen2-window", 1, None, True),
+        ("qwen2-window", 2, "mp", False),  # windowed layers 2, 3 on the second stage
+    ],
+)
+def test_sliding_window_families(kind, pp, backend, chunked, window_dirs, hf_ids, request):
+    """16-token windows, prompts of up to 65 tokens: equal to HF's windowed attention, and
+    the window changes HF's greedy output (so the check can fail)."""
+    from transformers import AutoModelForCausalLM
+
+    chunks = dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8)
+    llm = make_llm(window_dirs[kind], 1, pp, backend, **(chunks if chunked else {}))
+    try:
+        assert len(llm.llm_engine.executor.stage_infos) == pp
+        check_equal(llm, kind, hf_ids, tiny_models.PROMPTS)
+        if pp == 1:
+            tokenizer = llm.get_tokenizer()
+            ids = [tokenizer.encode(p) for p in tiny_models.PROMPTS]
+            windowed = hf_ids(kind, ids)
+            no_window: dict[str, Any] = {"sliding_window": None}
+            if kind.startswith("qwen2"):
+                no_window["layer_types"] = ["full_attention"] * family_models.NUM_LAYERS
+            full = AutoModelForCausalLM.from_pretrained(
+                window_dirs[kind], dtype=torch.float32, **no_window
+            ).eval()
+            unwindowed = tiny_models.hf_greedy_with(
+                full, tokenizer, tiny_models.PROMPTS, MAX_TOKENS
+            )
+            assert windowed != unwindowed
     finally:
         llm.shutdown()
