@@ -209,6 +209,13 @@ def _derive_max_model_len(hf_config: Any, max_model_len: Optional[int]) -> int:
             break
     if derived is None:
         derived = 2048
+    elif key == "max_position_embeddings":
+        # vLLM's rule: linear / dynamic / yarn rope scaling stretch the context length. An
+        # unknown rope type fails here, at once, naming it.
+        from vllm.transformers_utils import rope_config
+
+        rope_config.check_rope_type(rope_config.get_rope_parameters(hf_config)["rope_type"])
+        derived = rope_config.max_positions_served(hf_config)
     if max_model_len is None:
         return derived
     if not isinstance(max_model_len, int) or max_model_len <= 0:

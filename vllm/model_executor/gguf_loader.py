@@ -1,4 +1,5 @@
-"""GGUF checkpoints (llama.cpp's format): the tensor data, as HF LLaMA weights.
+"""GGUF checkpoints (llama.cpp's format): the tensor data, as HF weights of the LLaMA-style
+families (llama and Mistral, qwen2, qwen3, phi3).
 
 Tensor data is memory-mapped and only the tensors a caller wants are dequantized (with
 `gguf.quants.dequantize`), so a pipeline stage reads its own layers only. Locating the file,
@@ -16,7 +17,7 @@ import gguf
 import numpy as np
 import torch
 
-from vllm.transformers_utils.gguf_config import TensorInfo, llama_config_dict, read_header
+from vllm.transformers_utils.gguf_config import TensorInfo, gguf_config_dict, read_header
 
 # llama.cpp tensor names -> HF LLaMA module names.
 _GLOBAL_NAMES = {
@@ -34,17 +35,29 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: fused, as in its HF checkpoint
 }
+# phi3 keeps gate and up fused under ffn_up, as its HF checkpoint does.
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """HF LLaMA name of a GGUF tensor, or None for tensors HF has no parameter for."""
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """HF name of a GGUF tensor, or None for tensors HF has no parameter for."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
-    return None  # e.g. rope_freqs.weight: HF recomputes RoPE frequencies from the config
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if (
+        len(parts) == 4
+        and parts[0] == "blk"
+        and parts[3] in ("weight", "bias")
+        and parts[2] in names
+    ):
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+    # e.g. rope_freqs.weight, rope_factors_*: the rope is computed from the config.
+    return None
 
 
 def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -95,25 +108,31 @@ def iter_gguf_weights(
     wanted: Callable[[str], bool] | None = None,
     shard_of: Callable[[str], Any] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF LLaMA name, float32 tensor [out, in]) for each tensor of a llama GGUF file.
+    """Yield (HF name, float32 tensor [out, in]) for each tensor of a GGUF file.
 
-    Q/K rows are un-permuted as transformers does; lm_head.weight appears only if the file has
+    llama files' Q/K rows are un-permuted as transformers does (llama.cpp permutes them for
+    llama only); lm_head.weight appears only if the file has
     one (tied models have none). Tensors whose name `wanted` rejects are never read. With
     `shard_of` (a TP rank's part of each tensor), only that part is read and dequantized; Q/K
     row shards hold whole heads, and the un-permutation is per head, so it applies to them.
     """
     header = read_header(path)
-    config = llama_config_dict(header, path)
+    config = gguf_config_dict(header, path)
+    arch = header.metadata["general.architecture"]
     n_head = config["num_attention_heads"]
     n_kv_head = config.get("num_key_value_heads", n_head)
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     for info in header.tensors:
-        name = _hf_name(info.name)
+        name = _hf_name(info.name, arch)
         if name is None or (wanted is not None and not wanted(name)):
             continue
         shard = shard_of(name) if shard_of is not None else None
-        tensor = _dequantize(blob, info, shard)
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if isinstance(shard, (list, tuple)):  # parts of a fused tensor, joined
+            parts = [_dequantize(blob, info, one) for one in shard]
+            tensor = torch.cat(parts, dim=shard[0].dim)
+        else:
+            tensor = _dequantize(blob, info, shard)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = n_head if name.endswith("q_proj.weight") else n_kv_head
             head_rows = info.shape[0] // heads
             tensor = _unpermute(tensor, tensor.shape[0] // head_rows)

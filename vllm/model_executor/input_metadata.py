@@ -35,6 +35,9 @@ class InputMetadata:
     # [num_prefills, max_blocks] int64: block tables of the prefills, zero-padded; [0, 0] when
     # no prefill has a cached context (the plain prefill path reads no cache).
     prefill_block_tables: Optional[torch.Tensor] = None
+    # [num_prefills] int64: tokens of each prefill sequence at this step (cached, in this step
+    # and in later chunks): rope variants that switch on the sequence length see it (rotary.py).
+    prefill_total_lens: Optional[torch.Tensor] = None
     # Python copies of small tensors, derived once per step so layers do not sync per call.
     _prefill_lens_list: Optional[list[int]] = field(default=None, repr=False)
     _decode_max_len: Optional[int] = field(default=None, repr=False)
@@ -48,6 +51,7 @@ class InputMetadata:
         "decode_block_tables",
         "prefill_context_lens",
         "prefill_block_tables",
+        "prefill_total_lens",
     )
 
     def __post_init__(self) -> None:
@@ -55,6 +59,8 @@ class InputMetadata:
             self.prefill_context_lens = torch.zeros(self.num_prefills, dtype=torch.long)
         if self.prefill_block_tables is None:
             self.prefill_block_tables = torch.zeros(0, 0, dtype=torch.long)
+        if self.prefill_total_lens is None:  # what the step holds of each sequence
+            self.prefill_total_lens = self.prefill_context_lens + self.prefill_seq_lens
 
     @property
     def num_tokens(self) -> int:

@@ -13,8 +13,8 @@ import glob
 import logging
 import os
 import time
-from collections.abc import Iterator
-from typing import Callable, Optional
+from collections.abc import Iterator, Sequence
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -27,12 +27,22 @@ from vllm.model_executor.models.utils import Shard, StageLayout
 logger = logging.getLogger("vllm.model_executor.weight_utils")
 
 WeightFilter = Callable[[str], bool]
-# name -> this TP rank's part of the tensor (None: all of it).
-ShardFn = Callable[[str], Optional[Shard]]
+# name -> this TP rank's part of the tensor (None: all of it; several: their parts joined).
+ShardSpec = Optional[Union[Shard, Sequence[Shard]]]
+ShardFn = Callable[[str], ShardSpec]
 
 
-def _no_shard(name: str) -> Optional[Shard]:
+def _no_shard(name: str) -> ShardSpec:
     return None
+
+
+def read_sharded(spec: ShardSpec, read: Callable[[Shard], torch.Tensor]) -> torch.Tensor:
+    """`read(shard)` for one shard; for several (one fused checkpoint tensor: this rank's q, k
+    and v rows), their parts concatenated along their common dimension."""
+    assert spec is not None
+    if isinstance(spec, Shard):
+        return read(spec)
+    return torch.cat([read(shard) for shard in spec], dim=spec[0].dim)
 
 
 _TORCH_DTYPES = {
@@ -65,10 +75,14 @@ def iter_safetensors(
                 # get_slice reads only the shard's bytes from the file.
                 part = f.get_slice(name)
                 shape = part.get_shape()
-                end = min(shard.start + shard.size, shape[shard.dim])
-                index = [slice(None)] * len(shape)
-                index[shard.dim] = slice(shard.start, end)
-                yield name, part[tuple(index)]
+
+                def read(one: Shard, part=part, shape=shape) -> torch.Tensor:
+                    end = min(one.start + one.size, shape[one.dim])
+                    index = [slice(None)] * len(shape)
+                    index[one.dim] = slice(one.start, end)
+                    return part[tuple(index)]
+
+                yield name, read_sharded(shard, read)
 
 
 def iter_torch_bin(
@@ -81,7 +95,10 @@ def iter_torch_bin(
         for name, tensor in state.items():
             if wanted(name):
                 shard = shard_of(name)
-                yield name, tensor if shard is None else shard.narrow(tensor)
+                if shard is None:
+                    yield name, tensor
+                else:
+                    yield name, read_sharded(shard, lambda one, t=tensor: one.narrow(t))
         del state
 
 

@@ -53,23 +53,43 @@ _SCALAR_FORMATS = {
 }
 _STRING, _ARRAY = 8, 9
 
-# GGUF llama key -> LlamaConfig field, as transformers maps them.
-_CONFIG_KEYS = {
-    "llama.context_length": "max_position_embeddings",
-    "llama.block_count": "num_hidden_layers",
-    "llama.feed_forward_length": "intermediate_size",
-    "llama.embedding_length": "hidden_size",
-    "llama.rope.dimension_count": "head_dim",
-    "llama.rope.freq_base": "rope_theta",
-    "llama.attention.head_count": "num_attention_heads",
-    "llama.attention.head_count_kv": "num_key_value_heads",
-    "llama.attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "llama.vocab_size": "vocab_size",
+# GGUF architectures this engine loads -> the HF config class and architecture they become
+# (Mistral files are written as "llama").
+_ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
+# "<arch>.<key>" -> config field, as transformers maps them.
+_ARCH_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+# Per architecture: llama's rope width is its head size; Qwen3 names its head size (it need
+# not be hidden / heads); Phi-3 names its pretraining context and its window.
+_ARCH_EXTRA_KEYS = {
+    "llama": {"rope.dimension_count": "head_dim"},
+    "qwen3": {"attention.key_length": "head_dim"},
+    "phi3": {
+        "rope.scaling.original_context_length": "original_max_position_embeddings",
+        "attention.sliding_window": "sliding_window",
+    },
+}
+_TOKENIZER_KEYS = {
     "tokenizer.ggml.bos_token_id": "bos_token_id",
     "tokenizer.ggml.eos_token_id": "eos_token_id",
     "tokenizer.ggml.unknown_token_id": "unk_token_id",
     "tokenizer.ggml.padding_token_id": "pad_token_id",
 }
+_F32 = 0  # ggml type of float32 tensors
 
 
 @dataclass(frozen=True)
@@ -180,32 +200,88 @@ def read_header(path: str) -> GGUFHeader:
     return GGUFHeader(metadata, tensors)
 
 
-def llama_config_dict(header: GGUFHeader, path: str) -> dict[str, Any]:
-    """The LlamaConfig fields a llama GGUF header defines (ValueError for other archs)."""
+def gguf_architecture(header: GGUFHeader, path: str) -> str:
+    """The file's `general.architecture`; ValueError naming it if this engine cannot load it."""
     arch = header.metadata.get("general.architecture")
-    if arch != "llama":
+    if arch not in _ARCHITECTURES:
         raise ValueError(
-            f"{path}: GGUF architecture {arch!r} is not supported; only 'llama' GGUF files load"
+            f"{path}: GGUF architecture {arch!r} is not supported; supported GGUF "
+            f"architectures: {sorted(_ARCHITECTURES)} (Mistral files are 'llama')"
         )
+    return str(arch)
+
+
+def _f32_tensor(path: str, info: TensorInfo) -> list[float]:
+    """A small float32 tensor's values, read without numpy (the config side stays light)."""
+    if info.ggml_type != _F32:
+        raise ValueError(f"{path}: tensor {info.name} must be F32, got ggml type {info.ggml_type}")
+    count = 1
+    for dim in info.shape:
+        count *= dim
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        return list(struct.unpack(f"<{count}f", f.read(4 * count)))
+
+
+def gguf_config_dict(header: GGUFHeader, path: str) -> dict[str, Any]:
+    """The HF config fields a GGUF header defines (ValueError for architectures not loaded
+    here), with `architectures` and the config class name under `_config_class`."""
+    arch = gguf_architecture(header, path)
+    keys = dict(_ARCH_KEYS, **_ARCH_EXTRA_KEYS.get(arch, {}))
+    meta = header.metadata
     fields = {
-        field: header.metadata[key] for key, field in _CONFIG_KEYS.items() if key in header.metadata
+        field: meta[f"{arch}.{key}"] for key, field in keys.items() if f"{arch}.{key}" in meta
     }
-    if "vocab_size" not in fields and "tokenizer.ggml.tokens" in header.metadata:
-        fields["vocab_size"] = header.metadata["tokenizer.ggml.tokens"]  # the array's length
+    fields.update({field: meta[key] for key, field in _TOKENIZER_KEYS.items() if key in meta})
+    if "vocab_size" not in fields and "tokenizer.ggml.tokens" in meta:
+        fields["vocab_size"] = meta["tokenizer.ggml.tokens"]  # the array's length
     # llama.cpp writes output.weight only when the head is not the embedding matrix.
     fields["tie_word_embeddings"] = all(t.name != "output.weight" for t in header.tensors)
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling in ("linear", "yarn") and f"{arch}.rope.scaling.factor" in meta:
+        fields["rope_scaling"] = {
+            "rope_type": scaling,
+            "factor": meta[f"{arch}.rope.scaling.factor"],
+        }
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if scaling == "yarn" and original:
+            fields["rope_scaling"]["original_max_position_embeddings"] = original
+    if arch == "phi3":
+        rope_dims = meta.get("phi3.rope.dimension_count")
+        head = fields["hidden_size"] // fields["num_attention_heads"]
+        if rope_dims and rope_dims != head:
+            fields["partial_rotary_factor"] = rope_dims / head
+        factors = {t.name: t for t in header.tensors if t.name.startswith("rope_factors_")}
+        if "rope_factors_long.weight" in factors:
+            fields["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": _f32_tensor(path, factors["rope_factors_long.weight"]),
+                "short_factor": _f32_tensor(path, factors["rope_factors_short.weight"]),
+            }
+    config_class, architecture = _ARCHITECTURES[arch]
+    fields["architectures"] = [architecture]
+    fields["_config_class"] = config_class
+    return fields
+
+
+def llama_config_dict(header: GGUFHeader, path: str) -> dict[str, Any]:
+    """The config fields of a GGUF file (any architecture `gguf_config_dict` loads)."""
+    fields = gguf_config_dict(header, path)
+    fields.pop("_config_class")
     return fields
 
 
 def load_gguf_config(path: str) -> PretrainedConfig:
-    """A transformers LlamaConfig equal to the one transformers builds from the same GGUF file.
+    """The transformers config (LlamaConfig, Qwen2Config, Qwen3Config or Phi3Config) of a
+    GGUF file, with the fields transformers reads from it.
 
-    Raises ValueError naming the architecture if the file is not a llama GGUF.
+    Raises ValueError naming the architecture if the file is not one of those.
     """
-    from transformers import LlamaConfig
+    import transformers
 
-    fields = llama_config_dict(read_header(path), path)
-    return LlamaConfig(architectures=["LlamaForCausalLM"], name_or_path=path, **fields)
+    fields = gguf_config_dict(read_header(path), path)
+    config_class = getattr(transformers, fields.pop("_config_class"))
+    return config_class(name_or_path=path, **fields)
 
 
 def cache_dir(path: str) -> str:

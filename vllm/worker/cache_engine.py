@@ -3,6 +3,8 @@ operations the scheduler asks for: swap in, swap out, copy (copy-on-write)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from vllm.model_executor.layers.attention import KVCache
@@ -13,8 +15,15 @@ def cache_block_bytes(
     block_size: int, num_kv_heads: int, head_size: int, num_layers: int, dtype: torch.dtype
 ) -> int:
     """Bytes one block takes across this stage's layers (keys and values)."""
+    return layers_block_bytes(block_size, [(num_kv_heads, head_size)] * num_layers, dtype)
+
+
+def layers_block_bytes(
+    block_size: int, layer_shapes: list[tuple[int, int]], dtype: torch.dtype
+) -> int:
+    """Bytes one block takes across layers of their own (KV heads, head size) each."""
     element_size = torch.tensor([], dtype=dtype).element_size()
-    return 2 * block_size * num_kv_heads * head_size * num_layers * element_size
+    return sum(2 * block_size * heads * size * element_size for heads, size in layer_shapes)
 
 
 class CacheEngine:
@@ -45,30 +54,40 @@ class CacheEngine:
         num_cpu_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        layer_shapes: Optional[list[tuple[int, int]]] = None,
     ) -> None:
+        """`layer_shapes`: (KV heads, head size) of each layer, when they differ between
+        layers; else every layer has `num_kv_heads` x `head_size`."""
         self.device = device
         self.num_gpu_blocks = num_gpu_blocks
         # Blocks [0, reserved_blocks) of the device cache are mapped (all of them off CPU).
         self.reserved_blocks = 0 if device.type == "cpu" else num_gpu_blocks
-        shape = (num_gpu_blocks, block_size, num_kv_heads, head_size)
+        if layer_shapes is None:
+            layer_shapes = [(num_kv_heads, head_size)] * num_layers
+        if len(layer_shapes) != num_layers:
+            raise ValueError(
+                f"layer_shapes has {len(layer_shapes)} entries for {num_layers} layers."
+            )
 
-        def device_tensor() -> torch.Tensor:
+        def device_tensor(shape: tuple[int, ...]) -> torch.Tensor:
             if device.type == "cpu":
                 return huge_page_empty(shape, dtype)
             return torch.empty(shape, dtype=dtype, device=device)
 
-        self.gpu_cache: list[KVCache] = [
-            (device_tensor(), device_tensor()) for _ in range(num_layers)
-        ]
         # Pinned host memory makes CUDA swaps asynchronous; plain memory on CPU.
         pin = device.type == "cuda"
-        self.cpu_cache: list[KVCache] = [
-            (
-                torch.empty((num_cpu_blocks, *shape[1:]), dtype=dtype, pin_memory=pin),
-                torch.empty((num_cpu_blocks, *shape[1:]), dtype=dtype, pin_memory=pin),
+        self.gpu_cache: list[KVCache] = []
+        self.cpu_cache: list[KVCache] = []
+        for heads, size in layer_shapes:
+            shape = (num_gpu_blocks, block_size, heads, size)
+            self.gpu_cache.append((device_tensor(shape), device_tensor(shape)))
+            host = (num_cpu_blocks, block_size, heads, size)
+            self.cpu_cache.append(
+                (
+                    torch.empty(host, dtype=dtype, pin_memory=pin),
+                    torch.empty(host, dtype=dtype, pin_memory=pin),
+                )
             )
-            for _ in range(num_layers)
-        ]
 
     def reserve(self, num_blocks: int) -> None:
         """Map (by zeroing) the device blocks below `num_blocks` not mapped yet (CPU only)."""

@@ -31,6 +31,7 @@ def prepare_inputs(
     slots: list[int] = []
     prefill_lens: list[int] = []
     prefill_contexts: list[int] = []
+    total_lens: list[int] = []
     prefill_tables: list[list[int]] = []
     context_lens: list[int] = []
     tables: list[list[int]] = []
@@ -54,6 +55,7 @@ def prepare_inputs(
             )
             prefill_lens.append(length)
             prefill_contexts.append(start)
+            total_lens.append(data.get_len())
             prefill_tables.append(table)
     for meta in metadata_list:
         if meta.is_prompt:
@@ -89,6 +91,7 @@ def prepare_inputs(
         decode_block_tables=long_tensor(padded).view(len(padded), max_blocks),
         prefill_context_lens=torch.tensor(prefill_contexts, dtype=torch.long),
         prefill_block_tables=prefill_block_tables,
+        prefill_total_lens=torch.tensor(total_lens, dtype=torch.long),
     )
     md._prefill_lens_list = prefill_lens
     md._prefill_context_list = prefill_contexts

@@ -23,7 +23,7 @@ from vllm.model_executor.parallel_utils.communication import (
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
 from vllm.step_delta import StageRequestState, StepMessage, message_bytes
-from vllm.worker.cache_engine import CacheEngine, cache_block_bytes
+from vllm.worker.cache_engine import CacheEngine, layers_block_bytes
 from vllm.worker.cpu_memory import release_memory, tune_malloc
 from vllm.worker.model_runner import ModelRunner
 
@@ -173,14 +173,21 @@ class Worker:
             self.model_config.get_num_kv_heads(), self.parallel_config.tensor_parallel_size
         )
 
+    def _layer_kv_shapes(self) -> list[tuple[int, int]]:
+        """(KV heads this rank caches, head size) of each of this stage's layers: the model's
+        own when it names them (layers may differ), else the config's for every layer."""
+        model = getattr(getattr(self, "model_runner", None), "model", None)
+        if model is not None and hasattr(model, "kv_cache_shapes"):
+            return list(model.kv_cache_shapes())
+        shape = (self._num_kv_heads(), self.model_config.get_head_size())
+        return [shape] * self.layout.num_layers
+
     def get_cache_block_size_bytes(self) -> int:
-        mc = self.model_config
-        return cache_block_bytes(
+        """Bytes of one KV block across this stage's layers, each with its own KV shape."""
+        return layers_block_bytes(
             self.cache_config.block_size,
-            self._num_kv_heads(),
-            mc.get_head_size(),
-            self.layout.num_layers,
-            get_torch_dtype(mc.dtype),
+            self._layer_kv_shapes(),
+            get_torch_dtype(self.model_config.dtype),
         )
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
@@ -253,6 +260,7 @@ class Worker:
             num_cpu_blocks,
             get_torch_dtype(mc.dtype),
             self.device,
+            layer_shapes=self._layer_kv_shapes(),
         )
 
     def execute_model(self, request: ExecuteModelRequest) -> Optional[SamplerOutput]:

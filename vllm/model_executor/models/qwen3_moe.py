@@ -8,40 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 from torch import nn
 
-from vllm.model_executor.input_metadata import InputMetadata
-from vllm.model_executor.layers.attention import KVCache
 from vllm.model_executor.layers.fused_moe import SparseMoeBlock
-from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.models.llama import LlamaAttention, LlamaForCausalLM
+from vllm.model_executor.models.llama import DecoderOptions, LlamaForCausalLM
 from vllm.model_executor.models.mixtral import MoEWeightsMixin
 from vllm.model_executor.models.utils import StageLayout
-
-
-class Qwen3Attention(LlamaAttention):
-    """LLaMA's attention with RMSNorm over each head's query and key (`q_norm`, `k_norm`,
-    [head_dim] weights shared by all heads, so replicated under TP) before rope."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_cache: Optional[KVCache],
-        md: InputMetadata,
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)  # [T, q + 2kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)  # per head: [T*heads, D]
-        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, md))
 
 
 def is_moe_layer(config: Any, layer_idx: int) -> bool:
@@ -58,8 +30,12 @@ class Qwen3MoeForCausalLM(MoEWeightsMixin, LlamaForCausalLM):
     def __init__(self, config: Any, layout: StageLayout) -> None:
         self.moe_intermediate_size = config.moe_intermediate_size
         super().__init__(config, layout)
-        for layer in self.model.layers:
-            layer.self_attn = Qwen3Attention(config)
+
+    @classmethod
+    def decoder_options(cls, config: Any) -> DecoderOptions:
+        """Qwen3's attention: per-head q/k RMSNorm before the rope; `attention_bias` on all."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
     def make_mlp(self, layer_idx: int) -> Optional[nn.Module]:
         cfg = self.config
