@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 from vllm.config import EngineConfig
 from vllm.executor.rank_calls import Calls, RankCallError, RankCalls
-from vllm.executor.stage_supervisor import local_process_problem
+from vllm.executor.stage_supervisor import describe_stage, local_process_problem
 from vllm.sequence import ExecuteModelRequest, SamplerOutput
 
 # How often a step's wait checks the stage processes on this node (seconds).
@@ -208,6 +208,17 @@ class StageProcessExecutor(ExecutorBase):
                 self._check_local_processes()
 
         return on_slice
+
+    def _load_replacements(self, ranks: list[int], budget: float) -> None:
+        """New ranks that joined the groups: load their layers, give them caches of the
+        engine's size and record (and log) where they run."""
+        num_gpu, num_cpu = self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks
+        self._call_ranks(ranks, "load_model", timeout=budget)
+        self._call_ranks(ranks, "initialize_cache", num_gpu, num_cpu, timeout=budget)
+        infos = self._call_ranks(ranks, "get_stage_info", timeout=budget)
+        for rank, info in zip(ranks, infos):
+            self.stage_infos[rank].update(info)
+            logger.info("Replaced %s", describe_stage(self.stage_infos[rank]))
 
     def _check_local_processes(self) -> None:
         """RankCallError (lost) for the first rank whose process on this node is gone or

@@ -184,13 +184,7 @@ class MultiprocessingExecutor(StageProcessExecutor):
         calls: dict[int, tuple[str, tuple, dict]] = {r: ("init_device", (), {}) for r in ranks}
         calls.update({r: ("rejoin_process_groups", (init_method,), {}) for r in survivors})
         self._wait_calls(list(calls), self._submit(calls), budget)
-        num_gpu, num_cpu = self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks
-        self._call_ranks(ranks, "load_model", timeout=budget)
-        self._call_ranks(ranks, "initialize_cache", num_gpu, num_cpu, timeout=budget)
-        infos = self._call_ranks(ranks, "get_stage_info", timeout=budget)
-        for rank, info in zip(ranks, infos):
-            self.stage_infos[rank].update(info)
-            logger.info("Replaced %s", describe_stage(self.stage_infos[rank]))
+        self._load_replacements(ranks, budget)
         return time.monotonic() - started
 
     # ---- calls -----------------------------------------------------------------------------

@@ -323,13 +323,7 @@ class RayExecutor(StageProcessExecutor):
         survivors = [r for r in range(len(self.workers)) if r not in ranks]
         self._start_actors(ranks, budget)
         self._join(ranks, survivors, budget)
-        num_gpu, num_cpu = self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks
-        self._call_ranks(ranks, "load_model", timeout=budget)
-        self._call_ranks(ranks, "initialize_cache", num_gpu, num_cpu, timeout=budget)
-        infos = self._call_ranks(ranks, "get_stage_info", timeout=budget)
-        for rank, info in zip(ranks, infos):
-            self.stage_infos[rank].update(info)
-            logger.info("Replaced %s", describe_stage(self.stage_infos[rank]))
+        self._load_replacements(ranks, budget)
         return time.monotonic() - started
 
     def _kill_ranks(self, ranks: Iterable[int], grace_s: float = 0.0) -> None:
