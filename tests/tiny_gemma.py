@@ -69,12 +69,15 @@ def _config(kind: str, tokenizer: Any, **overrides: Any) -> Any:
     return Gemma3TextConfig(**cfg)
 
 
-def build_gemma(kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
-    """Create, randomise (std 0.08; norm offsets std 0.1, fixed seed) and save a tiny Gemma."""
+def build_gemma(
+    kind: str, out_dir: str, tokenizer_dir: str, seed: int = 0, **overrides: Any
+) -> str:
+    """Create, randomise (std 0.08; norm offsets std 0.1, fixed seed) and save a tiny Gemma;
+    `overrides` change the config fields above (e.g. layer_types=None: HF's default)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = _config(kind, tokenizer)
+    config = _config(kind, tokenizer, **overrides)
     config.architectures = ["Gemma2ForCausalLM" if kind == "gemma2" else "Gemma3ForCausalLM"]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,5 +1,5 @@
 """GGUF checkpoints (llama.cpp's format): the tensor data, as HF weights of the LLaMA-style
-families (llama and Mistral, qwen2, qwen3, phi3).
+families (llama and Mistral, qwen2, qwen3, phi3) and of Gemma 2 / Gemma 3.
 
 Tensor data is memory-mapped and only the tensors a caller wants are dequantized (with
 `gguf.quants.dequantize`), so a pipeline stage reads its own layers only. Locating the file,
@@ -39,8 +39,21 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",  # phi3: fused, as in its HF checkpoint
 }
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the pre-feed-forward norm there.
+_GEMMA_LAYER_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # phi3 keeps gate and up fused under ffn_up, as its HF checkpoint does.
-_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+_ARCH_LAYER_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _GEMMA_LAYER_NAMES,
+    "gemma3": _GEMMA_LAYER_NAMES,
+}
+# Architectures whose RMSNorm computes x * (1 + w): llama.cpp's converter stores 1 + w (its
+# Gemma2Model/Gemma3Model add 1 to every *norm.weight), HF holds w, so 1 is taken off again.
+_NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
 
 
 def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -111,10 +124,11 @@ def iter_gguf_weights(
     """Yield (HF name, float32 tensor [out, in]) for each tensor of a GGUF file.
 
     llama files' Q/K rows are un-permuted as transformers does (llama.cpp permutes them for
-    llama only); lm_head.weight appears only if the file has
-    one (tied models have none). Tensors whose name `wanted` rejects are never read. With
-    `shard_of` (a TP rank's part of each tensor), only that part is read and dequantized; Q/K
-    row shards hold whole heads, and the un-permutation is per head, so it applies to them.
+    llama only); Gemma norm weights lose the 1 llama.cpp adds; lm_head.weight appears only
+    if the file has one (tied models have none). Tensors whose name `wanted` rejects are never
+    read. With `shard_of` (a TP rank's part of each tensor), only that part is read and
+    dequantized; Q/K row shards hold whole heads, and the un-permutation is per head, so it
+    applies to them.
     """
     header = read_header(path)
     config = gguf_config_dict(header, path)
@@ -136,4 +150,6 @@ def iter_gguf_weights(
             heads = n_head if name.endswith("q_proj.weight") else n_kv_head
             head_rows = info.shape[0] // heads
             tensor = _unpermute(tensor, tensor.shape[0] // head_rows)
+        if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            tensor = tensor - 1.0
         yield name, tensor

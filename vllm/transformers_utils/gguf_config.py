@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's format) on the configuration side: locate the model, read the
-header, build the HF LLaMA config and the tokenizer. Imports no torch (nor numpy or gguf), so
-`vllm.config` resolves and validates a GGUF model without loading torch; the tensor data is
-read by `vllm.model_executor.gguf_loader`.
+header, build the HF config (LLaMA-style families and Gemma 2/3) and the tokenizer. Imports
+no torch (nor numpy or gguf), so `vllm.config` resolves and validates a GGUF model without
+loading torch; the tensor data is read by `vllm.model_executor.gguf_loader`.
 
 The header is parsed here directly instead of with `gguf.GGUFReader`: the reader builds a
 numpy view for every one of the ~100k vocabulary and merge strings, which takes ~3 s for
@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib.util
+import json
 import logging
 import mmap
 import os
@@ -60,6 +61,8 @@ _ARCHITECTURES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 # "<arch>.<key>" -> config field, as transformers maps them.
 _ARCH_KEYS = {
@@ -82,7 +85,27 @@ _ARCH_EXTRA_KEYS = {
         "rope.scaling.original_context_length": "original_max_position_embeddings",
         "attention.sliding_window": "sliding_window",
     },
+    # llama.cpp's converter writes no rope.dimension_count for Gemma; its head size
+    # (key_length) need not be hidden / heads.
+    "gemma2": {
+        "attention.key_length": "head_dim",
+        "attention.sliding_window": "sliding_window",
+        "attn_logit_softcapping": "attn_logit_softcapping",
+        "final_logit_softcapping": "final_logit_softcapping",
+    },
+    "gemma3": {
+        "attention.key_length": "head_dim",
+        "attention.sliding_window": "sliding_window",
+        "final_logit_softcapping": "final_logit_softcapping",
+    },
 }
+# llama.cpp's Gemma layer pattern when the file has no sliding_window_pattern key: every
+# n-th layer global, the others local (its set_swa_pattern(2) for gemma2, (6) for gemma3).
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+# llama.cpp's (and HF's) local rope base for Gemma 3 when the file names none.
+_GEMMA3_LOCAL_THETA = 10_000.0
+# Metadata arrays whose items (not only their length) are kept: a per-layer bool list.
+_KEEP_ITEMS_SUFFIX = ".attention.sliding_window_pattern"
 _TOKENIZER_KEYS = {
     "tokenizer.ggml.bos_token_id": "bos_token_id",
     "tokenizer.ggml.eos_token_id": "eos_token_id",
@@ -150,8 +173,11 @@ def is_gguf(path: str) -> bool:
         return False
 
 
-def _read_value(buf: mmap.mmap, pos: int, value_type: int) -> tuple[Any, int]:
-    """One metadata value and the offset just past it (arrays come back as their length)."""
+def _read_value(
+    buf: mmap.mmap, pos: int, value_type: int, keep_items: bool = False
+) -> tuple[Any, int]:
+    """One metadata value and the offset just past it (arrays come back as their length,
+    or, with `keep_items`, arrays of numbers and bools as their items)."""
     if value_type in _SCALAR_FORMATS:
         fmt = _SCALAR_FORMATS[value_type]
         return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
@@ -162,7 +188,11 @@ def _read_value(buf: mmap.mmap, pos: int, value_type: int) -> tuple[Any, int]:
         item_type, count = struct.unpack_from("<IQ", buf, pos)
         pos += 12
         if item_type in _SCALAR_FORMATS:
-            return count, pos + count * struct.calcsize(_SCALAR_FORMATS[item_type])
+            fmt = _SCALAR_FORMATS[item_type]
+            end = pos + count * struct.calcsize(fmt)
+            if keep_items:
+                return list(struct.unpack_from(f"<{count}{fmt[1:]}", buf, pos)), end
+            return count, end
         for _ in range(count):  # strings (the vocabulary): walk the lengths, decode nothing
             if item_type == _STRING:
                 pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
@@ -184,7 +214,8 @@ def read_header(path: str) -> GGUFHeader:
         for _ in range(n_kv):
             key, pos = _read_value(buf, pos, _STRING)
             (value_type,) = struct.unpack_from("<I", buf, pos)
-            metadata[key], pos = _read_value(buf, pos + 4, value_type)
+            keep = key.endswith(_KEEP_ITEMS_SUFFIX)
+            metadata[key], pos = _read_value(buf, pos + 4, value_type, keep)
         raw = []
         for _ in range(n_tensors):
             name, pos = _read_value(buf, pos, _STRING)
@@ -258,10 +289,45 @@ def gguf_config_dict(header: GGUFHeader, path: str) -> dict[str, Any]:
                 "long_factor": _f32_tensor(path, factors["rope_factors_long.weight"]),
                 "short_factor": _f32_tensor(path, factors["rope_factors_short.weight"]),
             }
+    if arch in _GEMMA_GLOBAL_EVERY:
+        _gemma_fields(arch, meta, fields)
     config_class, architecture = _ARCHITECTURES[arch]
     fields["architectures"] = [architecture]
     fields["_config_class"] = config_class
     return fields
+
+
+def _gemma_fields(arch: str, meta: dict[str, Any], fields: dict[str, Any]) -> None:
+    """Gemma 2/3 fields llama.cpp implies rather than writes: the score scale (its converter
+    keeps only key_length; llama.cpp scales by 1/sqrt(key_length), i.e. query_pre_attn_scalar
+    = head_dim), the local/global layer types and, for Gemma 3, the rope per layer type."""
+    n_layers = fields["num_hidden_layers"]
+    if "head_dim" in fields:
+        fields["query_pre_attn_scalar"] = fields["head_dim"]
+    pattern = meta.get(f"{arch}{_KEEP_ITEMS_SUFFIX}")
+    if "sliding_window" not in fields:  # no window key: llama.cpp runs every layer global
+        local = [False] * n_layers
+    elif isinstance(pattern, list):  # per layer: True = sliding window
+        if len(pattern) != n_layers:
+            raise ValueError(
+                f"GGUF {arch}{_KEEP_ITEMS_SUFFIX} has {len(pattern)} entries for {n_layers} layers"
+            )
+        local = [bool(x) for x in pattern]
+    else:  # a period n (the key, or llama.cpp's per-architecture one): every n-th global
+        every = int(pattern or _GEMMA_GLOBAL_EVERY[arch])
+        local = [(i + 1) % every != 0 for i in range(n_layers)]
+    fields["layer_types"] = ["sliding_attention" if x else "full_attention" for x in local]
+    if arch == "gemma3":
+        fields.setdefault("final_logit_softcapping", None)  # written only when the model has one
+        global_rope: dict[str, Any] = {"rope_type": "default"}
+        global_rope["rope_theta"] = float(fields.pop("rope_theta", 1_000_000.0))
+        if "rope_scaling" in fields:  # linear scaling (Gemma 3 4B+): global layers only
+            global_rope.update(fields.pop("rope_scaling"))
+        local_theta = float(meta.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_THETA))
+        fields["rope_parameters"] = {
+            "full_attention": global_rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        }
 
 
 def llama_config_dict(header: GGUFHeader, path: str) -> dict[str, Any]:
@@ -272,8 +338,8 @@ def llama_config_dict(header: GGUFHeader, path: str) -> dict[str, Any]:
 
 
 def load_gguf_config(path: str) -> PretrainedConfig:
-    """The transformers config (LlamaConfig, Qwen2Config, Qwen3Config or Phi3Config) of a
-    GGUF file, with the fields transformers reads from it.
+    """The transformers config (LlamaConfig, Qwen2Config, Qwen3Config, Phi3Config,
+    Gemma2Config or Gemma3TextConfig) of a GGUF file, with the fields transformers reads from it.
 
     Raises ValueError naming the architecture if the file is not one of those.
     """
@@ -299,6 +365,33 @@ def cache_dir(path: str) -> str:
     return os.path.join(root, "gguf", digest.hexdigest())
 
 
+# Texts the cached tokenizer must encode exactly as the one built from the file.
+_PROBES = ("Hello my name is", " two  spaces\nand a new line\t", "café 123 x+y=z!", "日本語")
+# transformers' generic class: builds the tokenizer from tokenizer.json as it is.
+_GENERIC_TOKENIZER_CLASS = "TokenizersBackend"
+
+
+def _keep_round_trip(tokenizer: PreTrainedTokenizerBase, saved: str) -> None:
+    """Make the tokenizer saved in `saved` reload to the same encoding.
+
+    transformers names the saved tokenizer after the file's architecture (e.g. GemmaTokenizer
+    for gemma2/gemma3 files), and that class rebuilds its own normalizer and pre-tokenizer on
+    load instead of the file's (a GGUF may pair any tokenizer with any architecture): when the
+    reload encodes differently, the saved config names the generic class, which keeps
+    tokenizer.json as it is."""
+    from transformers import AutoTokenizer
+
+    reloaded = AutoTokenizer.from_pretrained(saved)
+    if all(reloaded.encode(p) == tokenizer.encode(p) for p in _PROBES):
+        return
+    config_path = os.path.join(saved, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["tokenizer_class"] = _GENERIC_TOKENIZER_CLASS
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+
+
 def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer transformers builds from this GGUF (chat template included).
 
@@ -319,6 +412,7 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=os.path.dirname(cached))
         tokenizer.save_pretrained(tmp)
+        _keep_round_trip(tokenizer, tmp)
         try:
             os.replace(tmp, cached)  # atomic: readers see a complete dir or none
         except OSError:  # another process won the race (or left a damaged dir): keep theirs
