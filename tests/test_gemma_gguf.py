@@ -235,8 +235,11 @@ def test_config_from_gguf_equals_original(kind, files):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_weights_from_gguf_equal_safetensors(kind, files):
     """Every GGUF tensor maps to the HF name and value of the original (norms lose the 1
-    llama.cpp adds); nothing is missing but the tied head."""
+    llama.cpp adds); nothing is missing but the tied head. transformers' own GGUF reverse
+    mapping (its Gemma2TensorProcessor also subtracts 1) reads the same weights from the file
+    (its config from the file is not used: it reads no soft-caps nor score scale)."""
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     from vllm.model_executor.gguf_loader import iter_gguf_weights
 
@@ -245,9 +248,14 @@ def test_weights_from_gguf_equal_safetensors(kind, files):
     state.pop("lm_head.weight", None)
     loaded = dict(iter_gguf_weights(path))
     assert sorted(loaded) == sorted(state)
+    directory, file_name = os.path.split(path)
+    theirs = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=file_name, dtype=torch.float32
+    ).state_dict()
     for name, tensor in state.items():
         tol = 1e-6 if name.endswith("norm.weight") else 0.0  # (w + 1) - 1 rounds in float32
         torch.testing.assert_close(loaded[name], tensor.float(), rtol=0, atol=tol)
+        torch.testing.assert_close(loaded[name], theirs[name], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
