@@ -10,7 +10,8 @@ layer pattern (gemma2: every 2nd layer global, gemma3: every 6th) and no Gemma 3
 base (10000); the checkpoints here are built with exactly those values so the file can hold
 them. A third file (`gemma3-keys`) is the tiny_gemma Gemma 3 with its own layer pattern and
 local rope base written under llama.cpp's optional keys `attention.sliding_window_pattern`
-and `rope.freq_base_swa`.
+and `rope.freq_base_swa`. Header variants (no window, a period key, linear rope scaling, a
+bad pattern) are checked on the config alone.
 """
 
 from __future__ import annotations
@@ -289,3 +290,50 @@ def test_gguf_pp2_mp_matches_hf(kind, files, reference):
         check_equal(llm, reference(kind))
     finally:
         llm.shutdown()
+
+
+def _gemma3_header(**extra: Any) -> Any:
+    """A gemma3 header (metadata only, no tensors: tied head) with `extra` keys."""
+    from vllm.transformers_utils.gguf_config import GGUFHeader
+
+    meta = {
+        "general.architecture": "gemma3",
+        "gemma3.block_count": 4,
+        "gemma3.embedding_length": 64,
+        "gemma3.attention.head_count": 4,
+        "gemma3.attention.key_length": 32,
+        "gemma3.rope.freq_base": 1_000_000.0,
+    }
+    meta.update({f"gemma3.{key}": value for key, value in extra.items()})
+    return GGUFHeader(meta, [])
+
+
+def test_gemma3_header_variants():
+    """No window key: every layer global (llama.cpp then runs no sliding window); a period
+    key; linear rope scaling (Gemma 3 4B+) on the global layers only; a per-layer pattern of
+    the wrong length is refused."""
+    from vllm.transformers_utils.gguf_config import gguf_config_dict
+
+    F = tiny_gemma.F
+    fields = gguf_config_dict(_gemma3_header(), "x.gguf")
+    assert fields["layer_types"] == [F] * 4 and fields["query_pre_attn_scalar"] == 32
+    assert fields["final_logit_softcapping"] is None
+    fields = gguf_config_dict(
+        _gemma3_header(**{"attention.sliding_window": 16, "attention.sliding_window_pattern": 2}),
+        "x.gguf",
+    )
+    assert fields["layer_types"] == [tiny_gemma.S, F, tiny_gemma.S, F]
+    fields = gguf_config_dict(
+        _gemma3_header(**{"rope.scaling.type": "linear", "rope.scaling.factor": 8.0}), "x.gguf"
+    )
+    assert fields["rope_parameters"] == {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    with pytest.raises(ValueError, match="sliding_window_pattern"):
+        gguf_config_dict(
+            _gemma3_header(
+                **{"attention.sliding_window": 16, "attention.sliding_window_pattern": [True]}
+            ),
+            "x.gguf",
+        )
