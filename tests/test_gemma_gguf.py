@@ -310,8 +310,8 @@ def _gemma3_header(**extra: Any) -> Any:
 
 def test_gemma3_header_variants():
     """No window key: every layer global (llama.cpp then runs no sliding window); a period
-    key; linear rope scaling (Gemma 3 4B+) on the global layers only; a per-layer pattern of
-    the wrong length is refused."""
+    key; linear rope scaling (Gemma 3 4B+) on the global layers only; the 27B score scale; a
+    per-layer pattern of the wrong length is refused."""
     from vllm.transformers_utils.gguf_config import gguf_config_dict
 
     F = tiny_gemma.F
@@ -330,6 +330,11 @@ def test_gemma3_header_variants():
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     }
+    # llama.cpp scales the 27B (62 layers for Gemma 3) by hidden / heads, as HF's 168.
+    big = _gemma3_header(
+        **{"block_count": 62, "embedding_length": 5376, "attention.head_count": 32}
+    )
+    assert gguf_config_dict(big, "x.gguf")["query_pre_attn_scalar"] == 168
     with pytest.raises(ValueError, match="sliding_window_pattern"):
         gguf_config_dict(
             _gemma3_header(

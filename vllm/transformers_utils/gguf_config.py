@@ -102,6 +102,8 @@ _ARCH_EXTRA_KEYS = {
 # llama.cpp's Gemma layer pattern when the file has no sliding_window_pattern key: every
 # n-th layer global, the others local (its set_swa_pattern(2) for gemma2, (6) for gemma3).
 _GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+# Layer counts llama.cpp takes for the 27B models, whose score scale is 1/sqrt(hidden/heads).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's (and HF's) local rope base for Gemma 3 when the file names none.
 _GEMMA3_LOCAL_THETA = 10_000.0
 # Metadata arrays whose items (not only their length) are kept: a per-layer bool list.
@@ -300,9 +302,12 @@ def gguf_config_dict(header: GGUFHeader, path: str) -> dict[str, Any]:
 def _gemma_fields(arch: str, meta: dict[str, Any], fields: dict[str, Any]) -> None:
     """Gemma 2/3 fields llama.cpp implies rather than writes: the score scale (its converter
     keeps only key_length; llama.cpp scales by 1/sqrt(key_length), i.e. query_pre_attn_scalar
-    = head_dim), the local/global layer types and, for Gemma 3, the rope per layer type."""
+    = head_dim, except for the 27B models, by its layer count: hidden / heads), the
+    local/global layer types and, for Gemma 3, the rope per layer type."""
     n_layers = fields["num_hidden_layers"]
-    if "head_dim" in fields:
+    if n_layers == _GEMMA_27B_LAYERS[arch]:  # llama.cpp's 27B rule (HF's 144 / 168 there)
+        fields["query_pre_attn_scalar"] = fields["hidden_size"] // fields["num_attention_heads"]
+    elif "head_dim" in fields:
         fields["query_pre_attn_scalar"] = fields["head_dim"]
     pattern = meta.get(f"{arch}{_KEEP_ITEMS_SUFFIX}")
     if "sliding_window" not in fields:  # no window key: llama.cpp runs every layer global
