@@ -160,7 +160,7 @@ def test_family_chunked_prefill(kind, dirs, hf_ids):
 
 
 LAYOUTS = [
-    # (kind, tp, pp, backend): every layout on both backends, the families spread over them.
+    # (kind, tp, pp, backend): every layout on both backends and every family at every layout.
     ("qwen3", 1, 2, "mp"),
     pytest.param("phi3", 1, 2, "ray", marks=pytest.mark.ray),
     ("qwen2", 1, 3, "mp"),  # 4 layers on 3 stages: 2/1/1
@@ -170,6 +170,18 @@ LAYOUTS = [
     pytest.param("qwen2", 2, 1, "ray", marks=pytest.mark.ray),  # q/k/v biases sharded
     ("llama3", 2, 2, "mp"),
     pytest.param("qwen3", 2, 2, "ray", marks=pytest.mark.ray),  # q/k norms on every rank
+    # The rest of the grid: every family at every layout, each on one of the two backends.
+    pytest.param("llama3", 1, 2, "ray", marks=pytest.mark.ray),
+    ("mistral", 1, 2, "mp"),
+    pytest.param("qwen2", 1, 2, "ray", marks=pytest.mark.ray),
+    ("llama3", 1, 3, "mp"),
+    pytest.param("qwen3", 1, 3, "ray", marks=pytest.mark.ray),
+    ("phi3", 1, 3, "mp"),
+    pytest.param("llama3", 2, 1, "ray", marks=pytest.mark.ray),
+    ("qwen3", 2, 1, "mp"),
+    pytest.param("mistral", 2, 2, "ray", marks=pytest.mark.ray),
+    ("qwen2", 2, 2, "mp"),
+    pytest.param("phi3", 2, 2, "ray", marks=pytest.mark.ray),
 ]
 
 
