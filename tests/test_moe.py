@@ -429,6 +429,9 @@ def test_mixtral_ray_matches_hf(tp, pp, mixtral_dir, hf_ids, ray_session):
         (1, 3, "mp", True),  # the dense layer 2 alone on stage 1
         (2, 2, "mp", False),
         pytest.param(2, 2, "ray", True, marks=pytest.mark.ray),
+        # The rest of the layouts, each on one backend.
+        (1, 2, "mp", True),
+        pytest.param(2, 1, "ray", False, marks=pytest.mark.ray),
     ],
 )
 def test_qwen3_moe_matches_hf(tp, pp, backend, features, model_dirs, hf_ids, request):
