@@ -20,7 +20,6 @@ import os
 from typing import Any, Optional
 
 import numpy as np
-import torch
 
 FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "phi3")
 NUM_LAYERS = 4
@@ -168,32 +167,16 @@ def expected_chat_text(kind: str, tokenizer: Any, conversation: list[dict[str, s
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def save_random_model(config: Any, out_dir: str, tokenizer: Any, seed: int = 0) -> str:
-    """Instantiate `config` in HF transformers, randomise it (std 0.08; norms around 1) and
-    save it with the tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(0.08 * torch.randn(param.shape, generator=gen))
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
-
-
 def build_family(kind: str, out_dir: str, tokenizer_dir: str, num_layers: int = NUM_LAYERS) -> str:
     """Create and save one tiny family model; returns its directory."""
+    import tiny_models
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.chat_template = CHAT_TEMPLATES[WINDOWED.get(kind, (kind,))[0]]
-    return save_random_model(family_config(kind, tokenizer, num_layers), out_dir, tokenizer)
+    return tiny_models.save_random_model(
+        family_config(kind, tokenizer, num_layers), out_dir, tokenizer
+    )
 
 
 def family_dirs(root: str) -> dict[str, str]:

@@ -79,12 +79,19 @@ def build_model(
     kind: str, out_dir: str, tokenizer_dir: str, num_layers: int = 6, seed: int = 0
 ) -> str:
     """Create, randomise (std 0.08, fixed seed) and save a tiny model with the tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = _config(kind, tokenizer, num_layers)
+    return save_random_model(_config(kind, tokenizer, num_layers), out_dir, tokenizer, seed)
+
+
+def save_random_model(config: Any, out_dir: str, tokenizer: Any, seed: int = 0) -> str:
+    """Instantiate `config` in HF transformers, randomise it (std 0.08; norms around 1) and
+    save it with the tokenizer."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
