@@ -183,16 +183,7 @@ def family_dirs(root: str) -> dict[str, str]:
     """Build (once per root) the tokenizer and every family model; returns kind -> directory."""
     import tiny_models
 
-    tok_dir = os.path.join(root, "tokenizer")
-    if not os.path.isdir(tok_dir):
-        tiny_models.build_tokenizer(tok_dir)
-    dirs = {}
-    for kind in FAMILIES:
-        path = os.path.join(root, kind)
-        if not os.path.isdir(path):
-            build_family(kind, path, tok_dir)
-        dirs[kind] = path
-    return dirs
+    return tiny_models.build_dirs(root, FAMILIES, build_family)
 
 
 # HF name (after "model.layers.N.") -> llama.cpp tensor name.

@@ -10,11 +10,10 @@ greedy output; the final soft-cap (5.0) does not change an argmax, it shows in l
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
-from tiny_models import build_tokenizer
+from tiny_models import build_dirs
 
 KINDS = ("gemma2", "gemma3")
 NUM_LAYERS = 7
@@ -94,16 +93,7 @@ def build_gemma(
 
 def gemma_dirs(root: str) -> dict[str, str]:
     """Build (once per root) the tokenizer and both tiny Gemmas; returns kind -> directory."""
-    tok_dir = os.path.join(root, "tokenizer")
-    if not os.path.isdir(tok_dir):
-        build_tokenizer(tok_dir)
-    dirs = {}
-    for kind in KINDS:
-        path = os.path.join(root, kind)
-        if not os.path.isdir(path):
-            build_gemma(kind, path, tok_dir)
-        dirs[kind] = path
-    return dirs
+    return build_dirs(root, KINDS, build_gemma)
 
 
 def load_hf(model_dir: str, **config_overrides: Any) -> Any:

@@ -155,13 +155,19 @@ def hf_greedy_with(
 
 def model_dirs(root: str) -> dict[str, str]:
     """Build (once per root) the tokenizer and all tiny models; returns kind -> directory."""
+    return build_dirs(root, KINDS, build_model)
+
+
+def build_dirs(root: str, kinds: Any, build: Any) -> dict[str, str]:
+    """Build (once per root) the tokenizer, then `build(kind, path, tokenizer_dir)` for each
+    kind not built yet; returns kind -> directory."""
     tok_dir = os.path.join(root, "tokenizer")
     if not os.path.isdir(tok_dir):
         build_tokenizer(tok_dir)
     dirs = {}
-    for kind in KINDS:
+    for kind in kinds:
         path = os.path.join(root, kind)
         if not os.path.isdir(path):
-            build_model(kind, path, tok_dir)
+            build(kind, path, tok_dir)
         dirs[kind] = path
     return dirs
