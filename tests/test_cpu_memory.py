@@ -106,3 +106,38 @@ def test_deleted_llm_gives_its_memory_back(tuning):
     # SmolLM2 in fp32 is ~540 MiB of weights; before the fix 1.3 GiB stayed mapped (tuned).
     assert used > 500, mib
     assert kept < 300 and kept < 0.25 * used, mib
+
+
+# The API server declares itself after a PP=1 engine in its process may already have tuned
+# malloc (an in-process engine built first, or the test session's own engines): the
+# declaration must put glibc's defaults back at once, not only refuse later tuning.
+SERVER_SCRIPT = """
+import psutil
+from vllm.worker.cpu_memory import keep_malloc_defaults_in_this_process, tune_malloc
+proc = psutil.Process()
+def mib():
+    return proc.memory_info().rss / 2**20
+def alloc_and_free():
+    blocks = [bytearray(8 << 20) for _ in range(32)]  # 256 MiB, touched
+    del blocks
+base = mib()
+print(tune_malloc())
+alloc_and_free()
+print(round(mib() - base))
+keep_malloc_defaults_in_this_process()
+print(round(mib() - base))
+print(tune_malloc())
+alloc_and_free()
+print(round(mib() - base))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_server_declaration_undoes_earlier_tuning():
+    env = dict(os.environ, VLLM_CPU_MALLOC_TUNING="1")
+    out = subprocess.run(
+        [sys.executable, "-c", SERVER_SCRIPT], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out[0] == "True" and int(out[1]) > 200, out  # tuned: the freed 256 MiB stay mapped
+    assert int(out[2]) < 32, out  # the declaration gave them back
+    assert out[3] == "False" and int(out[4]) < 32, out  # and later blocks are unmapped on free

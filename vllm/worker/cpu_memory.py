@@ -65,9 +65,16 @@ def keep_malloc_defaults_in_this_process() -> None:
     allocations are the same activations step after step, but in the API process a 10 MB
     request body that was tokenized stayed mapped for good -- each /tokenize grew the
     server by ~0.5 GB. With PP=1 the worker runs in the API process and loses the tuning
-    (prefill ~15% slower on the README's VM); with PP>1 (ray or mp) the stages keep it."""
+    (prefill ~15% slower on the README's VM); with PP>1 (ray or mp) the stages keep it.
+    An engine already running in this process (tuned before the call) is put back on
+    glibc's defaults too: the settings are per process, not per engine."""
     global _keep_defaults
     _keep_defaults = True
+    libc = _libc()
+    if libc is not None and _tuned_users > 0:
+        for param, value in _GLIBC_DEFAULTS:
+            libc.mallopt(param, value)
+        libc.malloc_trim(0)
 
 
 def _libc() -> ctypes.CDLL | None:
