@@ -11,7 +11,7 @@ and exchange the engine's two kinds of message:
           work and taken by the receiver half-way through its own: wait = time in recv.
 
 Each runs twice: with this engine's send/recv_tensor_dict (receives posted ahead, see
-vllm/model_executor/parallel_utils/communication.py), and with plain gloo point-to-point in
+vllm/distributed/communication.py), and with plain gloo point-to-point in
 the wire format the engine used before (length, pickled header, then each tensor; every
 message a rendezvous the busy sender's gloo thread has to answer). Prints median and p90 in
 milliseconds. Timestamps are CLOCK_MONOTONIC, shared by the processes of one host.
@@ -36,8 +36,9 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from benchmarks.common import print_table  # noqa: E402
-from vllm.model_executor.parallel_utils import parallel_state as ps  # noqa: E402
-from vllm.model_executor.parallel_utils.communication import (  # noqa: E402
+from vllm.distributed import net_utils as net  # noqa: E402
+from vllm.distributed import parallel_state as ps  # noqa: E402
+from vllm.distributed.communication import (  # noqa: E402
     _recv_header,
     _recv_payload,
     recv_tensor_dict,
@@ -75,7 +76,7 @@ def _plain_recv(src: int) -> dict[str, Any]:
 def _worker(rank: int, port: int, iters: int, busy_s: float, size: int, out: Any) -> None:
     torch.set_num_threads(1)
     ps.init_distributed_environment(
-        2, rank, ps.get_distributed_init_method("127.0.0.1", port), backend="gloo"
+        2, rank, net.get_distributed_init_method("127.0.0.1", port), backend="gloo"
     )
     a = torch.randn(size, size)
     hidden = torch.randn(64, 576)
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = ps.get_open_port()
+    port = net.get_open_port()
     procs = [
         ctx.Process(
             target=_worker,

@@ -174,7 +174,7 @@ def print_result(r: dict[str, Any]) -> None:
 
 
 def launch_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    from vllm.model_executor.parallel_utils.parallel_state import get_open_port
+    from vllm.distributed.net_utils import get_open_port
 
     port = get_open_port()
     cmd = [

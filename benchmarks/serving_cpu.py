@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving  # noqa: E402
 
 from vllm import AsyncEngineArgs, AsyncLLMEngine  # noqa: E402
+from vllm.distributed.net_utils import get_open_port  # noqa: E402
 from vllm.entrypoints.openai.api_server import build_app  # noqa: E402
-from vllm.model_executor.parallel_utils.parallel_state import get_open_port  # noqa: E402
 
 
 def main() -> None:

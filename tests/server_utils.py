@@ -6,8 +6,8 @@ import threading
 import time
 from typing import Any, Optional
 
+from vllm.distributed.net_utils import get_open_port
 from vllm.engine.async_llm_engine import AsyncLLMEngine
-from vllm.model_executor.parallel_utils.parallel_state import get_open_port
 
 
 class ServerThread:

@@ -20,7 +20,6 @@ from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler
 from vllm.engine.batch_queue import BatchQueue
 from vllm.sequence import (
-    ExecuteModelRequest,
     Logprob,
     Sequence,
     SequenceGroup,
@@ -28,7 +27,7 @@ from vllm.sequence import (
     SequenceOutput,
     SequenceStatus,
 )
-from vllm.step_delta import StageRequestState, StepEncoder
+from vllm.step_delta import ExecuteModelRequest, StageRequestState, StepEncoder
 
 pytestmark = pytest.mark.fast
 

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vllm.model_executor.parallel_utils import communication as comm
-from vllm.model_executor.parallel_utils import parallel_state as ps
-from vllm.model_executor.parallel_utils.communication import recv_tensor_dict, send_tensor_dict
+from vllm.distributed import communication as comm
+from vllm.distributed import net_utils as net
+from vllm.distributed import parallel_state as ps
+from vllm.distributed.communication import recv_tensor_dict, send_tensor_dict
 
 STRESS_DTYPES = [
     torch.float32,
@@ -108,7 +109,7 @@ _RECV_DELAY = 1.5  # seconds the receiver idles before the async round
 def _edge_worker(rank: int, port: int) -> None:
     """Rank 0 sends the edge messages (sync, then async), rank 1 receives and checks them."""
     ps.init_distributed_environment(
-        2, rank, ps.get_distributed_init_method("127.0.0.1", port), backend="gloo"
+        2, rank, net.get_distributed_init_method("127.0.0.1", port), backend="gloo"
     )
     ps.initialize_model_parallel(pipeline_parallel_size=2)
     group = ps.get_pp_group()
@@ -138,7 +139,7 @@ def _edge_worker(rank: int, port: int) -> None:
 
 
 def test_edge_cases_two_processes() -> None:
-    mp.spawn(_edge_worker, args=(ps.get_open_port(),), nprocs=2, join=True)
+    mp.spawn(_edge_worker, args=(net.get_open_port(),), nprocs=2, join=True)
 
 
 def test_bad_values_fail_before_any_send() -> None:
@@ -154,7 +155,7 @@ def _channel_worker(rank: int, port: int) -> None:
     """Rank 0 sends, rank 1 receives: messages land in receives posted ahead; big ones and
     more messages than posted chunks still arrive whole and in order."""
     ps.init_distributed_environment(
-        2, rank, ps.get_distributed_init_method("127.0.0.1", port), backend="gloo"
+        2, rank, net.get_distributed_init_method("127.0.0.1", port), backend="gloo"
     )
     gen = torch.Generator().manual_seed(7)
     chunk = comm._CHUNK_BYTES
@@ -194,7 +195,7 @@ def _channel_worker(rank: int, port: int) -> None:
 
 
 def test_posted_chunk_channel_two_processes() -> None:
-    mp.spawn(_channel_worker, args=(ps.get_open_port(),), nprocs=2, join=True)
+    mp.spawn(_channel_worker, args=(net.get_open_port(),), nprocs=2, join=True)
 
 
 # ---------------------------------------------------------------- stress run (two Ray actors)
@@ -303,7 +304,7 @@ def test_stress_random_dicts_between_ray_actors(ray_session) -> None:
     ray.cloudpickle.register_pickle_by_value(module)
     peer_cls = ray.remote(num_cpus=1)(_StressPeer)
     count, seed = 2500, 20240607
-    init_method = ps.get_distributed_init_method(ps.get_ip(), ps.get_open_port())
+    init_method = net.get_distributed_init_method(net.get_ip(), net.get_open_port())
     peers = [peer_cls.remote(rank, init_method) for rank in range(2)]
     try:
         ray.get([peer.__ray_ready__.remote() for peer in peers], timeout=120)

@@ -25,10 +25,10 @@ import tiny_models
 from server_utils import ServerThread
 
 from vllm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
-from vllm.engine.request_failure import RequestFailedError
+from vllm.distributed.net_utils import get_open_port
 from vllm.entrypoints.openai.bounded_work import ServerLimits
 from vllm.entrypoints.openai.serving_chat import UNTRUSTED_TEMPLATE
-from vllm.model_executor.parallel_utils.parallel_state import get_open_port
+from vllm.request_failure import RequestFailedError
 from vllm.worker.cpu_memory import keep_malloc_defaults_in_this_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

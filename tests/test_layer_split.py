@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm.model_executor.parallel_utils.layer_split import get_pp_layer_range, get_pp_layer_sizes
+from vllm.distributed.layer_split import get_pp_layer_range, get_pp_layer_sizes
 
 # Torch-free unit tests: part of `make test-fast`.
 pytestmark = pytest.mark.fast

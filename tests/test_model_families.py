@@ -255,7 +255,7 @@ def test_auto_split_weighs_a_large_vocabulary_head():
 
 
 def test_registry_names_and_unsupported_architecture():
-    from vllm.model_executor.models import check_architecture, get_supported_archs
+    from vllm.model_registry import check_architecture, get_supported_archs
 
     archs = get_supported_archs()
     for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):

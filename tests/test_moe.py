@@ -14,6 +14,7 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm._custom_ops import DISABLE_ENV
+from vllm.distributed import tensor_parallel as tpu
 from vllm.model_executor.layers import fused_moe
 from vllm.model_executor.layers.fused_moe import (
     SparseMoeBlock,
@@ -23,7 +24,6 @@ from vllm.model_executor.layers.fused_moe import (
     topk_route,
 )
 from vllm.model_executor.models.utils import StageLayout
-from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 H, INTER, EXPERTS, TOP_K, LAYERS = 64, 96, 4, 2, 4

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vllm.model_executor.parallel_utils import parallel_state as ps
+from vllm.distributed import net_utils as net
+from vllm.distributed import parallel_state as ps
 
 
 def _check_layout(rank: int, pp: int, tp: int) -> None:
@@ -33,7 +34,7 @@ def _check_layout(rank: int, pp: int, tp: int) -> None:
 
 def _worker_pp2(rank: int, world: int, port: int) -> None:
     """World of 2: bad sizes raise, pp=2 layout, a collective on the PP group, clean destroy."""
-    method = ps.get_distributed_init_method("127.0.0.1", port)
+    method = net.get_distributed_init_method("127.0.0.1", port)
     ps.init_distributed_environment(world, rank, method, backend="gloo")
     ps.init_distributed_environment(world, rank, method, backend="gloo")  # idempotent
     with pytest.raises(RuntimeError):
@@ -60,7 +61,7 @@ def _worker_pp2(rank: int, world: int, port: int) -> None:
 def _worker_pp4(rank: int, world: int, port_a: int, port_b: int) -> None:
     """World of 4: pp=4 layout, destroy, re-initialise as pp=2 x tp=2 on a new port."""
     ps.init_distributed_environment(
-        world, rank, ps.get_distributed_init_method("127.0.0.1", port_a), backend="gloo"
+        world, rank, net.get_distributed_init_method("127.0.0.1", port_a), backend="gloo"
     )
     ps.initialize_model_parallel(pipeline_parallel_size=4)
     _check_layout(rank, pp=4, tp=1)
@@ -68,7 +69,7 @@ def _worker_pp4(rank: int, world: int, port_a: int, port_b: int) -> None:
     assert not dist.is_initialized()
 
     ps.init_distributed_environment(
-        world, rank, ps.get_distributed_init_method("127.0.0.1", port_b), backend="gloo"
+        world, rank, net.get_distributed_init_method("127.0.0.1", port_b), backend="gloo"
     )
     ps.initialize_model_parallel(pipeline_parallel_size=2, tensor_parallel_size=2)
     _check_layout(rank, pp=2, tp=2)
@@ -77,7 +78,7 @@ def _worker_pp4(rank: int, world: int, port_a: int, port_b: int) -> None:
 
 
 def test_open_port_is_free_and_varies() -> None:
-    port = ps.get_open_port()
+    port = net.get_open_port()
     assert 0 < port < 65536
     # Bindable right away, i.e. really free.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -85,12 +86,12 @@ def test_open_port_is_free_and_varies() -> None:
 
 
 def test_ip_and_init_method() -> None:
-    ip = ps.get_ip()
+    ip = net.get_ip()
     socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
-    assert ps.get_distributed_init_method("10.1.2.3", 29501) == "tcp://10.1.2.3:29501"
-    assert ps.get_distributed_init_method("::1", 5) == "tcp://[::1]:5"
-    assert ps.get_distributed_init_method("fe80::1", 29500) == "tcp://[fe80::1]:29500"
-    assert ps.get_distributed_init_method("[::1]", 7) == "tcp://[::1]:7"  # already bracketed
+    assert net.get_distributed_init_method("10.1.2.3", 29501) == "tcp://10.1.2.3:29501"
+    assert net.get_distributed_init_method("::1", 5) == "tcp://[::1]:5"
+    assert net.get_distributed_init_method("fe80::1", 29500) == "tcp://[fe80::1]:29500"
+    assert net.get_distributed_init_method("[::1]", 7) == "tcp://[::1]:7"  # already bracketed
 
 
 def test_single_process_answers_as_one_stage() -> None:
@@ -114,8 +115,8 @@ def test_single_process_answers_as_one_stage() -> None:
 
 
 def test_two_processes_pp2() -> None:
-    mp.spawn(_worker_pp2, args=(2, ps.get_open_port()), nprocs=2, join=True)
+    mp.spawn(_worker_pp2, args=(2, net.get_open_port()), nprocs=2, join=True)
 
 
 def test_four_processes_pp4_then_pp2_tp2() -> None:
-    mp.spawn(_worker_pp4, args=(4, ps.get_open_port(), ps.get_open_port()), nprocs=4, join=True)
+    mp.spawn(_worker_pp4, args=(4, net.get_open_port(), net.get_open_port()), nprocs=4, join=True)

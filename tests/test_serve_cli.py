@@ -11,8 +11,8 @@ import time
 import httpx
 import openai
 
+from vllm.distributed.net_utils import get_open_port
 from vllm.entrypoints.openai.api_server import make_arg_parser
-from vllm.model_executor.parallel_utils.parallel_state import get_open_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

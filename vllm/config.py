@@ -50,7 +50,7 @@ class ModelConfig:
             self.tokenizer = self.model
         if self.hf_config is None:
             self.hf_config = _load_hf_config(self.model, self.is_gguf, self.trust_remote_code)
-        from vllm.model_executor.models import check_architecture
+        from vllm.model_registry import check_architecture
 
         check_architecture(self.hf_config)
         self.dtype = _resolve_dtype(self.dtype, self.hf_config)
@@ -113,7 +113,7 @@ class ModelConfig:
 
     def get_pp_layer_sizes(self, parallel_config: ParallelConfig) -> list[int]:
         """Decoder layers per pipeline stage (validates the size and any user partition)."""
-        from vllm.model_executor.parallel_utils.layer_split import get_pp_layer_sizes
+        from vllm.distributed.layer_split import get_pp_layer_sizes
 
         return get_pp_layer_sizes(
             self.get_num_layers(),

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
-    from vllm.step_delta import StepMessage
 
 
 @dataclass
@@ -460,19 +459,3 @@ class SequenceGroupOutput:
 
 # The last stage returns one SequenceGroupOutput per scheduled group, in schedule order.
 SamplerOutput = list[SequenceGroupOutput]
-
-
-@dataclass
-class ExecuteModelRequest:
-    """One step for one stage worker: the batch as deltas (first and last stages only; middle
-    stages get their inputs from the previous stage) and the cache operations every stage
-    applies."""
-
-    step: StepMessage | None
-    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
-    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
-    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
-    # Requests finished since the last step: the last stage drops their seeded generators.
-    finished_request_ids: list[str] = field(default_factory=list)
-    # Scheduler.kv_blocks_bound(): how far into its cache a stage should have memory mapped.
-    kv_blocks_bound: int = 0

@@ -311,6 +311,22 @@ class StageRequestState:
         return len(self._requests)
 
 
+@dataclass
+class ExecuteModelRequest:
+    """One step for one stage worker: the batch as deltas (first and last stages only; middle
+    stages get their inputs from the previous stage) and the cache operations every stage
+    applies."""
+
+    step: StepMessage | None
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
+    # Requests finished since the last step: the last stage drops their seeded generators.
+    finished_request_ids: list[str] = field(default_factory=list)
+    # Scheduler.kv_blocks_bound(): how far into its cache a stage should have memory mapped.
+    kv_blocks_bound: int = 0
+
+
 class MessageNotSerializableError(TypeError):
     """Neither pickle nor cloudpickle can serialise a message for a stage. Raised before any
     byte of the step is sent (`RankCalls.submit` serialises every rank's part first), so the

@@ -17,8 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from vllm.core.scheduler import SchedulerOutputs
-from vllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
-from vllm.step_delta import MessageNotSerializableError, StepEncoder, message_bytes
+from vllm.sequence import SamplerOutput, SequenceGroupMetadata
+from vllm.step_delta import (
+    ExecuteModelRequest,
+    MessageNotSerializableError,
+    StepEncoder,
+    message_bytes,
+)
 
 
 class StepExecutor(Protocol):

@@ -30,11 +30,11 @@ from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.engine.batch_queue import BatchQueue
 from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
-from vllm.engine.request_failure import RequestFailedError
 from vllm.engine.request_validation import check_sendable, validate_request
 from vllm.executor.stage_supervisor import EngineDeadError, FaultEvent, StageFailedError
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
+from vllm.request_failure import RequestFailedError
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
 from vllm.step_delta import MessageNotSerializableError

@@ -12,7 +12,8 @@ from typing import Any, Callable, Optional
 from vllm.config import EngineConfig
 from vllm.executor.rank_calls import Calls, RankCallError, RankCalls
 from vllm.executor.stage_supervisor import describe_stage, local_process_problem
-from vllm.sequence import ExecuteModelRequest, SamplerOutput
+from vllm.sequence import SamplerOutput
+from vllm.step_delta import ExecuteModelRequest
 
 # How often a step's wait checks the stage processes on this node (seconds).
 _LOCAL_CHECK_INTERVAL_S = 0.25

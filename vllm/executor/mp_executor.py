@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Iterator
 
 from vllm import envs
+from vllm.distributed.net_utils import get_distributed_init_method, get_open_port
 from vllm.executor.base import StageProcessExecutor
 from vllm.executor.rank_calls import Calls, RankCallError, RankCalls, WorkerHost, serve_calls
 from vllm.executor.stage_supervisor import StageFailedError, StageFailure, describe_stage
@@ -89,11 +90,6 @@ class MultiprocessingExecutor(StageProcessExecutor):
     """Runs each rank (pipeline stage x TP rank) in its own local process."""
 
     def _init_workers(self) -> None:
-        from vllm.model_executor.parallel_utils.parallel_state import (
-            get_distributed_init_method,
-            get_open_port,
-        )
-
         pc = self.parallel_config
         world = pc.world_size
         use_gpu = self.device_config.device == "cuda"
@@ -158,11 +154,6 @@ class MultiprocessingExecutor(StageProcessExecutor):
         the survivors (who keep their weights), load the new ranks' layers and give them
         caches of the engine's size. Returns the seconds it took. The engine recomputes its
         requests, so no KV from before the failure is read."""
-        from vllm.model_executor.parallel_utils.parallel_state import (
-            get_distributed_init_method,
-            get_open_port,
-        )
-
         started = time.monotonic()
         budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
         for rank in ranks:

@@ -23,6 +23,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vllm import envs
+from vllm.distributed.net_utils import get_distributed_init_method
 from vllm.executor.base import StageProcessExecutor
 from vllm.executor.rank_calls import (
     RankCallError,
@@ -50,7 +51,6 @@ from vllm.executor.stage_supervisor import (
     wait_process_gone,
 )
 from vllm.logger import init_logger
-from vllm.model_executor.parallel_utils.parallel_state import get_distributed_init_method
 
 logger = init_logger("vllm.executor.ray_executor")
 

@@ -47,7 +47,7 @@ class RayWorkerWrapper:
         return self._calls.listen(self.get_node_ip(), authkey)
 
     def get_node_ip(self) -> str:
-        from vllm.model_executor.parallel_utils.parallel_state import get_ip
+        from vllm.distributed.net_utils import get_ip
 
         return get_ip()
 
@@ -55,7 +55,7 @@ class RayWorkerWrapper:
         return ray.get_runtime_context().get_node_id()
 
     def get_open_port(self) -> int:
-        from vllm.model_executor.parallel_utils.parallel_state import get_open_port
+        from vllm.distributed.net_utils import get_open_port
 
         return get_open_port()
 

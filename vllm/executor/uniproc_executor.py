@@ -6,7 +6,8 @@ from typing import Any
 
 from vllm import envs
 from vllm.executor.base import ExecutorBase
-from vllm.sequence import ExecuteModelRequest, SamplerOutput
+from vllm.sequence import SamplerOutput
+from vllm.step_delta import ExecuteModelRequest
 from vllm.worker.worker import Worker
 
 

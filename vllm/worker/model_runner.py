@@ -11,11 +11,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from vllm.distributed import parallel_state as ps
 from vllm.model_executor.input_metadata import InputMetadata
 from vllm.model_executor.layers.attention import KVCache
 from vllm.model_executor.layers.sampler import Sampler
 from vllm.model_executor.models.utils import StageLayout
-from vllm.model_executor.parallel_utils import parallel_state as ps
 from vllm.model_executor.sampling_metadata import build_sampling_metadata
 from vllm.sequence import SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput
 from vllm.structured_output.compiler import compile_cache_for

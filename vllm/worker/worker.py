@@ -12,17 +12,18 @@ from typing import Any, Optional
 import torch
 
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from vllm.model_executor.models.utils import StageLayout
-from vllm.model_executor.parallel_utils import parallel_state as ps
-from vllm.model_executor.parallel_utils import tensor_parallel as tpu
-from vllm.model_executor.parallel_utils.communication import (
+from vllm.distributed import net_utils as net
+from vllm.distributed import parallel_state as ps
+from vllm.distributed import tensor_parallel as tpu
+from vllm.distributed.communication import (
     recv_tensor_dict,
     release_when_sent,
     send_tensor_dict,
 )
+from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
-from vllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata
-from vllm.step_delta import StageRequestState, StepMessage, message_bytes
+from vllm.sequence import SamplerOutput, SequenceGroupMetadata
+from vllm.step_delta import ExecuteModelRequest, StageRequestState, StepMessage, message_bytes
 from vllm.worker.cache_engine import CacheEngine, layers_block_bytes
 from vllm.worker.cpu_memory import release_memory, tune_malloc
 from vllm.worker.model_runner import ModelRunner
@@ -145,7 +146,7 @@ class Worker:
             "is_first": self.layout.is_first,
             "is_last": self.layout.is_last,
             "host": socket.gethostname(),
-            "ip": ps.get_ip(),
+            "ip": net.get_ip(),
             "pid": os.getpid(),
             "device": str(self.device),
             "threads": torch.get_num_threads(),

@@ -26,7 +26,6 @@ import vllm
 from vllm import envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
-from vllm.engine.request_failure import RequestFailedError
 from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -44,6 +43,7 @@ from vllm.entrypoints.openai.serving_engine import (
     error_response,
 )
 from vllm.logger import init_logger
+from vllm.request_failure import RequestFailedError
 
 logger = init_logger("vllm.entrypoints.openai.api_server")
 

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.distributed import tensor_parallel as tpu
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.models.utils import Shard, copy_weight
-from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 
 # Per-expert checkpoint tensors: `experts.<e>.<proj>.weight`, proj named by either family.
 _EXPERT_RE = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm import envs
+from vllm.distributed import tensor_parallel as tpu
 from vllm.model_executor.layers.fused_moe import FusedMoE
-from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 
 # dtypes whose linears are prepacked (oneDNN's reorder supports both).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)

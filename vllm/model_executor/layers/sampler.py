@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from vllm import _custom_ops as ops
-from vllm.engine.request_failure import describe
 from vllm.model_executor.layers.logprob_utils import (
     Draw,
     StepLogprobs,
@@ -29,6 +28,7 @@ from vllm.model_executor.layers.sampler_ops import (
     apply_temperature_and_filters,
 )
 from vllm.model_executor.sampling_metadata import SamplingMetadata, SeqGroupRows
+from vllm.request_failure import describe
 from vllm.sampling_params import SamplingType
 from vllm.sequence import SamplerOutput, SequenceGroupOutput, SequenceOutput
 

@@ -7,7 +7,7 @@ filters cost nothing for requests that do not ask for them.
 
 Each takes `failed` (request id -> why), skips the groups already in it and adds the groups
 whose own work raises: a request's bad processor or parameter fails that request, never the
-step (see vllm/engine/request_failure.py).
+step (see vllm/request_failure.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from vllm.engine.request_failure import describe
 from vllm.model_executor.sampling_metadata import SamplingMetadata, SeqGroupRows
+from vllm.request_failure import describe
 
 Failures = dict[str, str]  # request id -> what raised
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.distributed import tensor_parallel as tpu
 from vllm.model_executor.layers.linear import ParallelLinearBase
-from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,42 +1,14 @@
-"""Model registry: HF architecture name -> stage-local module class."""
+"""Model classes by HF architecture name (the table is `vllm.model_registry`)."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-# Imported lazily so that reading the registry (config validation) does not import torch.
-_MODELS: dict[str, tuple[str, str]] = {
-    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
-    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
-    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
-    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
-    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
-    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
-    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
-}
-
-
-def get_supported_archs() -> list[str]:
-    return list(_MODELS)
-
-
-def check_architecture(hf_config: Any) -> str:
-    """The first supported architecture named in the config; ValueError naming it if none."""
-    archs = getattr(hf_config, "architectures", None) or []
-    for arch in archs:
-        if arch in _MODELS:
-            return arch
-    raise ValueError(
-        f"Model architectures {archs} are not supported for now. "
-        f"Supported architectures: {get_supported_archs()}"
-    )
+from vllm.model_registry import MODELS, check_architecture
 
 
 def get_model_class(hf_config: Any) -> type:
-    module_name, class_name = _MODELS[check_architecture(hf_config)]
+    module_name, class_name = MODELS[check_architecture(hf_config)]
     module = importlib.import_module(f"vllm.model_executor.models.{module_name}")
     return getattr(module, class_name)

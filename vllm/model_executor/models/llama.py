@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from vllm.distributed import tensor_parallel as tpu
 from vllm.model_executor.input_metadata import InputMetadata
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import KVCache, PagedAttention
@@ -34,7 +35,6 @@ from vllm.model_executor.models.utils import (
     load_stacked,
     localize_layer_name,
 )
-from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from vllm.distributed import tensor_parallel as tpu
 from vllm.model_executor.input_metadata import InputMetadata
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import KVCache, PagedAttention
@@ -30,7 +31,6 @@ from vllm.model_executor.models.utils import (
     load_stacked,
     localize_layer_name,
 )
-from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 
 _POSITION_OFFSET = 2  # OPT's learned position table starts at index 2 (fairseq legacy).
 

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from vllm.model_executor.parallel_utils import parallel_state as ps
+from vllm.distributed import parallel_state as ps
 
 
 def tp_size() -> int:

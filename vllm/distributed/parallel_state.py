@@ -16,8 +16,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from vllm import envs
-from vllm.model_executor.parallel_utils import communication
+from vllm.distributed import communication
 
 # Handles created by initialize_model_parallel(); None until then.
 _PP_GROUP: dist.ProcessGroup | None = None
@@ -25,55 +24,6 @@ _TP_GROUP: dist.ProcessGroup | None = None
 # Global ranks of this rank's PP group (ordered by pp_rank) and TP group (ordered by tp_rank).
 _PP_GROUP_RANKS: list[int] | None = None
 _TP_GROUP_RANKS: list[int] | None = None
-
-
-def get_open_port() -> int:
-    """Return a TCP port that is free right now (the OS picks it by binding port 0).
-
-    The port is released before returning, so another process could take it in between; the
-    window is tiny and it avoids any hard-coded port colliding with a concurrent run.
-    """
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
-    except OSError:
-        # IPv6-only hosts have no AF_INET socket.
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
-
-
-def get_ip() -> str:
-    """Return this node's IP address as other nodes can reach it (fallback ``127.0.0.1``).
-
-    ``VLLM_HOST_IP`` overrides the detection (as in vLLM) for multi-homed hosts.
-    """
-    host_ip = envs.get_str("VLLM_HOST_IP")
-    if host_ip:
-        return host_ip
-    # connect() on a UDP socket sends no packet; it only makes the kernel pick the outgoing
-    # interface of the default route, whose address is the one peers can reach.
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("8.8.8.8", 80))
-            return str(s.getsockname()[0])
-    except OSError:
-        pass
-    try:
-        ip = socket.gethostbyname(socket.gethostname())
-        if ip and not ip.startswith("127."):
-            return ip
-    except OSError:
-        pass
-    return "127.0.0.1"
-
-
-def get_distributed_init_method(ip: str, port: int) -> str:
-    """Return the ``torch.distributed`` TCP rendezvous URL ``tcp://ip:port``."""
-    # IPv6 literals must be bracketed inside a URL.
-    host = f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip
-    return f"tcp://{host}:{port}"
 
 
 def init_distributed_environment(
@@ -176,7 +126,7 @@ def initialize_model_parallel(
             f"({pipeline_parallel_size}) x tensor_parallel_size ({tensor_parallel_size})"
         )
     if model_parallel_is_initialized():
-        if (len(_PP_GROUP_RANKS), len(_TP_GROUP_RANKS)) == (
+        if (len(_pp_ranks()), len(_tp_ranks())) == (
             pipeline_parallel_size,
             tensor_parallel_size,
         ):
@@ -218,6 +168,18 @@ def _single_process() -> bool:
     )
 
 
+def _pp_ranks() -> list[int]:
+    if _PP_GROUP_RANKS is None:
+        raise RuntimeError("pipeline model parallel group is not initialized")
+    return _PP_GROUP_RANKS
+
+
+def _tp_ranks() -> list[int]:
+    if _TP_GROUP_RANKS is None:
+        raise RuntimeError("tensor model parallel group is not initialized")
+    return _TP_GROUP_RANKS
+
+
 def get_pp_group() -> dist.ProcessGroup:
     """The pipeline-parallel group of this rank (same tp_rank, all stages)."""
     if _PP_GROUP is None:
@@ -236,28 +198,28 @@ def get_pipeline_model_parallel_rank() -> int:
     """This rank's stage index in [0, pp_size)."""
     if _single_process():
         return 0
-    return _PP_GROUP_RANKS.index(dist.get_rank())
+    return _pp_ranks().index(dist.get_rank())
 
 
 def get_pipeline_model_parallel_world_size() -> int:
     """Number of pipeline stages."""
     if _single_process():
         return 1
-    return len(_PP_GROUP_RANKS)
+    return len(_pp_ranks())
 
 
 def get_tensor_model_parallel_rank() -> int:
     """This rank's index inside its stage's TP group."""
     if _single_process():
         return 0
-    return _TP_GROUP_RANKS.index(dist.get_rank())
+    return _tp_ranks().index(dist.get_rank())
 
 
 def get_tensor_model_parallel_world_size() -> int:
     """Number of TP ranks per stage."""
     if _single_process():
         return 1
-    return len(_TP_GROUP_RANKS)
+    return len(_tp_ranks())
 
 
 def is_pipeline_first_stage() -> bool:
@@ -275,7 +237,7 @@ def get_pipeline_model_parallel_prev_rank() -> int:
     if _single_process():
         return dist.get_rank() if dist.is_initialized() else 0
     pp_rank = get_pipeline_model_parallel_rank()
-    return _PP_GROUP_RANKS[(pp_rank - 1) % len(_PP_GROUP_RANKS)]
+    return _pp_ranks()[(pp_rank - 1) % len(_pp_ranks())]
 
 
 def get_pipeline_model_parallel_next_rank() -> int:
@@ -283,7 +245,7 @@ def get_pipeline_model_parallel_next_rank() -> int:
     if _single_process():
         return dist.get_rank() if dist.is_initialized() else 0
     pp_rank = get_pipeline_model_parallel_rank()
-    return _PP_GROUP_RANKS[(pp_rank + 1) % len(_PP_GROUP_RANKS)]
+    return _pp_ranks()[(pp_rank + 1) % len(_pp_ranks())]
 
 
 def destroy_model_parallel() -> None:
@@ -308,4 +270,4 @@ def get_tensor_model_parallel_src_rank() -> int:
     """GLOBAL rank of this stage's TP driver (tp_rank 0): it samples and returns the output."""
     if _single_process():
         return dist.get_rank() if dist.is_initialized() else 0
-    return _TP_GROUP_RANKS[0]
+    return _tp_ranks()[0]
