@@ -46,6 +46,7 @@ from vllm.sequence import (
     SequenceOutput,
     SequenceStatus,
 )
+from vllm.utils import ceil_div
 
 pytestmark = pytest.mark.fast
 
@@ -246,7 +247,7 @@ class Side:
         if self.reference:
             cap = None
             if self.w.cohorts > 1:
-                cap = max(1, -(-self.scheduler.num_active_seqs() // self.w.cohorts))
+                cap = max(1, ceil_div(self.scheduler.num_active_seqs(), self.w.cohorts))
             metadata, out = self.scheduler.schedule(cap)
             if not out.is_empty():
                 self.batch_steps[out.batch_no] = self.step_no + 1

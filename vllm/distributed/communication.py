@@ -44,6 +44,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from vllm.utils import ceil_div
+
 _TENSOR = "t"
 _VALUE = "v"
 
@@ -270,7 +272,7 @@ def recv_tensor_dict(
 
 def _aligned(offset: int) -> int:
     """`offset` rounded up to _ALIGN bytes (every dtype can be viewed at such an offset)."""
-    return -(-offset // _ALIGN) * _ALIGN
+    return ceil_div(offset, _ALIGN) * _ALIGN
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -289,7 +291,7 @@ def _send_gloo(
     """Pack the message into one buffer and send it as chunks (small) or prefix + bulk."""
     body = _aligned(len(header_bytes))  # the tensors' offsets count from here
     total = _PREFIX_BYTES + body + data_bytes
-    chunks = -(-total // _CHUNK_BYTES)
+    chunks = ceil_div(total, _CHUNK_BYTES)
     inline = chunks <= _INLINE_CHUNKS
     if inline:
         flat = torch.empty(chunks * _CHUNK_BYTES, dtype=torch.uint8)  # [chunks * C]
@@ -371,7 +373,7 @@ def _recv_gloo(src: int, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
         receiver = _RECEIVERS[key] = _ChunkReceiver(src, group)
     first = receiver.take()
     total, header_len = first[:_PREFIX_BYTES].view(torch.int64).tolist()
-    chunks = -(-total // _CHUNK_BYTES)
+    chunks = ceil_div(total, _CHUNK_BYTES)
     if chunks <= _INLINE_CHUNKS:
         parts = [first] + [receiver.take() for _ in range(chunks - 1)]
         flat = torch.cat(parts) if len(parts) > 1 else first  # [chunks * C]

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from vllm.distributed import parallel_state as ps
+from vllm.utils import ceil_div
 
 
 def tp_size() -> int:
@@ -49,7 +50,7 @@ def kv_head_start(total_kv_heads: int, tp: int, rank: int) -> int:
 def vocab_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int, int]:
     """(start, end, rows per rank) of `rank`'s vocabulary shard: ceil(vocab / tp) rows each;
     the last shard may be shorter (its padded rows are zero and never selected)."""
-    per_rank = -(-vocab_size // tp)
+    per_rank = ceil_div(vocab_size, tp)
     start = min(rank * per_rank, vocab_size)
     return start, min(start + per_rank, vocab_size), per_rank
 

@@ -110,7 +110,7 @@ def local_process_problem(pid: Optional[int], host: Optional[str]) -> Optional[s
     try:
         status = psutil.Process(pid).status()
     except psutil.NoSuchProcess:
-        return f"process {pid} no longer exists"
+        return f"process {pid} exited (it no longer exists)"
     if status == psutil.STATUS_STOPPED:
         return f"process {pid} is stopped (SIGSTOP?)"
     if status == psutil.STATUS_ZOMBIE:
