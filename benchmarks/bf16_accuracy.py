@@ -1,6 +1,6 @@
 """How far bf16 (the fast CPU path) drifts from HF transformers, greedy decoding.
 
-    python benchmarks/bf16_accuracy.py [--max-tokens 32] [--smollm2-only]
+    python -m benchmarks.bf16_accuracy [--max-tokens 32] [--smollm2-only]
 
 For the tiny random models of the test suite and the bundled SmolLM2, compares our engine in
 bfloat16 against HF transformers in float32 (the oracle) and prints, per model: prompts whose
@@ -15,15 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
-from pathlib import Path
 from typing import Any
-
-_ROOT = Path(__file__).resolve().parents[1]
-for path in (_ROOT, _ROOT / "tests"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
 
 def agreement(ours: list[list[int]], ref: list[list[int]]) -> dict[str, float]:
@@ -67,9 +60,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--smollm2-only", action="store_true", help="skip the tiny random models")
     args = parser.parse_args()
-    import tiny_models
-
     from benchmarks.common import load_prompts
+    from tests.utils import tiny_models
 
     rows: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp:

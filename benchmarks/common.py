@@ -1,7 +1,7 @@
 """Helpers shared by run.py, masstest.py and the benchmarks: prompts, tokenizer, timing, JSON.
 
-Importable as `benchmarks.common` from the repository root (run.py and masstest.py live there;
-the scripts in benchmarks/ put the root on sys.path first).
+Importable as `benchmarks.common` from the repository root, where the benchmarks run as
+`python -m benchmarks.<name>`.
 """
 
 from __future__ import annotations

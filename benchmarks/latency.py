@@ -1,6 +1,6 @@
 """Latency of one batch, after vLLM's benchmarks/benchmark_latency.py.
 
-    python benchmarks/latency.py --batch-size 8 --input-len 32 --output-len 128 -pp 2
+    python -m benchmarks.latency --batch-size 8 --input-len 32 --output-len 128 -pp 2
 
 Runs `generate` on one batch of random token-id prompts (`ignore_eos`, so every request makes
 exactly --output-len tokens) --num-iters times after --num-iters-warmup untimed runs, and prints
@@ -11,18 +11,12 @@ vLLM's (10 warm-up, 30 timed) because a CPU run takes seconds per iteration.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from benchmarks.common import write_json  # noqa: E402
+from benchmarks.common import write_json
 
 PERCENTILES = [10, 25, 50, 75, 90, 99]
 

@@ -2,8 +2,8 @@
 default): how many decode tokens the running requests still get while the long prompts are
 prefilled, and how idle each pipeline stage is meanwhile.
 
-    python benchmarks/mixed_prefill.py                  # 100 decodes + 3 x 2000-token prompts
-    python benchmarks/mixed_prefill.py --pp 1 --num-short 32
+    python -m benchmarks.mixed_prefill                  # 100 decodes + 3 x 2000-token prompts
+    python -m benchmarks.mixed_prefill --pp 1 --num-short 32
 
 For each configuration (chunked prefill off, then on, same process, same workload):
 `--num-short` short requests are started and prefilled; then `--num-long` prompts of
@@ -18,16 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from benchmarks.common import load_prompts, print_table, write_json  # noqa: E402
+from benchmarks.common import load_prompts, print_table, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -10,22 +10,18 @@ grouped is faster), the prepacking gain, and the largest absolute difference of 
 from the grouped one. Prints a markdown table; ratios are only comparable
 within one run (the machine is shared).
 
-    python benchmarks/moe.py [--reps 10] [--tokens 1 16 64 256] [--dtype float32]
+    python -m benchmarks.moe [--reps 10] [--tokens 1 16 64 256] [--dtype float32]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from vllm.model_executor.layers.fused_moe import (  # noqa: E402
+from vllm.model_executor.layers.fused_moe import (
     FusedMoE,
     dense_experts,
     grouped_experts,

@@ -1,6 +1,6 @@
 """Stage-to-stage hand-off latency over gloo while both processes compute.
 
-    python benchmarks/p2p_latency.py [--iters 40] [--busy-ms 70]
+    python -m benchmarks.p2p_latency [--iters 40] [--busy-ms 70]
 
 Two single-threaded processes keep their cores busy with matmuls, as two pipeline stages do,
 and exchange the engine's two kinds of message:
@@ -22,23 +22,17 @@ from __future__ import annotations
 import argparse
 import pickle
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from benchmarks.common import print_table  # noqa: E402
-from vllm.distributed import net_utils as net  # noqa: E402
-from vllm.distributed import parallel_state as ps  # noqa: E402
-from vllm.distributed.communication import (  # noqa: E402
+from benchmarks.common import print_table
+from vllm.distributed import net_utils as net
+from vllm.distributed import parallel_state as ps
+from vllm.distributed.communication import (
     _recv_header,
     _recv_payload,
     recv_tensor_dict,

@@ -1,7 +1,7 @@
 """The pipeline efficiency this machine allows, from the model's matmuls alone.
 
-    python benchmarks/pp_ceiling.py               # PP=2, 64 sequences, bundled SmolLM2
-    python benchmarks/pp_ceiling.py --pp 4 --dtype bfloat16
+    python -m benchmarks.pp_ceiling               # PP=2, 64 sequences, bundled SmolLM2
+    python -m benchmarks.pp_ceiling --pp 4 --dtype bfloat16
 
 One decode round gives every sequence one token. On one stage with one thread it is every
 decoder layer's GEMMs at --num-seqs rows (time T1). With N single-threaded stages each stage
@@ -22,16 +22,10 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from benchmarks.common import print_table, resolve, write_json  # noqa: E402
+from benchmarks.common import print_table, resolve, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,10 +1,10 @@
 """Pipeline-parallel scaling on CPU: does splitting the layers over N single-threaded stages beat
 one stage with N threads, and how close does it get to N x one thread?
 
-    python benchmarks/pp_scaling.py                # PP=2 on the default workload
-    python benchmarks/pp_scaling.py --also-pp 4    # add a PP=4 row
-    python benchmarks/pp_scaling.py --with-tp      # add a TP=N row (N single-threaded ranks)
-    python benchmarks/pp_scaling.py --compare-sync # add PP=N without async scheduling
+    python -m benchmarks.pp_scaling                # PP=2 on the default workload
+    python -m benchmarks.pp_scaling --also-pp 4    # add a PP=4 row
+    python -m benchmarks.pp_scaling --with-tp      # add a TP=N row (N single-threaded ranks)
+    python -m benchmarks.pp_scaling --compare-sync # add PP=N without async scheduling
 
 The same workload (--num-prompts prompts of benchmarks/prompts.txt, --output-len new tokens
 each, greedy, `ignore_eos`) runs in a fresh subprocess per configuration, so a thread setting
@@ -30,11 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
+    REPO_ROOT,
     fmt_bytes,
     load_prompts,
     print_table,
@@ -192,12 +189,13 @@ def run_config(
 ) -> dict[str, Any]:
     """Start this script in worker mode with the thread count in its environment."""
     env = dict(os.environ, VLLM_CPU_THREADS_PER_STAGE=str(threads), OMP_NUM_THREADS=str(threads))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "result.json")
         cmd = [
             sys.executable,
-            __file__,
+            "-m",
+            "benchmarks.pp_scaling",
             "--worker-result",
             result_file,
             "--worker-pp",

@@ -1,8 +1,8 @@
 """Automatic prefix caching: many requests sharing a long system prompt, with and without
 `enable_prefix_caching`, measured in the same run.
 
-    python benchmarks/prefix_caching.py                      # 128 requests, 500-token prefix
-    python benchmarks/prefix_caching.py --num-requests 32    # quicker
+    python -m benchmarks.prefix_caching                      # 128 requests, 500-token prefix
+    python -m benchmarks.prefix_caching --num-requests 32    # quicker
 
 Every request is the same ~500-token system prompt followed by a short question (from
 benchmarks/prompts.txt), greedy, `--output-len` new tokens. Both engines (caching off, then on)
@@ -16,16 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from benchmarks.common import load_prompts, print_table, write_json  # noqa: E402
+from benchmarks.common import load_prompts, print_table, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -5,9 +5,9 @@ arrivals at each `--request-rate` (requests/s; `inf` sends them all at once) and
 request throughput, output tok/s, and TTFT / TPOT mean, median and p99.
 
     # against a server you started:
-    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rate 1,4,inf
+    python -m benchmarks.serving --base-url http://127.0.0.1:8000 --request-rate 1,4,inf
     # or let the script start (and stop) one, here with two pipeline stages:
-    python benchmarks/serving.py --launch --model smollm2 --server-args "-pp 2" \
+    python -m benchmarks.serving --launch --model smollm2 --server-args "-pp 2" \
         --request-rate 1,4,inf
 """
 

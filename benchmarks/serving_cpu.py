@@ -2,27 +2,23 @@
 engine's step thread and the whole process, from per-thread CPU times (psutil). Unlike
 throughput, this hardly depends on how loaded the machine is.
 
-    python benchmarks/serving_cpu.py --model smollm2 [--num-prompts 48 --output-len 64]
+    python -m benchmarks.serving_cpu --model smollm2 [--num-prompts 48 --output-len 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import sys
 import threading
 import time
 
 import psutil
 import uvicorn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serving  # noqa: E402
-
-from vllm import AsyncEngineArgs, AsyncLLMEngine  # noqa: E402
-from vllm.distributed.net_utils import get_open_port  # noqa: E402
-from vllm.entrypoints.openai.api_server import build_app  # noqa: E402
+from benchmarks import serving
+from vllm import AsyncEngineArgs, AsyncLLMEngine
+from vllm.distributed.net_utils import get_open_port
+from vllm.entrypoints.openai.api_server import build_app
 
 
 def main() -> None:

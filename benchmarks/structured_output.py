@@ -1,7 +1,7 @@
 """The per-step cost of structured outputs: decode tokens/s with and without a JSON schema on
 the same workload (same prompts, batch and token count), plus the mask's own cost per row.
 
-    python benchmarks/structured_output.py [--model smollm2] [--batch 8] [--max-tokens 64] [-pp 1]
+    python -m benchmarks.structured_output [--model smollm2] [--batch 8] [--max-tokens 64] [-pp 1]
 
 The constrained run uses a schema whose output cannot end early (exactly 200 objects with
 bounded fields, no whitespace), so both runs generate the same number of tokens (the
@@ -14,13 +14,7 @@ fill one row's bitmask at each position, plus applying it to the logits.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
-
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
 SCHEMA = {
     "type": "array",

@@ -1,7 +1,7 @@
 """Offline throughput, after vLLM's benchmarks/benchmark_throughput.py.
 
-    python benchmarks/throughput.py --num-prompts 64 --output-len 128 -pp 2
-    python benchmarks/throughput.py --num-prompts 16 --output-len 32 --compare-hf
+    python -m benchmarks.throughput --num-prompts 64 --output-len 128 -pp 2
+    python -m benchmarks.throughput --num-prompts 16 --output-len 32 --compare-hf
 
 All requests are submitted at once; every one generates exactly --output-len tokens
 (`ignore_eos`). Sampling follows vLLM's script (temperature 1.0, top_p 1.0). Prompts: --dataset
@@ -14,16 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Any, Union
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     load_prompts,
     load_tokenizer,
     resolve,

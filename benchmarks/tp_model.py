@@ -6,19 +6,13 @@ shape with 8 query heads and 4 KV heads of 64 (hidden 576, MLP 1536, 30 layers, 
 tied embeddings): the same per-token work within ~5%. Weights are random, so benchmark runs
 use `ignore_eos` (every request generates exactly its token budget).
 
-    python benchmarks/tp_model.py /tmp/smollm2-shape-8h     # then --model /tmp/smollm2-shape-8h
+    python -m benchmarks.tp_model /tmp/smollm2-shape-8h     # then --model /tmp/smollm2-shape-8h
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
-
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
 
 def build(out_dir: str, heads: int = 8, kv_heads: int = 4, seed: int = 0) -> str:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -48,7 +46,7 @@ def ray_session():
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory):
     """kind -> saved HF directory of each tiny random model (built once per session)."""
-    import tiny_models
+    from tests.utils import tiny_models
 
     return tiny_models.model_dirs(str(tmp_path_factory.mktemp("tiny_models")))
 
@@ -56,7 +54,7 @@ def tiny_model_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hf_reference(tiny_model_dirs):
     """kind -> HF greedy token ids for tiny_models.PROMPTS (32 new tokens), computed once."""
-    import tiny_models
+    from tests.utils import tiny_models
 
     cache: dict = {}
 

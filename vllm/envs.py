@@ -4,7 +4,7 @@ Every `VLLM_*` variable is declared in `ENV_VARS` and read through the accessors
 call time, so tests may set them). Ray and Ray-Data actors get `environment_to_forward()`:
 exactly the registered variables that are set in the driver, nothing found by a prefix scan.
 The `mp` backend's spawned processes inherit the driver's whole environment.
-`tests/test_envs.py` fails when code under vllm/ reads a `VLLM_*` variable directly.
+`tests/unit/test_envs.py` fails when code under vllm/ reads a `VLLM_*` variable directly.
 
 Imports nothing but the standard library: the logger and the torch-free configs use it.
 """

@@ -64,7 +64,8 @@ _COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 # bfloat16 over gloo: on torch 2.13 gloo send/recv copy raw bytes whatever the dtype (bfloat16,
 # float16, bool, float8, complex and uint16/32/64 are all accepted), so bfloat16 goes natively,
-# without an int16 view. tests/test_communication.py checks it bit by bit, NaN payloads included.
+# without an int16 view. tests/distributed/test_communication.py checks it bit by bit, NaN
+# payloads included.
 
 
 class SendHandle:

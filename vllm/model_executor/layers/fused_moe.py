@@ -6,7 +6,7 @@ tokens are one contiguous block of rows; every expert that received tokens runs 
 gate/up matmul and one down matmul over its block (no work for tokens not routed to it, no
 per-token loop); the outputs, scaled by their routing weights, are scatter-added back to their
 tokens one expert after the other. Rows, order and roundings are those of HF's expert loop:
-with torch's SiLU the block is bit-equal to HF's, fp32 and bf16 (tests/test_moe.py). On CPU
+with torch's SiLU the block is bit-equal to HF's, fp32 and bf16 (tests/models/test_moe.py). On CPU
 the experts' matrices are prepacked for oneDNN after loading (`FusedMoE.pack`).
 
 Tensor parallelism: expert weights are stored stacked, `w13_weight [E, 2*I/tp, H]` (this rank's

@@ -1,0 +1,420 @@
+"""A pipeline that survives: stages killed three ways mid-generation (ray.kill, SIGKILL of the
+process, SIGSTOP), at PP = 2 and 3. With restarts the failed stage is replaced and every
+request finishes with exactly the fault-free greedy and seeded outputs; with restarts off the
+engine fails with one clear error naming the stage, releases everything at once, and a new LLM
+builds right away. Ctrl-C inside generate() or step() leaves the engine usable."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from tests.utils import tiny_models
+from vllm import LLM, SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.executor.stage_supervisor import EngineDeadError
+
+pytestmark = pytest.mark.ray
+
+PROMPTS = tiny_models.PROMPTS * 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+# Half greedy, half seeded random: both must come out exactly as in a fault-free run.
+PARAMS = [
+    GREEDY if i % 2 == 0 else SamplingParams(temperature=1.0, seed=i, max_tokens=40)
+    for i in range(len(PROMPTS))
+]
+MODES = ("ray.kill", "SIGKILL", "SIGSTOP")
+
+
+def kill_stage(llm: LLM, rank: int, mode: str) -> int:
+    """Kill (or freeze) one stage of a running engine; returns its pid."""
+    import ray
+
+    executor = llm.llm_engine.executor
+    pid = executor.stage_infos[rank]["pid"]
+    if mode == "ray.kill":
+        ray.kill(executor.workers[rank])
+    elif mode == "SIGKILL":
+        os.kill(pid, signal.SIGKILL)
+    else:
+        os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def kill_stage_pid(llm: LLM, rank: int, sig: int) -> int:
+    """Signal one stage's process (any backend); returns its pid."""
+    pid = llm.llm_engine.executor.stage_infos[rank]["pid"]
+    os.kill(pid, sig)
+    return pid
+
+
+def after_steps(llm: LLM, steps: int, action) -> threading.Thread:
+    """Run `action()` from another thread once the engine has made `steps` more steps."""
+    engine = llm.llm_engine
+    start = engine.num_steps
+
+    def run() -> None:
+        deadline = time.monotonic() + 120
+        while engine.num_steps < start + steps:
+            if time.monotonic() > deadline:
+                return  # never reached: the test's own assertions report it
+            time.sleep(0.0005)
+        action()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# Class scope: the engine (up to 3 of the session's 4 Ray CPUs) is gone before other tests.
+@pytest.fixture(scope="class", params=[2, 3], ids=["pp2", "pp3"])
+def survivor(request, ray_session, tiny_model_dirs):
+    """An engine with the default 3 restarts, and its fault-free outputs."""
+    llm = LLM(
+        tiny_model_dirs["llama-gqa-tied"],
+        pipeline_parallel_size=request.param,
+        disable_log_stats=True,
+    )
+    reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    yield llm, reference
+    llm.shutdown()
+
+
+class TestStageReplacement:
+    """The three kill modes in turn on one engine per PP size (3 restarts: the default)."""
+
+    @pytest.mark.parametrize("mode", MODES)
+    def test_killed_stage_is_replaced_and_nothing_is_lost(self, survivor, mode):
+        llm, reference = survivor
+        pp = llm.llm_engine.parallel_config.pipeline_parallel_size
+        # A different victim each time: the last stage, the first, a middle one (PP=3).
+        rank = {"ray.kill": pp - 1, "SIGKILL": 0, "SIGSTOP": pp // 2}[mode]
+        events_before = len(llm.llm_engine.fault_events)
+        victim: list[int] = []
+        thread = after_steps(llm, 4, lambda: victim.append(kill_stage(llm, rank, mode)))
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        thread.join(timeout=60)
+        assert victim, "the stage was never killed"
+        events = llm.llm_engine.fault_events[events_before:]
+        assert len(events) == 1, events
+        assert events[0].ranks == [rank]
+        assert f"pid {victim[0]}" in events[0].message
+        # Dead stages are seen when Ray reports them, a frozen one by the heartbeat: both long
+        # before the 60 s step deadline (timings are the benchmarks' job: loose bounds here).
+        assert events[0].detected_after_s < 30
+        assert events[0].recovery_s is not None
+        assert token_ids(outputs) == reference
+        assert all(o.finished for o in outputs) and len(outputs) == len(PROMPTS)
+        assert gone(victim[0])
+        # Nothing left over in the engine.
+        scheduler = llm.llm_engine.scheduler
+        assert not scheduler.in_flight and not scheduler.has_unfinished_seqs()
+        assert scheduler.block_manager.get_num_free_gpu_blocks() == (
+            scheduler.block_manager.num_total_gpu_blocks
+        )
+
+
+@pytest.mark.parametrize("mode", ["SIGKILL", "SIGSTOP"])
+def test_fail_stop_names_the_stage_and_releases_everything(
+    mode, ray_session, tiny_model_dirs, hf_reference
+):
+    model = tiny_model_dirs["opt-pre"]
+    llm = LLM(
+        model,
+        pipeline_parallel_size=2,
+        max_stage_restarts=0,
+        step_timeout_s=5,
+        disable_log_stats=True,
+    )
+    infos = [dict(i) for i in llm.llm_engine.executor.stage_infos]
+    thread = after_steps(llm, 3, lambda: kill_stage(llm, 1, mode))
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError) as info:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    elapsed = time.monotonic() - started
+    thread.join(timeout=60)
+    message = str(info.value)
+    assert f"stage 1 (rank 1, layers [{infos[1]['layers'][0]}, {infos[1]['layers'][1]})" in message
+    assert f"pid {infos[1]['pid']}" in message and infos[1]["host"] in message
+    assert "max_stage_restarts=0" in message
+    assert elapsed < 20, f"the failure took {elapsed:.1f} s to surface"
+    # Released at once: no stage process left, and the engine refuses further work.
+    deadline = time.monotonic() + 10
+    while not all(gone(i["pid"]) for i in infos) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(gone(i["pid"]) for i in infos)
+    with pytest.raises(EngineDeadError):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    # A new LLM in the same process builds without waiting for the old one's resources.
+    started = time.monotonic()
+    fresh = LLM(model, pipeline_parallel_size=2, disable_log_stats=True)
+    assert time.monotonic() - started < 30
+    outputs = fresh.generate(tiny_models.PROMPTS, SamplingParams(temperature=0, max_tokens=32))
+    assert token_ids(outputs) == hf_reference("opt-pre")
+    fresh.shutdown()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_ctrl_c_inside_generate_leaves_the_llm_usable(pp, ray_session, tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama-gqa-untied"], pipeline_parallel_size=pp)
+    reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    thread = after_steps(llm, 5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    thread.join(timeout=10)
+    engine = llm.llm_engine
+    scheduler = engine.scheduler
+    # The interrupted call's requests are gone; nothing is counted in flight.
+    state = (
+        f"in_flight={scheduler.in_flight} waiting={len(scheduler.waiting)} "
+        f"running={len(scheduler.running)} swapped={len(scheduler.swapped)} "
+        f"engine_in_flight={len(engine.batch_queue)} pending={len(engine._pending_outputs)}"
+    )
+    assert not scheduler.in_flight and not engine.has_unfinished_requests(), state
+    assert scheduler.block_manager.get_num_free_gpu_blocks() == (
+        scheduler.block_manager.num_total_gpu_blocks
+    ), state
+    assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
+    llm.shutdown()
+
+
+def test_ctrl_c_inside_step_requeues_in_flight_requests(ray_session, tiny_model_dirs):
+    """LLMEngine users keep their requests: after the interrupt, stepping on finishes them
+    with the same tokens."""
+    llm = LLM(tiny_model_dirs["opt-post"], pipeline_parallel_size=2)
+    reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    engine = llm.llm_engine
+    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
+        engine.add_request(str(i), prompt, params)
+    finished = {}
+    interrupted = 0
+    thread = after_steps(llm, 6, lambda: os.kill(os.getpid(), signal.SIGINT))
+    while engine.has_unfinished_requests():
+        try:
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        except KeyboardInterrupt:
+            interrupted += 1
+    thread.join(timeout=10)
+    assert interrupted == 1
+    assert token_ids(finished[str(i)] for i in range(len(PROMPTS))) == reference
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_frozen_stage_found_within_two_seconds_of_a_long_step(backend, tiny_model_dirs):
+    """SIGSTOP while a step runs far longer than the detection target (a logits processor
+    sleeps 4 s on the last stage): the frozen stage is found within 2 s of the signal, not
+    when the step ends or at its deadline, and nothing is lost."""
+    llm = LLM(
+        tiny_model_dirs["llama-gqa-tied"],
+        pipeline_parallel_size=2,
+        distributed_executor_backend=backend,
+        disable_log_stats=True,
+    )
+    try:
+        reference = token_ids(llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False))
+        sleeps: list[int] = []
+
+        def slow(output_ids, logits):  # cloudpickled to the last stage
+            if len(output_ids) == 3 and not sleeps:
+                sleeps.append(1)
+                time.sleep(4.0)
+            return logits
+
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        slow_params = SamplingParams(
+            temperature=0.0, max_tokens=40, ignore_eos=True, logits_processors=[slow]
+        )
+        stopped: list[float] = []
+
+        def freeze() -> None:
+            time.sleep(1.0)  # inside the slow step
+            kill_stage_pid(llm, 0, signal.SIGSTOP)
+            stopped.append(time.time())
+
+        thread = after_steps(llm, 4, freeze)
+        outputs = llm.generate(PROMPTS[:4], [slow_params] + [params] * 3, use_tqdm=False)
+        thread.join(timeout=60)
+        events = llm.llm_engine.fault_events
+        assert stopped and len(events) == 1 and events[0].ranks == [0], events
+        assert "stopped" in events[0].message
+        assert events[0].detected_at - stopped[0] < 2.0
+        assert token_ids(outputs) == reference
+    finally:
+        llm.shutdown()
+
+
+def test_failing_logits_processor_fails_its_request_not_the_stage(ray_session, tiny_model_dirs):
+    """A logits processor that raises is the request's fault: that request ends (aborted,
+    the error kept for its caller), no stage is replaced, the others complete unchanged."""
+    llm = LLM(tiny_model_dirs["llama-gqa-tied"], pipeline_parallel_size=2)
+    try:
+        innocent = PROMPTS[1:6]
+        reference = token_ids(llm.generate(innocent, GREEDY, use_tqdm=False))
+
+        def poisoned(output_ids, logits):  # a closure: sent to the last stage by cloudpickle
+            raise ValueError("this logits processor always fails")
+
+        bad = SamplingParams(temperature=0.0, max_tokens=8, logits_processors=[poisoned])
+        outputs = llm.generate([PROMPTS[0], *innocent], [bad] + [GREEDY] * len(innocent))
+        engine = llm.llm_engine
+        assert engine.fault_events == []
+        assert outputs[0].outputs[0].finish_reason == "abort"
+        error = engine.pop_request_error(outputs[0].request_id)
+        assert error is not None and "this logits processor always fails" in str(error)
+        assert token_ids(outputs[1:]) == reference
+    finally:
+        llm.shutdown()
+
+
+def test_failure_that_recurs_after_a_replacement_is_not_replayed(ray_session, tiny_model_dirs):
+    """A stage that raises on a request's step is replaced and the step replayed once; when
+    the new stage raises the same error on a step of the same request, that step's requests
+    end (aborted, the error logged) instead of replaying until the restart budget is gone: the
+    replacement is not counted, the engine and the other requests go on unchanged."""
+    llm = LLM(tiny_model_dirs["llama-gqa-tied"], pipeline_parallel_size=2, max_stage_restarts=1)
+    try:
+        innocent = PROMPTS[1:6]
+        reference = token_ids(llm.generate(innocent, GREEDY, use_tqdm=False))
+
+        class StageBreaker(BaseException):
+            """Not an Exception: escapes the sampler's per-request attribution, so the stage
+            fails (defined here so that cloudpickle sends it by value)."""
+
+        def poisoned(output_ids, logits):  # a closure: sent to the last stage by cloudpickle
+            raise StageBreaker("this logits processor always fails")
+
+        bad = SamplingParams(temperature=0.0, max_tokens=8, logits_processors=[poisoned])
+        start = time.monotonic()
+        outputs = llm.generate([PROMPTS[0], *innocent], [bad] + [GREEDY] * len(innocent))
+        assert time.monotonic() - start < 60  # no step deadline was waited out
+        engine = llm.llm_engine
+        assert not engine.is_dead
+        events = engine.fault_events
+        assert len(events) == 2 and not events[0].recurring and events[1].recurring, events
+        assert "this logits processor always fails" in events[1].message
+        assert events[0].signature == events[1].signature
+        assert outputs[0].outputs[0].finish_reason == "abort"
+        failed_with_it = set(events[1].step_request_ids)
+        completed = 0
+        for out, ref in zip(outputs[1:], reference):
+            if out.outputs[0].finish_reason == "abort":  # it shared the poisoned step twice
+                assert out.request_id in failed_with_it
+            else:
+                assert list(out.outputs[0].token_ids) == ref
+                completed += 1
+        assert completed >= len(innocent) // 2, outputs
+        # max_stage_restarts=1 was used once, by the first failure only: serving goes on.
+        assert token_ids(llm.generate(innocent, GREEDY, use_tqdm=False)) == reference
+    finally:
+        llm.shutdown()
+
+
+def test_error_inside_a_step_leaves_the_engine_usable(tiny_model_dirs):
+    """Any exception out of a step (here a worker error at PP=1) re-queues what was in flight."""
+    llm = LLM(tiny_model_dirs["opt-pre"])
+    reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    worker = llm.llm_engine.executor.worker
+    real = worker.execute_model
+    calls = []
+
+    def flaky(request):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected worker error")
+        return real(request)
+
+    worker.execute_model = flaky
+    engine = llm.llm_engine
+    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
+        engine.add_request(str(i), prompt, params)
+    with pytest.raises(RuntimeError, match="injected"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert not engine.scheduler.in_flight
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert token_ids(finished[str(i)] for i in range(len(PROMPTS))) == reference
+    llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"kv_cache_space": 10000}, "Too large KV cache space"),
+        ({"swap_space": 10000}, "Too large swap space"),
+        ({"device": "cuda"}, "no CUDA GPU is available"),
+        ({"max_stage_restarts": -1}, "max_stage_restarts"),
+        ({"step_timeout_s": 0}, "step_timeout_s"),
+    ],
+)
+def test_resource_errors_up_front(kwargs, match, tiny_model_dirs):
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=tiny_model_dirs["opt-pre"], **kwargs).create_engine_config()
+    assert time.monotonic() - started < 5
+
+
+def test_restart_budget_is_a_rate(tiny_model_dirs, monkeypatch):
+    """max_stage_restarts counts replacements within VLLM_STAGE_RESTART_WINDOW_S: faults
+    spread out over a long-lived engine never use it up, a burst still does. (The executor's
+    replacement is stubbed: this is the engine's bookkeeping.)"""
+    from vllm.executor.stage_supervisor import StageFailedError, StageFailure
+
+    llm = LLM(tiny_model_dirs["opt-pre"], max_stage_restarts=2)
+    engine = llm.llm_engine
+    monkeypatch.setattr(engine.executor, "replace_stages", lambda ranks: 0.01, raising=False)
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setenv("VLLM_STAGE_RESTART_WINDOW_S", "600")
+
+    def fault() -> None:
+        engine._recover(StageFailedError([StageFailure(0, "rank 0", "died")], 0.1))
+
+    try:
+        for _ in range(5):  # one fault every 7 minutes: never more than 2 in 10 minutes
+            fault()
+            clock[0] += 420.0
+        assert not engine.is_dead and len(engine.fault_events) == 5
+        fault()
+        clock[0] += 1.0
+        fault()  # three within the window: the budget of 2 is used up
+        raise AssertionError("the third restart within the window was allowed")
+    except EngineDeadError as exc:
+        assert "max_stage_restarts=2 restarts within 600 s used up" in str(exc)
+    finally:
+        monkeypatch.undo()
+        llm.shutdown()
+
+
+def test_backend_that_cannot_replace_a_stage_says_so(tiny_model_dirs, caplog):
+    """A stage failure on an executor without stage replacement (uni: one in-process rank) stops
+    the engine naming the reason, without first logging that it replaces the stage."""
+    from vllm.executor.stage_supervisor import StageFailedError, StageFailure
+
+    llm = LLM(tiny_model_dirs["opt-pre"])
+    engine = llm.llm_engine
+    with caplog.at_level("WARNING", logger="vllm"):
+        with pytest.raises(EngineDeadError, match="UniProcExecutor cannot replace a stage"):
+            engine._recover(StageFailedError([StageFailure(0, "rank 0", "died")], 0.1))
+    assert not any("Replacing failed stage" in r.getMessage() for r in caplog.records)
+    llm.shutdown()

@@ -1,0 +1,68 @@
+"""The server's command lines: `vllm serve MODEL` (vllm.scripts, the console script's entry)
+in a subprocess on a free local port, and the api_server flag parser."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+from vllm.distributed.net_utils import get_open_port
+from vllm.entrypoints.openai.api_server import make_arg_parser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_api_server_flags_include_the_engine_flags():
+    args = make_arg_parser().parse_args(
+        ["--model", "m", "-pp", "2", "-tp", "1", "--port", "9", "--api-key", "k",
+         "--max-num-seqs", "8", "--enforce-eager", "--served-model-name", "x",
+         "--disable-log-requests"]
+    )  # fmt: skip
+    assert (args.pipeline_parallel_size, args.tensor_parallel_size) == (2, 1)
+    assert (args.port, args.api_key, args.max_num_seqs) == (9, "k", 8)
+    assert args.enforce_eager and args.disable_log_requests and args.served_model_name == "x"
+
+
+def test_vllm_serve_subprocess(tiny_model_dirs):
+    port = get_open_port()
+    cmd = [
+        sys.executable, "-m", "vllm.scripts", "serve", tiny_model_dirs["opt-pre"],
+        "--host", "127.0.0.1", "--port", str(port), "--kv-cache-space", "0.05",
+        "--swap-space", "0.01", "--served-model-name", "tiny-opt", "--api-key", "k",
+        "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, f"server exited with {proc.returncode}"
+            assert time.time() < deadline, "server did not become healthy"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny-opt"]
+        out = client.completions.create(model="tiny-opt", prompt="Hello", max_tokens=5)
+        assert out.usage.completion_tokens == 5
+        # The key guards /metrics too (only /health and /version are open).
+        assert httpx.get(url + "/metrics").status_code == 401
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer k"})
+        assert "vllm:generation_tokens_total" in metrics.text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode is not None

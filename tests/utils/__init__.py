@@ -1,0 +1,1 @@
+"""Helpers the tests share: tiny models built from configs, fake requests, a server thread."""
