@@ -163,9 +163,9 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
 
 
 def stage_layout(llm: Any) -> dict[str, Any]:
-    """Blocks and per-rank placement of a built LLM, from the engine's executor."""
+    """Blocks and per-rank placement of a built LLM, from the engine's stage report."""
     engine = llm.llm_engine
-    infos = engine.executor.stage_infos
+    infos = engine.get_stage_infos()
     keys = (
         "pp_rank",
         "tp_rank",
@@ -181,7 +181,7 @@ def stage_layout(llm: Any) -> dict[str, Any]:
         "num_gpu_blocks": engine.cache_config.num_gpu_blocks,
         "num_cpu_blocks": engine.cache_config.num_cpu_blocks,
         "block_size": engine.cache_config.block_size,
-        "stages": [{k: info.get(k) for k in keys} for info in infos],
+        "stages": [{k: getattr(info, k) for k in keys} for info in infos],
     }
 
 

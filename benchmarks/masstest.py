@@ -327,7 +327,7 @@ class StageKiller:
             executor = engine.executor
             rank = self.rng.randrange(len(executor.workers))
             how = modes[len(self.kills) % 3] if self.mode == "mixed" else self.mode
-            pid = executor.stage_infos[rank]["pid"]
+            pid = engine.get_stage_infos()[rank].pid
             if how == "ray.kill":
                 ray.kill(executor.workers[rank])
             else:

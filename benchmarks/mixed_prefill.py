@@ -70,9 +70,7 @@ def run(args: argparse.Namespace, chunked: bool) -> dict[str, Any]:
         longs = []
         long_params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         stride = max(1, (len(corpus) - args.long_len) // max(args.num_long, 1))
-        has_stats = hasattr(engine.executor, "get_stage_stats")
-        if has_stats:
-            engine.executor.get_stage_stats(reset=True)
+        engine.get_stage_stats(reset=True)
         decoded_before = sum(g.get_seqs()[0].get_output_len() for g in shorts)
         start = time.perf_counter()
         for i in range(args.num_long):
@@ -83,7 +81,7 @@ def run(args: argparse.Namespace, chunked: bool) -> dict[str, Any]:
             engine.step()
         window = time.perf_counter() - start
         decoded = sum(g.get_seqs()[0].get_output_len() for g in shorts) - decoded_before
-        stage_stats = engine.executor.get_stage_stats() if has_stats else []
+        stage_stats = engine.get_stage_stats()
         unfinished = [g.request_id for g in shorts + longs if not g.is_finished()]
         engine.abort_request(unfinished)
         while engine.has_unfinished_requests():
@@ -95,8 +93,8 @@ def run(args: argparse.Namespace, chunked: bool) -> dict[str, Any]:
         "window_s": window,
         "decode_tokens": decoded,
         "decode_tokens_per_s": decoded / window,
-        "compute_fraction": [st["compute_s"] / window for st in stage_stats],
-        "stage_stats": stage_stats,
+        "compute_fraction": [st.compute_s / window for st in stage_stats],
+        "stage_stats": [st.as_dict() for st in stage_stats],
     }
 
 

@@ -127,13 +127,13 @@ def run_worker(args: argparse.Namespace) -> None:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         load_before = os.getloadavg()[0]
-        llm.llm_engine.executor.get_stage_stats(reset=True)
+        llm.llm_engine.get_stage_stats(reset=True)
         start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
         driver_cpu = time.process_time() - cpu_start
-        stage_stats = llm.llm_engine.executor.get_stage_stats()
-        infos = llm.llm_engine.executor.stage_infos
+        stage_stats = [st.as_dict() for st in llm.llm_engine.get_stage_stats()]
+        infos = llm.llm_engine.get_stage_infos()
         peaks = [m["peak_rss_bytes"] for m in llm.llm_engine.executor.get_stage_memory()]
         blocks = llm.llm_engine.cache_config.num_gpu_blocks
         queue = llm.llm_engine.batch_queue
@@ -158,8 +158,8 @@ def run_worker(args: argparse.Namespace) -> None:
         "pp": args.worker_pp,
         "tp": args.worker_tp,
         "backend": llm.llm_engine.parallel_config.distributed_executor_backend,
-        "threads_per_stage": [i["threads"] for i in infos],
-        "layers_per_stage": [i["layers"][1] - i["layers"][0] for i in infos],
+        "threads_per_stage": [i.threads for i in infos],
+        "layers_per_stage": [i.layers[1] - i.layers[0] for i in infos if i.layers],
         "init_s": init_s,
         "wall_s": wall,
         "prompt_tokens": in_toks,

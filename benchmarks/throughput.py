@@ -144,7 +144,7 @@ def run_vllm(args: argparse.Namespace, prompts: list[Prompt]) -> dict[str, Any]:
         kv_cache_space=args.kv_cache_space,
     )
     try:
-        threads = sum(info["threads"] for info in llm.llm_engine.executor.stage_infos)
+        threads = sum(info.threads for info in llm.llm_engine.get_stage_infos())
         params = SamplingParams(
             temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len
         )

@@ -36,7 +36,7 @@ def kill_stage(llm: LLM, rank: int, mode: str) -> int:
     import ray
 
     executor = llm.llm_engine.executor
-    pid = executor.stage_infos[rank]["pid"]
+    pid = executor.stage_infos[rank].pid
     if mode == "ray.kill":
         ray.kill(executor.workers[rank])
     elif mode == "SIGKILL":
@@ -48,7 +48,7 @@ def kill_stage(llm: LLM, rank: int, mode: str) -> int:
 
 def kill_stage_pid(llm: LLM, rank: int, sig: int) -> int:
     """Signal one stage's process (any backend); returns its pid."""
-    pid = llm.llm_engine.executor.stage_infos[rank]["pid"]
+    pid = llm.llm_engine.get_stage_infos()[rank].pid
     os.kill(pid, sig)
     return pid
 
@@ -142,7 +142,7 @@ def test_fail_stop_names_the_stage_and_releases_everything(
         step_timeout_s=5,
         disable_log_stats=True,
     )
-    infos = [dict(i) for i in llm.llm_engine.executor.stage_infos]
+    infos = llm.llm_engine.get_stage_infos()
     thread = after_steps(llm, 3, lambda: kill_stage(llm, 1, mode))
     started = time.monotonic()
     with pytest.raises(EngineDeadError) as info:
@@ -150,15 +150,17 @@ def test_fail_stop_names_the_stage_and_releases_everything(
     elapsed = time.monotonic() - started
     thread.join(timeout=60)
     message = str(info.value)
-    assert f"stage 1 (rank 1, layers [{infos[1]['layers'][0]}, {infos[1]['layers'][1]})" in message
-    assert f"pid {infos[1]['pid']}" in message and infos[1]["host"] in message
+    assert infos[1].layers is not None
+    start, end = infos[1].layers
+    assert f"stage 1 (rank 1, layers [{start}, {end})" in message
+    assert f"pid {infos[1].pid}" in message and f"node {infos[1].host}" in message
     assert "max_stage_restarts=0" in message
     assert elapsed < 20, f"the failure took {elapsed:.1f} s to surface"
     # Released at once: no stage process left, and the engine refuses further work.
     deadline = time.monotonic() + 10
-    while not all(gone(i["pid"]) for i in infos) and time.monotonic() < deadline:
+    while not all(gone(i.pid) for i in infos) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert all(gone(i["pid"]) for i in infos)
+    assert all(gone(i.pid) for i in infos)
     with pytest.raises(EngineDeadError):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     # A new LLM in the same process builds without waiting for the old one's resources.

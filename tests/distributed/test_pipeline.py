@@ -45,8 +45,8 @@ def test_pp_matches_hf(kind, pp, partition, ray_session, tiny_model_dirs, hf_ref
         kv_cache_space=0.05,
         swap_space=0.01,
     )
-    infos = llm.llm_engine.executor.stage_infos
-    ranges = [tuple(i["layers"]) for i in infos]
+    infos = llm.llm_engine.get_stage_infos()
+    ranges = [i.layers for i in infos if i.layers]
     assert ranges[0][0] == 0 and ranges[-1][1] == 6
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     if partition:
@@ -78,7 +78,7 @@ def test_kv_blocks_scale_with_stages(ray_session, tmp_path, tiny_model_dirs):
     for pp in (1, 2, 3, 4):
         llm = LLM(model_dir, pipeline_parallel_size=pp, kv_cache_space=0.05, swap_space=0.01)
         blocks[pp] = llm.llm_engine.cache_config.num_gpu_blocks
-        params[pp] = [i["num_params"] for i in llm.llm_engine.executor.stage_infos]
+        params[pp] = [i.num_params for i in llm.llm_engine.get_stage_infos()]
         llm.shutdown()
     for pp in (2, 3, 4):
         assert abs(blocks[pp] / blocks[1] - pp) / pp < 0.05, blocks

@@ -90,9 +90,9 @@ def test_tp_matches_hf(kind, tp, pp, backend, model_dirs, reference, request):
         request.getfixturevalue("ray_session")
     llm = make_llm(model_dirs[kind], tp, pp, backend)
     try:
-        infos = llm.llm_engine.executor.stage_infos
+        infos = llm.llm_engine.get_stage_infos()
         # vLLM's layout: rank = pp_rank * tp + tp_rank, a stage's TP ranks adjacent.
-        assert [(i["pp_rank"], i["tp_rank"]) for i in infos] == [
+        assert [(i.pp_rank, i.tp_rank) for i in infos] == [
             (r // tp, r % tp) for r in range(tp * pp)
         ]
         check_equal(llm, reference(kind))
@@ -134,14 +134,14 @@ def test_tp_pp_grid_weights_and_shutdown(model_dirs):
     rank process is left."""
     path = model_dirs["llama-gqa-untied"]
     llm = make_llm(path, 2, 2, "mp")
-    infos = llm.llm_engine.executor.stage_infos
+    infos = llm.llm_engine.get_stage_infos()
     pids = [p.pid for p in llm.llm_engine.executor.procs]
     llm.shutdown()
     from transformers import AutoModelForCausalLM
 
     total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
     for info in infos:
-        assert abs(info["num_params"] * 4 / total - 1) < 0.05, (info, total)
+        assert abs(info.num_params * 4 / total - 1) < 0.05, (info, total)
     assert not [
         p
         for p in pids
@@ -180,9 +180,7 @@ def test_mp_dead_rank_is_replaced(tp, pp, victim_rank, model_dirs, reference):
         assert engine.fault_events[0].recovery_s is not None
         assert not victim.is_alive()
         assert engine.executor.procs[victim_rank].pid != victim.pid
-        assert engine.executor.stage_infos[victim_rank]["pid"] == (
-            engine.executor.procs[victim_rank].pid
-        )
+        assert engine.get_stage_infos()[victim_rank].pid == (engine.executor.procs[victim_rank].pid)
         # The fault is counted in vLLM-style metrics.
         from prometheus_client import REGISTRY
 

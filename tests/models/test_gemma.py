@@ -212,7 +212,7 @@ def test_layouts_match_hf(kind, layout, request, gemma_dirs, reference):
     try:
         if pp > 1:
             # Every stage holds local and global layers (PP = 3 splits 7 layers unevenly).
-            ranges = [tuple(i["layers"]) for i in llm.llm_engine.executor.stage_infos]
+            ranges = [i.layers for i in llm.llm_engine.get_stage_infos() if i.layers]
             types = llm.llm_engine.model_config.hf_config.layer_types
             for start, end in ranges:
                 assert {"sliding_attention", "full_attention"} <= set(types[start:end])

@@ -190,8 +190,8 @@ def test_family_layouts_match_hf(kind, tp, pp, backend, dirs, hf_ids, request):
         request.getfixturevalue("ray_session")
     llm = make_llm(dirs[kind], tp, pp, backend)
     try:
-        infos = llm.llm_engine.executor.stage_infos
-        sizes = sorted({tuple(i["layers"]) for i in infos})
+        infos = llm.llm_engine.get_stage_infos()
+        sizes = sorted({i.layers for i in infos if i.layers})
         assert [e - s for s, e in sizes] == {1: [4], 2: [2, 2], 3: [2, 1, 1]}[pp]
         check_equal(llm, kind, hf_ids, prompts_of(kind))
     finally:
@@ -532,7 +532,7 @@ def test_sliding_window_families(kind, pp, backend, chunked, window_dirs, hf_ids
     chunks = dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8)
     llm = make_llm(window_dirs[kind], 1, pp, backend, **(chunks if chunked else {}))
     try:
-        assert len(llm.llm_engine.executor.stage_infos) == pp
+        assert len(llm.llm_engine.get_stage_infos()) == pp
         check_equal(llm, kind, hf_ids, tiny_models.PROMPTS)
         if pp == 1:
             tokenizer = llm.get_tokenizer()

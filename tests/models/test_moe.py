@@ -384,8 +384,8 @@ def _run_layout(path: str, expected, tp: int, pp: int, backend: str, features: b
         **(FEATURES if features else {}),
     )
     try:
-        infos = llm.llm_engine.executor.stage_infos if tp * pp > 1 else []
-        sizes = sorted({tuple(i["layers"]) for i in infos})
+        infos = llm.llm_engine.get_stage_infos() if tp * pp > 1 else []
+        sizes = sorted({i.layers for i in infos if i.layers})
         if pp == 3:
             assert sizes == [(0, 2), (2, 3), (3, 4)]  # uneven: 2/1/1
         _check(llm, expected)

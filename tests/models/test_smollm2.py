@@ -64,6 +64,6 @@ def test_smollm2_tp3_matches_hf(hf_reference):
     )
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_reference
-    infos = llm.llm_engine.executor.stage_infos
-    assert [i["tp_rank"] for i in infos] == [0, 1, 2]
+    infos = llm.llm_engine.get_stage_infos()
+    assert [i.tp_rank for i in infos] == [0, 1, 2]
     llm.shutdown()

@@ -323,11 +323,11 @@ def test_stage_processes_listen_on_no_wildcard_address(server):
     pairs, the call socket) is bound to a specific address, never 0.0.0.0 / ::."""
     if server.kind == "pp1":  # type: ignore[attr-defined]
         pytest.skip("PP=1 runs no stage process and no rendezvous")
-    infos = server.engine.engine.executor.stage_infos
+    infos = server.engine.engine.get_stage_infos()
     listening = []
     wildcard_per_process = []
     for info in infos:
-        conns = psutil.Process(info["pid"]).net_connections("inet")
+        conns = psutil.Process(info.pid).net_connections("inet")
         mine = [c.laddr for c in conns if c.status == "LISTEN"]
         listening += mine
         wildcard_per_process.append(len([a for a in mine if a.ip in ("0.0.0.0", "::")]))

@@ -19,6 +19,7 @@ from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler
 from vllm.engine.batch_queue import BatchQueue
+from vllm.executor.step_future import StepFuture
 from vllm.sequence import (
     Logprob,
     Sequence,
@@ -60,9 +61,13 @@ class FakePipeline:
         self.fail_step = fail_step
         self.max_wait_gap = None  # smallest (step - the step whose sampled ids it waits on)
 
-    def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> int:
+    def execute_model(
+        self, request: ExecuteModelRequest, non_block: bool = True, num_tokens: int = 0
+    ) -> StepFuture:
+        assert non_block
         self.submitted.append(request)
-        return len(self.submitted) - 1
+        index = len(self.submitted) - 1
+        return StepFuture(index, lambda: self.get_output(index))
 
     def _run(self, index: int) -> None:
         request = self.submitted[index]

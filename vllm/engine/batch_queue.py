@@ -1,8 +1,8 @@
 """The micro-batches inside the pipeline: one owner, in submission order (torch-free).
 
 The engine schedules a batch, the queue turns it into a step message (deltas against what the
-first and last stages hold, `StepEncoder`) and submits it to the executor, which returns a
-handle at once. Up to `max_concurrent_batches` batches are in flight: the pipeline depth, or
+first and last stages hold, `StepEncoder`) and submits it to the executor, which returns the
+step's future at once. Up to `max_concurrent_batches` batches are in flight: the pipeline depth, or
 twice it when decodes are scheduled ahead of their previous step's output (the asynchronous
 pipeline: the last stage then sends its sampled ids straight to the first stage, and the
 queue tells the first stage which steps' ids to wait for). Outputs are collected oldest
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Literal, Optional, Protocol
 
 from vllm.core.scheduler import SchedulerOutputs
+from vllm.executor.step_future import StepFuture
 from vllm.sequence import SamplerOutput, SequenceGroupMetadata
 from vllm.step_delta import (
     ExecuteModelRequest,
@@ -29,18 +30,18 @@ from vllm.step_delta import (
 class StepExecutor(Protocol):
     """What the queue needs of an executor."""
 
-    def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any: ...
-
-    def get_output(self, handle: Any) -> SamplerOutput: ...
+    def execute_model(
+        self, request: ExecuteModelRequest, non_block: Literal[True], num_tokens: int = 0
+    ) -> StepFuture: ...
 
     def discard_steps(self) -> None: ...
 
 
 @dataclass
 class InFlightBatch:
-    """One submitted micro-batch: the executor's handle and what the scheduler decided."""
+    """One submitted micro-batch: its future and what the scheduler decided."""
 
-    handle: Any
+    future: StepFuture
     scheduler_outputs: SchedulerOutputs
     step_no: int
 
@@ -134,8 +135,8 @@ class BatchQueue:
             kv_blocks_bound=kv_blocks_bound,
         )
         try:
-            handle = self.executor.execute_model_async(
-                request, scheduler_outputs.num_batched_tokens
+            future = self.executor.execute_model(
+                request, non_block=True, num_tokens=scheduler_outputs.num_batched_tokens
             )
         except MessageNotSerializableError:
             self.encoder.rollback(checkpoint)
@@ -146,14 +147,13 @@ class BatchQueue:
         self.stats.steps += 1
         self.stats.groups += len(metadata_list)
         self.stats.ahead_groups += len(scheduler_outputs.ahead)
-        self._batches.append(InFlightBatch(handle, scheduler_outputs, self._step_no))
+        self._batches.append(InFlightBatch(future, scheduler_outputs, self._step_no))
 
     def request_ids_of_call(self, call_id: Optional[int]) -> list[str]:
         """The requests of the in-flight step that the executor submitted as call `call_id`
-        (its handle is `(call_id, deadline)`); [] when none is in flight."""
+        (`StepFuture.call_id`); [] when none is in flight."""
         for batch in self._batches:
-            handle = batch.handle
-            if call_id is not None and isinstance(handle, tuple) and handle[0] == call_id:
+            if call_id is not None and batch.future.call_id == call_id:
                 return [g.request_id for g in batch.scheduler_outputs.scheduled_seq_groups]
         return []
 
@@ -167,7 +167,7 @@ class BatchQueue:
         """Wait for the oldest batch; it leaves the queue only once its output is here (a
         failure while waiting leaves it for `discard` or `reset`)."""
         batch = self._batches[0]
-        output = self.executor.get_output(batch.handle)
+        output = batch.future.result()
         self._batches.popleft()
         self._collected_through = batch.step_no
         return batch.scheduler_outputs, output

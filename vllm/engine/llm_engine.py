@@ -17,6 +17,7 @@ past that the engine aborts everything, releases its workers and raises EngineDe
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -38,6 +39,7 @@ from vllm.request_failure import RequestFailedError
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
 from vllm.step_delta import MessageNotSerializableError
+from vllm.worker.stage_report import StageInfo, StageStats
 
 logger = init_logger("vllm.engine.llm_engine")
 
@@ -243,6 +245,18 @@ class LLMEngine:
         self._profiling = False
         self._check_alive()
         return self.executor.stop_profile()
+
+    def get_stage_infos(self) -> list[StageInfo]:
+        """Where each rank runs and what it holds (stage, layers, node, pid, threads,
+        parameters), in rank order."""
+        self._check_alive()
+        return [dataclasses.replace(info) for info in self.executor.stage_infos]
+
+    def get_stage_stats(self, reset: bool = True) -> list[StageStats]:
+        """Where each rank's time went since the last reset (compute, receive, send, idle,
+        cache operations), in rank order."""
+        self._check_alive()
+        return self.executor.get_stage_stats(reset)
 
     def _check_alive(self) -> None:
         if self._dead is not None:

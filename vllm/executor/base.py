@@ -7,13 +7,15 @@ import time
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional, overload
 
 from vllm.config import EngineConfig
 from vllm.executor.rank_calls import Calls, RankCallError, RankCalls
-from vllm.executor.stage_supervisor import describe_stage, local_process_problem
+from vllm.executor.stage_supervisor import local_process_problem
+from vllm.executor.step_future import StepFuture
 from vllm.sequence import SamplerOutput
 from vllm.step_delta import ExecuteModelRequest
+from vllm.worker.stage_report import StageInfo, StageStats
 
 # How often a step's wait checks the stage processes on this node (seconds).
 _LOCAL_CHECK_INTERVAL_S = 0.25
@@ -24,9 +26,13 @@ logger = logging.getLogger("vllm.executor")
 class ExecutorBase(ABC):
     """Creates the workers, sizes the KV cache over all stages, and runs steps on them.
 
-    `execute_model_async` submits one step and returns a handle at once, so the engine can keep
-    several batches inside the pipeline; `get_output` waits for that step's sampler output.
+    `execute_model(request, non_block=True)` submits one step and returns its `StepFuture` at
+    once, so the engine can keep `max_concurrent_batches` batches inside the pipeline; the
+    future's `result()` waits for that step's sampler output.
     """
+
+    # Each rank's StageInfo, in rank order (set while the workers start).
+    stage_infos: list[StageInfo]
 
     def __init__(self, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
@@ -44,23 +50,18 @@ class ExecutorBase(ABC):
             raise
 
     def _log_stages_and_init_cache(self) -> None:
-        infos = self._run_workers("get_stage_info")
+        infos: list[StageInfo] = self._run_workers("get_stage_info")
         # Keep what the executor already knows of each rank (e.g. its Ray node id).
-        known = getattr(self, "stage_infos", None) or [{} for _ in infos]
+        known: list[StageInfo] = getattr(self, "stage_infos", None) or infos
         for entry, info in zip(known, infos):
-            entry.update(info)
-        self.stage_infos: list[dict[str, Any]] = known
+            entry.update_from(info)
+        self.stage_infos = known
         for info in self.stage_infos:
+            start, end = info.layers or (0, 0)
             logger.info(
-                "Stage %d: layers [%d, %d) on %s (pid %d, %s, %d threads)",
-                info["pp_rank"],
-                info["layers"][0],
-                info["layers"][1],
-                info["host"],
-                info["pid"],
-                info["device"],
-                info["threads"],
-            )
+                "Stage %d: layers [%d, %d) on %s (pid %s, %s, %d threads)",
+                info.pp_rank, start, end, info.host, info.pid, info.device, info.threads,
+            )  # fmt: skip
         self._init_cache()
 
     @abstractmethod
@@ -96,8 +97,8 @@ class ExecutorBase(ABC):
         self.cache_config.num_cpu_blocks = num_cpu
         self._run_workers("initialize_cache", num_gpu, num_cpu)
 
-    def get_stage_stats(self, reset: bool = True) -> list[dict[str, float]]:
-        """Per stage: compute / receive / send / idle seconds since the last reset."""
+    def get_stage_stats(self, reset: bool = True) -> list[StageStats]:
+        """Per rank: compute / receive / send / idle seconds since the last reset."""
         return self._run_workers("get_stage_stats", reset)
 
     def start_profile(self, trace_dir: str) -> None:
@@ -147,19 +148,30 @@ class ExecutorBase(ABC):
         return [request if rank // tp in (0, last_stage) else light for rank in range(world)]
 
     @abstractmethod
-    def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
-        """Submit one step to the pipeline; returns a handle for `get_output`. `num_tokens`
-        (the step's batched tokens) sizes the step's deadline."""
+    def _submit_step(self, request: ExecuteModelRequest, num_tokens: int) -> StepFuture:
+        """Send one step to the pipeline without waiting. `num_tokens` (the step's batched
+        tokens) sizes its deadline. Raises MessageNotSerializableError before anything is
+        sent when the step cannot be pickled for the stages."""
 
-    @abstractmethod
-    def get_output(self, handle: Any) -> SamplerOutput:
-        """Wait for a submitted step and return the last stage's sampler output.
+    @overload
+    def execute_model(
+        self, request: ExecuteModelRequest, non_block: Literal[False] = False, num_tokens: int = 0
+    ) -> SamplerOutput: ...
 
-        Raises StageFailedError (naming the stages) when a stage dies, freezes or raises, or
-        the step misses its deadline."""
+    @overload
+    def execute_model(
+        self, request: ExecuteModelRequest, non_block: Literal[True], num_tokens: int = 0
+    ) -> StepFuture: ...
 
-    def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
-        return self.get_output(self.execute_model_async(request))
+    def execute_model(
+        self, request: ExecuteModelRequest, non_block: bool = False, num_tokens: int = 0
+    ) -> SamplerOutput | StepFuture:
+        """Run one step: its sampler output, or with `non_block` its future at once.
+
+        The future's `result()` raises StageFailedError (naming the stages) when a stage dies,
+        freezes or raises, or the step misses its deadline."""
+        future = self._submit_step(request, num_tokens)
+        return future if non_block else future.result()
 
     def discard_steps(self) -> None:  # noqa: B027  (optional hook: nothing to do in-process)
         """Forget the outputs of every submitted step (the engine will not collect them)."""
@@ -218,14 +230,14 @@ class StageProcessExecutor(ExecutorBase):
         self._call_ranks(ranks, "initialize_cache", num_gpu, num_cpu, timeout=budget)
         infos = self._call_ranks(ranks, "get_stage_info", timeout=budget)
         for rank, info in zip(ranks, infos):
-            self.stage_infos[rank].update(info)
-            logger.info("Replaced %s", describe_stage(self.stage_infos[rank]))
+            self.stage_infos[rank].update_from(info)
+            logger.info("Replaced %s", self.stage_infos[rank].describe())
 
     def _check_local_processes(self) -> None:
         """RankCallError (lost) for the first rank whose process on this node is gone or
         stopped; ranks on other nodes are left to their heartbeats."""
         for rank, info in enumerate(self.stage_infos):
-            problem = local_process_problem(info.get("pid"), info.get("host"))
+            problem = local_process_problem(info.pid, info.host)
             if problem is not None:
                 raise RankCallError(rank, problem, lost=True)
 
@@ -252,15 +264,15 @@ class StageProcessExecutor(ExecutorBase):
         ranks = list(range(self.parallel_config.world_size))
         return self._wait_calls(ranks, self._submit({r: (method, args, kwargs) for r in ranks}))
 
-    def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
+    def _submit_step(self, request: ExecuteModelRequest, num_tokens: int) -> StepFuture:
         requests = self._requests_per_rank(request)
         call_id = self._submit(
             {rank: ("execute_model", (req,), {}) for rank, req in enumerate(requests)}
         )
-        return call_id, self.parallel_config.step_deadline_s(num_tokens)
+        deadline_s = self.parallel_config.step_deadline_s(num_tokens)
+        return StepFuture(call_id, lambda: self._wait_step(call_id, deadline_s))
 
-    def get_output(self, handle: Any) -> SamplerOutput:
-        call_id, deadline_s = handle
+    def _wait_step(self, call_id: int, deadline_s: float) -> SamplerOutput:
         # Any rank's error or loss fails this wait: a failed earlier stage would otherwise
         # leave the last one waiting forever.
         with self._failures_named(f"missed the {deadline_s:.0f} s step deadline"):

@@ -29,8 +29,9 @@ from vllm import envs
 from vllm.distributed.net_utils import get_distributed_init_method, get_open_port
 from vllm.executor.base import StageProcessExecutor
 from vllm.executor.rank_calls import Calls, RankCallError, RankCalls, WorkerHost, serve_calls
-from vllm.executor.stage_supervisor import StageFailedError, StageFailure, describe_stage
+from vllm.executor.stage_supervisor import StageFailedError, StageFailure
 from vllm.logger import init_logger
+from vllm.worker.stage_report import StageInfo
 
 logger = init_logger("vllm.executor.mp_executor")
 
@@ -100,9 +101,7 @@ class MultiprocessingExecutor(StageProcessExecutor):
             )
         tp = pc.tensor_parallel_size
         # Replaced by the ranks' own get_stage_info once they are up (ExecutorBase).
-        self.stage_infos = [
-            {"rank": r, "pp_rank": r // tp, "tp_rank": r % tp} for r in range(world)
-        ]
+        self.stage_infos = [StageInfo(r, r // tp, r % tp) for r in range(world)]
         self.calls = RankCalls(world)
         self._threads = threads
         self.procs: list[Any] = [None] * world
@@ -130,22 +129,17 @@ class MultiprocessingExecutor(StageProcessExecutor):
         child_end.close()
         self.calls.attach(rank, parent_end, process=proc)
         self.procs[rank] = proc
-        self.stage_infos[rank]["pid"] = proc.pid
+        self.stage_infos[rank].pid = proc.pid
         logger.info("Rank %d: local process (pid %d)", rank, proc.pid)
 
     def _init_worker_calls(self, ranks: list[int], init_method: str) -> Calls:
-        configs = (
-            self.model_config,
-            self.parallel_config,
-            self.scheduler_config,
-            self.device_config,
-            self.cache_config,
-        )
         use_gpu = self.device_config.device == "cuda"
         kwargs = dict(
             distributed_init_method=init_method, num_threads=None if use_gpu else self._threads
         )
-        return {rank: ("init_worker", configs, dict(kwargs, rank=rank)) for rank in ranks}
+        return {
+            rank: ("init_worker", (self.engine_config,), dict(kwargs, rank=rank)) for rank in ranks
+        }
 
     # ---- recovery --------------------------------------------------------------------------
 
@@ -182,10 +176,10 @@ class MultiprocessingExecutor(StageProcessExecutor):
 
     def _rank_error(self, err: RankCallError, started: float) -> StageFailedError:
         """The engine's stage-failure error, naming the rank (stage, TP rank, layers, pid)."""
-        info = dict(self.stage_infos[err.rank])
-        if err.rank < len(self.procs):
-            info.setdefault("pid", self.procs[err.rank].pid)
-        name = f"{describe_stage(info)} tp_rank {info.get('tp_rank', 0)}"
+        info = self.stage_infos[err.rank]
+        if info.pid is None and err.rank < len(self.procs):
+            info.pid = self.procs[err.rank].pid
+        name = f"{info.describe()} tp_rank {info.tp_rank}"
         failure = StageFailure(err.rank, name, err.problem)
         return StageFailedError([failure], time.monotonic() - started, err.call_id)
 

@@ -44,13 +44,13 @@ from vllm.executor.ray_utils import (
 from vllm.executor.stage_supervisor import (
     StageFailedError,
     StageFailure,
-    describe_stage,
     kill_local_process,
     local_process_problem,
     ping_timeout_s,
     wait_process_gone,
 )
 from vllm.logger import init_logger
+from vllm.worker.stage_report import StageInfo
 
 logger = init_logger("vllm.executor.ray_executor")
 
@@ -77,9 +77,7 @@ class RayExecutor(StageProcessExecutor):
         )
         self.workers: list[Any] = [None] * world
         tp = self.parallel_config.tensor_parallel_size
-        self.stage_infos = [
-            {"rank": r, "pp_rank": r // tp, "tp_rank": r % tp} for r in range(world)
-        ]
+        self.stage_infos = [StageInfo(r, r // tp, r % tp) for r in range(world)]
         self.calls = RankCalls(world)
         # Proves to each actor that a connection to it comes from this engine.
         self._authkey = os.urandom(32)
@@ -90,7 +88,7 @@ class RayExecutor(StageProcessExecutor):
     @property
     def node_ids(self) -> list[str]:
         """The Ray node id of each rank's actor, in rank order."""
-        return [info.get("node_id", "") for info in self.stage_infos]
+        return [info.node_id for info in self.stage_infos]
 
     def _actor_env(self) -> dict[str, str]:
         import vllm
@@ -140,7 +138,7 @@ class RayExecutor(StageProcessExecutor):
             ips, nodes = [ips[i] for i in order], [nodes[i] for i in order]
             check_tp_groups_on_one_node(nodes, self.parallel_config.tensor_parallel_size)
         for rank, ip, node in zip(ranks, ips, nodes):
-            self.stage_infos[rank].update(ip=ip, node_id=node)
+            self.stage_infos[rank].ip, self.stage_infos[rank].node_id = ip, node
             logger.info("Rank %d: Ray actor on node %s (id %s)", rank, ip, node[:12])
         addresses = self._wait_all(
             [self.workers[r].open_calls.remote(self._authkey) for r in ranks], timeout
@@ -155,14 +153,10 @@ class RayExecutor(StageProcessExecutor):
         (who leave their old groups and join the new ones at the same time)."""
         ranks = list(ranks)
         port = self._wait_all([self.workers[0].get_open_port.remote()], timeout)[0]
-        init_method = get_distributed_init_method(self.stage_infos[0]["ip"], port)
+        init_method = get_distributed_init_method(self.stage_infos[0].ip, port)
         threads = None if self._use_gpu else _threads_per_stage()
         kwargs = dict(
-            model_config=self.model_config,
-            parallel_config=self.parallel_config,
-            scheduler_config=self.scheduler_config,
-            device_config=self.device_config,
-            cache_config=self.cache_config,
+            engine_config=self.engine_config,
             distributed_init_method=init_method,
             num_threads=threads,
         )
@@ -262,7 +256,7 @@ class RayExecutor(StageProcessExecutor):
         if not problems:
             problems = {r: timeout_problem or "failed" for r in range(len(self.workers))}
         failures = [
-            StageFailure(rank, describe_stage(self.stage_infos[rank]), problem)
+            StageFailure(rank, self.stage_infos[rank].describe(), problem)
             for rank, problem in sorted(problems.items())
         ]
         error = StageFailedError(failures, waited_s, call_id)
@@ -277,7 +271,7 @@ class RayExecutor(StageProcessExecutor):
         on_node = {
             rank: problem
             for rank, info in enumerate(self.stage_infos)
-            if (problem := local_process_problem(info.get("pid"), info.get("host")))
+            if (problem := local_process_problem(info.pid, info.host))
         }
         if on_node:
             return on_node
@@ -289,7 +283,7 @@ class RayExecutor(StageProcessExecutor):
         stuck: dict[int, str] = {}
         for rank, ref in refs.items():
             info = self.stage_infos[rank]
-            local = local_process_problem(info.get("pid"), info.get("host"))
+            local = local_process_problem(info.pid, info.host)
             if ref not in ready_set:
                 problems[rank] = local or (
                     f"did not answer a health check within {timeout:g} s (frozen?)"
@@ -340,12 +334,12 @@ class RayExecutor(StageProcessExecutor):
                     pass
         for rank in ranks:
             info = self.stage_infos[rank]
-            if grace_s <= 0 or not wait_process_gone(info.get("pid"), info.get("host"), grace_s):
-                kill_local_process(info.get("pid"), info.get("host"))
+            if grace_s <= 0 or not wait_process_gone(info.pid, info.host, grace_s):
+                kill_local_process(info.pid, info.host)
         for rank in ranks:
             info = self.stage_infos[rank]
-            if not wait_process_gone(info.get("pid"), info.get("host"), 10.0):
-                logger.warning("%s: process still there 10 s after SIGKILL", describe_stage(info))
+            if not wait_process_gone(info.pid, info.host, 10.0):
+                logger.warning("%s: process still there 10 s after SIGKILL", info.describe())
             self.workers[rank] = None
             self.calls.detach(rank)
 

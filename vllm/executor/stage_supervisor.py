@@ -23,16 +23,6 @@ def ping_timeout_s() -> float:
     return envs.get_float("VLLM_PP_HEARTBEAT_TIMEOUT_S")
 
 
-def describe_stage(info: dict[str, Any]) -> str:
-    """'stage 1 (rank 1, layers [15, 30), node host 10.0.0.2, pid 1234)'."""
-    start, end = info.get("layers", ("?", "?"))
-    return (
-        f"stage {info.get('pp_rank', '?')} (rank {info.get('rank', '?')}, layers "
-        f"[{start}, {end}), node {info.get('host', '?')} {info.get('ip', '')}".rstrip()
-        + f", pid {info.get('pid', '?')})"
-    )
-
-
 @dataclass
 class StageFailure:
     """One failed stage: its rank, how it was described, and what was seen."""

@@ -6,7 +6,7 @@ from typing import Any
 
 from vllm import envs
 from vllm.executor.base import ExecutorBase
-from vllm.sequence import SamplerOutput
+from vllm.executor.step_future import StepFuture
 from vllm.step_delta import ExecuteModelRequest
 from vllm.worker.worker import Worker
 
@@ -16,11 +16,7 @@ class UniProcExecutor(ExecutorBase):
 
     def _init_workers(self) -> None:
         self.worker: Worker = Worker(
-            self.model_config,
-            self.parallel_config,
-            self.scheduler_config,
-            self.device_config,
-            self.cache_config,
+            self.engine_config,
             # Default: torch's own thread count (all cores); the env var pins it.
             num_threads=envs.get_int("VLLM_CPU_THREADS_PER_STAGE") or None,
         )
@@ -30,11 +26,11 @@ class UniProcExecutor(ExecutorBase):
     def _run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args, **kwargs)]
 
-    def execute_model_async(self, request: ExecuteModelRequest, num_tokens: int = 0) -> Any:
-        return self.worker.execute_model(request)
-
-    def get_output(self, handle: Any) -> SamplerOutput:
-        return handle
+    def _submit_step(self, request: ExecuteModelRequest, num_tokens: int) -> StepFuture:
+        # The only stage runs here and now: the future is complete when it is returned.
+        output = self.worker.execute_model(request)
+        assert output is not None  # the only stage is the last one: it samples
+        return StepFuture.completed(output)
 
     def shutdown(self, graceful: bool = True) -> None:
         if getattr(self, "worker", None) is not None:

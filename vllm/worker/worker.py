@@ -11,32 +11,23 @@ from typing import Any, Optional
 
 import torch
 
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from vllm.config import EngineConfig
 from vllm.distributed import net_utils as net
 from vllm.distributed import parallel_state as ps
 from vllm.distributed import tensor_parallel as tpu
-from vllm.distributed.communication import (
-    recv_tensor_dict,
-    release_when_sent,
-    send_tensor_dict,
-)
+from vllm.distributed.communication import recv_tensor_dict, send_tensor_dict
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
-from vllm.sequence import SamplerOutput, SequenceGroupMetadata
-from vllm.step_delta import ExecuteModelRequest, StageRequestState, StepMessage, message_bytes
+from vllm.sequence import SamplerOutput
+from vllm.step_delta import ExecuteModelRequest, StageRequestState, message_bytes
 from vllm.worker.cache_engine import CacheEngine, layers_block_bytes
 from vllm.worker.cpu_memory import release_memory, tune_malloc
 from vllm.worker.model_runner import ModelRunner
+from vllm.worker.profiler import StageProfiler
+from vllm.worker.sampled_ids import SampledIdChannel
+from vllm.worker.stage_report import StageInfo, StageStats, StageTimers
 
 logger = logging.getLogger("vllm.worker")
-
-
-def _new_stats() -> dict[str, float]:
-    keys = (
-        "steps", "idle_s", "cache_s", "recv_s", "compute_s", "compute_cpu_s", "send_s",
-        "tokens_wait_s", "step_bytes",
-    )  # fmt: skip
-    return dict.fromkeys(keys, 0.0)
 
 
 class Worker:
@@ -44,20 +35,19 @@ class Worker:
 
     def __init__(
         self,
-        model_config: ModelConfig,
-        parallel_config: ParallelConfig,
-        scheduler_config: SchedulerConfig,
-        device_config: DeviceConfig,
-        cache_config: CacheConfig,
+        engine_config: EngineConfig,
         rank: int = 0,
         distributed_init_method: Optional[str] = None,
         num_threads: Optional[int] = None,
     ) -> None:
-        self.model_config = model_config
-        self.parallel_config = parallel_config
-        self.scheduler_config = scheduler_config
-        self.device_config = device_config
-        self.cache_config = cache_config
+        """The one way every executor builds a rank: the engine's configs, the rank, the
+        rendezvous URL (world size > 1) and the CPU threads (None: torch's default)."""
+        self.engine_config = engine_config
+        self.model_config = engine_config.model_config
+        self.parallel_config = engine_config.parallel_config
+        self.scheduler_config = engine_config.scheduler_config
+        self.device_config = engine_config.device_config
+        self.cache_config = engine_config.cache_config
         self.rank = rank
         self.distributed_init_method = distributed_init_method
         self.num_threads = num_threads
@@ -66,13 +56,14 @@ class Worker:
         # First and last stage: the requests of the step messages (deltas), and the
         # channel of sampled ids from the last stage to the first (asynchronous pipeline).
         self.request_state = StageRequestState()
-        self._sampled_through = 0
-        self.stats = _new_stats()
-        self._last_exit: Optional[float] = None
-        # perf_counter() when the step in progress started; None between steps. Read from
-        # the actor's health thread (ping), so a stuck step can be told from an idle stage.
-        self.busy_since: Optional[float] = None
-        self._profiler: Any = None
+        self.sampled_ids = SampledIdChannel(rank, self.parallel_config)
+        self.timers = StageTimers()
+
+    @property
+    def busy_since(self) -> Optional[float]:
+        """perf_counter() when the step in progress started; None between steps (read by the
+        Ray actor's health thread)."""
+        return self.timers.busy_since
 
     def init_device(self) -> None:
         """Pick the device, set CPU threads, join the process groups (world size > 1)."""
@@ -95,6 +86,8 @@ class Worker:
         self.layout = StageLayout(
             start, end, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         )
+        self.timers = StageTimers(pp_rank)
+        self.profiler = StageProfiler(self.device, self.rank)
 
     def _join_process_groups(self) -> None:
         pc = self.parallel_config
@@ -116,8 +109,7 @@ class Worker:
         so no KV written before the failure is read again."""
         # The previous send's peer may be gone: never wait on it.
         self._pending_send = None
-        # The new groups start a new channel of sampled ids, numbered from 0 by the engine.
-        self._sampled_through = 0
+        self.sampled_ids.reset()
         self.request_state.clear()
         try:
             ps.destroy_model_parallel()
@@ -126,8 +118,7 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self._join_process_groups()
         self.model_runner.drop_requests(list(self.model_runner.generators))
-        self.busy_since = None
-        self._last_exit = None
+        self.timers.abort()
 
     def load_model(self) -> None:
         model = load_stage_model(self.model_config, self.layout, self.device)
@@ -135,25 +126,26 @@ class Worker:
             model, self.layout, self.cache_config.block_size, self.device, self.model_config
         )
 
-    def get_stage_info(self) -> dict[str, Any]:
+    def get_stage_info(self) -> StageInfo:
         """Where this stage runs and what it holds (the engine logs it)."""
-        return {
-            "rank": self.rank,
-            "pp_rank": ps.get_pipeline_model_parallel_rank(),
-            "tp_rank": ps.get_tensor_model_parallel_rank(),
-            "tp_size": ps.get_tensor_model_parallel_world_size(),
-            "layers": (self.layout.start_layer, self.layout.end_layer),
-            "is_first": self.layout.is_first,
-            "is_last": self.layout.is_last,
-            "host": socket.gethostname(),
-            "ip": net.get_ip(),
-            "pid": os.getpid(),
-            "device": str(self.device),
-            "threads": torch.get_num_threads(),
-            "num_params": self.model_runner.model.num_params,
-            "weight_bytes": self.model_runner.model.weight_bytes,
-            "linear_path": self.model_runner.model.linear_path,
-        }
+        model = self.model_runner.model
+        return StageInfo(
+            rank=self.rank,
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            layers=(self.layout.start_layer, self.layout.end_layer),
+            is_first=self.layout.is_first,
+            is_last=self.layout.is_last,
+            host=socket.gethostname(),
+            ip=net.get_ip(),
+            pid=os.getpid(),
+            device=str(self.device),
+            threads=torch.get_num_threads(),
+            num_params=model.num_params,
+            weight_bytes=model.weight_bytes,
+            linear_path=model.linear_path,
+        )
 
     def get_memory_stats(self) -> dict[str, Any]:
         """Peak memory of this stage's process (RSS on CPU, allocator peak on CUDA)."""
@@ -281,7 +273,7 @@ class Worker:
         try:
             return self._execute_model(request)
         except BaseException as exc:
-            self.busy_since = None  # the step is over: a ping must not call it stuck
+            self.timers.abort()  # the step is over: a ping must not call it stuck
             if self.parallel_config.world_size > 1:
                 logger.warning(
                     "rank %d: step failed (%s: %s); leaving the process groups",
@@ -298,12 +290,8 @@ class Worker:
 
     def _execute_model(self, request: ExecuteModelRequest) -> Optional[SamplerOutput]:
         assert self.cache_engine is not None, "initialize_cache() first"
-        stats = self.stats
-        entered = time.perf_counter()
-        self.busy_since = entered
-        if self._last_exit is not None:
-            # Time between steps: this stage was waiting for the driver's next call.
-            stats["idle_s"] += entered - self._last_exit
+        timers, step, layout = self.timers, request.step, self.layout
+        timers.begin()
         cache = self.cache_engine
         cache.reserve(request.kv_blocks_bound)
         # Block operations come before the forward: this step's batch may use moved blocks.
@@ -312,163 +300,68 @@ class Worker:
         cache.copy(request.blocks_to_copy)
         self.model_runner.drop_requests(request.finished_request_ids)
         metadata_list = None
-        tokens_wait_s = 0.0
-        if request.step is not None:
+        if step is not None:
             self.request_state.drop(request.finished_request_ids)
-            if self.layout.is_first and not self.layout.is_last:
+            if layout.is_first and not layout.is_last:
                 # Decodes scheduled ahead feed the ids the last stage sampled for them.
-                waited = time.perf_counter()
-                self._receive_sampled(request.step.recv_sampled_through)
-                tokens_wait_s = time.perf_counter() - waited
-            metadata_list = self.request_state.apply(request.step)
-            if self.layout.is_first and self.parallel_config.world_size > 1:
+                timers.lap("cache_s")
+                self.sampled_ids.receive(step.recv_sampled_through, self.request_state)
+                timers.lap("tokens_wait_s")
+            metadata_list = self.request_state.apply(step)
+            if layout.is_first and self.parallel_config.world_size > 1:
                 # What the engine sent this stage for the step (deltas): ~20 us to count.
                 # In-process (one rank) nothing was pickled, and a request's logits processor
                 # need not be picklable at all.
-                stats["step_bytes"] += message_bytes(request.step)
+                timers.stats.step_bytes += message_bytes(step)
         # Cache work first: on a later stage it overlaps with the previous stage's compute.
-        cached = time.perf_counter()
-        stats["tokens_wait_s"] += tokens_wait_s
-        stats["cache_s"] += cached - entered - tokens_wait_s
-        received = None
-        if not self.layout.is_first:
-            received = recv_tensor_dict(
-                ps.get_pipeline_model_parallel_prev_rank(), device=self.device
-            )
-            if received.pop("hidden_tp_sliced", False):
-                received["hidden"] = tpu.all_gather_last_dim(received["hidden"])
-        started = time.perf_counter()
+        timers.lap("cache_s")
+        received = None if layout.is_first else self._receive_hidden()
+        timers.lap("recv_s")
         cpu_started = time.thread_time()
-        stats["recv_s"] += started - cached
         to_send, output = self.model_runner.execute_stage(cache.gpu_cache, metadata_list, received)
-        if self.layout.is_last and request.step is not None and not self.layout.is_first:
-            self._share_sampled(request.step, metadata_list, output)
-        computed = time.perf_counter()
-        stats["compute_s"] += computed - started
-        # Less CPU than wall time in compute means the core was taken by someone else.
-        stats["compute_cpu_s"] += time.thread_time() - cpu_started
+        if layout.is_last and step is not None and not layout.is_first:
+            self.sampled_ids.share(step, output, self.request_state)
+        timers.lap("compute_s")
+        timers.stats.compute_cpu_s += time.thread_time() - cpu_started
         if to_send is not None:
-            # Wait for the previous step's send before starting this one (keeps order and
-            # bounds memory), but do not wait for this send: the next stage overlaps with us.
-            if self._pending_send is not None:
-                self._pending_send.wait()
-            # TP: each rank sends its 1/tp slice; the next stage's ranks all-gather them.
-            to_send["hidden"], sliced = tpu.slice_for_next_stage(to_send["hidden"])
-            if sliced:
-                to_send["hidden_tp_sliced"] = True
-            self._pending_send = send_tensor_dict(
-                to_send, ps.get_pipeline_model_parallel_next_rank(), async_op=True
-            )
-        self._last_exit = time.perf_counter()
-        stats["send_s"] += self._last_exit - computed
-        stats["steps"] += 1
-        self.busy_since = None
+            self._send_hidden(to_send)
+        timers.lap("send_s")
+        timers.end()
         return output
 
-    def _receive_sampled(self, through: int) -> None:
-        """First stage: take the last stage's sampled-id messages up to step `through` (the
-        decodes scheduled ahead in this step feed those tokens)."""
-        src = self.parallel_config.last_stage_driver_rank
-        while self._sampled_through < through:
-            message = recv_tensor_dict(src, device="cpu")
-            if message["step_no"] != self._sampled_through + 1:
-                raise RuntimeError(
-                    f"rank {self.rank}: sampled ids of step {message['step_no']} arrived, "
-                    f"step {self._sampled_through + 1} was expected"
-                )
-            self.request_state.record_sampled(message["pairs"])
-            self._sampled_through = message["step_no"]
+    def _receive_hidden(self) -> dict[str, Any]:
+        """The previous stage's hidden states and metadata (TP: all-gathered from slices)."""
+        received = recv_tensor_dict(ps.get_pipeline_model_parallel_prev_rank(), device=self.device)
+        if received.pop("hidden_tp_sliced", False):
+            received["hidden"] = tpu.all_gather_last_dim(received["hidden"])
+        return received
 
-    def _share_sampled(
-        self,
-        step: StepMessage,
-        metadata_list: Optional[list[SequenceGroupMetadata]],
-        output: Optional[SamplerOutput],
-    ) -> None:
-        """Last stage: keep the ids this step sampled (for decodes scheduled ahead) and, with
-        the asynchronous pipeline, send them to the first stage's ranks (and to this stage's
-        other TP ranks, whose sampler returns nothing)."""
-        pc = self.parallel_config
-        tp = pc.tensor_parallel_size
-        driver = pc.last_stage_driver_rank
-        if output is not None:
-            pairs = [(s.parent_seq_id, s.output_token) for g in output for s in g.samples]
-            self.request_state.record_sampled(pairs)
-            if not step.send_sampled:
-                return
-            message = {"step_no": step.step_no, "pairs": pairs}
-            peers = [*range(tp), *range(driver + 1, driver + tp)]
-            for peer in peers:
-                # Nothing here may wait for these sends: the first stage takes the ids only
-                # when a later step of the engine asks it to (see BatchQueue).
-                release_when_sent(send_tensor_dict(message, peer, async_op=True))
-        elif step.send_sampled and self.rank != driver:
-            self.request_state.record_sampled(recv_tensor_dict(driver, device="cpu")["pairs"])
+    def _send_hidden(self, to_send: dict[str, Any]) -> None:
+        """Send to the next stage without waiting for it (the next stage overlaps with this
+        one), after the previous step's send finished (keeps order and bounds memory)."""
+        if self._pending_send is not None:
+            self._pending_send.wait()
+        # TP: each rank sends its 1/tp slice; the next stage's ranks all-gather them.
+        to_send["hidden"], sliced = tpu.slice_for_next_stage(to_send["hidden"])
+        if sliced:
+            to_send["hidden_tp_sliced"] = True
+        self._pending_send = send_tensor_dict(
+            to_send, ps.get_pipeline_model_parallel_next_rank(), async_op=True
+        )
 
-    def get_stage_stats(self, reset: bool = True) -> dict[str, float]:
-        """Where this stage's time went since the last reset: cache operations (mapping the
-        cache ahead of use, swaps, copies), waiting to receive from the previous stage, compute,
-        sending, and idle between steps (waiting for the driver)."""
-        stats = dict(self.stats, pp_rank=ps.get_pipeline_model_parallel_rank())
-        if reset:
-            self.stats = _new_stats()
-            self._last_exit = None
-        return stats
-
-    def _profile_name(self) -> str:
-        return f"stage{ps.get_pipeline_model_parallel_rank()}-rank{self.rank}"
+    def get_stage_stats(self, reset: bool = True) -> StageStats:
+        """Where this stage's time went since the last reset (`StageStats`)."""
+        return self.timers.take(reset)
 
     def start_profile(self, trace_dir: str) -> None:
-        """Start torch's profiler on this rank (on the thread that runs its steps); the trace
-        goes to `trace_dir` when `stop_profile` is called.
-
-        On CPU it is torch's legacy autograd profiler, without Kineto: Kineto binds itself to
-        the thread that loaded torch and refuses (or crashes on stop) another one, and the
-        steps run on another thread in a Ray actor's or an AsyncLLMEngine's process. On CUDA it is
-        torch.profiler (Kineto, for the kernels); the Ray actors load torch on their calls
-        thread for it (rank_calls.CallsThread)."""
-        if self._profiler is not None:
-            raise RuntimeError("Profiler is already running.")
-        profiler: Any
-        if self.device.type == "cuda":
-            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            handler = torch.profiler.tensorboard_trace_handler(
-                trace_dir, worker_name=self._profile_name(), use_gzip=True
-            )
-            profiler = torch.profiler.profile(
-                activities=activities, record_shapes=True, on_trace_ready=handler
-            )
-            profiler.start()
-        else:
-            from torch.autograd import profiler_legacy
-
-            profiler = profiler_legacy.profile(record_shapes=True)
-            profiler.__enter__()
-        self._profiler = (profiler, trace_dir)
-        logger.info("rank %d: profiler started (traces to %s)", self.rank, trace_dir)
+        """Start torch's profiler on this rank (see `StageProfiler`)."""
+        self.profiler.start(
+            trace_dir, f"stage{ps.get_pipeline_model_parallel_rank()}-rank{self.rank}"
+        )
 
     def stop_profile(self) -> Optional[str]:
-        """Stop the profiler: its trace (Chrome trace format, for https://ui.perfetto.dev:
-        `<stage>-rank<r>.pt.trace.json`, gzipped by torch on CUDA) and a table of the ops by
-        time (`<stage>-rank<r>-ops.txt`) are written. Returns the table's path; None on a rank
-        that was not profiling (one replaced after a failure)."""
-        if self._profiler is None:
-            return None
-        (profiler, trace_dir), self._profiler = self._profiler, None
-        name = self._profile_name()
-        if self.device.type == "cuda":
-            profiler.stop()  # the handler writes the trace
-            sort_by = "self_cuda_time_total"
-        else:
-            profiler.__exit__(None, None, None)
-            os.makedirs(trace_dir, exist_ok=True)
-            profiler.export_chrome_trace(os.path.join(trace_dir, f"{name}.pt.trace.json"))
-            sort_by = "self_cpu_time_total"
-        path = os.path.join(trace_dir, f"{name}-ops.txt")
-        with open(path, "w") as f:
-            f.write(profiler.key_averages().table(sort_by=sort_by, row_limit=50))
-        logger.info("rank %d: profiler stopped; ops by time in %s", self.rank, path)
-        return path
+        """Stop the profiler; the path of its ops table (None if it was not running)."""
+        return self.profiler.stop()
 
     def shutdown(self) -> None:
         """Finish the last send, leave the process groups and give the memory back."""
