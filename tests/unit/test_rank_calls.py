@@ -11,15 +11,8 @@ from typing import Any
 
 import pytest
 
-from vllm.executor.rank_calls import (
-    CallsThread,
-    RankCallError,
-    RankCalls,
-    RankCallTimeout,
-    WorkerHost,
-    connect_to_rank,
-    serve_calls,
-)
+from vllm.executor.rank_calls import RankCallError, RankCalls, RankCallTimeout, connect_to_rank
+from vllm.worker.rank_server import CallsThread, WorkerHost, serve_calls
 
 pytestmark = pytest.mark.fast
 

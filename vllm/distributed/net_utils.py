@@ -58,3 +58,9 @@ def get_distributed_init_method(ip: str, port: int) -> str:
     # IPv6 literals must be bracketed inside a URL.
     host = f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip
     return f"tcp://{host}:{port}"
+
+
+def set_no_delay(sock: socket.socket) -> None:
+    """Small messages (a decode step's delta, a result) must leave at once, not wait for
+    Nagle's algorithm."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

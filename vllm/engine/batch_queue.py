@@ -17,14 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Protocol
 
 from vllm.core.scheduler import SchedulerOutputs
+from vllm.distributed.serialization import MessageNotSerializableError, message_bytes
 from vllm.executor.step_future import StepFuture
 from vllm.sequence import SamplerOutput, SequenceGroupMetadata
-from vllm.step_delta import (
-    ExecuteModelRequest,
-    MessageNotSerializableError,
-    StepEncoder,
-    message_bytes,
-)
+from vllm.step_delta import ExecuteModelRequest, StepEncoder
 
 
 class StepExecutor(Protocol):

@@ -28,6 +28,7 @@ from vllm import envs
 from vllm.config import EngineConfig, ModelConfig, SchedulerConfig
 from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
+from vllm.distributed.serialization import MessageNotSerializableError
 from vllm.engine.batch_queue import BatchQueue
 from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
@@ -38,7 +39,6 @@ from vllm.outputs import RequestOutput
 from vllm.request_failure import RequestFailedError
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
-from vllm.step_delta import MessageNotSerializableError
 from vllm.worker.stage_report import StageInfo, StageStats
 
 logger = init_logger("vllm.engine.llm_engine")

@@ -77,7 +77,7 @@ def check_sendable(sampling_params: SamplingParams) -> None:
     field): a logits processor that neither pickle nor cloudpickle can serialise (one holding
     a lock, an open file, a generator...). Checked at `add_request`, so a step holding the
     request can never fail to serialise half-way through the pipeline."""
-    from vllm.step_delta import MessageNotSerializableError, dumps_message
+    from vllm.distributed.serialization import MessageNotSerializableError, dumps_message
 
     for index, processor in enumerate(sampling_params.logits_processors or ()):
         try:

@@ -28,9 +28,10 @@ from typing import Any, Iterator
 from vllm import envs
 from vllm.distributed.net_utils import get_distributed_init_method, get_open_port
 from vllm.executor.base import StageProcessExecutor
-from vllm.executor.rank_calls import Calls, RankCallError, RankCalls, WorkerHost, serve_calls
+from vllm.executor.rank_calls import Calls, RankCallError, RankCalls
 from vllm.executor.stage_supervisor import StageFailedError, StageFailure
 from vllm.logger import init_logger
+from vllm.worker.rank_server import WorkerHost, serve_calls
 from vllm.worker.stage_report import StageInfo
 
 logger = init_logger("vllm.executor.mp_executor")

@@ -1,4 +1,5 @@
-"""Calls from the engine to its rank processes over one connection per rank, answered in order.
+"""Calls from the engine to its rank processes over one connection per rank, answered in order:
+the engine's end (the rank's end is `vllm.worker.rank_server`).
 
 Both backends use it: the `mp` backend over the pipe to each spawned process, Ray over a TCP
 connection the engine opens to each stage actor once it has started (Ray itself then only
@@ -16,20 +17,18 @@ cost each stage ~5 ms between two steps (1.2-1.4 s of a 25 s benchmark run, a st
 
 from __future__ import annotations
 
-import gc
 import itertools
 import multiprocessing
-import os
 import pickle
 import queue
 import socket
 import threading
 import time
-import traceback
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 from typing import Any, Callable, Mapping, Optional
 
-from vllm.step_delta import MessageNotSerializableError, dumps_message
+from vllm.distributed.net_utils import set_no_delay
+from vllm.distributed.serialization import dumps_message
 
 # A rank that is lost is noticed within this many seconds, whatever the call's deadline.
 _POLL_S = 0.5
@@ -56,113 +55,10 @@ class RankCallTimeout(RankCallError):
     """A call did not return within its deadline (every rank still alive)."""
 
 
-class WorkerHost:
-    """One rank's Worker inside its own process: built by the `init_worker` call, then every
-    other call is a method of it."""
-
-    def __init__(self) -> None:
-        self.worker: Any = None
-
-    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        if method == "init_worker":
-            from vllm.worker.worker import Worker
-
-            self.worker = Worker(*args, **kwargs)
-            return os.getpid()
-        result = getattr(self.worker, method)(*args, **kwargs)
-        if method == "initialize_cache":
-            # From here on this process only serves its stage, and what exists now (torch,
-            # the model, the cache) lives until it exits. Frozen, it stays out of the cyclic
-            # GC's full collections, which would otherwise pause a step now and then for
-            # 0.1 s or more -- and a paused stage stalls the whole pipeline.
-            gc.collect()
-            gc.freeze()
-        return result
-
-
-def serve_calls(conn: Connection, host: WorkerHost) -> None:
-    """A rank's end: run the calls read from `conn` one at a time and write back each result
-    (or the error, with its traceback) until the engine's end is gone."""
-    while True:
-        try:
-            data = conn.recv_bytes()
-        except (EOFError, OSError):
-            break
-        call_id, method, payload = pickle.loads(data)
-        try:
-            args, kwargs = pickle.loads(payload)
-            reply = (call_id, True, host.call(method, args, kwargs))
-        except BaseException as exc:  # report everything; the engine decides
-            reply = (call_id, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        try:
-            data = dumps_message(reply)
-        except MessageNotSerializableError as exc:  # a result the engine cannot be sent
-            data = pickle.dumps((call_id, False, f"{method} returned a result that {exc}"))
-        try:
-            conn.send_bytes(data)
-        except (BrokenPipeError, OSError):
-            break
-    # Also after a "shutdown" call, the engine closes its end first: a rank that closed its
-    # own would look lost to an engine still collecting the other ranks' replies.
-    conn.close()
-
-
-def _no_delay(sock: socket.socket) -> None:
-    # Small messages (a decode step's delta, a result) must leave at once, not wait for Nagle.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class CallsThread:
-    """A rank's end over TCP (Ray actors): the thread that serves the engine's calls.
-
-    Started when the actor is made, it first runs `first` -- the actor imports torch there:
-    torch's profiler client (Kineto) binds itself to the thread that loads torch and refuses
-    (or crashes on `stop`) when another thread profiles, and this thread runs every step.
-    `listen` then gives it a socket; it serves the first connection that proves it holds the
-    key."""
-
-    def __init__(self, host: WorkerHost, first: Optional[Callable[[], None]] = None) -> None:
-        self._server: queue.SimpleQueue[tuple[socket.socket, bytes]] = queue.SimpleQueue()
-        ready = threading.Event()
-        threading.Thread(
-            target=self._run, args=(host, first, ready), daemon=True, name="vllm-rank-calls"
-        ).start()
-        ready.wait()
-
-    def listen(self, ip: str, authkey: bytes) -> tuple[str, int]:
-        """Listen on `ip`; returns the address the engine connects to."""
-        server = socket.create_server((ip, 0))
-        self._server.put((server, authkey))
-        return ip, server.getsockname()[1]
-
-    def _run(
-        self, host: WorkerHost, first: Optional[Callable[[], None]], ready: threading.Event
-    ) -> None:
-        try:
-            if first is not None:
-                first()
-        finally:
-            ready.set()
-        server, authkey = self._server.get()
-        with server:
-            while True:
-                sock, _ = server.accept()
-                _no_delay(sock)
-                conn = Connection(sock.detach())
-                try:
-                    deliver_challenge(conn, authkey)
-                    answer_challenge(conn, authkey)
-                except (multiprocessing.AuthenticationError, EOFError, OSError):
-                    conn.close()
-                    continue  # not our engine: keep waiting for it
-                break
-        serve_calls(conn, host)
-
-
 def connect_to_rank(address: tuple[str, int], authkey: bytes, timeout: float) -> Connection:
     """The engine's end of a rank's TCP connection (see `CallsThread`)."""
     sock = socket.create_connection(address, timeout=timeout)
-    _no_delay(sock)
+    set_no_delay(sock)
     # Connection reads the descriptor directly: it must be back in blocking mode.
     sock.settimeout(None)
     conn = Connection(sock.detach())

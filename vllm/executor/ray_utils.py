@@ -34,8 +34,8 @@ class RayWorkerWrapper:
     stuck waiting on a neighbour -- and only a dead or frozen process leaves it unanswered."""
 
     def __init__(self) -> None:
-        from vllm.executor.rank_calls import CallsThread, WorkerHost
         from vllm.logger import configure_logging
+        from vllm.worker.rank_server import CallsThread, WorkerHost
 
         configure_logging()
         self._host = WorkerHost()

@@ -16,10 +16,11 @@ from vllm.distributed import net_utils as net
 from vllm.distributed import parallel_state as ps
 from vllm.distributed import tensor_parallel as tpu
 from vllm.distributed.communication import recv_tensor_dict, send_tensor_dict
+from vllm.distributed.serialization import message_bytes
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import SamplerOutput
-from vllm.step_delta import ExecuteModelRequest, StageRequestState, message_bytes
+from vllm.step_delta import ExecuteModelRequest, StageRequestState
 from vllm.worker.cache_engine import CacheEngine, layers_block_bytes
 from vllm.worker.cpu_memory import release_memory, tune_malloc
 from vllm.worker.model_runner import ModelRunner

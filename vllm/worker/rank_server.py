@@ -1,0 +1,127 @@
+"""A rank's end of the engine's calls: the process that hosts one Worker runs the calls read
+from its connection one at a time, in the order sent, and writes back each result (or the
+error, with its traceback). The `mp` backend serves them on the pipe of a spawned process,
+Ray on a TCP connection a thread of the actor accepts (`CallsThread`); the engine's end is
+`vllm.executor.rank_calls`.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import pickle
+import queue
+import socket
+import threading
+import traceback
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Any, Callable, Optional
+
+from vllm.distributed.net_utils import set_no_delay
+from vllm.distributed.serialization import MessageNotSerializableError, dumps_message
+
+
+class WorkerHost:
+    """One rank's Worker inside its own process. A call names a method of the host when it
+    has one (building the worker, and what the process does around a worker call), else a
+    method of the worker."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        own = getattr(type(self), method, None)
+        if own is not None and method != "call":
+            return own(self, *args, **kwargs)
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def init_worker(self, *args: Any, **kwargs: Any) -> int:
+        """Build the Worker (`Worker(engine_config, rank, ...)`); returns this process's pid."""
+        from vllm.worker.worker import Worker
+
+        self.worker = Worker(*args, **kwargs)
+        return os.getpid()
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+        # From here on this process only serves its stage, and what exists now (torch, the
+        # model, the cache) lives until it exits. Frozen, it stays out of the cyclic GC's
+        # full collections, which would otherwise pause a step now and then for 0.1 s or
+        # more -- and a paused stage stalls the whole pipeline.
+        gc.collect()
+        gc.freeze()
+
+
+def serve_calls(conn: Connection, host: WorkerHost) -> None:
+    """A rank's end: run the calls read from `conn` one at a time and write back each result
+    (or the error, with its traceback) until the engine's end is gone."""
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        call_id, method, payload = pickle.loads(data)
+        try:
+            args, kwargs = pickle.loads(payload)
+            reply = (call_id, True, host.call(method, args, kwargs))
+        except BaseException as exc:  # report everything; the engine decides
+            reply = (call_id, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        try:
+            data = dumps_message(reply)
+        except MessageNotSerializableError as exc:  # a result the engine cannot be sent
+            data = pickle.dumps((call_id, False, f"{method} returned a result that {exc}"))
+        try:
+            conn.send_bytes(data)
+        except (BrokenPipeError, OSError):
+            break
+    # Also after a "shutdown" call, the engine closes its end first: a rank that closed its
+    # own would look lost to an engine still collecting the other ranks' replies.
+    conn.close()
+
+
+class CallsThread:
+    """A rank's end over TCP (Ray actors): the thread that serves the engine's calls.
+
+    Started when the actor is made, it first runs `first` -- the actor imports torch there:
+    torch's profiler client (Kineto) binds itself to the thread that loads torch and refuses
+    (or crashes on `stop`) when another thread profiles, and this thread runs every step.
+    `listen` then gives it a socket; it serves the first connection that proves it holds the
+    key."""
+
+    def __init__(self, host: WorkerHost, first: Optional[Callable[[], None]] = None) -> None:
+        self._server: queue.SimpleQueue[tuple[socket.socket, bytes]] = queue.SimpleQueue()
+        ready = threading.Event()
+        threading.Thread(
+            target=self._run, args=(host, first, ready), daemon=True, name="vllm-rank-calls"
+        ).start()
+        ready.wait()
+
+    def listen(self, ip: str, authkey: bytes) -> tuple[str, int]:
+        """Listen on `ip`; returns the address the engine connects to."""
+        server = socket.create_server((ip, 0))
+        self._server.put((server, authkey))
+        return ip, server.getsockname()[1]
+
+    def _run(
+        self, host: WorkerHost, first: Optional[Callable[[], None]], ready: threading.Event
+    ) -> None:
+        try:
+            if first is not None:
+                first()
+        finally:
+            ready.set()
+        server, authkey = self._server.get()
+        with server:
+            while True:
+                sock, _ = server.accept()
+                set_no_delay(sock)
+                conn = Connection(sock.detach())
+                try:
+                    deliver_challenge(conn, authkey)
+                    answer_challenge(conn, authkey)
+                except (multiprocessing.AuthenticationError, EOFError, OSError):
+                    conn.close()
+                    continue  # not our engine: keep waiting for it
+                break
+        serve_calls(conn, host)
