@@ -340,6 +340,36 @@ def test_stage_processes_listen_on_no_wildcard_address(server):
     assert all(n <= allowed for n in wildcard_per_process), listening
 
 
+def test_health_reports_a_stopped_stage_between_steps(server):
+    """A stage process stopped (SIGSTOP) while the engine is idle: /health answers 503 naming
+    it at once (no step has to run into it), and 200 again once it runs."""
+    if server.kind == "pp1":  # type: ignore[attr-defined]
+        pytest.skip("PP=1 runs no stage process")
+    info = server.engine.engine.get_stage_infos()[1]
+    assert info.pid is not None
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    os.kill(info.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        resp = httpx.get(server.url + "/health", timeout=10)
+        took = time.monotonic() - started
+    finally:
+        os.kill(info.pid, signal.SIGCONT)
+    assert resp.status_code == 503, resp.text
+    body = resp.json()
+    assert body["type"] == "ServiceUnavailableError"
+    assert (
+        "stage 1 (rank 1" in body["message"] and f"process {info.pid} is stopped" in body["message"]
+    ), body
+    assert took < 2.0
+    deadline = time.monotonic() + 10
+    while httpx.get(server.url + "/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "still unhealthy after SIGCONT"
+        time.sleep(0.1)
+    resp = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+
+
 def test_api_key_guards_every_route(server):
     if server.kind != "pp1":  # type: ignore[attr-defined]
         pytest.skip("the routes are the same at every pipeline size")

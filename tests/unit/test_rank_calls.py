@@ -5,6 +5,7 @@ deadlines, forgotten calls, cloudpickle for what pickle refuses, and the TCP han
 from __future__ import annotations
 
 import multiprocessing
+import socket
 import threading
 import time
 from typing import Any
@@ -154,3 +155,37 @@ def test_tcp_connection_needs_the_key():
         assert calls.wait_for(0, call_id, 10.0) == first[0]
     finally:
         calls.close()
+
+
+def test_a_silent_stranger_does_not_hold_up_the_engine():
+    """Connections that say nothing, or send garbage, before the engine connects: each is
+    handled on its own thread with a deadline, so the engine is served at once."""
+    host = WorkerHost()
+    host.worker = _Echo()
+    address = CallsThread(host).listen("127.0.0.1", b"k" * 32)
+    silent = socket.create_connection(address)
+    garbage = socket.create_connection(address)
+    garbage.sendall(b"\x7f\xff\xff\xff" + b"x" * 64)  # a 2 GiB "message": refused
+    calls = RankCalls(1)
+    try:
+        started = time.monotonic()
+        calls.attach(0, connect_to_rank(address, b"k" * 32, timeout=5.0))
+        assert time.monotonic() - started < 2.0
+        assert calls.wait_for(0, calls.broadcast("step", [0], "hello"), 10.0) == "hello"
+    finally:
+        calls.close()
+        silent.close()
+        garbage.close()
+
+
+def test_the_engine_gives_up_on_a_rank_that_never_answers():
+    """The engine's side has a deadline too: a listener that never speaks is an error within
+    the timeout, not a hang."""
+    server = socket.create_server(("127.0.0.1", 0))
+    try:
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            connect_to_rank(server.getsockname()[:2], b"k" * 32, timeout=1.0)
+        assert time.monotonic() - started < 3.0
+    finally:
+        server.close()

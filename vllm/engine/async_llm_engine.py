@@ -165,11 +165,14 @@ class AsyncLLMEngine:
         self._thread.start()
 
     async def check_health(self) -> None:
-        """Raise AsyncEngineDeadError if the background loop has died."""
+        """Raise AsyncEngineDeadError if the background loop has died, StageFailedError if a
+        stage is dead or stopped (found between steps too; the next step replaces it)."""
         if self.errored:
             raise self.dead_error
         if self._thread is None or not self._thread.is_alive():
             raise AsyncEngineDeadError("Background loop is not running.")
+        # A few psutil reads of this node's rank processes: no need to leave the event loop.
+        self.engine.executor.check_health()
 
     async def get_model_config(self) -> Any:
         return self.engine.model_config

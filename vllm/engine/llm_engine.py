@@ -246,6 +246,12 @@ class LLMEngine:
         self._check_alive()
         return self.executor.stop_profile()
 
+    def check_health(self) -> None:
+        """Raise if the engine is dead (EngineDeadError) or a stage cannot run a step now
+        (StageFailedError, naming it: the next step replaces it)."""
+        self._check_alive()
+        self.executor.check_health()
+
     def get_stage_infos(self) -> list[StageInfo]:
         """Where each rank runs and what it holds (stage, layers, node, pid, threads,
         parameters), in rank order."""

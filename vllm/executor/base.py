@@ -11,7 +11,7 @@ from typing import Any, Callable, Literal, Optional, overload
 
 from vllm.config import EngineConfig
 from vllm.executor.rank_calls import Calls, RankCallError, RankCalls
-from vllm.executor.stage_supervisor import local_process_problem
+from vllm.executor.stage_supervisor import StageFailedError, StageFailure, local_process_problem
 from vllm.executor.step_future import StepFuture
 from vllm.sequence import SamplerOutput
 from vllm.step_delta import ExecuteModelRequest
@@ -173,6 +173,10 @@ class ExecutorBase(ABC):
         future = self._submit_step(request, num_tokens)
         return future if non_block else future.result()
 
+    def check_health(self) -> None:  # noqa: B027  (optional hook: nothing to check in-process)
+        """Raise StageFailedError when a stage is known to be unable to run a step (its
+        process dead or stopped), between steps as well as during them."""
+
     def discard_steps(self) -> None:  # noqa: B027  (optional hook: nothing to do in-process)
         """Forget the outputs of every submitted step (the engine will not collect them)."""
 
@@ -232,6 +236,16 @@ class StageProcessExecutor(ExecutorBase):
         for rank, info in zip(ranks, infos):
             self.stage_infos[rank].update_from(info)
             logger.info("Replaced %s", self.stage_infos[rank].describe())
+
+    def check_health(self) -> None:
+        """Every rank process on this node: a dead or stopped one fails the check at once,
+        naming its stage (`/health` reports it even while the engine is idle; ranks on other
+        nodes are left to the step's heartbeats)."""
+        for rank, info in enumerate(self.stage_infos):
+            problem = local_process_problem(info.pid, info.host)
+            if problem is not None:
+                name = f"{info.describe()} tp_rank {info.tp_rank}"
+                raise StageFailedError([StageFailure(rank, name, problem)], 0.0)
 
     def _check_local_processes(self) -> None:
         """RankCallError (lost) for the first rank whose process on this node is gone or

@@ -24,10 +24,10 @@ import queue
 import socket
 import threading
 import time
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping, Optional
 
-from vllm.distributed.net_utils import set_no_delay
+from vllm.distributed.net_utils import authenticated_connection
 from vllm.distributed.serialization import dumps_message
 
 # A rank that is lost is noticed within this many seconds, whatever the call's deadline.
@@ -56,15 +56,14 @@ class RankCallTimeout(RankCallError):
 
 
 def connect_to_rank(address: tuple[str, int], authkey: bytes, timeout: float) -> Connection:
-    """The engine's end of a rank's TCP connection (see `CallsThread`)."""
+    """The engine's end of a rank's TCP connection (see `rank_server.CallsThread`): connected
+    and authenticated both ways within `timeout` seconds, or an error."""
     sock = socket.create_connection(address, timeout=timeout)
-    set_no_delay(sock)
-    # Connection reads the descriptor directly: it must be back in blocking mode.
-    sock.settimeout(None)
-    conn = Connection(sock.detach())
-    answer_challenge(conn, authkey)
-    deliver_challenge(conn, authkey)
-    return conn
+    try:
+        return authenticated_connection(sock, authkey, timeout, server_side=False)
+    except BaseException:
+        sock.close()
+        raise
 
 
 class _Outbox:

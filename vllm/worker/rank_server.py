@@ -15,10 +15,10 @@ import queue
 import socket
 import threading
 import traceback
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
-from vllm.distributed.net_utils import set_no_delay
+from vllm.distributed.net_utils import authenticated_connection
 from vllm.distributed.serialization import MessageNotSerializableError, dumps_message
 
 
@@ -87,7 +87,10 @@ class CallsThread:
     torch's profiler client (Kineto) binds itself to the thread that loads torch and refuses
     (or crashes on `stop`) when another thread profiles, and this thread runs every step.
     `listen` then gives it a socket; it serves the first connection that proves it holds the
-    key."""
+    key. Each connection proves it on a thread of its own within `HANDSHAKE_TIMEOUT_S`, so a
+    stranger that connects and says nothing delays the engine's connection by nothing."""
+
+    HANDSHAKE_TIMEOUT_S = 5.0
 
     def __init__(self, host: WorkerHost, first: Optional[Callable[[], None]] = None) -> None:
         self._server: queue.SimpleQueue[tuple[socket.socket, bytes]] = queue.SimpleQueue()
@@ -112,16 +115,30 @@ class CallsThread:
         finally:
             ready.set()
         server, authkey = self._server.get()
+        accepted: queue.SimpleQueue[Connection] = queue.SimpleQueue()
         with server:
-            while True:
-                sock, _ = server.accept()
-                set_no_delay(sock)
-                conn = Connection(sock.detach())
+            server.settimeout(0.2)  # look for an authenticated connection this often
+            while accepted.empty():
                 try:
-                    deliver_challenge(conn, authkey)
-                    answer_challenge(conn, authkey)
-                except (multiprocessing.AuthenticationError, EOFError, OSError):
-                    conn.close()
-                    continue  # not our engine: keep waiting for it
-                break
-        serve_calls(conn, host)
+                    sock, _ = server.accept()
+                except TimeoutError:
+                    continue
+                threading.Thread(
+                    target=self._handshake,
+                    args=(sock, authkey, accepted),
+                    daemon=True,
+                    name="vllm-rank-handshake",
+                ).start()
+        serve_calls(accepted.get(), host)
+
+    def _handshake(
+        self, sock: socket.socket, authkey: bytes, accepted: queue.SimpleQueue[Connection]
+    ) -> None:
+        try:
+            conn = authenticated_connection(
+                sock, authkey, self.HANDSHAKE_TIMEOUT_S, server_side=True
+            )
+        except (multiprocessing.AuthenticationError, EOFError, OSError):
+            sock.close()  # not our engine: the accept loop keeps waiting for it
+            return
+        accepted.put(conn)

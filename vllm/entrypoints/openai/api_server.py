@@ -42,6 +42,7 @@ from vllm.entrypoints.openai.serving_engine import (
     bad_request,
     error_response,
 )
+from vllm.executor.stage_supervisor import StageFailedError
 from vllm.logger import init_logger
 from vllm.request_failure import RequestFailedError
 
@@ -138,6 +139,11 @@ def build_app(
         except AsyncEngineDeadError as exc:
             return error_response(
                 str(exc), err_type="InternalServerError", status=HTTPStatus.INTERNAL_SERVER_ERROR
+            )
+        except StageFailedError as exc:
+            # Alive, but a stage cannot run a step: requests wait for its replacement.
+            return error_response(
+                str(exc), err_type="ServiceUnavailableError", status=HTTPStatus.SERVICE_UNAVAILABLE
             )
         return Response(status_code=200)
 
