@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -319,8 +320,9 @@ def test_failing_logits_processor_fails_only_its_request(server, tiny_model_dirs
 
 
 def test_stage_processes_listen_on_no_wildcard_address(server):
-    """Every listening socket of the stage processes (the rendezvous store on rank 0, gloo's
-    pairs, the call socket) is bound to a specific address, never 0.0.0.0 / ::."""
+    """Every listening socket of the stage processes (gloo's pairs, Ray's call sockets) is
+    bound to a specific address, never 0.0.0.0 / ::; the ranks met through a file only this
+    user can open, so there is no rendezvous port for a stranger to reach at all."""
     if server.kind == "pp1":  # type: ignore[attr-defined]
         pytest.skip("PP=1 runs no stage process and no rendezvous")
     infos = server.engine.engine.get_stage_infos()
@@ -333,7 +335,10 @@ def test_stage_processes_listen_on_no_wildcard_address(server):
         wildcard_per_process.append(len([a for a in mine if a.ip in ("0.0.0.0", "::")]))
     kind = server.kind  # type: ignore[attr-defined]
     print(f"{kind}: stage listeners {[(a.ip, a.port) for a in listening]}")
-    assert len(listening) >= 2 * len(infos)  # the call sockets, gloo's pairs, the store
+    assert len(listening) >= len(infos)  # gloo's pairs (and on Ray the call sockets)
+    directory = server.engine.engine.executor._rendezvous_dir
+    assert directory is not None and stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    assert os.listdir(directory), "no FileStore in the rendezvous directory"
     # A Ray actor process also runs Ray's own core-worker server, on every interface (Ray's
     # choice, one per process); nothing of the engine's may add another.
     allowed = 1 if kind.endswith("ray") else 0

@@ -29,12 +29,15 @@ access" because one of them was missing:
   (b) a sent tensor stays alive until its send has completed;
   (c) the compute stream waits on the comm stream before a received tensor is used.
 
-The header is unpickled: peers must be trusted (they are ranks of the same engine).
+The header is read by a restricted unpickler (`loads_header`): plain values (numbers, strings,
+bytes, None, lists, tuples, dicts, sets) and torch dtypes and sizes, nothing else. Even a peer
+that is not one of the engine's ranks cannot make a stage run code by what it sends.
 """
 
 from __future__ import annotations
 
 import collections
+import io
 import math
 import pickle
 import queue
@@ -152,6 +155,25 @@ def _comm_stream(device: torch.device) -> torch.cuda.Stream:
         stream = torch.cuda.Stream(device=index)
         _COMM_STREAMS[index] = stream
     return stream
+
+
+class _HeaderUnpickler(pickle.Unpickler):
+    """Builds plain values and torch dtypes/sizes; refuses every other global, so a header
+    cannot name a function for pickle to call."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and (
+            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return getattr(torch, name)
+        if module == "builtins" and name in ("set", "frozenset", "slice", "complex"):
+            return getattr(__import__("builtins"), name)
+        raise pickle.UnpicklingError(f"a stage message may not name {module}.{name}")
+
+
+def loads_header(data: bytes) -> Any:
+    """Unpickle a message header with `_HeaderUnpickler`."""
+    return _HeaderUnpickler(io.BytesIO(data)).load()
 
 
 def _check_plain(key: Any, value: Any) -> None:
@@ -383,7 +405,7 @@ def _recv_gloo(src: int, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
         flat = torch.empty(total - _PREFIX_BYTES, dtype=torch.uint8)
         dist.irecv(flat, src, group=group, tag=_BULK_TAG).wait()
         start = 0
-    header = pickle.loads(flat[start : start + header_len].numpy().tobytes())
+    header = loads_header(flat[start : start + header_len].numpy().tobytes())
     data = start + _aligned(header_len)
     result: dict[str, Any] = {}
     for entry in header:
@@ -408,7 +430,7 @@ def _recv_header(src: int, group: dist.ProcessGroup | None, device: torch.device
     # .item() copies to the host on the current (comm) stream and waits for it.
     header_t = torch.empty(int(length.item()), dtype=torch.uint8, device=device)  # [n]
     dist.recv(header_t, src, group=group)
-    return pickle.loads(header_t.cpu().numpy().tobytes())
+    return loads_header(header_t.cpu().numpy().tobytes())
 
 
 def _recv_payload(

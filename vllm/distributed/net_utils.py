@@ -6,6 +6,7 @@ stage (and any torch.distributed) exists.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
@@ -53,6 +54,12 @@ def get_ip() -> str:
     except OSError:
         pass
     return "127.0.0.1"
+
+
+def get_file_init_method(directory: str, name: str) -> str:
+    """A ``file://`` rendezvous in `directory` (ranks on one node): torch's FileStore, a file
+    only this user can open -- no port that anyone on the network could reach."""
+    return "file://" + os.path.join(os.path.abspath(directory), name)
 
 
 def get_distributed_init_method(ip: str, port: int) -> str:

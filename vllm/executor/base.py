@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import time
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
@@ -10,6 +12,7 @@ from dataclasses import replace
 from typing import Any, Callable, Literal, Optional, overload
 
 from vllm.config import EngineConfig
+from vllm.distributed.net_utils import get_file_init_method
 from vllm.executor.rank_calls import Calls, RankCallError, RankCalls
 from vllm.executor.stage_supervisor import StageFailedError, StageFailure, local_process_problem
 from vllm.executor.step_future import StepFuture
@@ -201,6 +204,9 @@ class StageProcessExecutor(ExecutorBase):
 
     _stages_in_own_processes = True
     calls: RankCalls
+    # The private directory of the FileStore rendezvous (ranks on one node), made on first use.
+    _rendezvous_dir: Optional[str] = None
+    _rendezvous_count = 0
 
     @abstractmethod
     def _failures_named(self, timeout_problem: str) -> AbstractContextManager[None]:
@@ -225,6 +231,21 @@ class StageProcessExecutor(ExecutorBase):
                 self._check_local_processes()
 
         return on_slice
+
+    def _local_init_method(self) -> str:
+        """A rendezvous for ranks that all run on this node: a new FileStore file in a
+        private directory of the engine's (mode 0700), so the ranks' store listens on no port
+        at all. Each (re-)formation of the groups gets a file of its own."""
+        if self._rendezvous_dir is None:
+            self._rendezvous_dir = tempfile.mkdtemp(prefix="vllm-rendezvous-")
+        self._rendezvous_count += 1
+        return get_file_init_method(self._rendezvous_dir, f"store-{self._rendezvous_count}")
+
+    def _remove_rendezvous_dir(self) -> None:
+        directory = self._rendezvous_dir
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+            self._rendezvous_dir = None
 
     def _load_replacements(self, ranks: list[int], budget: float) -> None:
         """New ranks that joined the groups: load their layers, give them caches of the

@@ -9,9 +9,10 @@ reports an error or its process dies (a StageFailedError naming the rank, as on 
 rank is replaced as on Ray (`replace_stages`: a new process, the groups re-formed with the
 survivors, which keep their weights), up to `max_stage_restarts` times.
 
-Ports come from the OS (`get_open_port`); shutdown asks every rank to stop, then terminates and
-finally kills whatever is left, so no process outlives the engine. A rank also exits by itself
-when the engine's process disappears (its pipe closes, or its parent changes).
+The ranks meet through a FileStore in a private directory (no port). Shutdown asks every rank
+to stop, then terminates and finally kills whatever is left, so no process outlives the engine.
+A rank also exits by itself when the engine's process disappears (its pipe closes, or its
+parent changes).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from multiprocessing.connection import Connection
 from typing import Any, Iterator
 
 from vllm import envs
-from vllm.distributed.net_utils import get_distributed_init_method, get_open_port
 from vllm.executor.base import StageProcessExecutor
 from vllm.executor.rank_calls import Calls, RankCallError, RankCalls
 from vllm.executor.stage_supervisor import StageFailedError, StageFailure
@@ -108,7 +108,7 @@ class MultiprocessingExecutor(StageProcessExecutor):
         self.procs: list[Any] = [None] * world
         for rank in range(world):
             self._spawn(rank)
-        init_method = get_distributed_init_method("127.0.0.1", get_open_port())
+        init_method = self._local_init_method()
         ranks = list(range(world))
         self._wait_calls(ranks, self._submit(self._init_worker_calls(ranks, init_method)))
         # Process-group rendezvous needs every rank at once: send all, then wait.
@@ -164,7 +164,7 @@ class MultiprocessingExecutor(StageProcessExecutor):
         survivors = [r for r in range(len(self.procs)) if r not in ranks]
         for rank in ranks:
             self._spawn(rank)
-        init_method = get_distributed_init_method("127.0.0.1", get_open_port())
+        init_method = self._local_init_method()
         self._wait_calls(ranks, self._submit(self._init_worker_calls(ranks, init_method)), budget)
         # Process-group rendezvous needs every rank at once: send all, then wait.
         calls: dict[int, tuple[str, tuple, dict]] = {r: ("init_device", (), {}) for r in ranks}
@@ -214,6 +214,7 @@ class MultiprocessingExecutor(StageProcessExecutor):
                     logger.warning("rank %d did not shut down cleanly: %s", err.rank, err.problem)
         # A rank leaves when its connection closes.
         self.calls.close()
+        self._remove_rendezvous_dir()
         for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in procs:

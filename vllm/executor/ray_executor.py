@@ -152,8 +152,13 @@ class RayExecutor(StageProcessExecutor):
         """Build Workers on the new `ranks` and form the process groups with the survivors
         (who leave their old groups and join the new ones at the same time)."""
         ranks = list(ranks)
-        port = self._wait_all([self.workers[0].get_open_port.remote()], timeout)[0]
-        init_method = get_distributed_init_method(self.stage_infos[0].ip, port)
+        driver_node = ray.get_runtime_context().get_node_id()
+        if all(info.node_id == driver_node for info in self.stage_infos):
+            init_method = self._local_init_method()  # one node: a file, no port
+        else:
+            # Across nodes: a TCP store on rank 0's own address (never all interfaces).
+            port = self._wait_all([self.workers[0].get_open_port.remote()], timeout)[0]
+            init_method = get_distributed_init_method(self.stage_infos[0].ip, port)
         threads = None if self._use_gpu else _threads_per_stage()
         kwargs = dict(
             engine_config=self.engine_config,
@@ -360,6 +365,7 @@ class RayExecutor(StageProcessExecutor):
         if calls is not None:
             calls.close()
         self.workers = []
+        self._remove_rendezvous_dir()
         if getattr(self, "placement_group", None) is not None and ray.is_initialized():
             if getattr(self, "_owns_pg", True):  # never the caller's own group
                 remove_placement_group(self.placement_group)
