@@ -102,9 +102,7 @@ def parse_line(text: str, line_no: int) -> Union[BatchRequestInput, BatchRequest
         return error_output(None, f"Line {line_no} is not a JSON object.")
     custom_id = data.get("custom_id")
     if not isinstance(custom_id, str):
-        return error_output(
-            None, f"Line {line_no}: custom_id must be a string.", param="custom_id"
-        )
+        return error_output(None, f"Line {line_no}: custom_id must be a string.", param="custom_id")
     try:
         request = BatchRequestInput.model_validate(data)
     except ValidationError as exc:

@@ -129,9 +129,7 @@ async def run_lines(
     """Every non-empty line's output, in input order, at most `max_concurrency` running at
     once. If the engine dies, the lines not yet answered get 500 error lines."""
     items: list[Union[BatchRequestInput, BatchRequestOutput]] = [
-        parse_line(line, no)
-        for no, line in enumerate(text.splitlines(), start=1)
-        if line.strip()
+        parse_line(line, no) for no, line in enumerate(text.splitlines(), start=1) if line.strip()
     ]
     results: list[Optional[BatchRequestOutput]] = [
         item if isinstance(item, BatchRequestOutput) else None for item in items
@@ -153,7 +151,10 @@ async def run_lines(
                 results[index] = await runner.run(request)
             except AsyncEngineDeadError as exc:
                 results[index] = error_output(
-                    request.custom_id, str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError"
+                    request.custom_id,
+                    str(exc),
+                    status=HTTPStatus.INTERNAL_SERVER_ERROR,
+                    err_type="InternalServerError",
                 )
         bar.update(1)
 
@@ -207,9 +208,7 @@ async def run_batch(engine: AsyncLLMEngine, args: argparse.Namespace) -> list[Ba
     lines = [o.model_dump_json() for o in outputs]
     await asyncio.to_thread(write_output, args.output_file, lines, args.output_tmp_dir)
     failed = sum(not o.ok for o in outputs)
-    logger.info(
-        "Wrote %d results to %s (%d failed)", len(outputs), args.output_file, failed
-    )
+    logger.info("Wrote %d results to %s (%d failed)", len(outputs), args.output_file, failed)
     return outputs
 
 
