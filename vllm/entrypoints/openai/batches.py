@@ -265,7 +265,7 @@ class BatchManager:
         batch = self._live.get(batch_id) or self.store.batches.get(batch_id)
         if batch is None:
             return _not_found("Batch", batch_id, "batch_id")
-        if batch["status"] in ("cancelling", "cancelled"):
+        if batch["status"] == "cancelling":
             return batch
         if batch["status"] not in ("validating", "in_progress"):
             return error_response(
