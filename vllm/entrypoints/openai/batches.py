@@ -174,7 +174,7 @@ class BatchManager:
         batch = self._live.get(batch_id) or self.store.batches.get(batch_id)
         return copy.deepcopy(batch) if batch is not None else None
 
-    def list(self) -> list[dict[str, Any]]:
+    def all_batches(self) -> list[dict[str, Any]]:
         return [b for b in map(self.get, list(self.store.batches)) if b is not None]
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -225,7 +225,7 @@ class BatchManager:
             return error_response("metadata must be an object.", param="metadata")
         file_id = body.get("input_file_id")
         file = self.store.files.get(file_id) if isinstance(file_id, str) else None
-        if file is None:
+        if file is None or not isinstance(file_id, str):
             return _not_found("File", str(file_id), "input_file_id")
         if file["purpose"] != "batch":
             return error_response(
@@ -436,7 +436,9 @@ class BatchManager:
 
 def _ok(output: dict[str, Any]) -> bool:
     response = output.get("response")
-    return output.get("error") is None and bool(response) and response["status_code"] == 200
+    if output.get("error") is not None or not isinstance(response, dict):
+        return False
+    return bool(response.get("status_code") == 200)
 
 
 def build_router(manager: Optional[BatchManager], unavailable: str = "") -> APIRouter:
@@ -524,7 +526,7 @@ def build_router(manager: Optional[BatchManager], unavailable: str = "") -> APIR
     async def list_batches(limit: int = 20, after: Optional[str] = None) -> Any:
         if (error := disabled()) is not None or manager is None:
             return error
-        return JSONResponse(_page(manager.list(), limit, after))
+        return JSONResponse(_page(manager.all_batches(), limit, after))
 
     @router.get("/v1/batches/{batch_id}")
     async def retrieve_batch(batch_id: str) -> Any:
