@@ -470,3 +470,23 @@ def test_helpers(tmp_path):
     with open(store.results_path("b"), "a", encoding="utf-8") as f:
         f.write('{"line": 1, "out')
     assert store.load_results("b") == {0: {"x": 0}, 2: {"x": 2}}
+
+
+def test_api_key_and_one_server_per_state_dir(server, tmp_path):
+    """The batch routes sit behind --api-key like every /v1 route; a second server on a state
+    directory in use answers 503 on them instead of running the same batches twice."""
+    key = "batch-key"
+    guarded = ServerThread(server.engine, api_key=key, batch_state_dir=str(tmp_path / "own"))
+    try:
+        assert httpx.get(guarded.url + "/v1/batches").status_code == 401
+        headers = {"Authorization": f"Bearer {key}"}
+        assert httpx.get(guarded.url + "/v1/batches", headers=headers).status_code == 200
+        second = ServerThread(server.engine, batch_state_dir=str(tmp_path / "own"))
+        try:
+            response = httpx.get(second.url + "/v1/files")
+            assert response.status_code == 503
+            assert "in use by another server" in response.json()["message"]
+        finally:
+            second.stop(shutdown_engine=False)
+    finally:
+        guarded.stop(shutdown_engine=False)
