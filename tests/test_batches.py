@@ -154,7 +154,11 @@ def run_cli(args: list[str], timeout: float = 600) -> None:
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Exit status 1: the file has lines that are not batch requests (invalid JSON); all the
+    # lines have their output all the same.
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    logs = proc.stdout + proc.stderr
+    assert "10 line(s) of" in logs and "are not batch requests" in logs, logs[-3000:]
     assert "Running batch: 100% Completed | 200/200" in proc.stderr, proc.stderr[-3000:]
 
 
@@ -208,6 +212,39 @@ def test_run_batch_cli(pp, cli_outputs, server):
         for one, two in zip(cli_outputs[1], outputs):
             if one["error"] is None:
                 assert choice_text(one) == choice_text(two)
+
+
+def test_run_batch_exit_status_and_vllm_schema(server, tmp_path):
+    """vLLM's run_batch checks: an empty file gives an empty output; every output line
+    validates as `protocol.BatchRequestOutput`; a line without custom_id is a malformed file
+    (MalformedBatchError, exit status 1) yet the other lines ran."""
+    import argparse
+    import asyncio
+
+    from vllm.entrypoints.openai.protocol import BatchRequestOutput
+    from vllm.entrypoints.openai.run_batch import MalformedBatchError, make_arg_parser, run_batch
+
+    def run(text: str) -> list[dict[str, Any]]:
+        src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        src.write_text(text)
+        flags = ["-i", str(src), "-o", str(out), "--model", "x", "--served-model-name", MODEL]
+        args: argparse.Namespace = make_arg_parser().parse_args(flags)
+        asyncio.run(run_batch(server.engine, args))
+        return [json.loads(row) for row in out.read_text().splitlines()]
+
+    assert run("") == []
+    clean = batch_lines(20, chat=True)
+    clean = [row for i, row in enumerate(clean) if BAD.get(i) != "bad-json"]
+    outputs = run("\n\n".join(clean) + "\n")
+    assert len(outputs) == 19
+    for out in outputs:
+        BatchRequestOutput.model_validate(out)
+    no_id = json.dumps({"method": "POST", "url": "/v1/completions", "body": completion_body(1)})
+    with pytest.raises(MalformedBatchError, match="1 line"):
+        run(no_id + "\n" + clean[0] + "\n")
+    outputs = [json.loads(row) for row in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert outputs[0]["error"]["param"] == "custom_id"
+    assert outputs[1]["custom_id"] == "req-0" and outputs[1]["error"] is None
 
 
 def wait_batch(client: Any, batch_id: str, timeout: float = 300) -> Any:

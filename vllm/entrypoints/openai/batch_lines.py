@@ -23,10 +23,12 @@ from pydantic import ValidationError
 
 from vllm.engine.request_failure import RequestFailedError
 from vllm.entrypoints.openai.protocol import (
+    BatchRequestInput,
+    BatchRequestOutput,
+    BatchResponseData,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
-    OpenAIBaseModel,
     random_uuid,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -36,37 +38,6 @@ COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 EMBEDDINGS = "/v1/embeddings"
 SUPPORTED_URLS = (COMPLETIONS, CHAT_COMPLETIONS)
-
-
-class BatchRequestInput(OpenAIBaseModel):
-    """One line of a batch input file (vLLM's and OpenAI's names)."""
-
-    custom_id: str
-    method: str
-    url: str
-    body: dict[str, Any]
-
-
-class BatchResponseData(OpenAIBaseModel):
-    """The HTTP answer a line got: its status, an id, and the body when it succeeded."""
-
-    status_code: int = 200
-    request_id: str
-    body: Optional[dict[str, Any]] = None
-
-
-class BatchRequestOutput(OpenAIBaseModel):
-    """One line of a batch output (or error) file, as vLLM's run_batch writes it: a failed
-    line has `response.body` None and the error body in `error`."""
-
-    id: str
-    custom_id: Optional[str]
-    response: Optional[BatchResponseData]
-    error: Optional[Any] = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.response is not None and self.response.status_code == 200
 
 
 def error_output(
@@ -114,6 +85,12 @@ def parse_line(text: str, line_no: int) -> Union[BatchRequestInput, BatchRequest
             param="method",
         )
     return request
+
+
+def parse_lines(text: str) -> list[Union[BatchRequestInput, BatchRequestOutput]]:
+    """Each non-empty line of a batch file: its request, or the error line it gets."""
+    rows = enumerate(text.splitlines(), start=1)
+    return [parse_line(line, no) for no, line in rows if line.strip()]
 
 
 def _loc(exc: ValidationError) -> Optional[str]:

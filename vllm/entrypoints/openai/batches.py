@@ -51,7 +51,7 @@ from vllm.entrypoints.openai.batch_lines import (
     BatchLineRunner,
     BatchRequestInput,
     BatchRequestOutput,
-    parse_line,
+    parse_lines,
 )
 from vllm.entrypoints.openai.batch_store import BatchStore, default_state_dir
 from vllm.entrypoints.openai.protocol import random_uuid
@@ -315,9 +315,7 @@ class BatchManager:
                 self._live.pop(batch_id, None)
 
     def _read_lines(self, batch_id: str) -> list[Union[BatchRequestInput, BatchRequestOutput]]:
-        text = self.store.read_input(batch_id)
-        rows = enumerate(text.splitlines(), start=1)
-        return [parse_line(line, no) for no, line in rows if line.strip()]
+        return parse_lines(self.store.read_input(batch_id))
 
     async def _fail(self, batch: dict[str, Any], code: str, message: str) -> None:
         error = {"code": code, "message": message, "param": None, "line": None}

@@ -7,7 +7,9 @@ Each input line `{"custom_id", "method": "POST", "url", "body"}` for `/v1/comple
 `/v1/chat/completions` runs through the server's own handlers (see `batch_lines`); one output
 line per input line, in input order. A bad line gets an error line and the rest run. Input and
 output may be local paths or http(s) URLs (GET / PUT). The output file is written whole under a
-temporary name and renamed, so a run that stops early leaves no partial file.
+temporary name and renamed, so a run that stops early leaves no partial file. The exit status is
+0, or 1 when some lines were not batch requests at all (invalid JSON, no custom_id: vLLM's run
+fails on such a file); their error lines are in the output all the same.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import tempfile
 from http import HTTPStatus
 from typing import Optional, Union
@@ -27,7 +30,7 @@ from vllm.entrypoints.openai.batch_lines import (
     BatchRequestInput,
     BatchRequestOutput,
     error_output,
-    parse_line,
+    parse_lines,
 )
 from vllm.logger import init_logger
 
@@ -122,15 +125,12 @@ def write_output(path_or_url: str, lines: list[str], tmp_dir: Optional[str] = No
 
 async def run_lines(
     runner: BatchLineRunner,
-    text: str,
+    items: list[Union[BatchRequestInput, BatchRequestOutput]],
     max_concurrency: int,
     progress: bool = True,
 ) -> list[BatchRequestOutput]:
-    """Every non-empty line's output, in input order, at most `max_concurrency` running at
-    once. If the engine dies, the lines not yet answered get 500 error lines."""
-    items: list[Union[BatchRequestInput, BatchRequestOutput]] = [
-        parse_line(line, no) for no, line in enumerate(text.splitlines(), start=1) if line.strip()
-    ]
+    """Every parsed line's output (`parse_lines`), in input order, at most `max_concurrency`
+    running at once. If the engine dies, the lines not yet answered get 500 error lines."""
     results: list[Optional[BatchRequestOutput]] = [
         item if isinstance(item, BatchRequestOutput) else None for item in items
     ]
@@ -193,15 +193,18 @@ def build_runner(engine: AsyncLLMEngine, args: argparse.Namespace) -> BatchLineR
 
 
 async def run_batch(engine: AsyncLLMEngine, args: argparse.Namespace) -> list[BatchRequestOutput]:
-    """Run the batch file `args.input_file` on `engine` and write `args.output_file`."""
+    """Run the batch file `args.input_file` on `engine` and write `args.output_file` (every
+    line's output, in order). Raises MalformedBatchError after writing it if some lines were
+    not batch requests at all (as vLLM, whose run fails on such a file)."""
     runner = build_runner(engine, args)
     logger.info("Reading batch from %s...", args.input_file)
     text = await asyncio.to_thread(read_input, args.input_file)
+    items = parse_lines(text)
     # Twice the scheduler's sequences (as vLLM): the engine always has the next ones queued.
     max_concurrency = 2 * engine.engine.scheduler_config.max_num_seqs
     try:
         outputs = await run_lines(
-            runner, text, max_concurrency, progress=not args.disable_progress_bar
+            runner, items, max_concurrency, progress=not args.disable_progress_bar
         )
     finally:
         runner.completion.work.shutdown()
@@ -209,7 +212,17 @@ async def run_batch(engine: AsyncLLMEngine, args: argparse.Namespace) -> list[Ba
     await asyncio.to_thread(write_output, args.output_file, lines, args.output_tmp_dir)
     failed = sum(not o.ok for o in outputs)
     logger.info("Wrote %d results to %s (%d failed)", len(outputs), args.output_file, failed)
+    malformed = sum(isinstance(item, BatchRequestOutput) for item in items)
+    if malformed:
+        raise MalformedBatchError(
+            f"{malformed} line(s) of {args.input_file} are not batch requests (invalid JSON, "
+            "no custom_id, ...): their error lines are in the output, the other lines ran."
+        )
     return outputs
+
+
+class MalformedBatchError(ValueError):
+    """Some lines of the input file were not batch requests (the rest ran)."""
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -232,7 +245,11 @@ def run(args: argparse.Namespace) -> None:
     """Run a parsed run-batch command line (also `vllm run-batch`)."""
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser to be set")
-    asyncio.run(_main(args))
+    try:
+        asyncio.run(_main(args))
+    except MalformedBatchError as exc:
+        logger.error("%s", exc)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
