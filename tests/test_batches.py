@@ -527,3 +527,47 @@ def test_api_key_and_one_server_per_state_dir(server, tmp_path):
             second.stop(shutdown_engine=False)
     finally:
         guarded.stop(shutdown_engine=False)
+
+
+def test_run_batch_reads_and_writes_urls(tmp_path):
+    """-i and -o may be http(s) URLs: the input is read with GET, the output sent with PUT;
+    a local output is replaced whole (no temporary file left beside it)."""
+    import http.server
+    import threading
+
+    from vllm.entrypoints.openai.run_batch import read_input, write_output
+
+    stored: dict[str, bytes] = {"/in.jsonl": b'{"custom_id": "a"}\n'}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            data = stored[self.path]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_PUT(self) -> None:  # noqa: N802
+            stored[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        assert read_input(base + "/in.jsonl") == '{"custom_id": "a"}\n'
+        write_output(base + "/out.jsonl", ['{"x": 1}', '{"x": 2}'], str(tmp_path))
+        assert stored["/out.jsonl"] == b'{"x": 1}\n{"x": 2}\n'
+    finally:
+        httpd.shutdown()
+    local = tmp_path / "out.jsonl"
+    local.write_text("old")
+    write_output(str(local), ['{"y": 1}'])
+    assert local.read_text() == '{"y": 1}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]

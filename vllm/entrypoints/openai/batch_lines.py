@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from vllm.engine.async_llm_engine import AsyncEngineDeadError
 from vllm.engine.request_failure import RequestFailedError
 from vllm.entrypoints.openai.protocol import (
     BatchRequestInput,
@@ -33,6 +34,9 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.entrypoints.openai.batch_lines")
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -165,7 +169,11 @@ class BatchLineRunner:
                 response = await self.completion.create_completion(body, raw)
             else:
                 response = await self.chat.create_chat_completion(body, raw)
-        except RequestFailedError as exc:  # this request alone failed in a stage (500)
+        except AsyncEngineDeadError:
+            raise
+        except Exception as exc:  # e.g. RequestFailedError: this line alone fails (500)
+            if not isinstance(exc, RequestFailedError):
+                logger.exception("Batch line %s failed", custom_id)
             return error_output(
                 custom_id,
                 str(exc),
