@@ -397,13 +397,15 @@ def test_batch_expires(server):
     assert sorted(o["custom_id"] for o in ok + errors) == sorted(f"exp-{i}" for i in range(n))
 
 
-def _start_server(model_dir: str, state_dir: str) -> tuple[subprocess.Popen, str]:
+def _start_server(
+    model_dir: str, state_dir: str, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
     port = get_open_port()
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL,
         "--uvicorn-log-level", "warning", "--batch-state-dir", state_dir,
-        "--batch-max-concurrency", "4", *SETTINGS,
+        "--batch-max-concurrency", "4", *SETTINGS, *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
@@ -436,14 +438,16 @@ def _stop(proc: subprocess.Popen) -> Optional[int]:
             proc.wait()
 
 
+@pytest.mark.slow  # two server processes
 def test_sigterm_and_restart_resume_exactly_once(tiny_model_dirs, tmp_path, server):
-    """A server SIGTERMed in the middle of a batch and restarted on the same state directory
-    finishes it: every custom_id exactly once in the output, each line's text the one the
-    server gives for its body."""
+    """A server (PP=2, mp) SIGTERMed in the middle of a batch and restarted (PP=1) on the
+    same state directory finishes it: every custom_id exactly once in the output, each
+    line's text the one the server gives for its body."""
     state = str(tmp_path / "state")
     n = 60
     data = long_lines(n, 24, "r")
-    proc, url = _start_server(tiny_model_dirs[KIND], state)
+    pp2 = ("--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp")
+    proc, url = _start_server(tiny_model_dirs[KIND], state, pp2)
     try:
         client = _client(url)
         upload = client.files.create(file=("r.jsonl", data), purpose="batch")
@@ -460,6 +464,7 @@ def test_sigterm_and_restart_resume_exactly_once(tiny_model_dirs, tmp_path, serv
             proc.kill()
             proc.wait()
     journal = BatchStore(state).load_results(batch.id)
+    print(f"{len(journal)} of {n} lines recorded before SIGTERM")
     assert 8 <= len(journal) < n, f"{len(journal)} lines recorded before SIGTERM"
 
     proc, url = _start_server(tiny_model_dirs[KIND], state)
