@@ -381,20 +381,23 @@ def test_batch_expires(server):
     the output file, the others `batch_expired` lines in the error file."""
     client = server.client()
     n = 24
-    upload = client.files.create(file=("exp.jsonl", long_lines(n, 128, "exp")), purpose="batch")
+    # Two short lines (done in well under a second), then lines that take seconds.
+    data = long_lines(2, 2, "exp-short") + long_lines(n - 2, 128, "exp")
+    upload = client.files.create(file=("exp.jsonl", data), purpose="batch")
     batch = client.batches.create(
         input_file_id=upload.id,
         endpoint="/v1/completions",
-        completion_window="1s",  # type: ignore[arg-type]
+        completion_window="2s",  # type: ignore[arg-type]
     )
     batch = wait_batch(client, batch.id)
     assert batch.status == "expired" and batch.expired_at
     errors = read_jsonl(client.files.content(batch.error_file_id).text)
     assert errors and all(e["error"]["code"] == "batch_expired" for e in errors)
-    ok = []
-    if batch.output_file_id:
-        ok = read_jsonl(client.files.content(batch.output_file_id).text)
-    assert sorted(o["custom_id"] for o in ok + errors) == sorted(f"exp-{i}" for i in range(n))
+    ok = read_jsonl(client.files.content(batch.output_file_id).text)
+    assert {"exp-short-0", "exp-short-1"} <= {o["custom_id"] for o in ok}
+    assert batch.request_counts.completed == len(ok) and batch.request_counts.failed == len(errors)
+    wanted = [f"exp-short-{i}" for i in range(2)] + [f"exp-{i}" for i in range(n - 2)]
+    assert sorted(o["custom_id"] for o in ok + errors) == sorted(wanted)
 
 
 def _start_server(
