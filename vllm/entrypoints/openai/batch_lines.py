@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from vllm.engine.async_llm_engine import AsyncEngineDeadError
-from vllm.engine.request_failure import RequestFailedError
 from vllm.entrypoints.openai.protocol import (
     BatchRequestInput,
     BatchRequestOutput,
@@ -35,6 +34,7 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.logger import init_logger
+from vllm.request_failure import RequestFailedError
 
 logger = init_logger("vllm.entrypoints.openai.batch_lines")
 

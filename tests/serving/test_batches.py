@@ -19,15 +19,15 @@ from typing import Any, Optional
 
 import httpx
 import pytest
-import tiny_models
-from server_utils import ServerThread
 
+from tests.utils import tiny_models
+from tests.utils.server_utils import ServerThread
 from vllm import AsyncEngineArgs, AsyncLLMEngine
+from vllm.distributed.net_utils import get_open_port
 from vllm.entrypoints.openai.batch_store import BatchStore
 from vllm.entrypoints.openai.batches import parse_completion_window, parse_multipart
-from vllm.model_executor.parallel_utils.parallel_state import get_open_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KIND = "llama-gqa-tied"
 MODEL = "tiny"
 SETTINGS = ["--kv-cache-space", "0.05", "--swap-space", "0.01", "--disable-log-requests"]
