@@ -161,7 +161,9 @@ class BatchManager:
         self.store = store
         self.runner = runner
         self.max_concurrency = max_concurrency
-        self._semaphore: Optional[asyncio.Semaphore] = None
+        # Shared by all batches: the cap on batch lines in the engine (binds to the server's
+        # event loop on first use).
+        self._semaphore = asyncio.Semaphore(max_concurrency)
         self._drivers: dict[str, asyncio.Task] = {}
         self._lines: dict[str, set[asyncio.Task]] = {}
         # The batches being driven: the one copy their driver and cancel() update (the store
@@ -181,7 +183,6 @@ class BatchManager:
 
     async def start(self) -> None:
         """Resume every batch a previous server left unfinished."""
-        self._semaphore = asyncio.Semaphore(self.max_concurrency)
         for batch in list(self.store.batches.values()):
             if batch["status"] in _ACTIVE:
                 logger.info("Resuming batch %s (%s)", batch["id"], batch["status"])
@@ -266,7 +267,7 @@ class BatchManager:
         if batch is None:
             return _not_found("Batch", batch_id, "batch_id")
         if batch["status"] == "cancelling":
-            return batch
+            return copy.deepcopy(batch)
         if batch["status"] not in ("validating", "in_progress"):
             return error_response(
                 f"Cannot cancel a batch with status '{batch['status']}'.",
@@ -347,7 +348,6 @@ class BatchManager:
                 await self._save(batch)
 
         async def run(index: int, request: BatchRequestInput) -> None:
-            assert self._semaphore is not None
             async with self._semaphore:
                 output = await self.runner.run(request, batch["endpoint"])
             if not self._stopping:  # a line cut by shutdown is not recorded: it runs again
@@ -359,7 +359,9 @@ class BatchManager:
         tasks = {
             asyncio.create_task(run(i, item))
             for i, item in enumerate(items)
-            if i not in results and isinstance(item, BatchRequestInput)
+            if i not in results
+            and isinstance(item, BatchRequestInput)
+            and batch["status"] == "in_progress"  # not cancelled meanwhile
         }
         self._lines[batch_id] = tasks
         try:
