@@ -4,8 +4,8 @@
     vllm serve MODEL [engine flags]
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics,
-/tokenize, /detokenize. With `--api-key` (or VLLM_API_KEY) the /v1 routes need
-`Authorization: Bearer KEY`.
+/tokenize, /detokenize, /v1/files and /v1/batches (batches.py). With `--api-key` (or
+VLLM_API_KEY) the /v1 routes need `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import vllm
 from vllm import envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from vllm.entrypoints.openai.batch_lines import BatchLineRunner
+from vllm.entrypoints.openai.batches import add_batch_args, attach_batches
 from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -58,6 +60,8 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: Optional[str] = None,
     reasoning_parser: Optional[str] = None,
+    batch_state_dir: Optional[str] = None,
+    batch_max_concurrency: Optional[int] = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_names` (default: the model)."""
     names = served_model_names or [engine.engine.served_model_name]
@@ -220,6 +224,14 @@ def build_app(
         text = await work.run(lambda: tokenizer.decode(request.tokens))
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
+    # /v1/files and /v1/batches (batches.py).
+    attach_batches(
+        app,
+        BatchLineRunner(completion, chat),
+        scheduler_config.max_num_seqs,
+        batch_state_dir,
+        batch_max_concurrency,
+    )
     return app
 
 
@@ -347,6 +359,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
         "--chat-template", type=str, default=None, help="A Jinja chat template (file or text)."
     )
     add_tool_args(parser)
+    add_batch_args(parser)
     parser.add_argument(
         "--max-log-len",
         type=int,
@@ -454,6 +467,9 @@ class GracefulServer:
 
     async def _drain(self, uvicorn_shutdown: Any) -> None:
         self.app.state.draining = True
+        batches = getattr(self.app.state, "batches", None)
+        if batches is not None:  # batch lines in flight are aborted, unrecorded: they resume
+            await batches.stop()
         task = asyncio.ensure_future(uvicorn_shutdown)
         done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
         if not done:
@@ -494,6 +510,8 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        batch_state_dir=getattr(args, "batch_state_dir", None),
+        batch_max_concurrency=getattr(args, "batch_max_concurrency", None),
     )
     config = uvicorn.Config(
         app,

@@ -59,6 +59,38 @@ class ErrorResponse(OpenAIBaseModel):
     code: int
 
 
+# The batch-file lines of `vllm run-batch` and /v1/batches (batch_lines.py), where vLLM has them.
+class BatchRequestInput(OpenAIBaseModel):
+    """One line of a batch input file."""
+
+    custom_id: str
+    method: str
+    url: str
+    body: dict[str, Any]
+
+
+class BatchResponseData(OpenAIBaseModel):
+    """The HTTP answer a batch line got: its status, an id, the body when it succeeded."""
+
+    status_code: int = 200
+    request_id: str
+    body: Optional[dict[str, Any]] = None
+
+
+class BatchRequestOutput(OpenAIBaseModel):
+    """One line of a batch output (or error) file: a failed line has `response.body` None and
+    the error body in `error`; a line that was not JSON has `custom_id` None."""
+
+    id: str
+    custom_id: Optional[str]
+    response: Optional[BatchResponseData]
+    error: Optional[Any] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.response is not None and self.response.status_code == 200
+
+
 class ModelPermission(OpenAIBaseModel):
     id: str = Field(default_factory=lambda: f"modelperm-{random_uuid()}")
     object: str = "model_permission"
