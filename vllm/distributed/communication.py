@@ -3,9 +3,8 @@
 gloo (CPU) wire format. gloo point-to-point is a rendezvous: a send's bytes move only once
 the receiver has posted the matching receive, and the sender's gloo thread answers that
 notice. While both stages compute, that thread waits for its busy core, so every round trip
-cost several milliseconds on the critical path of the pipeline (measured: 5 ms median for a
-hidden-state hand-off, 10 ms for the sampled ids, which took two). So each receiver keeps
-fixed-size chunk receives posted ahead, per (group, source), and a message is:
+cost milliseconds on the critical path of the pipeline (docs/PERFORMANCE.md). So each
+receiver keeps fixed-size chunk receives posted ahead, per (group, source), and a message is:
   1. prefix, in the first chunk: int64 [total message bytes, header bytes]
   2. pickled header: [(key, "t", shape, dtype, byte offset) | (key, "v", value), ...]
   3. each non-empty tensor's bytes at its (64-byte aligned) offset

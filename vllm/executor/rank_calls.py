@@ -10,9 +10,9 @@ micro-batches are inside the pipeline at once, and one reader thread drains ever
 results as they come; `wait_for` waits for one call and fails at once when any rank reported
 an error or was lost.
 
-Why a connection and not one Ray actor call per step: on a busy 2-core machine Ray's task path
-cost each stage ~5 ms between two steps (1.2-1.4 s of a 25 s benchmark run, a stage idle for
-5% of it); a pipe or socket costs a fraction of that.
+Why a connection and not one Ray actor call per step: Ray's task path costs each stage
+milliseconds between two steps on a busy machine, a pipe or socket a fraction of that
+(docs/PERFORMANCE.md, "Measurements behind design choices").
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Ray places, starts, pings and kills the actors. The engine's calls to them (set-
 step, stats, shutdown) go over a TCP connection to each actor (`rank_calls`): a step is sent
 to every stage without waiting, each stage runs its calls in order, and stages hand hidden
 states to each other over torch.distributed, so several submitted steps flow through the
-stages like a pipeline. (One Ray actor call per step cost each stage ~5 ms between steps on a
-busy 2-core machine; the connection costs a fraction of that.)
+stages like a pipeline. (One Ray actor call per step costs each stage milliseconds between
+steps on a busy machine; the connection a fraction of that: docs/PERFORMANCE.md.)
 
 Every wait has a deadline. A stage that dies, freezes or raises is named (rank, layers, node,
 pid) in a StageFailedError; `replace_stages` then kills it, starts a new actor on the same

@@ -3,10 +3,10 @@ handing memory back to the kernel.
 
 Decode attention reads each sequence's blocks from anywhere in a multi-GiB cache. With 4 KiB
 pages nearly every block costs a TLB miss (and in a VM a two-level page walk); with 2 MiB pages
-a whole run of blocks shares one entry. Measured on the 2-vCPU VM of the README (SmolLM2, 128
-sequences, late decode): paged attention 0.77-0.95 ms per layer instead of 1.04-1.15 ms.
-torch's allocator would only use huge pages with THP_MEM_ALLOC_ENABLE=1 set before torch
-starts, for every allocation, so the cache maps its own memory instead.
+a whole run of blocks shares one entry (paged attention ~20% faster late in a long decode;
+figures in docs/PERFORMANCE.md, "Measurements behind design choices"). torch's allocator
+would only use huge pages with THP_MEM_ALLOC_ENABLE=1 set before torch starts, for every
+allocation, so the cache maps its own memory instead.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def keep_malloc_defaults_in_this_process() -> None:
     allocations are the same activations step after step, but in the API process a 10 MB
     request body that was tokenized stayed mapped for good -- each /tokenize grew the
     server by ~0.5 GB. With PP=1 the worker runs in the API process and loses the tuning
-    (prefill ~15% slower on the README's VM); with PP>1 (ray or mp) the stages keep it.
+    (prefill slower); with PP>1 (ray or mp) the stages keep it.
     An engine already running in this process (tuned before the call) is put back on
     glibc's defaults too: the settings are per process, not per engine."""
     global _keep_defaults
@@ -91,11 +91,10 @@ def tune_malloc() -> bool:
 
     By default glibc serves blocks over its mmap threshold (128 KiB to 32 MiB) with a fresh
     mapping and unmaps it on free, and trims the heap top; every forward then faults its big
-    activations in again, page by page, and the kernel zeroes each page. On the README's VM
-    (where a first touch also faults on the host), a repeated 128 x 64 SmolLM2 batch took
-    1.86M page faults and 3.7 s of system time per 20.4 s run; with the heap kept, 163 faults,
-    0.25 s and 19.0 s (prefill ~15% faster, decode unchanged), for 9% more peak memory. This is
-    what vLLM's CPU guide gets from preloading tcmalloc, without the extra library.
+    activations in again, page by page, and the kernel zeroes each page: kept, the page faults
+    of a repeated batch almost vanish and prefill gets faster, for a little more peak memory
+    (docs/PERFORMANCE.md, "Measurements behind design choices"). This is what vLLM's CPU
+    guide gets from preloading tcmalloc, without the extra library.
 
     Applies to this process (the worker's; with PP=1 that is the caller's process, except in
     the API server: see keep_malloc_defaults_in_this_process). VLLM_CPU_MALLOC_TUNING=0

@@ -186,8 +186,8 @@ class FusedMoE(nn.Module):
 
     def pack(self) -> None:
         """Prepack each expert's matrices for oneDNN (CPU fp32/bf16; called by pack_linears
-        after loading): 1.3-1.8x faster expert matmuls at 2-32 rows, measured as
-        linear.py's are. The stacked parameters are dropped (one copy in memory)."""
+        after loading): faster expert matmuls at a few rows, as for linear.py's layers
+        (docs/PERFORMANCE.md). The stacked parameters are dropped (one copy in memory)."""
         rows = 64  # the layout hint of linear.PackedLinear
         reorder = torch.ops.mkldnn._reorder_linear_weight
         self._packed = (
