@@ -42,10 +42,12 @@ from vllm.executor.ray_utils import (
     init_ray,
 )
 from vllm.executor.stage_supervisor import (
+    PingAnswer,
     StageFailedError,
-    StageFailure,
+    diagnose,
     kill_local_process,
-    local_process_problem,
+    local_problems,
+    name_failures,
     ping_timeout_s,
     wait_process_gone,
 )
@@ -250,61 +252,30 @@ class RayExecutor(StageProcessExecutor):
         """Name the failed stages: dead or frozen ones first; else the one that raised; else
         (a missed deadline with every stage alive) the ones stuck in a step."""
         # A stage that raised is the cause; stages busy meanwhile (waiting on it) are not.
-        raised = exc is not None and not exc.lost
-        problems = self._diagnose(waited_s, include_stuck=not raised)
-        call_id = None
-        if not problems and exc is not None:
-            # The error's first line, then the end of its traceback (where it was raised).
-            head, _, trace = exc.problem.strip().partition("\n")
-            problems = {raising_rank: head[:500] + (f"\n{trace[-500:]}" if trace else "")}
-            call_id = exc.call_id
-        if not problems:
-            problems = {r: timeout_problem or "failed" for r in range(len(self.workers))}
-        failures = [
-            StageFailure(rank, self.stage_infos[rank].describe(), problem)
-            for rank, problem in sorted(problems.items())
-        ]
-        error = StageFailedError(failures, waited_s, call_id)
+        include_stuck = exc is None or exc.lost
+        problems = local_problems(self.stage_infos) or diagnose(
+            self.stage_infos, self._ping_all(), waited_s, ping_timeout_s(), include_stuck
+        )
+        raised = None if exc is None else (raising_rank, exc.problem, exc.call_id)
+        error = name_failures(self.stage_infos, problems, waited_s, raised, timeout_problem)
         logger.error("%s", error)
         return error
 
-    def _diagnose(self, waited_s: float, include_stuck: bool = True) -> dict[int, str]:
-        """rank -> problem for every stage that is dead, frozen, or (with `include_stuck`)
-        stuck in one step."""
-        # A stage process on this node that is gone or stopped is certain at once; pinging
-        # would only wait out the heartbeat timeout on the frozen one.
-        on_node = {
-            rank: problem
-            for rank, info in enumerate(self.stage_infos)
-            if (problem := local_process_problem(info.pid, info.host))
-        }
-        if on_node:
-            return on_node
+    def _ping_all(self) -> dict[int, Optional[PingAnswer]]:
+        """Every stage's health thread, asked at once and given the ping timeout."""
         refs = {rank: w.ping.remote() for rank, w in enumerate(self.workers)}
-        timeout = ping_timeout_s()
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=ping_timeout_s())
         ready_set = set(ready)
-        problems: dict[int, str] = {}
-        stuck: dict[int, str] = {}
+        answers: dict[int, Optional[PingAnswer]] = {}
         for rank, ref in refs.items():
-            info = self.stage_infos[rank]
-            local = local_process_problem(info.pid, info.host)
             if ref not in ready_set:
-                problems[rank] = local or (
-                    f"did not answer a health check within {timeout:g} s (frozen?)"
-                )
+                answers[rank] = None
                 continue
             try:
-                state = ray.get(ref)
+                answers[rank] = PingAnswer(busy_s=ray.get(ref)["busy_s"])
             except Exception as exc:
-                problems[rank] = local or f"actor died ({type(exc).__name__})"
-                continue
-            if local:
-                problems[rank] = local
-            elif state["busy_s"] is not None and state["busy_s"] >= waited_s > 0:
-                stuck[rank] = f"stuck in one step for {state['busy_s']:.1f} s"
-        # A stage stuck in a receive from a dead one is a victim, not a cause.
-        return problems or (stuck if include_stuck else {})
+                answers[rank] = PingAnswer(died=type(exc).__name__)
+        return answers
 
     # -- recovery --------------------------------------------------------------------------
 

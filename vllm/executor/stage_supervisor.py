@@ -1,5 +1,7 @@
 """Stage liveness: the errors a failed stage raises, how a stage is named in them, and the
-diagnosis that tells a dead or frozen stage from one that is only waiting on its neighbour.
+diagnosis that tells a dead or frozen stage from one that is only waiting on its neighbour
+(`diagnose`, `name_failures`: the decisions; the executors only gather the facts -- pings on
+Ray, this node's processes everywhere).
 
 A stage is a replaceable process: it holds weights (reloadable) and the KV cache of its layers
 (lost with it). The executor waits for every micro-batch against a deadline; when a wait fails
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from vllm import envs
+from vllm.worker.stage_report import StageInfo
 
 
 def ping_timeout_s() -> float:
@@ -136,3 +139,75 @@ def wait_process_gone(pid: Optional[int], host: Optional[str], timeout_s: float)
             return True
         time.sleep(0.05)
     return False
+
+
+@dataclass
+class PingAnswer:
+    """What one stage's health thread said (None in `diagnose`: no answer in time)."""
+
+    died: Optional[str] = None  # the actor is gone (the error's type), else None
+    busy_s: Optional[float] = None  # seconds in the step in progress, None between steps
+
+
+def local_problems(infos: list[StageInfo]) -> dict[int, str]:
+    """rank -> what is wrong with its process, for the stages on this node (certain at once:
+    no ping needs to wait out a timeout on a frozen one)."""
+    return {
+        rank: problem
+        for rank, info in enumerate(infos)
+        if (problem := local_process_problem(info.pid, info.host))
+    }
+
+
+def diagnose(
+    infos: list[StageInfo],
+    answers: dict[int, Optional[PingAnswer]],
+    waited_s: float,
+    ping_timeout: float,
+    include_stuck: bool = True,
+) -> dict[int, str]:
+    """rank -> problem for every stage that is dead or frozen (no answer, its actor gone, its
+    process gone or stopped), else -- with `include_stuck` -- the stages stuck in one step for
+    longer than the wait. A stage stuck in a receive from a dead one is a victim, not a cause,
+    so it is named only when nothing is dead."""
+    problems: dict[int, str] = {}
+    stuck: dict[int, str] = {}
+    for rank, answer in answers.items():
+        info = infos[rank]
+        local = local_process_problem(info.pid, info.host)
+        if answer is None:
+            problems[rank] = local or (
+                f"did not answer a health check within {ping_timeout:g} s (frozen?)"
+            )
+        elif answer.died is not None:
+            problems[rank] = local or f"actor died ({answer.died})"
+        elif local:
+            problems[rank] = local
+        elif answer.busy_s is not None and answer.busy_s >= waited_s > 0:
+            stuck[rank] = f"stuck in one step for {answer.busy_s:.1f} s"
+    return problems or (stuck if include_stuck else {})
+
+
+def name_failures(
+    infos: list[StageInfo],
+    problems: dict[int, str],
+    waited_s: float,
+    raised: Optional[tuple[int, str, Optional[int]]] = None,
+    timeout_problem: Optional[str] = None,
+) -> StageFailedError:
+    """The error for the engine: the diagnosed stages; else the one that raised (`raised`:
+    its rank, the error text with its traceback, the call it raised in); else every stage,
+    with `timeout_problem` (a missed deadline with every stage alive)."""
+    call_id = None
+    if not problems and raised is not None:
+        rank, text, call_id = raised
+        # The error's first line, then the end of its traceback (where it was raised).
+        head, _, trace = text.strip().partition("\n")
+        problems = {rank: head[:500] + (f"\n{trace[-500:]}" if trace else "")}
+    if not problems:
+        problems = {rank: timeout_problem or "failed" for rank in range(len(infos))}
+    failures = [
+        StageFailure(rank, infos[rank].describe(), problem)
+        for rank, problem in sorted(problems.items())
+    ]
+    return StageFailedError(failures, waited_s, call_id)
