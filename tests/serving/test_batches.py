@@ -21,13 +21,11 @@ import httpx
 import pytest
 
 from tests.utils import tiny_models
-from tests.utils.server_utils import ServerThread
+from tests.utils.server_utils import ROOT, ServerThread, start_server_process
 from vllm import AsyncEngineArgs, AsyncLLMEngine
-from vllm.distributed.net_utils import get_open_port
 from vllm.entrypoints.openai.batch_store import BatchStore
 from vllm.entrypoints.openai.batches import parse_completion_window, parse_multipart
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KIND = "llama-gqa-tied"
 MODEL = "tiny"
 SETTINGS = ["--kv-cache-space", "0.05", "--swap-space", "0.01", "--disable-log-requests"]
@@ -403,26 +401,8 @@ def test_batch_expires(server):
 def _start_server(
     model_dir: str, state_dir: str, extra: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen, str]:
-    port = get_open_port()
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL,
-        "--uvicorn-log-level", "warning", "--batch-state-dir", state_dir,
-        "--batch-max-concurrency", "4", *SETTINGS, *extra,
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while True:
-        assert proc.poll() is None, f"server exited with {proc.returncode}"
-        assert time.time() < deadline, "server did not become healthy"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    args = ["--batch-state-dir", state_dir, "--batch-max-concurrency", "4", *SETTINGS, *extra]
+    return start_server_process(model_dir, MODEL, args)
 
 
 def _client(url: str) -> Any:

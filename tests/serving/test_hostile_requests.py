@@ -14,7 +14,6 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -24,15 +23,13 @@ import psutil
 import pytest
 
 from tests.utils import tiny_models
-from tests.utils.server_utils import ServerThread
+from tests.utils.server_utils import ServerThread, start_server_process
 from vllm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
-from vllm.distributed.net_utils import get_open_port
 from vllm.entrypoints.openai.bounded_work import ServerLimits
 from vllm.entrypoints.openai.serving_chat import UNTRUSTED_TEMPLATE
 from vllm.request_failure import RequestFailedError
 from vllm.worker.cpu_memory import keep_malloc_defaults_in_this_process
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KIND = "llama-gqa-tied"
 MODEL = "tiny"
 SETTINGS = dict(kv_cache_space=0.05, swap_space=0.01)
@@ -458,26 +455,8 @@ def test_request_log_line_is_truncated(server, caplog):
 
 
 def _start_server(model_dir: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = get_open_port()
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL,
-        "--kv-cache-space", "0.05", "--swap-space", "0.01", "--disable-log-requests",
-        "--uvicorn-log-level", "warning", *extra,
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while True:
-        assert proc.poll() is None, f"server exited with {proc.returncode}"
-        assert time.time() < deadline, "server did not become healthy"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    args = ["--kv-cache-space", "0.05", "--swap-space", "0.01", "--disable-log-requests"]
+    return start_server_process(model_dir, MODEL, [*args, *extra])
 
 
 async def _long_stream(url: str, index: int, started: asyncio.Event) -> str:

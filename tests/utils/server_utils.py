@@ -1,10 +1,16 @@
-"""Run the OpenAI server in a thread of the test process, on a free local port."""
+"""Run the OpenAI server on a free local port: in a thread of the test process
+(`ServerThread`), or as its own process the way users start it (`start_server_process`)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any, Optional
+
+import httpx
 
 from vllm.distributed.net_utils import get_open_port
 from vllm.engine.async_llm_engine import AsyncLLMEngine
@@ -42,3 +48,32 @@ class ServerThread:
         self.thread.join(timeout=30)
         if shutdown_engine:
             self.engine.shutdown()
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def start_server_process(
+    model_dir: str, served_model_name: str, args: list[str], timeout_s: float = 240.0
+) -> tuple[subprocess.Popen, str]:
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1:<free port> with `args`;
+    returns (the process, its URL) once `/health` answers 200."""
+    port = get_open_port()
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model_name,
+        "--uvicorn-log-level", "warning", *args,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout_s
+    while True:
+        assert proc.poll() is None, f"server exited with {proc.returncode}"
+        assert time.time() < deadline, "server did not become healthy"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
