@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
-import psutil
 import pytest
 
 from tests.utils import tiny_models
+from tests.utils.faults import after_steps, gone, kill_stage, kill_stage_pid
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.executor.stage_supervisor import EngineDeadError
@@ -31,55 +30,8 @@ PARAMS = [
 MODES = ("ray.kill", "SIGKILL", "SIGSTOP")
 
 
-def kill_stage(llm: LLM, rank: int, mode: str) -> int:
-    """Kill (or freeze) one stage of a running engine; returns its pid."""
-    import ray
-
-    executor = llm.llm_engine.executor
-    pid = executor.stage_infos[rank].pid
-    if mode == "ray.kill":
-        ray.kill(executor.workers[rank])
-    elif mode == "SIGKILL":
-        os.kill(pid, signal.SIGKILL)
-    else:
-        os.kill(pid, signal.SIGSTOP)
-    return pid
-
-
-def kill_stage_pid(llm: LLM, rank: int, sig: int) -> int:
-    """Signal one stage's process (any backend); returns its pid."""
-    pid = llm.llm_engine.get_stage_infos()[rank].pid
-    os.kill(pid, sig)
-    return pid
-
-
-def after_steps(llm: LLM, steps: int, action) -> threading.Thread:
-    """Run `action()` from another thread once the engine has made `steps` more steps."""
-    engine = llm.llm_engine
-    start = engine.num_steps
-
-    def run() -> None:
-        deadline = time.monotonic() + 120
-        while engine.num_steps < start + steps:
-            if time.monotonic() > deadline:
-                return  # never reached: the test's own assertions report it
-            time.sleep(0.0005)
-        action()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 # Class scope: the engine (up to 3 of the session's 4 Ray CPUs) is gone before other tests.

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.utils import tiny_models
+from tests.utils.outputs import keep_engine_cumulative_logprob
 from vllm import LLM, SamplingParams
 
 KIND = "llama-gqa-tied"
@@ -77,22 +78,6 @@ def test_greedy_logprobs_and_prompt_logprobs_match_hf(llm, hf):
             assert [entry[t].rank for t in top] == [1, 2, 3, 4]
         joined = "".join(plp[i][ids[i]].decoded_token for i in range(1, len(ids)))
         assert tok.decode(ids[:1]) + joined == tok.decode(ids)
-
-
-def keep_engine_cumulative_logprob(monkeypatch) -> None:
-    """Without `logprobs`, CompletionOutput.cumulative_logprob is None (vLLM 0.5.4); the
-    engine still sums the sampled tokens' logprobs. Keep that sum on each output as
-    `engine_cumulative_logprob` so tests can check it."""
-    import vllm.outputs
-
-    real = vllm.outputs._completion
-
-    def completion(seq, *args):
-        out = real(seq, *args)
-        out.engine_cumulative_logprob = seq.get_cumulative_logprob()
-        return out
-
-    monkeypatch.setattr(vllm.outputs, "_completion", completion)
 
 
 @pytest.mark.parametrize("kernels", ["on", "off"])
