@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import os
 import secrets
 from http import HTTPStatus
 from typing import Any, Optional
@@ -57,22 +56,27 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: Optional[str] = None,
     reasoning_parser: Optional[str] = None,
+    return_tokens_as_token_ids: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_names` (default: the model)."""
     names = served_model_names or [engine.engine.served_model_name]
     limits = limits or ServerLimits()
     scheduler_config = engine.engine.scheduler_config
     work = BoundedWork(engine.engine.get_tokenizer(), scheduler_config.max_model_len, limits)
-    completion = OpenAIServingCompletion(engine, names, work)
+    completion = OpenAIServingCompletion(
+        engine, names, work=work, return_tokens_as_token_ids=return_tokens_as_token_ids
+    )
     chat = OpenAIServingChat(
         engine,
         names,
-        work,
+        work=work,
         chat_template=chat_template,
         enable_auto_tools=enable_auto_tool_choice,
         tool_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
     )
+    chat_template = chat.chat_template  # read once (a path or the text)
     tokenizer = completion.tokenizer
     app = FastAPI()
     app.state.engine = engine
@@ -342,6 +346,12 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
     )
     add_tool_args(parser)
     parser.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="Logprobs name their tokens as 'token_id:{token_id}' (for tokens that are not "
+        "valid text on their own).",
+    )
+    parser.add_argument(
         "--max-log-len",
         type=int,
         default=None,
@@ -382,13 +392,6 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
         choices=sorted(REASONING_PARSERS),
         help="Split a think-tag model's reasoning into `reasoning_content`.",
     )
-
-
-def _load_chat_template(value: Optional[str]) -> Optional[str]:
-    if value is not None and os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    return value
 
 
 def build_engine(args: argparse.Namespace) -> AsyncLLMEngine:
@@ -483,11 +486,12 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
         engine,
         names,
         _api_key(args),
-        _load_chat_template(args.chat_template),
+        args.chat_template,
         limits,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
     )
     config = uvicorn.Config(
         app,
