@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 import tiny_models
+from prometheus_client.parser import text_string_to_metric_families
 from server_utils import ServerThread
 
 from vllm import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
@@ -36,6 +37,7 @@ def server(request, tiny_model_dirs):
         model=tiny_model_dirs[KIND],
         pipeline_parallel_size=pp,
         served_model_name=MODEL,
+        disable_log_stats=False,
         disable_log_requests=True,
         **SETTINGS,
     )
@@ -253,3 +255,18 @@ def test_vllms_400s(server):
         "messages": [{"role": "user", "content": "Hi", "name": "ann"}],
     }
     assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def test_metrics_request_params_and_cache_config(server):
+    server.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, n=2, temperature=1.0, seed=0
+    )
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("vllm:request_params_n", "vllm:request_params_best_of"):
+        count = [s for s in families[name].samples if s.name == name + "_count"]
+        assert count and count[0].labels == {"model_name": MODEL} and count[0].value >= 1
+    n_sum = [s for s in families["vllm:request_params_n"].samples if s.name.endswith("_sum")]
+    assert n_sum[0].value >= 2
+    (info,) = families["vllm:cache_config_info"].samples
+    assert info.value == 1.0 and int(info.labels["num_gpu_blocks"]) > 0

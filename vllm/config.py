@@ -247,6 +247,10 @@ class CacheConfig:
     # Automatic prefix caching: full blocks are shared by hash of their tokens and prefix.
     enable_prefix_caching: bool = False
 
+    def metrics_info(self) -> dict[str, str]:
+        """Every field as a string: the labels of vLLM's `vllm:cache_config_info`."""
+        return {key: str(value) for key, value in self.__dict__.items()}
+
     def verify_memory(self, device: str, tensor_parallel_size: int) -> None:
         """Refuse budgets this node's memory cannot hold, before any worker starts.
 

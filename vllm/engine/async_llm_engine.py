@@ -25,12 +25,15 @@ from typing import Any, Optional, Union
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.llm_engine import LLMEngine
+from vllm.engine.request_tracker import RequestTracker
 from vllm.inputs import PromptInputs, parse_prompt
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
 logger = init_logger("vllm.engine.async_llm_engine")
+
+__all__ = ["AsyncEngineDeadError", "AsyncLLMEngine", "AsyncStream", "RequestTracker"]
 
 _FINISHED = object()  # end-of-stream marker
 
@@ -129,13 +132,25 @@ class AsyncLLMEngine:
         if start_engine_loop:
             self.start_background_loop()
 
+    # vLLM 0.5's flags: this engine never runs the engine itself in a Ray actor.
+    engine_use_ray = False
+
+    @property
+    def worker_use_ray(self) -> bool:
+        return self.engine.parallel_config.world_size > 1
+
     @classmethod
     def from_engine_args(
-        cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True, **kwargs: Any
+        cls,
+        engine_args: AsyncEngineArgs,
+        start_engine_loop: bool = True,
+        usage_context: Any = None,
+        stat_loggers: Optional[dict[str, Any]] = None,
+        **kwargs: Any,
     ) -> AsyncLLMEngine:
-        """Build the engine (workers, KV caches) and start its loop. Extra keywords vLLM
-        accepts (`stat_loggers`, `usage_context`) are ignored."""
-        engine = LLMEngine.from_engine_args(engine_args)
+        """Build the engine (workers, KV caches) and start its loop (vLLM's signature;
+        `stat_loggers` replaces the default loggers, `usage_context` is unused)."""
+        engine = LLMEngine.from_engine_args(engine_args, stat_loggers=stat_loggers)
         log_requests = not getattr(engine_args, "disable_log_requests", False)
         return cls(engine, log_requests=log_requests, start_engine_loop=start_engine_loop)
 
@@ -177,6 +192,35 @@ class AsyncLLMEngine:
     async def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
 
+    async def get_parallel_config(self) -> Any:
+        return self.engine.parallel_config
+
+    async def get_scheduler_config(self) -> Any:
+        return self.engine.scheduler_config
+
+    async def get_decoding_config(self) -> Any:
+        """vLLM's decoding config: the structured-output backend this engine uses."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(guided_decoding_backend="xgrammar")
+
+    async def get_lora_config(self) -> Any:
+        return None  # no LoRA here
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def add_logger(self, logger_name: str, logger: Any) -> None:
+        """See `LLMEngine.add_logger`."""
+        self.engine.add_logger(logger_name, logger)
+
+    def remove_logger(self, logger_name: str) -> None:
+        self.engine.remove_logger(logger_name)
+
     async def do_log_stats(self) -> None:
         """Metrics are refreshed by the background loop; kept for vLLM's API."""
 
@@ -213,6 +257,8 @@ class AsyncLLMEngine:
         *,
         inputs: Optional[PromptInputs] = None,
         arrival_time: Optional[float] = None,
+        trace_headers: Any = None,
+        prompt_adapter_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's RequestOutputs until it finishes.
 
@@ -221,6 +267,8 @@ class AsyncLLMEngine:
         from the first iteration; stopping the iteration early aborts the request."""
         if lora_request is not None:
             raise ValueError("LoRA is not supported by this engine.")
+        if prompt_adapter_request is not None:
+            raise ValueError("prompt_adapter_request: prompt adapters are not supported.")
         if prompt is None:
             prompt = inputs
         if request_id is None:

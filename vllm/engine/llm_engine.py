@@ -53,6 +53,7 @@ class LLMEngine:
         engine_config: EngineConfig,
         log_stats: bool = False,
         served_model_name: str | None = None,
+        stat_loggers: dict[str, Any] | None = None,
     ) -> None:
         self.engine_config = engine_config
         model_config = self.model_config = engine_config.model_config
@@ -115,18 +116,48 @@ class LLMEngine:
         self.log_stats = log_stats
         # Metrics are labelled with the name clients use (the server's --served-model-name).
         self.served_model_name = served_model_name or model_config.model
-        self.stats = (
-            _make_stats_collector(self.scheduler, self.served_model_name) if log_stats else None
-        )
+        # vLLM's stat loggers by name ("logging", "prometheus"; `stat_loggers` replaces
+        # them); `add_logger` / `remove_logger` change the dict the collector reads.
+        self.stat_loggers: dict[str, Any] = {}
+        self.stats: Any = None
+        if log_stats:
+            from vllm.engine.metrics import default_stat_loggers
+
+            if stat_loggers is not None:
+                self.stat_loggers.update(stat_loggers)
+            else:
+                self.stat_loggers.update(default_stat_loggers(self.served_model_name))
+            self.stats = _make_stats_collector(self.scheduler, self.stat_loggers)
+            for stat_logger in self.stat_loggers.values():
+                stat_logger.info("cache_config", self.cache_config)
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any) -> LLMEngine:
+    def from_engine_args(
+        cls, engine_args: Any, usage_context: Any = None, stat_loggers: Any = None
+    ) -> LLMEngine:
+        """vLLM's signature (`usage_context` is accepted and unused)."""
         return cls(
             engine_args.create_engine_config(),
+            stat_loggers=stat_loggers,
             log_stats=not getattr(engine_args, "disable_log_stats", True),
             # As vLLM: the name the user gave (`smollm2`, not the resolved GGUF path).
             served_model_name=getattr(engine_args, "served_model_name", None) or engine_args.model,
         )
+
+    def add_logger(self, logger_name: str, logger: Any) -> None:
+        """Feed `logger` (a `vllm.engine.metrics.StatLoggerBase`) every step's Stats; stats
+        are collected from now on even if the engine was built with them off."""
+        if logger_name in self.stat_loggers:
+            raise KeyError(f"Logger with name {logger_name} already exists.")
+        self.stat_loggers[logger_name] = logger
+        if self.stats is None:
+            self.stats = _make_stats_collector(self.scheduler, self.stat_loggers)
+
+    def remove_logger(self, logger_name: str) -> None:
+        """Stop feeding the logger added under `logger_name`."""
+        if logger_name not in self.stat_loggers:
+            raise KeyError(f"Logger with name {logger_name} does not exist.")
+        del self.stat_loggers[logger_name]
 
     def do_log_stats(self) -> None:
         """Refresh the metrics (queue sizes, cache usage) outside a step."""
@@ -411,7 +442,7 @@ class LLMEngine:
                 seq.get_len() for g in self.scheduler.waiting for seq in g.get_unfinished_seqs()
             )
             event.extra["recomputed_tokens"] = recomputed
-            self.stats.stat_logger.log_fault(event, recomputed)
+            self.stats.log_fault(event, recomputed)
         return self._take_pending_outputs()
 
     def _fail_recurring(
@@ -458,7 +489,7 @@ class LLMEngine:
     def _fail(self, error: StageFailedError, why: str) -> None:
         """Fail-stop: abort every unfinished request, release the workers, raise."""
         if self.stats is not None and self.fault_events:
-            self.stats.stat_logger.log_fault(self.fault_events[-1], 0)
+            self.stats.log_fault(self.fault_events[-1], 0)
         groups = [*self.scheduler.waiting, *self.scheduler.running, *self.scheduler.swapped]
         self.scheduler.abort_seq_group([g.request_id for g in groups])
         self._dead = EngineDeadError(
@@ -494,10 +525,10 @@ def _can_replace_stages(executor: Any) -> bool:
     )
 
 
-def _make_stats_collector(scheduler: Scheduler, model_name: str) -> Any:
-    from vllm.engine.metrics import EngineStatsCollector, StatLogger
+def _make_stats_collector(scheduler: Scheduler, loggers: dict[str, Any]) -> Any:
+    from vllm.engine.metrics import EngineStatsCollector
 
-    return EngineStatsCollector(scheduler, StatLogger(model_name))
+    return EngineStatsCollector(scheduler, loggers)
 
 
 def _load_generation_config(model_config: ModelConfig) -> dict[str, Any]:
