@@ -3,8 +3,8 @@
     python -m vllm.entrypoints.openai.api_server --model MODEL [engine flags] [--port 8000]
     vllm serve MODEL [engine flags]
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics,
-/tokenize, /detokenize. With `--api-key` (or VLLM_API_KEY) the /v1 routes need
+Routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /version,
+/metrics, /tokenize, /detokenize. With `--api-key` (or VLLM_API_KEY) the /v1 routes need
 `Authorization: Bearer KEY`.
 """
 
@@ -35,6 +35,7 @@ from vllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from vllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import (
@@ -42,6 +43,7 @@ from vllm.entrypoints.openai.serving_engine import (
     bad_request,
     error_response,
 )
+from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm.logger import init_logger
 
 logger = init_logger("vllm.entrypoints.openai.api_server")
@@ -77,6 +79,7 @@ def build_app(
         return_tokens_as_token_ids=return_tokens_as_token_ids,
     )
     chat_template = chat.chat_template  # read once (a path or the text)
+    responses = OpenAIServingResponses(engine, names, work=work, chat_template=chat_template)
     tokenizer = completion.tokenizer
     app = FastAPI()
     app.state.engine = engine
@@ -183,6 +186,10 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Any:
+        return await responses.create_response(request, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Any:
