@@ -48,8 +48,9 @@ def server(request, tiny_model_dirs):
 
 @pytest.fixture(scope="module")
 def id_server(server):
-    """A second app on the same engine, with --return-tokens-as-token-ids."""
-    srv = ServerThread(server.engine, return_tokens_as_token_ids=True)
+    """A second app on the same engine, with --return-tokens-as-token-ids and
+    --response-role bot."""
+    srv = ServerThread(server.engine, return_tokens_as_token_ids=True, response_role="bot")
     yield srv
     srv.stop(shutdown_engine=False)
 
@@ -154,6 +155,7 @@ def test_return_tokens_as_token_ids(id_server, reference):
     )
     tokens = [c.token for c in chat.choices[0].logprobs.content]
     assert all(t.startswith("token_id:") for t in tokens) and len(tokens) == 3
+    assert chat.choices[0].message.role == "bot"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -270,3 +272,14 @@ def test_metrics_request_params_and_cache_config(server):
     assert n_sum[0].value >= 2
     (info,) = families["vllm:cache_config_info"].samples
     assert info.value == 1.0 and int(info.labels["num_gpu_blocks"]) > 0
+
+
+def test_server_flags():
+    from vllm.entrypoints.openai.api_server import make_arg_parser
+
+    args = make_arg_parser().parse_args(
+        ["--model", "m", "--return-tokens-as-token-ids", "--response-role", "bot"]
+    )
+    assert args.return_tokens_as_token_ids and args.response_role == "bot"
+    defaults = make_arg_parser().parse_args(["--model", "m"])
+    assert not defaults.return_tokens_as_token_ids and defaults.response_role == "assistant"

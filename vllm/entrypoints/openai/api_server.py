@@ -59,6 +59,7 @@ def build_app(
     tool_call_parser: Optional[str] = None,
     reasoning_parser: Optional[str] = None,
     return_tokens_as_token_ids: bool = False,
+    response_role: str = "assistant",
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_names` (default: the model)."""
     names = served_model_names or [engine.engine.served_model_name]
@@ -71,6 +72,7 @@ def build_app(
     chat = OpenAIServingChat(
         engine,
         names,
+        response_role=response_role,
         work=work,
         chat_template=chat_template,
         enable_auto_tools=enable_auto_tool_choice,
@@ -353,6 +355,12 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
     )
     add_tool_args(parser)
     parser.add_argument(
+        "--response-role",
+        type=str,
+        default="assistant",
+        help="The role of the generated chat message (when add_generation_prompt is true).",
+    )
+    parser.add_argument(
         "--return-tokens-as-token-ids",
         action="store_true",
         help="Logprobs name their tokens as 'token_id:{token_id}' (for tokens that are not "
@@ -499,6 +507,7 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
+        response_role=getattr(args, "response_role", "assistant"),
     )
     config = uvicorn.Config(
         app,
