@@ -118,17 +118,17 @@ class LLMEngine:
         self.served_model_name = served_model_name or model_config.model
         # vLLM's stat loggers by name ("logging", "prometheus"; `stat_loggers` replaces
         # them); `add_logger` / `remove_logger` change the dict the collector reads.
-        self.stat_loggers: dict[str, Any] = {}
+        self._stat_loggers: dict[str, Any] = {}
         self.stats: Any = None
         if log_stats:
             from vllm.engine.metrics import default_stat_loggers
 
             if stat_loggers is not None:
-                self.stat_loggers.update(stat_loggers)
+                self._stat_loggers.update(stat_loggers)
             else:
-                self.stat_loggers.update(default_stat_loggers(self.served_model_name))
-            self.stats = _make_stats_collector(self.scheduler, self.stat_loggers)
-            for stat_logger in self.stat_loggers.values():
+                self._stat_loggers.update(default_stat_loggers(self.served_model_name))
+            self.stats = _make_stats_collector(self.scheduler, self._stat_loggers)
+            for stat_logger in self._stat_loggers.values():
                 stat_logger.info("cache_config", self.cache_config)
 
     @classmethod
@@ -144,20 +144,28 @@ class LLMEngine:
             served_model_name=getattr(engine_args, "served_model_name", None) or engine_args.model,
         )
 
+    @property
+    def stat_loggers(self) -> dict[str, Any]:
+        """The stat loggers by name. As in vLLM, an engine with stats off has none: reading
+        this raises AttributeError (until `add_logger` turns collection on)."""
+        if self.stats is None:
+            raise AttributeError("stat_loggers: stats are off (disable_log_stats=True).")
+        return self._stat_loggers
+
     def add_logger(self, logger_name: str, logger: Any) -> None:
         """Feed `logger` (a `vllm.engine.metrics.StatLoggerBase`) every step's Stats; stats
         are collected from now on even if the engine was built with them off."""
-        if logger_name in self.stat_loggers:
+        if logger_name in self._stat_loggers:
             raise KeyError(f"Logger with name {logger_name} already exists.")
-        self.stat_loggers[logger_name] = logger
+        self._stat_loggers[logger_name] = logger
         if self.stats is None:
-            self.stats = _make_stats_collector(self.scheduler, self.stat_loggers)
+            self.stats = _make_stats_collector(self.scheduler, self._stat_loggers)
 
     def remove_logger(self, logger_name: str) -> None:
         """Stop feeding the logger added under `logger_name`."""
-        if logger_name not in self.stat_loggers:
+        if logger_name not in self._stat_loggers:
             raise KeyError(f"Logger with name {logger_name} does not exist.")
-        del self.stat_loggers[logger_name]
+        del self._stat_loggers[logger_name]
 
     def do_log_stats(self) -> None:
         """Refresh the metrics (queue sizes, cache usage) outside a step."""

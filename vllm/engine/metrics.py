@@ -189,6 +189,26 @@ class PrometheusMetrics:
             label,
         )
 
+    # vLLM 0.5's attribute names (`stat_loggers["prometheus"].metrics.counter_prompt_tokens`).
+    gauge_scheduler_running = property(lambda self: self.num_requests_running)
+    gauge_scheduler_waiting = property(lambda self: self.num_requests_waiting)
+    gauge_scheduler_swapped = property(lambda self: self.num_requests_swapped)
+    gauge_gpu_cache_usage = property(lambda self: self.gpu_cache_usage)
+    gauge_cpu_cache_usage = property(lambda self: self.cpu_cache_usage)
+    counter_num_preemption = property(lambda self: self.num_preemptions)
+    counter_prompt_tokens = property(lambda self: self.prompt_tokens)
+    counter_generation_tokens = property(lambda self: self.generation_tokens)
+    histogram_time_to_first_token = property(lambda self: self.time_to_first_token)
+    histogram_time_per_output_token = property(lambda self: self.time_per_output_token)
+    histogram_e2e_time_request = property(lambda self: self.e2e_request_latency)
+    histogram_num_prompt_tokens_request = property(lambda self: self.request_prompt_tokens)
+    histogram_num_generation_tokens_request = property(lambda self: self.request_generation_tokens)
+    histogram_best_of_request = property(lambda self: self.request_params_best_of)
+    histogram_n_request = property(lambda self: self.request_params_n)
+    counter_request_success = property(lambda self: self.request_success)
+    gauge_avg_prompt_throughput = property(lambda self: self.avg_prompt_throughput)
+    gauge_avg_generation_throughput = property(lambda self: self.avg_generation_throughput)
+
 
 _metrics_lock = threading.Lock()
 
@@ -257,6 +277,7 @@ class StatLogger(StatLoggerBase):
     def __init__(self, model_name: str, local_interval: float = LOCAL_LOGGING_INTERVAL_SEC):
         super().__init__(local_interval)
         self.model_name = model_name
+        self.labels = {"model_name": model_name}  # vLLM's: every collector's label values
         metrics = new_prometheus_metrics()
         self.metrics = metrics
         # Children bound once: .labels() looks up a dict under a lock on every call.
