@@ -123,9 +123,14 @@ class LLMEngine:
         if log_stats:
             from vllm.engine.metrics import default_stat_loggers
 
-            if stat_loggers is not None:
+            if isinstance(stat_loggers, dict):  # vLLM 0.5: {name: StatLoggerBase}
                 self._stat_loggers.update(stat_loggers)
             else:
+                if stat_loggers is not None:  # vLLM V1's list of logger factories
+                    logger.warning(
+                        "stat_loggers as a list of factories (vLLM V1) is not supported; "
+                        "using the default loggers."
+                    )
                 self._stat_loggers.update(default_stat_loggers(self.served_model_name))
             self.stats = _make_stats_collector(self.scheduler, self._stat_loggers)
             for stat_logger in self._stat_loggers.values():
