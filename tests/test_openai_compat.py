@@ -156,6 +156,15 @@ def test_return_tokens_as_token_ids(id_server, reference):
     tokens = [c.token for c in chat.choices[0].logprobs.content]
     assert all(t.startswith("token_id:") for t in tokens) and len(tokens) == 3
     assert chat.choices[0].message.role == "bot"
+    # vLLM's check: with echo, each top_logprobs' first key is the token itself, and the
+    # ids decode to the text.
+    echoed = client.completions.create(
+        model=MODEL, prompt=PROMPT, echo=True, max_tokens=6, temperature=0, logprobs=1
+    ).choices[0]
+    tokens = echoed.logprobs.tokens
+    assert tokens[1:] == [next(iter(top)) for top in echoed.logprobs.top_logprobs[1:]]
+    ids = [int(t.removeprefix("token_id:")) for t in tokens]
+    assert reference.get_tokenizer().decode(ids, skip_special_tokens=True) == echoed.text
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -185,6 +194,24 @@ def test_echo_with_logprobs_gives_prompt_logprobs(server, reference, stream):
         token_logprobs[n_prompt:], ref.outputs[0].logprobs, ref.outputs[0].token_ids
     ):
         assert abs(got_lp - step[tid].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("logprobs", [0, 1])
+def test_echo_logprobs_token_prompt(server, reference, logprobs):
+    """vLLM's test_echo_logprob_completion: token-id prompts too, logprobs=0 and 1."""
+    ids = [0, 0, 0, 0, 0]
+    got = (
+        server.client()
+        .completions.create(
+            model=MODEL, prompt=ids, max_tokens=5, temperature=0, echo=True, logprobs=logprobs
+        )
+        .choices[0]
+    )
+    assert got.text.startswith(reference.get_tokenizer().decode(ids))
+    lp = got.logprobs
+    assert len(lp.tokens) == len(lp.text_offset) == len(lp.token_logprobs) == 10
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(max(logprobs, 1) <= len(top) <= logprobs + 1 for top in lp.top_logprobs[1:])
 
 
 def test_continuous_usage_stats(server):
