@@ -147,6 +147,12 @@ def test_serving_constructors_and_engine_keywords(tiny_model_dirs):
 
         assert asyncio.run(run())
         assert counter.tokens == 3
+
+        async def lower_level() -> list[int]:
+            stream = await engine.add_request("r2", "Hello", SamplingParams(max_tokens=2))
+            return [len(out.outputs[0].token_ids) async for out in stream]
+
+        assert asyncio.run(lower_level())[-1] == 2
         engine.remove_logger("count")
         engine.add_logger("count", counter)
         assert not engine.engine_use_ray and not engine.worker_use_ray

@@ -195,6 +195,8 @@ def test_text_format_json_schema(server, reference):
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
         ({"model": "other"}, "model"),
+        ({"max_output_tokens": 100000}, "max_output_tokens"),
+        ({"temperature": -1}, "temperature"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

@@ -287,6 +287,28 @@ class AsyncLLMEngine:
             if not done:
                 self._abort(request_id)
 
+    async def add_request(
+        self,
+        request_id: str,
+        inputs: PromptInputs,
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        lora_request: Any = None,
+        trace_headers: Any = None,
+        prompt_adapter_request: Any = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """vLLM 0.5's lower-level call: the request's output stream (as `generate`; the
+        request reaches the engine when the stream is first iterated)."""
+        return self.generate(
+            inputs,
+            params,
+            request_id,
+            lora_request,
+            arrival_time=arrival_time,
+            trace_headers=trace_headers,
+            prompt_adapter_request=prompt_adapter_request,
+        )
+
     async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
         """Abort requests (their generate() iterations end)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

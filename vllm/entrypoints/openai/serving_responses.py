@@ -13,6 +13,7 @@ from typing import Any, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from vllm.entrypoints.openai.protocol import ParameterError
 from vllm.entrypoints.openai.protocol_responses import (
     ResponsesRequest,
     message_item,
@@ -58,6 +59,10 @@ class OpenAIServingResponses(OpenAIServing):
             chat = SimpleNamespace(messages=request.messages(), add_generation_prompt=True)
             prompt, token_ids = await render_chat(self.work, chat, self.chat_template)
             self.check_context(len(token_ids), params, "input")
+        except ParameterError as exc:
+            if exc.param == "max_tokens":  # this API's name for it
+                exc = ParameterError(str(exc), "max_output_tokens")
+            return bad_request(exc)
         except ValueError as exc:
             return bad_request(exc)
         error = await check_structured_outputs(self.engine, params, "text")
