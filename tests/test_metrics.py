@@ -155,3 +155,27 @@ def test_added_logger_turns_stats_on(tiny_model_dirs):
     llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert sum(s.num_generation_tokens for s in recorder.seen) == 3
     llm.shutdown()
+
+
+def test_prefix_cache_hit_rate_gauge(tiny_model_dirs):
+    def gauge() -> float:
+        return samples("vllm:gpu_prefix_cache_hit_rate")
+
+    llm = LLM(
+        tiny_model_dirs[KIND],
+        kv_cache_space=0.02,
+        swap_space=0.01,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+    )
+    prompt = tiny_models.PROMPTS[7]  # several full blocks
+    llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert gauge() == 0.0
+    llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    rate = llm.llm_engine.scheduler.block_manager.get_prefix_cache_hit_rate()
+    assert rate > 0 and gauge() == rate
+    llm.shutdown()
+    off = LLM(tiny_model_dirs[KIND], kv_cache_space=0.02, swap_space=0.01, disable_log_stats=False)
+    off.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert gauge() == -1.0  # as vLLM reports it with prefix caching off
+    off.shutdown()

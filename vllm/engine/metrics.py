@@ -44,6 +44,8 @@ class Stats:
     num_swapped: int
     gpu_cache_usage: float  # fraction of device KV blocks in use
     cpu_cache_usage: float  # fraction of swap blocks in use
+    # Cached prefix blocks found / looked up since start (-1 with prefix caching off).
+    gpu_prefix_cache_hit_rate: float = -1.0
     num_preemptions: int = 0  # new preemptions since the previous Stats
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
@@ -97,6 +99,11 @@ class PrometheusMetrics:
         )
         self.cpu_cache_usage = Gauge(
             "vllm:cpu_cache_usage_perc", "CPU swap usage. 1 means 100 percent usage.", label
+        )
+        self.gpu_prefix_cache_hit_rate = Gauge(
+            "vllm:gpu_prefix_cache_hit_rate",
+            "GPU prefix cache block hit rate.",
+            label,
         )
         self.num_preemptions = Counter(
             "vllm:num_preemptions", "Cumulative number of preemptions from the engine.", label
@@ -287,6 +294,7 @@ class StatLogger(StatLoggerBase):
         self._swapped = metrics.num_requests_swapped.labels(m)
         self._gpu = metrics.gpu_cache_usage.labels(m)
         self._cpu = metrics.cpu_cache_usage.labels(m)
+        self._prefix_hits = metrics.gpu_prefix_cache_hit_rate.labels(m)
         self._preempt = metrics.num_preemptions.labels(m)
         self._prompt = metrics.prompt_tokens.labels(m)
         self._gen = metrics.generation_tokens.labels(m)
@@ -331,6 +339,7 @@ class StatLogger(StatLoggerBase):
         self._swapped.set(stats.num_swapped)
         self._gpu.set(stats.gpu_cache_usage)
         self._cpu.set(stats.cpu_cache_usage)
+        self._prefix_hits.set(stats.gpu_prefix_cache_hit_rate)
         if stats.num_preemptions:
             self._preempt.inc(stats.num_preemptions)
         if stats.num_prompt_tokens:
@@ -428,6 +437,7 @@ class EngineStatsCollector:
             gpu_cache_usage=gpu,
             cpu_cache_usage=cpu,
             num_preemptions=preemptions - self._preemptions_seen,
+            gpu_prefix_cache_hit_rate=bm.get_prefix_cache_hit_rate(),
         )
         self._preemptions_seen = preemptions
         return stats
