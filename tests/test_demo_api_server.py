@@ -98,36 +98,55 @@ def test_health_and_bad_requests(demo):
     assert httpx.post(demo + "/generate", json={"max_tokens": 2}, timeout=30).status_code == 400
 
 
-def test_client_leaving_aborts(tiny_model_dirs, caplog):
-    """In this process (to see the engine): leaving a stream aborts the request."""
-    import asyncio
-    import logging
+def test_client_leaving_aborts(tiny_model_dirs):
+    """In this process, as vLLM's own test drives the demo server: an engine subclass counts
+    aborts through `_engine_abort`, set as the module's `engine`; leaving a stream aborts."""
     import threading
 
     import uvicorn
 
     from vllm import AsyncEngineArgs, AsyncLLMEngine
     from vllm.entrypoints import api_server
+    from vllm.utils import FlexibleArgumentParser
 
-    args = api_server.make_arg_parser().parse_args(["--model", tiny_model_dirs[KIND], *SETTINGS])
-    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs.from_cli_args(args))
-    app = asyncio.run(api_server.init_app(args, engine))
+    class CountingEngine(AsyncLLMEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.num_aborts = 0
+
+        async def _engine_abort(self, request_ids):
+            ids = list(request_ids)
+            self.num_aborts += len(ids)
+            await super()._engine_abort(ids)
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(
+        ["--model", tiny_model_dirs[KIND], "--tokenizer_pool_size", "0", *SETTINGS]
+    )
+    engine = CountingEngine.from_engine_args(AsyncEngineArgs.from_cli_args(args))
+    api_server.engine = engine
     port = get_open_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    config = uvicorn.Config(api_server.app, host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
         while not server.started:
             time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
+        assert (
+            httpx.post(url + "/generate", json={"prompt": "B", "max_tokens": 2}).status_code == 200
+        )
+        assert engine.num_aborts == 0
         body = {"prompt": "A", "max_tokens": 480, "ignore_eos": True, "stream": True}
-        with caplog.at_level(logging.INFO, logger="vllm"):
-            with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
-                next(r.iter_bytes())  # the first update arrived; leave now
-            deadline = time.time() + 30
-            while "Aborted request" not in caplog.text and time.time() < deadline:
-                time.sleep(0.05)
-        assert "Aborted request" in caplog.text
+        with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
+            next(r.iter_bytes())  # the first update arrived; leave now
+        deadline = time.time() + 30
+        while engine.num_aborts == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert engine.num_aborts == 1
+        while engine.engine.has_unfinished_requests() and time.time() < deadline:
+            time.sleep(0.05)
         assert not engine.engine.has_unfinished_requests()
         quick = httpx.post(url + "/generate", json={"prompt": "B", "max_tokens": 2}, timeout=60)
         assert quick.status_code == 200
@@ -135,3 +154,17 @@ def test_client_leaving_aborts(tiny_model_dirs, caplog):
         server.should_exit = True
         thread.join(timeout=30)
         engine.shutdown()
+        api_server.engine = None
+
+
+def test_vllm_05_engine_flags():
+    from vllm import AsyncEngineArgs
+    from vllm.utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(
+        ["--model", "m", "--worker-use-ray", "--engine_use_ray", "--max_num_seqs=8"]
+    )
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert engine_args.worker_use_ray and engine_args.engine_use_ray
+    assert engine_args.max_num_seqs == 8 and engine_args.tokenizer_pool_size == 0

@@ -52,6 +52,10 @@ class EngineArgs:
     enforce_eager: bool = False
     # The model name in the API and the metrics' model_name label (default: model).
     served_model_name: Optional[str] = None
+    # vLLM 0.5's older spellings: worker_use_ray is distributed_executor_backend="ray";
+    # tokenizer_pool_size is accepted (tokenizing runs in the server's own thread pool).
+    worker_use_ray: bool = False
+    tokenizer_pool_size: int = 0
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -226,6 +230,17 @@ class EngineArgs:
             default=d.served_model_name,
             help="The model name used in the API and in metrics (default: --model).",
         )
+        add(
+            "--worker-use-ray",
+            action="store_true",
+            help="vLLM 0.5's spelling of --distributed-executor-backend ray.",
+        )
+        add(
+            "--tokenizer-pool-size",
+            type=int,
+            default=d.tokenizer_pool_size,
+            help="Accepted for vLLM compatibility: the server tokenizes in its own thread pool.",
+        )
         return parser
 
     @classmethod
@@ -237,10 +252,13 @@ class EngineArgs:
         """The validated configs as one object, passed by name to the engine, executors and
         workers (Ray Data reads `.scheduler_config` and `.parallel_config` from it)."""
         device_config = DeviceConfig(self.device)
+        backend = self.distributed_executor_backend
+        if self.worker_use_ray and backend is None:
+            backend = "ray"
         parallel_config = ParallelConfig(
             self.pipeline_parallel_size,
             self.tensor_parallel_size,
-            self.distributed_executor_backend,
+            backend,
             self.pp_layer_partition,
             max_stage_restarts=self.max_stage_restarts,
             step_timeout_s=self.step_timeout_s,  # type: ignore[arg-type]  # None: derived
@@ -293,8 +311,18 @@ class AsyncEngineArgs(EngineArgs):
     # Newer vLLM's names, passed by Ray Data's LLM processor: only text generation runs here.
     runner: str = "generate"
     enable_log_requests: bool = False
+    # vLLM 0.5: run the engine in a Ray actor. Here the engine always runs in the server's
+    # process (its stages are the Ray actors), so the flag is accepted with a warning.
+    engine_use_ray: bool = False
 
     def __post_init__(self) -> None:
+        if self.engine_use_ray:
+            from vllm.logger import init_logger
+
+            init_logger("vllm.engine.arg_utils").warning(
+                "engine_use_ray: the engine runs in this process; its stages are the Ray "
+                "actors (--distributed-executor-backend ray)."
+            )
         if self.runner not in ("auto", "generate"):
             raise ValueError(
                 f"runner={self.runner!r} is not supported: this engine only generates text "
@@ -309,5 +337,11 @@ class AsyncEngineArgs(EngineArgs):
             "--disable_log_requests",
             action="store_true",
             help="Disable logging requests.",
+        )
+        parser.add_argument(
+            "--engine-use-ray",
+            "--engine_use_ray",
+            action="store_true",
+            help="Accepted for vLLM 0.5 compatibility (the engine runs in this process).",
         )
         return parser

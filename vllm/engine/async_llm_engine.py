@@ -127,6 +127,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, AsyncStream] = {}  # owned by the engine thread
         self._active: set[str] = set()  # ids generating (under _lock)
         self._errored_with: Optional[BaseException] = None
+        self._hook_tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
         if start_engine_loop:
@@ -286,6 +287,7 @@ class AsyncLLMEngine:
         finally:
             if not done:
                 self._abort(request_id)
+                self._run_abort_hook([request_id])
 
     async def add_request(
         self,
@@ -312,8 +314,25 @@ class AsyncLLMEngine:
     async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
         """Abort requests (their generate() iterations end)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
+        await self._engine_abort(ids)
+
+    async def _engine_abort(self, request_ids: Iterable[str]) -> None:
+        """vLLM 0.5's hook: awaited on the event loop with the ids of the requests being
+        aborted (a subclass may count them and call `super()`). Idempotent: a caller that
+        left has already had its request dropped when this runs."""
+        for rid in request_ids:
             self._abort(rid)
+
+    def _run_abort_hook(self, request_ids: list[str]) -> None:
+        """`_engine_abort` for requests whose caller left (from a closing generator, where
+        nothing can be awaited): a task on the running loop, if there is one."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(self._engine_abort(request_ids))
+        self._hook_tasks.add(task)  # held until done (the loop keeps only weak references)
+        task.add_done_callback(self._hook_tasks.discard)
 
     def _add_request(
         self,
@@ -346,7 +365,7 @@ class AsyncLLMEngine:
 
     def _abort(self, request_id: str) -> None:
         with self._lock:
-            if request_id not in self._active:
+            if request_id not in self._active or request_id in self._aborts:
                 return
             self._aborts.append(request_id)
         self._wakeup.set()
