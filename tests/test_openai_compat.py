@@ -299,6 +299,13 @@ def test_metrics_request_params_and_cache_config(server):
     assert n_sum[0].value >= 2
     (info,) = families["vllm:cache_config_info"].samples
     assert info.value == 1.0 and int(info.labels["num_gpu_blocks"]) > 0
+    # vLLM 0.5.5's test reads these labels.
+    for label in (
+        "block_size", "cache_dtype", "cpu_offload_gb", "enable_prefix_caching",
+        "gpu_memory_utilization", "num_cpu_blocks", "num_gpu_blocks",
+        "num_gpu_blocks_override", "sliding_window", "swap_space_bytes",
+    ):  # fmt: skip
+        assert label in info.labels, label
 
 
 def test_server_flags():

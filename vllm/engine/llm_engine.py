@@ -133,6 +133,7 @@ class LLMEngine:
                     )
                 self._stat_loggers.update(default_stat_loggers(self.served_model_name))
             self.stats = _make_stats_collector(self.scheduler, self._stat_loggers)
+            cache_config.sliding_window = getattr(model_config.hf_config, "sliding_window", None)
             for stat_logger in self._stat_loggers.values():
                 stat_logger.info("cache_config", self.cache_config)
 
