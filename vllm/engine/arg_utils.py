@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from vllm.config import (
     CacheConfig,
@@ -51,7 +51,9 @@ class EngineArgs:
     # Accepted for vLLM compatibility: there are no CUDA graphs to skip on this engine.
     enforce_eager: bool = False
     # The model name in the API and the metrics' model_name label (default: model).
-    served_model_name: Optional[str] = None
+    # One name or several (vLLM's --served-model-name takes a list; the first is the
+    # metrics' label and every one is accepted as the request's model).
+    served_model_name: Optional[Union[str, list[str]]] = None
     # vLLM 0.5's older spellings: worker_use_ray is distributed_executor_backend="ray";
     # tokenizer_pool_size is accepted (tokenizing runs in the server's own thread pool).
     worker_use_ray: bool = False
@@ -227,8 +229,10 @@ class EngineArgs:
         add(
             "--served-model-name",
             type=str,
+            nargs="+",
             default=d.served_model_name,
-            help="The model name used in the API and in metrics (default: --model).",
+            help="The model name(s) used in the API (any of them is accepted) and, the first, "
+            "in metrics (default: --model).",
         )
         add(
             "--worker-use-ray",
@@ -247,6 +251,14 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+    @property
+    def served_model_names(self) -> Optional[list[str]]:
+        """`served_model_name` as a list (None when not given)."""
+        name = self.served_model_name
+        if not name:
+            return None
+        return [name] if isinstance(name, str) else list(name)
 
     def create_engine_config(self) -> EngineConfig:
         """The validated configs as one object, passed by name to the engine, executors and

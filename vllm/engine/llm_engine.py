@@ -147,7 +147,8 @@ class LLMEngine:
             stat_loggers=stat_loggers,
             log_stats=not getattr(engine_args, "disable_log_stats", True),
             # As vLLM: the name the user gave (`smollm2`, not the resolved GGUF path).
-            served_model_name=getattr(engine_args, "served_model_name", None) or engine_args.model,
+            served_model_name=_first_name(getattr(engine_args, "served_model_name", None))
+            or engine_args.model,
         )
 
     @property
@@ -537,6 +538,13 @@ def _can_replace_stages(executor: Any) -> bool:
     return replace is not None and getattr(replace, "__func__", replace) is not (
         ExecutorBase.replace_stages
     )
+
+
+def _first_name(name: Any) -> str | None:
+    """The first of vLLM's served model names (one string or a list)."""
+    if isinstance(name, (list, tuple)):
+        return str(name[0]) if name else None
+    return name
 
 
 def _make_stats_collector(scheduler: Scheduler, loggers: dict[str, Any]) -> Any:

@@ -496,7 +496,8 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
     engine = engine if engine is not None else build_engine(args)
     engine.max_log_len = getattr(args, "max_log_len", None)
     limits = limits_from_args(args)
-    names = [args.served_model_name] if args.served_model_name else None
+    name = args.served_model_name
+    names = ([name] if isinstance(name, str) else list(name)) if name else None
     app = build_app(
         engine,
         names,
