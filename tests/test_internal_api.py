@@ -159,3 +159,26 @@ def test_serving_constructors_and_engine_keywords(tiny_model_dirs):
         assert asyncio.run(engine.get_decoding_config()).guided_decoding_backend == "xgrammar"
     finally:
         engine.shutdown()
+
+
+def test_llm_engine_add_request_forms(tiny_model_dirs):
+    from vllm import EngineArgs, LLMEngine, TokensPrompt
+
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=tiny_model_dirs[KIND], kv_cache_space=0.02, swap_space=0.01)
+    )
+    params = SamplingParams(temperature=0, max_tokens=4)
+    ids = engine.get_tokenizer().encode("Hello there")
+    engine.add_request("a", "Hello there", params)  # vLLM's example form
+    engine.add_request("b", TokensPrompt(prompt_token_ids=ids), params, 123.0)  # 0.5's form
+    engine.add_request("c", inputs={"prompt": "Hello there"}, params=params)
+    engine.add_request("d", None, params, ids)  # the older prompt_token_ids slot
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.outputs[0].token_ids
+    assert outs["a"] == outs["b"] == outs["c"] == outs["d"] and len(outs["a"]) == 4
+    with pytest.raises(TypeError, match="sampling_params"):
+        engine.add_request("e", "x", None)
+    engine.shutdown()

@@ -188,13 +188,38 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | None,
-        sampling_params: SamplingParams,
+        prompt: Any = None,
+        sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        *,
+        inputs: Any = None,
+        params: SamplingParams | None = None,
+        trace_headers: Any = None,
+        prompt_adapter_request: Any = None,
     ) -> None:
-        """Queue a request; bad input raises ValueError/TypeError and leaves the engine as is."""
+        """Queue a request; bad input raises ValueError/TypeError and leaves the engine as is.
+
+        Takes vLLM 0.5's form too: `add_request(request_id, inputs, params, arrival_time)`
+        with `inputs` a string, a `TextPrompt` / `TokensPrompt` dict or token ids."""
         self._check_alive()
+        if prompt is None and inputs is not None:
+            prompt = inputs
+        if sampling_params is None:
+            sampling_params = params
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}."
+            )
+        if isinstance(prompt_token_ids, (int, float)) and not isinstance(prompt_token_ids, bool):
+            # vLLM 0.5's positional order: (request_id, inputs, params, arrival_time).
+            prompt_token_ids, arrival_time = None, float(prompt_token_ids)
+        if not isinstance(prompt, str) and prompt is not None and prompt_token_ids is None:
+            from vllm.inputs import parse_prompt
+
+            prompt, prompt_token_ids = parse_prompt(prompt)
+        if prompt_adapter_request is not None:
+            raise ValueError("prompt_adapter_request: prompt adapters are not supported.")
         prompt_token_ids = validate_request(
             request_id,
             prompt,
