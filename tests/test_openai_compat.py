@@ -317,3 +317,33 @@ def test_server_flags():
     assert args.return_tokens_as_token_ids and args.response_role == "bot"
     defaults = make_arg_parser().parse_args(["--model", "m"])
     assert not defaults.return_tokens_as_token_ids and defaults.response_role == "assistant"
+
+
+@pytest.mark.parametrize("prompt_logprobs", [-1, 0, 2, None])
+def test_prompt_logprobs_in_responses(server, reference, prompt_logprobs):
+    """vLLM's test_prompt_logprobs_completion / _chat: the whole response carries them."""
+    client = server.client()
+    extra = {} if prompt_logprobs is None else {"extra_body": {"prompt_logprobs": prompt_logprobs}}
+    prompts = [PROMPT, "My name is"]
+    if prompt_logprobs is not None and prompt_logprobs < 0:
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt=prompts, max_tokens=2, **extra)
+        return
+    got = client.completions.create(model=MODEL, prompt=prompts, max_tokens=2, **extra)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, **extra)
+    if prompt_logprobs is None:
+        assert got.choices[0].prompt_logprobs is None and chat.prompt_logprobs is None
+        return
+    ref = reference.generate(
+        PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=prompt_logprobs), use_tqdm=False
+    )[0]
+    steps = got.choices[0].prompt_logprobs
+    assert len(steps) == len(ref.prompt_token_ids) and steps[0] is None
+    for step, want, tid in zip(steps[1:], ref.prompt_logprobs[1:], ref.prompt_token_ids[1:]):
+        assert abs(step[str(tid)]["logprob"] - want[tid].logprob) < 1e-4
+        assert prompt_logprobs <= len(step) <= prompt_logprobs + 1
+    assert got.choices[1].prompt_logprobs and chat.prompt_logprobs
+    if prompt_logprobs:  # vLLM refuses a truthy prompt_logprobs with stream=true
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt=PROMPT, stream=True, **extra)
+        assert "not available when `stream=True`" in info.value.message

@@ -168,6 +168,9 @@ class _SamplingFields(OpenAIBaseModel):
         """vLLM's check (and message): stream_options only with stream=true."""
         if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
             raise ValueError("Stream options can only be defined when `stream=True`.")
+        if isinstance(data, dict) and data.get("prompt_logprobs") and data.get("stream"):
+            # vLLM's rule: the prompt's logprobs come in the whole response only.
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         return data
 
     def _params(
@@ -321,10 +324,31 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
+# vLLM's `prompt_logprobs` in a response: per prompt token (None for the first), the
+# token ids' {"logprob", "rank", "decoded_token"}.
+PromptLogprobsJSON = list[Optional[dict[int, dict[str, Any]]]]
+
+
+def prompt_logprobs_json(steps: Optional[list[Any]]) -> Optional[PromptLogprobsJSON]:
+    """A RequestOutput's prompt_logprobs as vLLM's server returns them."""
+    if steps is None:
+        return None
+    return [
+        None
+        if step is None
+        else {
+            tid: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in step.items()
+        }
+        for step in steps
+    ]
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
+    prompt_logprobs: Optional[PromptLogprobsJSON] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
 
@@ -420,6 +444,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[PromptLogprobsJSON] = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

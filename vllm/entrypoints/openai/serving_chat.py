@@ -28,6 +28,7 @@ from vllm.entrypoints.openai.protocol import (
     ParameterError,
     ToolCall,
     UsageInfo,
+    prompt_logprobs_json,
     random_uuid,
 )
 from vllm.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
@@ -286,7 +287,12 @@ class OpenAIServingChat(OpenAIServing):
             total_tokens=prompt_tokens + completion_tokens,
         )
         return ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs),
         )
 
     async def _stream(

@@ -21,6 +21,7 @@ from vllm.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     ParameterError,
     UsageInfo,
+    prompt_logprobs_json,
     random_uuid,
 )
 from vllm.entrypoints.openai.serving_engine import (
@@ -198,6 +199,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         index=i * request.n + out.index,
                         text=prompt_text + out.text,
                         logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs),
                         finish_reason=out.finish_reason,
                         stop_reason=out.stop_reason,
                     )
