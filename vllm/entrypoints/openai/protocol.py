@@ -20,7 +20,7 @@ from vllm.entrypoints.openai.structured_fields import (
     structured_outputs_from_request,
 )
 from vllm.logger import init_logger
-from vllm.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
 
@@ -127,8 +127,9 @@ class _SamplingFields(OpenAIBaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[str, float]] = None
-    # vLLM bounds the seed to what a torch.long holds (a 400 beyond it).
-    seed: Optional[int] = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    # Outside int64 (what vLLM's torch.long bound allows) it is a 400 naming it, from
+    # SamplingParams' int64 check.
+    seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
