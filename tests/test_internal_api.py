@@ -94,13 +94,20 @@ def test_serving_constructors_and_engine_keywords(tiny_model_dirs):
 
     counter = _Count()
     args = AsyncEngineArgs(
-        model=tiny_model_dirs[KIND], kv_cache_space=0.02, swap_space=0.01, disable_log_stats=False
+        model=tiny_model_dirs[KIND],
+        kv_cache_space=0.02,
+        swap_space=0.01,
+        disable_log_stats=False,
+        max_log_len=40,  # vLLM 0.5's AsyncEngineArgs fields
+        engine_use_ray=False,
+        worker_use_ray=False,
+        tokenizer_pool_size=0,
     )
     engine = AsyncLLMEngine.from_engine_args(
         args, start_engine_loop=True, usage_context=None, stat_loggers={"count": counter}
     )
     try:
-        assert engine.engine.stat_loggers == {"count": counter}
+        assert engine.engine.stat_loggers == {"count": counter} and engine.max_log_len == 40
         model_config = asyncio.run(engine.get_model_config())
         # vLLM 0.5.5's call forms.
         completion = OpenAIServingCompletion(

@@ -326,6 +326,9 @@ class AsyncEngineArgs(EngineArgs):
     # vLLM 0.5: run the engine in a Ray actor. Here the engine always runs in the server's
     # process (its stages are the Ray actors), so the flag is accepted with a warning.
     engine_use_ray: bool = False
+    # vLLM's --max-log-len (the flag is the server's): characters of a request's parameters
+    # in its log line.
+    max_log_len: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.engine_use_ray:

@@ -153,7 +153,9 @@ class AsyncLLMEngine:
         `stat_loggers` replaces the default loggers, `usage_context` is unused)."""
         engine = LLMEngine.from_engine_args(engine_args, stat_loggers=stat_loggers)
         log_requests = not getattr(engine_args, "disable_log_requests", False)
-        return cls(engine, log_requests=log_requests, start_engine_loop=start_engine_loop)
+        built = cls(engine, log_requests=log_requests, start_engine_loop=start_engine_loop)
+        built.max_log_len = getattr(engine_args, "max_log_len", None)
+        return built
 
     # -- state ------------------------------------------------------------------------------
 
