@@ -5,6 +5,8 @@ arguments, AsyncLLMEngine's keywords and loggers."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,19 @@ def test_request_tracker():
         asyncio.run(drain(stream_3))
 
 
+def test_request_logger(caplog):
+    import logging
+
+    from vllm.entrypoints.logger import RequestLogger
+
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        RequestLogger(max_log_len=5).log_inputs(
+            "r1", "Hello world", list(range(20)), SamplingParams(max_tokens=3)
+        )
+    assert "Received request r1: prompt: 'Hello', params: SamplingParams(" in caplog.text
+    assert "prompt_token_ids: [0, 1, 2, 3, 4], lora_request: None" in caplog.text
+
+
 def test_load_chat_template(tmp_path):
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     path = tmp_path / "t.jinja"
@@ -88,7 +103,8 @@ class _Count(StatLoggerBase):
         pass
 
 
-def test_serving_constructors_and_engine_keywords(tiny_model_dirs):
+def test_serving_constructors_and_engine_keywords(tiny_model_dirs, caplog):
+    from vllm.entrypoints.logger import RequestLogger
     from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
     from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
@@ -116,7 +132,7 @@ def test_serving_constructors_and_engine_keywords(tiny_model_dirs):
             ["tiny"],
             lora_modules=None,
             prompt_adapters=None,
-            request_logger=None,
+            request_logger=RequestLogger(max_log_len=10),
             return_tokens_as_token_ids=True,
         )
         chat = OpenAIServingChat(
@@ -154,6 +170,25 @@ def test_serving_constructors_and_engine_keywords(tiny_model_dirs):
 
         assert asyncio.run(run())
         assert counter.tokens == 3
+        counter.tokens = 0
+
+        class StayingClient:  # a raw request whose client never leaves
+            async def receive(self) -> dict:
+                await asyncio.sleep(3600)
+                return {"type": "http.disconnect"}
+
+        from vllm.entrypoints.openai.protocol import CompletionRequest
+
+        async def through_handler() -> dict:
+            request = CompletionRequest(model="tiny", prompt="Hello", max_tokens=3)
+            response = await completion.create_completion(request, StayingClient())
+            return json.loads(response.body)
+
+        with caplog.at_level(logging.INFO, logger="vllm"):
+            body = asyncio.run(through_handler())
+        # The handler's request_logger saw it (prompt cut to max_log_len=10).
+        assert "Received request cmpl-" in caplog.text and "prompt: 'Hello'" in caplog.text
+        assert body["choices"][0]["logprobs"] is None and body["usage"]["completion_tokens"] == 3
 
         async def lower_level() -> list[int]:
             stream = await engine.add_request("r2", "Hello", SamplingParams(max_tokens=2))

@@ -218,9 +218,9 @@ class OpenAIServingChat(OpenAIServing):
         )
         request_id = f"chat-{random_uuid()}"
         created = int(time.time())
-        generator = self.engine.generate(
-            {"prompt": prompt, "prompt_token_ids": token_ids}, params, request_id
-        )
+        engine_input = {"prompt": prompt, "prompt_token_ids": token_ids}
+        self.log_inputs(request_id, engine_input, params)
+        generator = self.engine.generate(engine_input, params, request_id)
         firsts, error = await start_all(raw_request, [generator], self.prompt_limit, "messages")
         if error is not None:
             return error

@@ -136,6 +136,8 @@ class OpenAIServingCompletion(OpenAIServing):
             return error
         request_id = f"cmpl-{random_uuid()}"
         created = int(time.time())
+        for i, engine_input in enumerate(inputs):
+            self.log_inputs(f"{request_id}-{i}", engine_input, params)
         generators = [
             self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(inputs)
         ]

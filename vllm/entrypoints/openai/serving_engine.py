@@ -122,6 +122,16 @@ class OpenAIServing:
         self.work = work or BoundedWork(self.tokenizer, self.max_model_len, ServerLimits())
         self.limits = self.work.limits
 
+    def log_inputs(self, request_id: str, engine_input: dict[str, Any], params: Any) -> None:
+        """Hand a request's inputs to the `request_logger` given to the constructor (if any)."""
+        if self.request_logger is not None:
+            self.request_logger.log_inputs(
+                request_id,
+                engine_input.get("prompt"),
+                engine_input.get("prompt_token_ids"),
+                params,
+            )
+
     @property
     def async_engine_client(self) -> AsyncLLMEngine:
         """vLLM 0.5.5's name for the engine."""

@@ -69,9 +69,9 @@ class OpenAIServingResponses(OpenAIServing):
         if error is not None:
             return error
         response_id, item_id, created_at = new_ids()
-        generator = self.engine.generate(
-            {"prompt": prompt, "prompt_token_ids": token_ids}, params, response_id
-        )
+        engine_input = {"prompt": prompt, "prompt_token_ids": token_ids}
+        self.log_inputs(response_id, engine_input, params)
+        generator = self.engine.generate(engine_input, params, response_id)
         firsts, error = await start_all(raw_request, [generator], self.prompt_limit, "input")
         if error is not None:
             return error
