@@ -51,17 +51,16 @@ def server(request, tiny_model_dirs):
     srv.stop()
 
 
-def chat(reference: LLM, messages: list[dict], max_tokens: int, **kw) -> tuple[str, str, int]:
-    """(text, finish_reason, prompt tokens) of LLM.chat, greedy; the output's token count
-    in `chat.generated`."""
+def chat(reference: LLM, messages: list[dict], max_tokens: int, **kw) -> tuple[str, str, int, int]:
+    """(text, finish_reason, prompt tokens, output tokens) of LLM.chat, greedy."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
     out = reference.chat(messages, params, use_tqdm=False)[0]
-    chat.generated = len(out.outputs[0].token_ids)  # type: ignore[attr-defined]
-    return out.outputs[0].text, out.outputs[0].finish_reason, len(out.prompt_token_ids)
+    first = out.outputs[0]
+    return first.text, first.finish_reason, len(out.prompt_token_ids), len(first.token_ids)
 
 
 def test_text_input_equals_llm_chat(server, reference):
-    text, finish, n_prompt = chat(reference, [{"role": "user", "content": QUESTION}], 12)
+    text, finish, n_prompt, n_out = chat(reference, [{"role": "user", "content": QUESTION}], 12)
     resp = server.client().responses.create(
         model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0
     )
@@ -71,7 +70,7 @@ def test_text_input_equals_llm_chat(server, reference):
     assert item.type == "message" and item.role == "assistant" and item.status == "completed"
     assert [p.type for p in item.content] == ["output_text"] and item.content[0].text == text
     assert resp.usage.input_tokens == n_prompt
-    assert resp.usage.output_tokens == chat.generated  # type: ignore[attr-defined]
+    assert resp.usage.output_tokens == n_out
     assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
     if finish == "length":
         assert resp.status == "incomplete"
@@ -88,7 +87,7 @@ def test_messages_with_instructions_and_parts(server, reference):
         {"role": "assistant", "content": "Hello!"},
         {"role": "user", "content": QUESTION},
     ]
-    text, _, n_prompt = chat(reference, messages, 10)
+    text, _, n_prompt, _ = chat(reference, messages, 10)
     resp = server.client().responses.create(
         model=MODEL,
         instructions="Answer in one word.",
@@ -117,7 +116,7 @@ def test_messages_with_instructions_and_parts(server, reference):
 
 
 def test_stream_events(server, reference):
-    text, finish, n_prompt = chat(reference, [{"role": "user", "content": QUESTION}], 16)
+    text, finish, n_prompt, n_out = chat(reference, [{"role": "user", "content": QUESTION}], 16)
     events = list(
         server.client().responses.create(
             model=MODEL, input=QUESTION, max_output_tokens=16, temperature=0, stream=True
@@ -145,7 +144,7 @@ def test_stream_events(server, reference):
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     final = events[-1].response
     assert final.output_text == text and final.usage.input_tokens == n_prompt
-    assert final.usage.output_tokens == chat.generated  # type: ignore[attr-defined]
+    assert final.usage.output_tokens == n_out
     assert final.id == events[0].response.id
 
 
@@ -162,7 +161,7 @@ def test_raw_stream_has_event_lines(server):
 
 def test_text_format_json_schema(server, reference):
     structured = StructuredOutputsParams(json=SCHEMA)
-    text, finish, _ = chat(
+    text, finish, _, _ = chat(
         reference, [{"role": "user", "content": QUESTION}], 40, structured_outputs=structured
     )
     resp = server.client().responses.create(
