@@ -5,11 +5,21 @@ and the response object and stream events in OpenAI's shapes."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vllm.entrypoints.openai.protocol import ParameterError, random_uuid
+from vllm.entrypoints.openai.protocol import (
+    JsonSchemaResponseFormat,
+    ParameterError,
+    ResponseFormat,
+    random_uuid,
+)
+from vllm.entrypoints.openai.structured_fields import (
+    StructuredFieldError,
+    structured_outputs_from_request,
+)
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.structured_output.params import StructuredOutputsParams
 
@@ -73,6 +83,7 @@ class ResponsesRequest(BaseModel):
     # vLLM's extras, as on the other routes.
     seed: Optional[int] = None
     top_k: Optional[int] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
     def check_stateless(self) -> None:
         """400s, naming the field, for what needs server-side state or is not implemented."""
@@ -110,17 +121,41 @@ class ResponsesRequest(BaseModel):
             out.append(_message(item, i))
         return out
 
-    def to_sampling_params(self) -> SamplingParams:
-        structured = None
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """`text.format` (and vLLM's `structured_outputs` extra: its options, such as
+        `disable_any_whitespace`, or a constraint of its own) as one StructuredOutputsParams,
+        by the chat route's rules; a refusal names `text` or `structured_outputs`."""
         fmt = self.text.format if self.text is not None else None
-        if fmt is not None and fmt.type == "json_object":
-            structured = StructuredOutputsParams(json_object=True)
-        elif fmt is not None and fmt.type == "json_schema":
-            if fmt.json_schema is None:
+        response_format = None
+        if fmt is not None and fmt.type != "text":
+            if fmt.type == "json_schema" and fmt.json_schema is None:
                 raise ParameterError(
                     "text.format.schema is required when type is 'json_schema'.", "text"
                 )
-            structured = StructuredOutputsParams(json=fmt.json_schema)
+            spec = None
+            if fmt.type == "json_schema":
+                spec = JsonSchemaResponseFormat(
+                    name=fmt.name or "response", schema=fmt.json_schema, strict=fmt.strict
+                )
+            response_format = ResponseFormat(type=fmt.type, json_schema=spec)
+        fields = SimpleNamespace(
+            structured_outputs=self.structured_outputs,
+            response_format=response_format,
+            guided_json=None,
+            guided_regex=None,
+            guided_choice=None,
+            guided_grammar=None,
+            guided_whitespace_pattern=None,
+        )
+        try:
+            structured, _ = structured_outputs_from_request(fields)
+        except StructuredFieldError as exc:
+            param = "text" if exc.param == "response_format" else exc.param
+            raise ParameterError(str(exc), param) from None
+        return structured
+
+    def to_sampling_params(self) -> SamplingParams:
+        structured = self.structured_outputs_params()
         return SamplingParams(
             max_tokens=self.max_output_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,

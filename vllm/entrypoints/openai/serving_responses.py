@@ -65,7 +65,8 @@ class OpenAIServingResponses(OpenAIServing):
             return bad_request(exc)
         except ValueError as exc:
             return bad_request(exc)
-        error = await check_structured_outputs(self.engine, params, "text")
+        param = "text" if request.text is not None else "structured_outputs"
+        error = await check_structured_outputs(self.engine, params, param)
         if error is not None:
             return error
         response_id, item_id, created_at = new_ids()
