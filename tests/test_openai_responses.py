@@ -22,7 +22,10 @@ SETTINGS = dict(kv_cache_space=0.05, swap_space=0.01)
 QUESTION = "What is the capital of France?"
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Rome"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "properties": {
+        "city": {"enum": ["Paris", "Rome"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
     "required": ["city", "n"],
     "additionalProperties": False,
 }
