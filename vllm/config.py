@@ -246,6 +246,18 @@ class CacheConfig:
     num_cpu_blocks: Optional[int] = None
     # Automatic prefix caching: full blocks are shared by hash of their tokens and prefix.
     enable_prefix_caching: bool = False
+    # vLLM's fields with the only values this engine has: the KV cache in the model's dtype,
+    # no CPU weight offload; sliding_window is the model's (set by the engine).
+    cache_dtype: str = "auto"
+    cpu_offload_gb: float = 0
+    sliding_window: Optional[int] = None
+
+    def metrics_info(self) -> dict[str, str]:
+        """Every field (and swap_space_bytes) as a string: the labels of vLLM's
+        `vllm:cache_config_info`."""
+        info = {key: str(value) for key, value in self.__dict__.items()}
+        info["swap_space_bytes"] = str(self.swap_space_bytes)
+        return info
 
     def verify_memory(self, device: str, tensor_parallel_size: int) -> None:
         """Refuse budgets this node's memory cannot hold, before any worker starts.

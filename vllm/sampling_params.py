@@ -171,6 +171,11 @@ class SamplingParams:
     # and the 0.6-era one (converted to the former).
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: GuidedDecodingParams | None = None
+    # vLLM's later fields (the OpenAI server's `logit_bias` and `allowed_token_ids`): a bias
+    # added to the logit of each token id, and the only token ids that may be sampled. Their
+    # ids are checked against the vocabulary when the request is added.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     # Derived in __post_init__, not constructor arguments.
     output_text_buffer_length: int = field(default=0, init=False)
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False)
@@ -285,6 +290,35 @@ class SamplingParams:
             self.logits_processors = _as_list("logits_processors", self.logits_processors)
             if not all(callable(lp) for lp in self.logits_processors):
                 raise SamplingParamsTypeError("logits_processors must be a list of callables")
+        self._normalize_token_constraints()
+
+    def _normalize_token_constraints(self) -> None:
+        """`logit_bias` keys as int token ids (OpenAI sends them as strings), biases as
+        finite floats; `allowed_token_ids` as a non-empty list of ints."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise SamplingParamsTypeError(
+                    f"logit_bias must be a dict, but is of type {type(self.logit_bias)}"
+                )
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    token_id = int(key)
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(
+                        "logit_bias: found token_id that is not an integer or string "
+                        f"representing an integer: {key!r}"
+                    ) from exc
+                value = _as_float("logit_bias", value)
+                if not math.isfinite(value):
+                    raise ValueError(f"logit_bias must be finite, got {value} for {token_id}.")
+                bias[token_id] = value
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = _as_list("allowed_token_ids", self.allowed_token_ids)
+            self.allowed_token_ids = [_as_int("allowed_token_ids", t) for t in ids]
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is not None and empty!")
 
     def _verify_int64(self) -> None:
         """Every integer within what an int64 tensor holds (vLLM's protocol bounds seed the

@@ -25,7 +25,7 @@ def test_api_server_flags_include_the_engine_flags():
     )  # fmt: skip
     assert (args.pipeline_parallel_size, args.tensor_parallel_size) == (2, 1)
     assert (args.port, args.api_key, args.max_num_seqs) == (9, "k", 8)
-    assert args.enforce_eager and args.disable_log_requests and args.served_model_name == "x"
+    assert args.enforce_eager and args.disable_log_requests and args.served_model_name == ["x"]
 
 
 def test_vllm_serve_subprocess(tiny_model_dirs):
@@ -33,7 +33,7 @@ def test_vllm_serve_subprocess(tiny_model_dirs):
     cmd = [
         sys.executable, "-m", "vllm.scripts", "serve", tiny_model_dirs["opt-pre"],
         "--host", "127.0.0.1", "--port", str(port), "--kv-cache-space", "0.05",
-        "--swap-space", "0.01", "--served-model-name", "tiny-opt", "--api-key", "k",
+        "--swap-space", "0.01", "--served-model-name", "tiny-opt", "opt-alias", "--api-key", "k",
         "--uvicorn-log-level", "warning",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -51,7 +51,13 @@ def test_vllm_serve_subprocess(tiny_model_dirs):
                 pass
             time.sleep(0.5)
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
-        assert [m.id for m in client.models.list().data] == ["tiny-opt"]
+        # Several served names (vLLM's nargs="+"): all listed, the first is every root.
+        cards = client.models.list().data
+        assert [(m.id, m.root) for m in cards] == [
+            ("tiny-opt", "tiny-opt"),
+            ("opt-alias", "tiny-opt"),
+        ]
+        assert client.completions.create(model="opt-alias", prompt="Hi", max_tokens=2).choices
         out = client.completions.create(model="tiny-opt", prompt="Hello", max_tokens=5)
         assert out.usage.completion_tokens == 5
         # The key guards /metrics too (only /health and /version are open).

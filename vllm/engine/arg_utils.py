@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from vllm.config import (
     CacheConfig,
@@ -51,7 +51,13 @@ class EngineArgs:
     # Accepted for vLLM compatibility: there are no CUDA graphs to skip on this engine.
     enforce_eager: bool = False
     # The model name in the API and the metrics' model_name label (default: model).
-    served_model_name: Optional[str] = None
+    # One name or several (vLLM's --served-model-name takes a list; the first is the
+    # metrics' label and every one is accepted as the request's model).
+    served_model_name: Optional[Union[str, list[str]]] = None
+    # vLLM 0.5's older spellings: worker_use_ray is distributed_executor_backend="ray";
+    # tokenizer_pool_size is accepted (tokenizing runs in the server's own thread pool).
+    worker_use_ray: bool = False
+    tokenizer_pool_size: int = 0
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -223,8 +229,21 @@ class EngineArgs:
         add(
             "--served-model-name",
             type=str,
+            nargs="+",
             default=d.served_model_name,
-            help="The model name used in the API and in metrics (default: --model).",
+            help="The model name(s) used in the API (any of them is accepted) and, the first, "
+            "in metrics (default: --model).",
+        )
+        add(
+            "--worker-use-ray",
+            action="store_true",
+            help="vLLM 0.5's spelling of --distributed-executor-backend ray.",
+        )
+        add(
+            "--tokenizer-pool-size",
+            type=int,
+            default=d.tokenizer_pool_size,
+            help="Accepted for vLLM compatibility: the server tokenizes in its own thread pool.",
         )
         return parser
 
@@ -233,14 +252,25 @@ class EngineArgs:
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
+    @property
+    def served_model_names(self) -> Optional[list[str]]:
+        """`served_model_name` as a list (None when not given)."""
+        name = self.served_model_name
+        if not name:
+            return None
+        return [name] if isinstance(name, str) else list(name)
+
     def create_engine_config(self) -> EngineConfig:
         """The validated configs as one object, passed by name to the engine, executors and
         workers (Ray Data reads `.scheduler_config` and `.parallel_config` from it)."""
         device_config = DeviceConfig(self.device)
+        backend = self.distributed_executor_backend
+        if self.worker_use_ray and backend is None:
+            backend = "ray"
         parallel_config = ParallelConfig(
             self.pipeline_parallel_size,
             self.tensor_parallel_size,
-            self.distributed_executor_backend,
+            backend,
             self.pp_layer_partition,
             max_stage_restarts=self.max_stage_restarts,
             step_timeout_s=self.step_timeout_s,  # type: ignore[arg-type]  # None: derived
@@ -293,8 +323,21 @@ class AsyncEngineArgs(EngineArgs):
     # Newer vLLM's names, passed by Ray Data's LLM processor: only text generation runs here.
     runner: str = "generate"
     enable_log_requests: bool = False
+    # vLLM 0.5: run the engine in a Ray actor. Here the engine always runs in the server's
+    # process (its stages are the Ray actors), so the flag is accepted with a warning.
+    engine_use_ray: bool = False
+    # vLLM's --max-log-len (the flag is the server's): characters of a request's parameters
+    # in its log line.
+    max_log_len: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.engine_use_ray:
+            from vllm.logger import init_logger
+
+            init_logger("vllm.engine.arg_utils").warning(
+                "engine_use_ray: the engine runs in this process; its stages are the Ray "
+                "actors (--distributed-executor-backend ray)."
+            )
         if self.runner not in ("auto", "generate"):
             raise ValueError(
                 f"runner={self.runner!r} is not supported: this engine only generates text "
@@ -309,5 +352,11 @@ class AsyncEngineArgs(EngineArgs):
             "--disable_log_requests",
             action="store_true",
             help="Disable logging requests.",
+        )
+        parser.add_argument(
+            "--engine-use-ray",
+            "--engine_use_ray",
+            action="store_true",
+            help="Accepted for vLLM 0.5 compatibility (the engine runs in this process).",
         )
         return parser

@@ -25,12 +25,15 @@ from typing import Any, Optional, Union
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.llm_engine import LLMEngine
+from vllm.engine.request_tracker import RequestTracker
 from vllm.inputs import PromptInputs, parse_prompt
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
 logger = init_logger("vllm.engine.async_llm_engine")
+
+__all__ = ["AsyncEngineDeadError", "AsyncLLMEngine", "AsyncStream", "RequestTracker"]
 
 _FINISHED = object()  # end-of-stream marker
 
@@ -124,20 +127,35 @@ class AsyncLLMEngine:
         self._streams: dict[str, AsyncStream] = {}  # owned by the engine thread
         self._active: set[str] = set()  # ids generating (under _lock)
         self._errored_with: Optional[BaseException] = None
+        self._hook_tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
         if start_engine_loop:
             self.start_background_loop()
 
+    # vLLM 0.5's flags: this engine never runs the engine itself in a Ray actor.
+    engine_use_ray = False
+
+    @property
+    def worker_use_ray(self) -> bool:
+        return self.engine.parallel_config.world_size > 1
+
     @classmethod
     def from_engine_args(
-        cls, engine_args: AsyncEngineArgs, start_engine_loop: bool = True, **kwargs: Any
+        cls,
+        engine_args: AsyncEngineArgs,
+        start_engine_loop: bool = True,
+        usage_context: Any = None,
+        stat_loggers: Optional[dict[str, Any]] = None,
+        **kwargs: Any,
     ) -> AsyncLLMEngine:
-        """Build the engine (workers, KV caches) and start its loop. Extra keywords vLLM
-        accepts (`stat_loggers`, `usage_context`) are ignored."""
-        engine = LLMEngine.from_engine_args(engine_args)
+        """Build the engine (workers, KV caches) and start its loop (vLLM's signature;
+        `stat_loggers` replaces the default loggers, `usage_context` is unused)."""
+        engine = LLMEngine.from_engine_args(engine_args, stat_loggers=stat_loggers)
         log_requests = not getattr(engine_args, "disable_log_requests", False)
-        return cls(engine, log_requests=log_requests, start_engine_loop=start_engine_loop)
+        built = cls(engine, log_requests=log_requests, start_engine_loop=start_engine_loop)
+        built.max_log_len = getattr(engine_args, "max_log_len", None)
+        return built
 
     # -- state ------------------------------------------------------------------------------
 
@@ -180,6 +198,35 @@ class AsyncLLMEngine:
     async def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
 
+    async def get_parallel_config(self) -> Any:
+        return self.engine.parallel_config
+
+    async def get_scheduler_config(self) -> Any:
+        return self.engine.scheduler_config
+
+    async def get_decoding_config(self) -> Any:
+        """vLLM's decoding config: the structured-output backend this engine uses."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(guided_decoding_backend="xgrammar")
+
+    async def get_lora_config(self) -> Any:
+        return None  # no LoRA here
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def add_logger(self, logger_name: str, logger: Any) -> None:
+        """See `LLMEngine.add_logger`."""
+        self.engine.add_logger(logger_name, logger)
+
+    def remove_logger(self, logger_name: str) -> None:
+        self.engine.remove_logger(logger_name)
+
     async def do_log_stats(self) -> None:
         """Metrics are refreshed by the background loop; kept for vLLM's API."""
 
@@ -216,6 +263,8 @@ class AsyncLLMEngine:
         *,
         inputs: Optional[PromptInputs] = None,
         arrival_time: Optional[float] = None,
+        trace_headers: Any = None,
+        prompt_adapter_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's RequestOutputs until it finishes.
 
@@ -224,6 +273,8 @@ class AsyncLLMEngine:
         from the first iteration; stopping the iteration early aborts the request."""
         if lora_request is not None:
             raise ValueError("LoRA is not supported by this engine.")
+        if prompt_adapter_request is not None:
+            raise ValueError("prompt_adapter_request: prompt adapters are not supported.")
         if prompt is None:
             prompt = inputs
         if request_id is None:
@@ -241,12 +292,52 @@ class AsyncLLMEngine:
         finally:
             if not done:
                 self._abort(request_id)
+                self._run_abort_hook([request_id])
+
+    async def add_request(
+        self,
+        request_id: str,
+        inputs: PromptInputs,
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        lora_request: Any = None,
+        trace_headers: Any = None,
+        prompt_adapter_request: Any = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """vLLM 0.5's lower-level call: the request's output stream (as `generate`; the
+        request reaches the engine when the stream is first iterated)."""
+        return self.generate(
+            inputs,
+            params,
+            request_id,
+            lora_request,
+            arrival_time=arrival_time,
+            trace_headers=trace_headers,
+            prompt_adapter_request=prompt_adapter_request,
+        )
 
     async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
         """Abort requests (their generate() iterations end)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
+        await self._engine_abort(ids)
+
+    async def _engine_abort(self, request_ids: Iterable[str]) -> None:
+        """vLLM 0.5's hook: awaited on the event loop with the ids of the requests being
+        aborted (a subclass may count them and call `super()`). Idempotent: a caller that
+        left has already had its request dropped when this runs."""
+        for rid in request_ids:
             self._abort(rid)
+
+    def _run_abort_hook(self, request_ids: list[str]) -> None:
+        """`_engine_abort` for requests whose caller left (from a closing generator, where
+        nothing can be awaited): a task on the running loop, if there is one."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(self._engine_abort(request_ids))
+        self._hook_tasks.add(task)  # held until done (the loop keeps only weak references)
+        task.add_done_callback(self._hook_tasks.discard)
 
     def _add_request(
         self,
@@ -279,7 +370,7 @@ class AsyncLLMEngine:
 
     def _abort(self, request_id: str) -> None:
         with self._lock:
-            if request_id not in self._active:
+            if request_id not in self._active or request_id in self._aborts:
                 return
             self._aborts.append(request_id)
         self._wakeup.set()

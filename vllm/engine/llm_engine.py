@@ -55,6 +55,7 @@ class LLMEngine:
         engine_config: EngineConfig,
         log_stats: bool = False,
         served_model_name: str | None = None,
+        stat_loggers: dict[str, Any] | None = None,
     ) -> None:
         self.engine_config = engine_config
         model_config = self.model_config = engine_config.model_config
@@ -117,18 +118,63 @@ class LLMEngine:
         self.log_stats = log_stats
         # Metrics are labelled with the name clients use (the server's --served-model-name).
         self.served_model_name = served_model_name or model_config.model
-        self.stats = (
-            _make_stats_collector(self.scheduler, self.served_model_name) if log_stats else None
-        )
+        # vLLM's stat loggers by name ("logging", "prometheus"; `stat_loggers` replaces
+        # them); `add_logger` / `remove_logger` change the dict the collector reads.
+        self._stat_loggers: dict[str, Any] = {}
+        self.stats: Any = None
+        if log_stats:
+            from vllm.engine.metrics import default_stat_loggers
+
+            if isinstance(stat_loggers, dict):  # vLLM 0.5: {name: StatLoggerBase}
+                self._stat_loggers.update(stat_loggers)
+            else:
+                if stat_loggers is not None:  # vLLM V1's list of logger factories
+                    logger.warning(
+                        "stat_loggers as a list of factories (vLLM V1) is not supported; "
+                        "using the default loggers."
+                    )
+                self._stat_loggers.update(default_stat_loggers(self.served_model_name))
+            self.stats = _make_stats_collector(self.scheduler, self._stat_loggers)
+            cache_config.sliding_window = getattr(model_config.hf_config, "sliding_window", None)
+            for stat_logger in self._stat_loggers.values():
+                stat_logger.info("cache_config", self.cache_config)
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any) -> LLMEngine:
+    def from_engine_args(
+        cls, engine_args: Any, usage_context: Any = None, stat_loggers: Any = None
+    ) -> LLMEngine:
+        """vLLM's signature (`usage_context` is accepted and unused)."""
         return cls(
             engine_args.create_engine_config(),
+            stat_loggers=stat_loggers,
             log_stats=not getattr(engine_args, "disable_log_stats", True),
             # As vLLM: the name the user gave (`smollm2`, not the resolved GGUF path).
-            served_model_name=getattr(engine_args, "served_model_name", None) or engine_args.model,
+            served_model_name=_first_name(getattr(engine_args, "served_model_name", None))
+            or engine_args.model,
         )
+
+    @property
+    def stat_loggers(self) -> dict[str, Any]:
+        """The stat loggers by name. As in vLLM, an engine with stats off has none: reading
+        this raises AttributeError (until `add_logger` turns collection on)."""
+        if self.stats is None:
+            raise AttributeError("stat_loggers: stats are off (disable_log_stats=True).")
+        return self._stat_loggers
+
+    def add_logger(self, logger_name: str, logger: Any) -> None:
+        """Feed `logger` (a `vllm.engine.metrics.StatLoggerBase`) every step's Stats; stats
+        are collected from now on even if the engine was built with them off."""
+        if logger_name in self._stat_loggers:
+            raise KeyError(f"Logger with name {logger_name} already exists.")
+        self._stat_loggers[logger_name] = logger
+        if self.stats is None:
+            self.stats = _make_stats_collector(self.scheduler, self._stat_loggers)
+
+    def remove_logger(self, logger_name: str) -> None:
+        """Stop feeding the logger added under `logger_name`."""
+        if logger_name not in self._stat_loggers:
+            raise KeyError(f"Logger with name {logger_name} does not exist.")
+        del self._stat_loggers[logger_name]
 
     def do_log_stats(self) -> None:
         """Refresh the metrics (queue sizes, cache usage) outside a step."""
@@ -144,13 +190,38 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | None,
-        sampling_params: SamplingParams,
+        prompt: Any = None,
+        sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        *,
+        inputs: Any = None,
+        params: SamplingParams | None = None,
+        trace_headers: Any = None,
+        prompt_adapter_request: Any = None,
     ) -> None:
-        """Queue a request; bad input raises ValueError/TypeError and leaves the engine as is."""
+        """Queue a request; bad input raises ValueError/TypeError and leaves the engine as is.
+
+        Takes vLLM 0.5's form too: `add_request(request_id, inputs, params, arrival_time)`
+        with `inputs` a string, a `TextPrompt` / `TokensPrompt` dict or token ids."""
         self._check_alive()
+        if prompt is None and inputs is not None:
+            prompt = inputs
+        if sampling_params is None:
+            sampling_params = params
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}."
+            )
+        if isinstance(prompt_token_ids, (int, float)) and not isinstance(prompt_token_ids, bool):
+            # vLLM 0.5's positional order: (request_id, inputs, params, arrival_time).
+            prompt_token_ids, arrival_time = None, float(prompt_token_ids)
+        if not isinstance(prompt, str) and prompt is not None and prompt_token_ids is None:
+            from vllm.inputs import parse_prompt
+
+            prompt, prompt_token_ids = parse_prompt(prompt)
+        if prompt_adapter_request is not None:
+            raise ValueError("prompt_adapter_request: prompt adapters are not supported.")
         prompt_token_ids = validate_request(
             request_id,
             prompt,
@@ -431,7 +502,7 @@ class LLMEngine:
                 seq.get_len() for g in self.scheduler.waiting for seq in g.get_unfinished_seqs()
             )
             event.extra["recomputed_tokens"] = recomputed
-            self.stats.stat_logger.log_fault(event, recomputed)
+            self.stats.log_fault(event, recomputed)
         return self._take_pending_outputs()
 
     def _fail_recurring(
@@ -478,7 +549,7 @@ class LLMEngine:
     def _fail(self, error: StageFailedError, why: str) -> None:
         """Fail-stop: abort every unfinished request, release the workers, raise."""
         if self.stats is not None and self.fault_events:
-            self.stats.stat_logger.log_fault(self.fault_events[-1], 0)
+            self.stats.log_fault(self.fault_events[-1], 0)
         groups = [*self.scheduler.waiting, *self.scheduler.running, *self.scheduler.swapped]
         self.scheduler.abort_seq_group([g.request_id for g in groups])
         self._dead = EngineDeadError(
@@ -514,10 +585,17 @@ def _can_replace_stages(executor: Any) -> bool:
     )
 
 
-def _make_stats_collector(scheduler: Scheduler, model_name: str) -> Any:
-    from vllm.engine.metrics import EngineStatsCollector, StatLogger
+def _first_name(name: Any) -> str | None:
+    """The first of vLLM's served model names (one string or a list)."""
+    if isinstance(name, (list, tuple)):
+        return str(name[0]) if name else None
+    return name
 
-    return EngineStatsCollector(scheduler, StatLogger(model_name))
+
+def _make_stats_collector(scheduler: Scheduler, loggers: dict[str, Any]) -> Any:
+    from vllm.engine.metrics import EngineStatsCollector
+
+    return EngineStatsCollector(scheduler, loggers)
 
 
 def _load_generation_config(model_config: ModelConfig) -> dict[str, Any]:

@@ -30,6 +30,7 @@ _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  5.0, 7.5, 10.0]  # fmt: skip
 _TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 _TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+_PARAM_BUCKETS = [1, 2, 5, 10, 20]  # vLLM's for request_params_n / request_params_best_of
 
 
 @dataclass
@@ -43,6 +44,8 @@ class Stats:
     num_swapped: int
     gpu_cache_usage: float  # fraction of device KV blocks in use
     cpu_cache_usage: float  # fraction of swap blocks in use
+    # Cached prefix blocks found / looked up since start (-1 with prefix caching off).
+    gpu_prefix_cache_hit_rate: float = -1.0
     num_preemptions: int = 0  # new preemptions since the previous Stats
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
@@ -52,6 +55,27 @@ class Stats:
     finished_prompt_tokens: list[int] = field(default_factory=list)
     finished_generation_tokens: list[int] = field(default_factory=list)
     finished_reasons: list[str] = field(default_factory=list)
+    finished_best_of: list[int] = field(default_factory=list)
+    finished_n: list[int] = field(default_factory=list)
+
+    # vLLM 0.5's field names, for stat loggers written against vLLM's `Stats`.
+    num_running_sys = property(lambda self: self.num_running)
+    num_waiting_sys = property(lambda self: self.num_waiting)
+    num_swapped_sys = property(lambda self: self.num_swapped)
+    gpu_cache_usage_sys = property(lambda self: self.gpu_cache_usage)
+    cpu_cache_usage_sys = property(lambda self: self.cpu_cache_usage)
+    num_prompt_tokens_iter = property(lambda self: self.num_prompt_tokens)
+    num_generation_tokens_iter = property(lambda self: self.num_generation_tokens)
+    time_to_first_tokens_iter = property(lambda self: self.time_to_first_tokens)
+    time_per_output_tokens_iter = property(lambda self: self.time_per_output_tokens)
+    num_preemption_iter = property(lambda self: self.num_preemptions)
+    time_e2e_requests = property(lambda self: self.e2e_latencies)
+    num_prompt_tokens_requests = property(lambda self: self.finished_prompt_tokens)
+    num_generation_tokens_requests = property(lambda self: self.finished_generation_tokens)
+    best_of_requests = property(lambda self: self.finished_best_of)
+    n_requests = property(lambda self: self.finished_n)
+    finished_reason_requests = property(lambda self: self.finished_reasons)
+    spec_decode_metrics = None
 
 
 class PrometheusMetrics:
@@ -75,6 +99,11 @@ class PrometheusMetrics:
         )
         self.cpu_cache_usage = Gauge(
             "vllm:cpu_cache_usage_perc", "CPU swap usage. 1 means 100 percent usage.", label
+        )
+        self.gpu_prefix_cache_hit_rate = Gauge(
+            "vllm:gpu_prefix_cache_hit_rate",
+            "GPU prefix cache block hit rate.",
+            label,
         )
         self.num_preemptions = Counter(
             "vllm:num_preemptions", "Cumulative number of preemptions from the engine.", label
@@ -114,6 +143,18 @@ class PrometheusMetrics:
             "Number of generation tokens processed.",
             label,
             buckets=_TOKEN_BUCKETS,
+        )
+        self.request_params_n = Histogram(
+            "vllm:request_params_n",
+            "Histogram of the n request parameter.",
+            label,
+            buckets=_PARAM_BUCKETS,
+        )
+        self.request_params_best_of = Histogram(
+            "vllm:request_params_best_of",
+            "Histogram of the best_of request parameter.",
+            label,
+            buckets=_PARAM_BUCKETS,
         )
         self.request_success = Counter(
             "vllm:request_success",
@@ -155,6 +196,26 @@ class PrometheusMetrics:
             label,
         )
 
+    # vLLM 0.5's attribute names (`stat_loggers["prometheus"].metrics.counter_prompt_tokens`).
+    gauge_scheduler_running = property(lambda self: self.num_requests_running)
+    gauge_scheduler_waiting = property(lambda self: self.num_requests_waiting)
+    gauge_scheduler_swapped = property(lambda self: self.num_requests_swapped)
+    gauge_gpu_cache_usage = property(lambda self: self.gpu_cache_usage)
+    gauge_cpu_cache_usage = property(lambda self: self.cpu_cache_usage)
+    counter_num_preemption = property(lambda self: self.num_preemptions)
+    counter_prompt_tokens = property(lambda self: self.prompt_tokens)
+    counter_generation_tokens = property(lambda self: self.generation_tokens)
+    histogram_time_to_first_token = property(lambda self: self.time_to_first_token)
+    histogram_time_per_output_token = property(lambda self: self.time_per_output_token)
+    histogram_e2e_time_request = property(lambda self: self.e2e_request_latency)
+    histogram_num_prompt_tokens_request = property(lambda self: self.request_prompt_tokens)
+    histogram_num_generation_tokens_request = property(lambda self: self.request_generation_tokens)
+    histogram_best_of_request = property(lambda self: self.request_params_best_of)
+    histogram_n_request = property(lambda self: self.request_params_n)
+    counter_request_success = property(lambda self: self.request_success)
+    gauge_avg_prompt_throughput = property(lambda self: self.avg_prompt_throughput)
+    gauge_avg_generation_throughput = property(lambda self: self.avg_generation_throughput)
+
 
 _metrics_lock = threading.Lock()
 
@@ -176,16 +237,54 @@ def new_prometheus_metrics() -> PrometheusMetrics:
         return PrometheusMetrics()
 
 
-class StatLogger:
-    """Feeds each step's Stats to Prometheus and prints vLLM's throughput line every
-    `local_interval` seconds."""
+class StatLoggerBase:
+    """vLLM's base of the stat loggers an engine feeds (`LLMEngine.add_logger`): `log` gets
+    every step's `Stats`, `info` the engine's configuration once (`"cache_config"`)."""
 
-    def __init__(self, model_name: str, local_interval: float = LOCAL_LOGGING_INTERVAL_SEC):
-        self.model_name = model_name
+    def __init__(self, local_interval: float = LOCAL_LOGGING_INTERVAL_SEC) -> None:
         self.local_interval = local_interval
         self.last_local_log = time.time()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    def log(self, stats: Stats) -> None:
+        raise NotImplementedError
+
+    def info(self, type: str, obj: Any) -> None:
+        raise NotImplementedError
+
+    def _interval_throughput(self, stats: Stats) -> Optional[tuple[float, float]]:
+        """Prompt and generation tokens/s over the interval, once it has passed."""
+        self.num_prompt_tokens += stats.num_prompt_tokens
+        self.num_generation_tokens += stats.num_generation_tokens
+        elapsed = stats.now - self.last_local_log
+        if elapsed < self.local_interval:
+            return None
+        result = (self.num_prompt_tokens / elapsed, self.num_generation_tokens / elapsed)
+        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.last_local_log = stats.now
+        return result
+
+
+class LoggingStatLogger(StatLoggerBase):
+    """vLLM's throughput line, every `local_interval` seconds."""
+
+    def log(self, stats: Stats) -> None:
+        throughput = self._interval_throughput(stats)
+        if throughput is not None:
+            logger.info(format_log_line(stats, *throughput))
+
+    def info(self, type: str, obj: Any) -> None:
+        pass  # the configuration is logged when the engine starts
+
+
+class StatLogger(StatLoggerBase):
+    """Feeds each step's Stats to vLLM's Prometheus collectors (labelled by model name)."""
+
+    def __init__(self, model_name: str, local_interval: float = LOCAL_LOGGING_INTERVAL_SEC):
+        super().__init__(local_interval)
+        self.model_name = model_name
+        self.labels = {"model_name": model_name}  # vLLM's: every collector's label values
         metrics = new_prometheus_metrics()
         self.metrics = metrics
         # Children bound once: .labels() looks up a dict under a lock on every call.
@@ -195,6 +294,7 @@ class StatLogger:
         self._swapped = metrics.num_requests_swapped.labels(m)
         self._gpu = metrics.gpu_cache_usage.labels(m)
         self._cpu = metrics.cpu_cache_usage.labels(m)
+        self._prefix_hits = metrics.gpu_prefix_cache_hit_rate.labels(m)
         self._preempt = metrics.num_preemptions.labels(m)
         self._prompt = metrics.prompt_tokens.labels(m)
         self._gen = metrics.generation_tokens.labels(m)
@@ -203,6 +303,24 @@ class StatLogger:
         self._e2e = metrics.e2e_request_latency.labels(m)
         self._req_prompt = metrics.request_prompt_tokens.labels(m)
         self._req_gen = metrics.request_generation_tokens.labels(m)
+        self._req_n = metrics.request_params_n.labels(m)
+        self._req_best_of = metrics.request_params_best_of.labels(m)
+
+    def info(self, type: str, obj: Any) -> None:
+        """`info("cache_config", cache_config)`: vLLM's `vllm:cache_config_info` gauge (1,
+        the config's fields as labels)."""
+        if type != "cache_config":
+            return
+        from prometheus_client import Gauge
+
+        labels = obj.metrics_info()
+        with _metrics_lock:
+            gauge = Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                list(labels),
+            )
+        gauge.labels(**labels).set(1)
 
     def log_fault(self, event: Any, recomputed_tokens: int) -> None:
         """One stage failure (a FaultEvent), after the engine replaced the stages or gave up."""
@@ -215,41 +333,50 @@ class StatLogger:
             m.recomputed_tokens.labels(*labels).inc(recomputed_tokens)
 
     def log(self, stats: Stats) -> None:
-        """Record one Stats; log the throughput line when the interval has passed."""
+        """Record one Stats; the average throughput gauges every interval."""
         self._running.set(stats.num_running)
         self._waiting.set(stats.num_waiting)
         self._swapped.set(stats.num_swapped)
         self._gpu.set(stats.gpu_cache_usage)
         self._cpu.set(stats.cpu_cache_usage)
+        self._prefix_hits.set(stats.gpu_prefix_cache_hit_rate)
         if stats.num_preemptions:
             self._preempt.inc(stats.num_preemptions)
         if stats.num_prompt_tokens:
             self._prompt.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
             self._gen.inc(stats.num_generation_tokens)
-        for value in stats.time_to_first_tokens:
-            self._ttft.observe(value)
-        for value in stats.time_per_output_tokens:
-            self._tpot.observe(value)
-        for value in stats.e2e_latencies:
-            self._e2e.observe(value)
-        for value in stats.finished_prompt_tokens:
-            self._req_prompt.observe(value)
-        for value in stats.finished_generation_tokens:
-            self._req_gen.observe(value)
+        for histogram, values in (
+            (self._ttft, stats.time_to_first_tokens),
+            (self._tpot, stats.time_per_output_tokens),
+            (self._e2e, stats.e2e_latencies),
+            (self._req_prompt, stats.finished_prompt_tokens),
+            (self._req_gen, stats.finished_generation_tokens),
+            (self._req_n, stats.finished_n),
+            (self._req_best_of, stats.finished_best_of),
+        ):
+            for value in values:
+                histogram.observe(value)
         for reason in stats.finished_reasons:
             self.metrics.request_success.labels(self.model_name, reason).inc()
-        self.num_prompt_tokens += stats.num_prompt_tokens
-        self.num_generation_tokens += stats.num_generation_tokens
-        elapsed = stats.now - self.last_local_log
-        if elapsed >= self.local_interval:
-            prompt_tput = self.num_prompt_tokens / elapsed
-            gen_tput = self.num_generation_tokens / elapsed
-            self.metrics.avg_prompt_throughput.labels(self.model_name).set(prompt_tput)
-            self.metrics.avg_generation_throughput.labels(self.model_name).set(gen_tput)
-            logger.info(format_log_line(stats, prompt_tput, gen_tput))
-            self.num_prompt_tokens = self.num_generation_tokens = 0
-            self.last_local_log = stats.now
+        throughput = self._interval_throughput(stats)
+        if throughput is not None:
+            self.metrics.avg_prompt_throughput.labels(self.model_name).set(throughput[0])
+            self.metrics.avg_generation_throughput.labels(self.model_name).set(throughput[1])
+
+
+class PrometheusStatLogger(StatLogger):
+    """vLLM 0.5's constructor: `(local_interval, labels={"model_name": ...}, max_model_len)`."""
+
+    def __init__(
+        self, local_interval: float, labels: dict[str, str], max_model_len: int = 0
+    ) -> None:
+        super().__init__(labels.get("model_name", "vllm"), local_interval)
+
+
+def default_stat_loggers(model_name: str) -> dict[str, StatLoggerBase]:
+    """What an engine with stats on logs to, under vLLM's keys."""
+    return {"logging": LoggingStatLogger(), "prometheus": StatLogger(model_name)}
 
 
 def format_log_line(stats: Stats, prompt_throughput: float, generation_throughput: float) -> str:
@@ -268,12 +395,27 @@ class EngineStatsCollector:
     """Builds Stats from the engine's scheduler around each completed batch.
 
     `before_batch` notes the batch's groups' token times (for TTFT and TPOT) before their new
-    tokens are applied; `after_batch` builds the Stats and hands them to the StatLogger."""
+    tokens are applied; `after_batch` builds the Stats and hands them to every logger of
+    `loggers` (the engine's `stat_loggers`, the same dict, so added loggers are fed too)."""
 
-    def __init__(self, scheduler: Any, stat_logger: StatLogger) -> None:
+    def __init__(self, scheduler: Any, loggers: dict[str, StatLoggerBase]) -> None:
         self.scheduler = scheduler
-        self.stat_logger = stat_logger
+        self.loggers = loggers
         self._preemptions_seen = scheduler.num_cumulative_preemption
+
+    @property
+    def stat_logger(self) -> Optional[StatLogger]:
+        """The Prometheus logger (stage-fault metrics go there), if any."""
+        found = self.loggers.get("prometheus")
+        return found if isinstance(found, StatLogger) else None
+
+    def log_fault(self, event: Any, recomputed_tokens: int) -> None:
+        if self.stat_logger is not None:
+            self.stat_logger.log_fault(event, recomputed_tokens)
+
+    def _log(self, stats: Stats) -> None:
+        for stat_logger in list(self.loggers.values()):
+            stat_logger.log(stats)
 
     def before_batch(self, groups: list[Any]) -> list[tuple[Optional[float], float]]:
         return [(g.metrics.first_token_time, g.metrics.last_token_time) for g in groups]
@@ -295,6 +437,7 @@ class EngineStatsCollector:
             gpu_cache_usage=gpu,
             cpu_cache_usage=cpu,
             num_preemptions=preemptions - self._preemptions_seen,
+            gpu_prefix_cache_hit_rate=bm.get_prefix_cache_hit_rate(),
         )
         self._preemptions_seen = preemptions
         return stats
@@ -324,11 +467,11 @@ class EngineStatsCollector:
                     self._finished(stats, group)
         for group in ignored:
             self._finished(stats, group)
-        self.stat_logger.log(stats)
+        self._log(stats)
 
     def refresh(self) -> None:
         """Update the gauges without a batch (after aborts on an idle engine)."""
-        self.stat_logger.log(self.snapshot())
+        self._log(self.snapshot())
 
     @staticmethod
     def _finished(stats: Stats, group: Any) -> None:
@@ -339,6 +482,10 @@ class EngineStatsCollector:
         stats.finished_generation_tokens.append(
             sum(len(s.get_output_token_ids()) for s in group.get_seqs())
         )
+        params = group.sampling_params
+        if params is not None:
+            stats.finished_n.append(params.n)
+            stats.finished_best_of.append(params.best_of)
         seq = group.get_seqs()[0]
         reason = SequenceStatus.get_finished_reason(seq.status)
         if reason is not None:

@@ -64,12 +64,30 @@ def validate_request(
             f"Token id {max(bad)} is out of vocabulary (prompt_token_ids contains "
             f"out-of-vocabulary token ids {bad[:5]}; vocab_size is {vocab})."
         )
+    check_token_constraints(sampling_params, vocab)
     if sampling_params.detokenize and tokenizer is None and sampling_params.stop:
         raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True was set).")
     truncate = sampling_params.truncate_prompt_tokens
     if truncate is not None:
         prompt_token_ids = prompt_token_ids[-truncate:]
     return prompt_token_ids
+
+
+def check_token_constraints(sampling_params: SamplingParams, vocab_size: int) -> None:
+    """`logit_bias` and `allowed_token_ids` name only token ids of the model's vocabulary
+    (vLLM's messages, the parameter's name first)."""
+    bias = sampling_params.logit_bias or {}
+    bad = sorted(t for t in bias if not 0 <= t < vocab_size)
+    if bad:
+        raise ValueError(
+            f"logit_bias: token_id(s) {bad[:5]} in logit_bias contain out-of-vocab token ids. "
+            f"Vocabulary size: {vocab_size}"
+        )
+    allowed = sampling_params.allowed_token_ids
+    if allowed is not None and not all(0 <= t < vocab_size for t in allowed):
+        raise ValueError(
+            f"allowed_token_ids contains out-of-vocab token id! Vocabulary size: {vocab_size}"
+        )
 
 
 def check_sendable(sampling_params: SamplingParams) -> None:

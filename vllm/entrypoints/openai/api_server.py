@@ -3,8 +3,8 @@
     python -m vllm.entrypoints.openai.api_server --model MODEL [engine flags] [--port 8000]
     vllm serve MODEL [engine flags]
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics,
-/tokenize, /detokenize, /v1/files and /v1/batches (batches.py). With `--api-key` (or
+Routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /version,
+/metrics, /tokenize, /detokenize, /v1/files and /v1/batches (batches.py). With `--api-key` (or
 VLLM_API_KEY) the /v1 routes need `Authorization: Bearer KEY`.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import os
 import secrets
 from http import HTTPStatus
 from typing import Any, Optional
@@ -37,6 +36,7 @@ from vllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from vllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import (
@@ -44,6 +44,7 @@ from vllm.entrypoints.openai.serving_engine import (
     bad_request,
     error_response,
 )
+from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm.executor.stage_supervisor import StageFailedError
 from vllm.logger import init_logger
 from vllm.request_failure import RequestFailedError
@@ -62,22 +63,30 @@ def build_app(
     reasoning_parser: Optional[str] = None,
     batch_state_dir: Optional[str] = None,
     batch_max_concurrency: Optional[int] = None,
+    return_tokens_as_token_ids: bool = False,
+    response_role: str = "assistant",
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_names` (default: the model)."""
     names = served_model_names or [engine.engine.served_model_name]
     limits = limits or ServerLimits()
     scheduler_config = engine.engine.scheduler_config
     work = BoundedWork(engine.engine.get_tokenizer(), scheduler_config.max_model_len, limits)
-    completion = OpenAIServingCompletion(engine, names, work)
+    completion = OpenAIServingCompletion(
+        engine, names, work=work, return_tokens_as_token_ids=return_tokens_as_token_ids
+    )
     chat = OpenAIServingChat(
         engine,
         names,
-        work,
+        response_role=response_role,
+        work=work,
         chat_template=chat_template,
         enable_auto_tools=enable_auto_tool_choice,
         tool_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
     )
+    chat_template = chat.chat_template  # read once (a path or the text)
+    responses = OpenAIServingResponses(engine, names, work=work, chat_template=chat_template)
     tokenizer = completion.tokenizer
     app = FastAPI()
     app.state.engine = engine
@@ -189,6 +198,10 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Any:
+        return await responses.create_response(request, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Any:
@@ -361,6 +374,18 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
     add_tool_args(parser)
     add_batch_args(parser)
     parser.add_argument(
+        "--response-role",
+        type=str,
+        default="assistant",
+        help="The role of the generated chat message (when add_generation_prompt is true).",
+    )
+    parser.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="Logprobs name their tokens as 'token_id:{token_id}' (for tokens that are not "
+        "valid text on their own).",
+    )
+    parser.add_argument(
         "--max-log-len",
         type=int,
         default=None,
@@ -401,13 +426,6 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
         choices=sorted(REASONING_PARSERS),
         help="Split a think-tag model's reasoning into `reasoning_content`.",
     )
-
-
-def _load_chat_template(value: Optional[str]) -> Optional[str]:
-    if value is not None and os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    return value
 
 
 def build_engine(args: argparse.Namespace) -> AsyncLLMEngine:
@@ -500,18 +518,21 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
     engine = engine if engine is not None else build_engine(args)
     engine.max_log_len = getattr(args, "max_log_len", None)
     limits = limits_from_args(args)
-    names = [args.served_model_name] if args.served_model_name else None
+    name = args.served_model_name
+    names = ([name] if isinstance(name, str) else list(name)) if name else None
     app = build_app(
         engine,
         names,
         _api_key(args),
-        _load_chat_template(args.chat_template),
+        args.chat_template,
         limits,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         batch_state_dir=getattr(args, "batch_state_dir", None),
         batch_max_concurrency=getattr(args, "batch_max_concurrency", None),
+        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
+        response_role=getattr(args, "response_role", "assistant"),
     )
     config = uvicorn.Config(
         app,

@@ -12,7 +12,8 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from vllm.entrypoints.openai.structured_fields import (
     check_unsupported,
@@ -158,6 +159,8 @@ class _SamplingFields(OpenAIBaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[str, float]] = None
+    # Outside int64 (what vLLM's torch.long bound allows) it is a 400 naming it, from
+    # SamplingParams' int64 check.
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
@@ -173,6 +176,7 @@ class _SamplingFields(OpenAIBaseModel):
     length_penalty: float = 1.0
     early_stopping: bool = False
     stop_token_ids: Optional[list[int]] = None
+    allowed_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -191,12 +195,24 @@ class _SamplingFields(OpenAIBaseModel):
     guided_whitespace_pattern: Optional[str] = None
     _structured_param: str = PrivateAttr(default="structured_outputs")
 
+    @model_validator(mode="before")
+    @classmethod
+    def validate_stream_options(cls, data: Any) -> Any:
+        """vLLM's check (and message): stream_options only with stream=true."""
+        if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        if isinstance(data, dict) and data.get("prompt_logprobs") and data.get("stream"):
+            # vLLM's rule: the prompt's logprobs come in the whole response only.
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        return data
+
     def _params(
         self,
         max_tokens: Optional[int],
         logprobs: Optional[int],
         temp: float,
         tool_schema: Optional[dict[str, Any]] = None,
+        prompt_logprobs: Optional[int] = None,
     ) -> Any:
         check_unsupported(self.model_extra or {})
         if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
@@ -206,8 +222,13 @@ class _SamplingFields(OpenAIBaseModel):
                 "guided_decoding_backend",
             )
         structured, self._structured_param = structured_outputs_from_request(self, tool_schema)
-        if self.logit_bias:
-            raise ParameterError("logit_bias is not supported by this server.", "logit_bias")
+        for token, bias in (self.logit_bias or {}).items():
+            # OpenAI's range (vLLM clamps; a value outside it is a client's mistake).
+            if not -100.0 <= bias <= 100.0:
+                raise ParameterError(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token}.",
+                    "logit_bias",
+                )
         if self.stream and self.best_of is not None and self.best_of != self.n:
             raise ParameterError("best_of must equal n when streaming.", "best_of")
         if self.stream and self.use_beam_search:
@@ -234,7 +255,11 @@ class _SamplingFields(OpenAIBaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=(
+                self.prompt_logprobs if self.prompt_logprobs is not None else prompt_logprobs
+            ),
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
@@ -268,7 +293,15 @@ class CompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise ParameterError("suffix is not supported by this server.", "suffix")
-        return self._params(self.max_tokens, self.logprobs, 1.0)
+        # vLLM: with echo, the prompt tokens get logprobs too (the first one None).
+        echo_logprobs = self.logprobs if self.echo else None
+        return self._params(self.max_tokens, self.logprobs, 1.0, None, echo_logprobs)
+
+
+# Every field of OpenAI's chat message types (system, user, assistant, tool, function).
+_MESSAGE_FIELDS = frozenset(
+    {"role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"}
+)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -286,6 +319,21 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = True
+
+    @field_validator("messages")
+    @classmethod
+    def _no_unknown_message_fields(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A message field OpenAI's message types do not have is refused (pydantic's
+        `extra_forbidden`, as vLLM's typed messages refuse it)."""
+        for i, message in enumerate(messages):
+            extra = sorted(str(k) for k in message if k not in _MESSAGE_FIELDS)
+            if extra:
+                raise PydanticCustomError(
+                    "extra_forbidden",
+                    "Extra inputs are not permitted: messages[{index}] has {fields}",
+                    {"index": i, "fields": ", ".join(extra)},
+                )
+        return messages
 
     def to_sampling_params(self, tool_schema: Optional[dict[str, Any]] = None) -> SamplingParams:
         """`tool_schema`: the JSON schema a `required` or named tool_choice imposes."""
@@ -309,10 +357,31 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
+# vLLM's `prompt_logprobs` in a response: per prompt token (None for the first), the
+# token ids' {"logprob", "rank", "decoded_token"}.
+PromptLogprobsJSON = list[Optional[dict[int, dict[str, Any]]]]
+
+
+def prompt_logprobs_json(steps: Optional[list[Any]]) -> Optional[PromptLogprobsJSON]:
+    """A RequestOutput's prompt_logprobs as vLLM's server returns them."""
+    if steps is None:
+        return None
+    return [
+        None
+        if step is None
+        else {
+            tid: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in step.items()
+        }
+        for step in steps
+    ]
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
+    prompt_logprobs: Optional[PromptLogprobsJSON] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
 
@@ -408,6 +477,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[PromptLogprobsJSON] = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -169,22 +169,29 @@ async def run_lines(
 
 def build_runner(engine: AsyncLLMEngine, args: argparse.Namespace) -> BatchLineRunner:
     """The completion and chat handlers the server would build from these flags."""
-    from vllm.entrypoints.openai.api_server import _load_chat_template, limits_from_args
+    from vllm.entrypoints.openai.api_server import limits_from_args
     from vllm.entrypoints.openai.bounded_work import BoundedWork
     from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
     from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
-    names = [args.served_model_name] if args.served_model_name else [args.model]
+    served = args.served_model_name
+    names = ([served] if isinstance(served, str) else list(served)) if served else [args.model]
     scheduler_config = engine.engine.scheduler_config
     work = BoundedWork(
         engine.engine.get_tokenizer(), scheduler_config.max_model_len, limits_from_args(args)
     )
-    completion = OpenAIServingCompletion(engine, names, work)
+    completion = OpenAIServingCompletion(
+        engine,
+        names,
+        work=work,
+        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
+    )
     chat = OpenAIServingChat(
         engine,
         names,
-        work,
-        chat_template=_load_chat_template(args.chat_template),
+        response_role=getattr(args, "response_role", "assistant"),
+        work=work,
+        chat_template=args.chat_template,
         enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
         tool_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),

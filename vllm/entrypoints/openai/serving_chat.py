@@ -28,6 +28,7 @@ from vllm.entrypoints.openai.protocol import (
     ParameterError,
     ToolCall,
     UsageInfo,
+    prompt_logprobs_json,
     random_uuid,
 )
 from vllm.entrypoints.openai.reasoning_parsers import ReasoningParser, get_reasoning_parser
@@ -132,12 +133,17 @@ async def render_chat(
 
 
 def chat_logprobs(
-    token_ids: list[int], steps: list[dict[int, Logprob]], tokenizer: Any, top: int
+    token_ids: list[int],
+    steps: list[dict[int, Logprob]],
+    tokenizer: Any,
+    top: int,
+    as_id: bool = False,
 ) -> ChatCompletionLogProbs:
+    """The chat logprobs of some tokens (`token_id:N` tokens with `as_id`)."""
     content = []
     for token_id, step in zip(token_ids, steps):
         chosen = step.get(token_id)
-        token = token_text(chosen, token_id, tokenizer)
+        token = token_text(chosen, token_id, tokenizer, as_id)
         ranked = sorted(step.items(), key=lambda kv: kv[1].rank if kv[1].rank else 1 << 30)
         content.append(
             ChatLogProbsContent(
@@ -146,7 +152,7 @@ def chat_logprobs(
                 bytes=list(token.encode("utf-8", errors="replace")),
                 top_logprobs=[
                     ChatLogProb(
-                        token=(t := token_text(lp, tid, tokenizer)),
+                        token=(t := token_text(lp, tid, tokenizer, as_id)),
                         logprob=max(lp.logprob, -9999.0),
                         bytes=list(t.encode("utf-8", errors="replace")),
                     )
@@ -158,19 +164,29 @@ def chat_logprobs(
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Handles /v1/chat/completions."""
+    """Handles /v1/chat/completions. vLLM 0.5.5's constructor: `(engine, model_config,
+    served_model_names, response_role, *, lora_modules, prompt_adapters, request_logger,
+    chat_template, return_tokens_as_token_ids, enable_auto_tools, tool_parser)`."""
 
     def __init__(
         self,
-        *args: Any,
+        engine: Any,
+        model_config: Any = None,
+        served_model_names: Optional[list[str]] = None,
+        response_role: str = "assistant",
+        *,
         chat_template: Optional[str] = None,
         enable_auto_tools: bool = False,
         tool_parser: Optional[str] = None,
         reasoning_parser: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
-        self.chat_template = chat_template
+        super().__init__(engine, model_config, served_model_names, **kwargs)
+        self.response_role = response_role
+        # A path is read (vLLM's load_chat_template), text is the template itself.
+        from vllm.entrypoints.chat_utils import load_chat_template
+
+        self.chat_template = load_chat_template(chat_template)
         self.enable_auto_tools = enable_auto_tools
         self.tool_parser: Optional[ToolParser] = None
         if tool_parser is not None:
@@ -202,16 +218,16 @@ class OpenAIServingChat(OpenAIServing):
         )
         request_id = f"chat-{random_uuid()}"
         created = int(time.time())
-        generator = self.engine.generate(
-            {"prompt": prompt, "prompt_token_ids": token_ids}, params, request_id
-        )
+        engine_input = {"prompt": prompt, "prompt_token_ids": token_ids}
+        self.log_inputs(request_id, engine_input, params)
+        generator = self.engine.generate(engine_input, params, request_id)
         firsts, error = await start_all(raw_request, [generator], self.prompt_limit, "messages")
         if error is not None:
             return error
         stream = _chain(*firsts[0])
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, created, stream, tools),
+                self._stream(request, request_id, created, stream, tools, len(token_ids)),
                 media_type="text/event-stream",
             )
 
@@ -229,7 +245,13 @@ class OpenAIServingChat(OpenAIServing):
     def _logprobs(self, request: ChatCompletionRequest, out: Any) -> Any:
         if not request.logprobs or out.logprobs is None:
             return None
-        return chat_logprobs(out.token_ids, out.logprobs, self.tokenizer, request.top_logprobs or 0)
+        return chat_logprobs(
+            out.token_ids,
+            out.logprobs,
+            self.tokenizer,
+            request.top_logprobs or 0,
+            self.return_tokens_as_token_ids,
+        )
 
     def _response(
         self,
@@ -246,7 +268,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionResponseChoice(
                     index=out.index,
                     message=ChatMessage(
-                        role="assistant",
+                        role=self.response_role,
                         content=content,
                         reasoning_content=reasoning,
                         tool_calls=calls,
@@ -265,7 +287,12 @@ class OpenAIServingChat(OpenAIServing):
             total_tokens=prompt_tokens + completion_tokens,
         )
         return ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs),
         )
 
     async def _stream(
@@ -275,20 +302,36 @@ class OpenAIServingChat(OpenAIServing):
         created: int,
         stream: Any,
         tools: _ToolMode,
+        num_prompt_tokens: int = 0,
     ) -> AsyncIterator[str]:
+        options = request.stream_options
+        continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+
         def chunk(index: int, delta: DeltaMessage, **extra: Any) -> str:
             choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, **extra)
+            usage = None
+            if continuous:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+                usage = UsageInfo(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
+                )
             return sse(
                 ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[choice]
+                    id=request_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[choice],
+                    usage=usage,
                 )
             )
 
+        prompt_tokens, completion_tokens = num_prompt_tokens, 0
+
         # vLLM's first chunk per choice carries the role only.
         for index in range(request.n):
-            yield chunk(index, DeltaMessage(role="assistant", content=""))
+            yield chunk(index, DeltaMessage(role=self.response_role, content=""))
         finished: set[int] = set()
-        prompt_tokens = completion_tokens = 0
         texts: dict[int, str] = {}  # each choice's whole text so far
         streamed: dict[int, int] = {}  # characters of its content already sent
         streamed_r: dict[int, int] = {}  # characters of its reasoning already sent

@@ -21,6 +21,7 @@ from vllm.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     ParameterError,
     UsageInfo,
+    prompt_logprobs_json,
     random_uuid,
 )
 from vllm.entrypoints.openai.serving_engine import (
@@ -58,7 +59,13 @@ def _prompts(prompt: Any) -> list[Union[str, list[int]]]:
     )
 
 
-def token_text(logprob: Optional[Logprob], token_id: int, tokenizer: Any) -> str:
+def token_text(
+    logprob: Optional[Logprob], token_id: int, tokenizer: Any, as_id: bool = False
+) -> str:
+    """A logprobs entry's token: `token_id:N` with --return-tokens-as-token-ids (text that
+    is not valid UTF-8 on its own stays exact), else its decoded text."""
+    if as_id:
+        return f"token_id:{token_id}"
     if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
     return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
@@ -66,23 +73,42 @@ def token_text(logprob: Optional[Logprob], token_id: int, tokenizer: Any) -> str
 
 def completion_logprobs(
     token_ids: list[int],
-    steps: list[dict[int, Logprob]],
+    steps: list[Optional[dict[int, Logprob]]],
     tokenizer: Any,
     text_offset: int,
+    as_id: bool = False,
 ) -> CompletionLogProbs:
-    """OpenAI's legacy logprobs object for some generated tokens."""
+    """OpenAI's legacy logprobs object for some tokens; a step of None (the first prompt
+    token under `echo`) has no logprob, as in vLLM."""
     result = CompletionLogProbs()
     for token_id, step in zip(token_ids, steps):
-        chosen = step.get(token_id)
-        token = token_text(chosen, token_id, tokenizer)
-        result.tokens.append(token)
-        result.token_logprobs.append(chosen.logprob if chosen is not None else None)
-        result.top_logprobs.append(
-            {token_text(lp, tid, tokenizer): max(lp.logprob, -9999.0) for tid, lp in step.items()}
-        )
+        if step is None:
+            token = token_text(None, token_id, tokenizer, as_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            chosen = step.get(token_id)
+            token = token_text(chosen, token_id, tokenizer, as_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(max(chosen.logprob, -9999.0) if chosen else None)
+            result.top_logprobs.append(
+                {
+                    token_text(lp, tid, tokenizer, as_id): max(lp.logprob, -9999.0)
+                    for tid, lp in step.items()
+                }
+            )
         result.text_offset.append(text_offset)
         text_offset += len(token)
     return result
+
+
+def _echo_logprobs(
+    output: RequestOutput, token_ids: list[int], steps: Optional[list[Any]]
+) -> tuple[list[int], list[Optional[dict[int, Logprob]]]]:
+    """The prompt's tokens and logprobs ahead of a choice's own (echo with logprobs)."""
+    prompt_steps = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids))
+    return list(output.prompt_token_ids) + list(token_ids), prompt_steps + list(steps or [])
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -110,6 +136,8 @@ class OpenAIServingCompletion(OpenAIServing):
             return error
         request_id = f"cmpl-{random_uuid()}"
         created = int(time.time())
+        for i, engine_input in enumerate(inputs):
+            self.log_inputs(f"{request_id}-{i}", engine_input, params)
         generators = [
             self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(inputs)
         ]
@@ -160,14 +188,20 @@ class OpenAIServingCompletion(OpenAIServing):
                 completion_tokens += len(out.token_ids)
                 logprobs = None
                 if request.logprobs is not None and out.logprobs is not None:
+                    ids, steps = list(out.token_ids), list(out.logprobs)
+                    offset = len(prompt_text)
+                    if request.echo:
+                        ids, steps = _echo_logprobs(final, ids, steps)
+                        offset = 0
                     logprobs = completion_logprobs(
-                        out.token_ids, out.logprobs, self.tokenizer, len(prompt_text)
+                        ids, steps, self.tokenizer, offset, self.return_tokens_as_token_ids
                     )
                 choices.append(
                     CompletionResponseChoice(
                         index=i * request.n + out.index,
                         text=prompt_text + out.text,
                         logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs),
                         finish_reason=out.finish_reason,
                         stop_reason=out.stop_reason,
                     )
@@ -199,6 +233,19 @@ class OpenAIServingCompletion(OpenAIServing):
         finished: set[int] = set()
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
+        generated: dict[int, int] = {}  # choice index -> tokens generated so far
+        options = request.stream_options
+        continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+
+        def usage_so_far(i: int, index: int) -> Optional[UsageInfo]:
+            # vLLM's continuous_usage_stats: each chunk carries its choice's usage so far.
+            if not continuous:
+                return None
+            prompt, done = prompt_tokens[i], generated.get(index, 0)
+            return UsageInfo(
+                prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done
+            )
+
         try:
             async for i, output in merge_streams(streams):
                 prompt_tokens[i] = len(output.prompt_token_ids)
@@ -207,16 +254,22 @@ class OpenAIServingCompletion(OpenAIServing):
                     if index in finished:
                         continue
                     text = out.text
-                    if request.echo and index not in offsets:
+                    echoing = request.echo and index not in offsets
+                    if echoing:
                         text = self._prompt_text(output) + text
                     if not text and not out.token_ids and out.finish_reason is None:
                         continue
                     completion_tokens += len(out.token_ids)
+                    generated[index] = generated.get(index, 0) + len(out.token_ids)
                     logprobs = None
                     if request.logprobs is not None and out.logprobs is not None:
                         start = offsets.get(index, 0) + len(text) - len(out.text)
+                        ids, steps = list(out.token_ids), list(out.logprobs)
+                        if echoing:
+                            ids, steps = _echo_logprobs(output, ids, steps)
+                            start = 0
                         logprobs = completion_logprobs(
-                            out.token_ids, out.logprobs, self.tokenizer, start
+                            ids, steps, self.tokenizer, start, self.return_tokens_as_token_ids
                         )
                     offsets[index] = offsets.get(index, 0) + len(text)
                     if out.finish_reason is not None:
@@ -225,6 +278,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         id=request_id,
                         created=created,
                         model=self.model_name,
+                        usage=usage_so_far(i, index),
                         choices=[
                             CompletionResponseChoice(
                                 index=index,

@@ -87,23 +87,55 @@ def server_error(exc: BaseException) -> JSONResponse:
 
 
 class OpenAIServing:
-    """Base of the completion and chat handlers."""
+    """Base of the completion and chat handlers.
+
+    Takes vLLM 0.5's constructor, `(engine, model_config, served_model_names, *,
+    lora_modules, prompt_adapters, request_logger, return_tokens_as_token_ids)`, as well as
+    the shorter `(engine, served_model_names, work=...)` this server uses."""
 
     def __init__(
         self,
         engine: AsyncLLMEngine,
-        served_model_names: list[str],
+        model_config: Any = None,
+        served_model_names: Optional[list[str]] = None,
+        *,
         work: Optional[BoundedWork] = None,
+        lora_modules: Optional[list[Any]] = None,
+        prompt_adapters: Optional[list[Any]] = None,
+        request_logger: Any = None,
+        return_tokens_as_token_ids: bool = False,
     ) -> None:
+        if isinstance(model_config, (list, tuple)):  # (engine, served_model_names, ...)
+            model_config, served_model_names = None, list(model_config)
+        for name, value in (("lora_modules", lora_modules), ("prompt_adapters", prompt_adapters)):
+            if value:
+                raise ValueError(f"{name} are not supported by this server.")
         self.engine = engine
-        self.served_model_names = served_model_names
-        self.model_config = engine.engine.model_config
+        self.model_config = model_config or engine.engine.model_config
+        self.served_model_names = served_model_names or [engine.engine.served_model_name]
+        self.request_logger = request_logger
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.max_model_len = engine.engine.scheduler_config.max_model_len
         # Longer prompts are ignored by the scheduler; the server refuses them with a 400.
         self.prompt_limit = engine.engine.scheduler.prompt_limit
         self.tokenizer = engine.engine.get_tokenizer()
         self.work = work or BoundedWork(self.tokenizer, self.max_model_len, ServerLimits())
         self.limits = self.work.limits
+
+    def log_inputs(self, request_id: str, engine_input: dict[str, Any], params: Any) -> None:
+        """Hand a request's inputs to the `request_logger` given to the constructor (if any)."""
+        if self.request_logger is not None:
+            self.request_logger.log_inputs(
+                request_id,
+                engine_input.get("prompt"),
+                engine_input.get("prompt_token_ids"),
+                params,
+            )
+
+    @property
+    def async_engine_client(self) -> AsyncLLMEngine:
+        """vLLM 0.5.5's name for the engine."""
+        return self.engine
 
     def check_context(self, num_prompt_tokens: int, params: SamplingParams, param: str) -> None:
         """Refuse (400, vLLM's and OpenAI's messages) a prompt that does not fit the context,
@@ -136,13 +168,19 @@ class OpenAIServing:
                 )
 
     def show_models(self) -> ModelList:
-        root = self.model_config.model
+        # vLLM 0.5 reports the first served name as every card's root (a GGUF file's path,
+        # or a temporary directory, is no name a client can use).
+        root = self.served_model_names[0]
         return ModelList(
             data=[
                 ModelCard(id=name, root=root, max_model_len=self.max_model_len)
                 for name in self.served_model_names
             ]
         )
+
+    async def show_available_models(self) -> ModelList:
+        """vLLM's name for `show_models`."""
+        return self.show_models()
 
     def check_model(self, model: Optional[str]) -> Optional[JSONResponse]:
         """None if the request's model is served (or not given), else a 404 body."""

@@ -26,6 +26,7 @@ from vllm.model_executor.layers.sampler_ops import (
     apply_min_tokens,
     apply_penalties,
     apply_temperature_and_filters,
+    apply_token_constraints,
 )
 from vllm.model_executor.sampling_metadata import SamplingMetadata, SeqGroupRows
 from vllm.request_failure import describe
@@ -111,6 +112,7 @@ class Sampler:
         # Requests whose own sampling work raised: they get placeholder tokens (the stages
         # stay in step) and an error the engine fails them with; the others are unaffected.
         failed: dict[str, str] = {}
+        apply_token_constraints(logits, md, failed)
         apply_logits_processors(logits, md, failed)
         apply_min_tokens(logits, md, failed)
         apply_penalties(logits, md, failed)

@@ -1,5 +1,6 @@
-"""Logits transformations of the sampler, in vLLM V0's order: logits processors, min_tokens,
-penalties, temperature, top-k/top-p, min-p.
+"""Logits transformations of the sampler, in vLLM V0's order: the request's token
+constraints (allowed_token_ids, logit_bias: the OpenAI server's processors in vLLM), logits
+processors, min_tokens, penalties, temperature, top-k/top-p, min-p.
 
 Every function touches only the rows of groups that use its feature, and returns at once (no
 tensor work, no per-row Python) when no group in the batch does: penalties, processors and
@@ -57,6 +58,28 @@ def _num_params(proc: Any) -> int:
         return len(inspect.signature(proc).parameters)
     except (TypeError, ValueError):  # builtins without a signature: the two-argument form
         return 2
+
+
+def apply_token_constraints(logits: torch.Tensor, md: SamplingMetadata, failed: Failures) -> None:
+    """`allowed_token_ids` (every other token's logit to -inf) and `logit_bias` (added to the
+    named tokens' logits), on sample rows only, as vLLM's processors for these fields do."""
+    for group in _live(md, failed):
+        params = group.params
+        allowed, bias = params.allowed_token_ids, params.logit_bias
+        if not group.rows or (allowed is None and not bias):
+            continue
+        try:
+            rows = torch.tensor(group.rows, dtype=torch.long, device=logits.device)
+            if allowed is not None:
+                mask = torch.full((logits.shape[1],), float("-inf"), device=logits.device)
+                mask[torch.tensor(allowed, dtype=torch.long, device=logits.device)] = 0.0
+                logits[rows] += mask  # [R, V] + [V]
+            if bias:
+                ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+                values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[rows.unsqueeze(1), ids.unsqueeze(0)] += values  # [R, B] += [B]
+        except Exception as exc:
+            failed[group.request_id] = describe(exc, "allowed_token_ids / logit_bias")
 
 
 def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata, failed: Failures) -> None:

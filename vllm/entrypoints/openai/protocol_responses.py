@@ -1,0 +1,273 @@
+"""The Responses API's bodies (`POST /v1/responses`), stateless subset: the request (unknown
+fields refused, stateful ones refused by name) turned into chat messages and SamplingParams,
+and the response object and stream events in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vllm.entrypoints.openai.protocol import (
+    JsonSchemaResponseFormat,
+    ParameterError,
+    ResponseFormat,
+    random_uuid,
+)
+from vllm.entrypoints.openai.structured_fields import (
+    StructuredFieldError,
+    structured_outputs_from_request,
+)
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.structured_output.params import StructuredOutputsParams
+
+# Input item roles; OpenAI's "developer" is the chat template's "system".
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+# Content part types read as text (input for user/system turns, output for assistant ones).
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponseTextFormat(BaseModel):
+    """`text.format`: plain text, any JSON object, or JSON matching `schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: Optional[str] = None
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseTextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: ResponseTextFormat = Field(default_factory=ResponseTextFormat)
+    verbosity: Optional[str] = None
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses. An unknown field is a 400 (pydantic's `extra_forbidden`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    text: Optional[ResponseTextConfig] = None
+    stream: bool = False
+    # Stateful or unsupported parts: accepted only at their "off" values (checked below).
+    previous_response_id: Optional[str] = None
+    store: Optional[bool] = None
+    background: Optional[bool] = None
+    conversation: Optional[Any] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = None
+    # Echoed back, no effect on generation.
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning: Optional[dict[str, Any]] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    service_tier: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    stream_options: Optional[dict[str, Any]] = None
+    # vLLM's extras, as on the other routes.
+    seed: Optional[int] = None
+    top_k: Optional[int] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+
+    def check_stateless(self) -> None:
+        """400s, naming the field, for what needs server-side state or is not implemented."""
+        refused = [
+            ("previous_response_id", self.previous_response_id is not None, "stored responses"),
+            ("store", self.store is True, "stored responses; send store=false or omit it"),
+            ("background", self.background is True, "background responses"),
+            ("conversation", self.conversation is not None, "conversations"),
+            ("tools", bool(self.tools), "tools on /v1/responses"),
+            ("include", bool(self.include), "include"),
+            ("top_logprobs", bool(self.top_logprobs), "logprobs on /v1/responses"),
+        ]
+        for name, bad, what in refused:
+            if bad:
+                raise ParameterError(
+                    f"{name}: this server is stateless and does not support {what}.", name
+                )
+        if self.stream_options is not None and not self.stream:
+            raise ParameterError(
+                "Stream options can only be defined when `stream=True`.", "stream_options"
+            )
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation as chat messages: `instructions` as the system message first,
+        then `input` (a string is one user turn)."""
+        out: list[dict[str, str]] = []
+        if self.instructions:
+            out.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            out.append({"role": "user", "content": self.input})
+            return out
+        if not self.input:
+            raise ParameterError("input must not be empty.", "input")
+        for i, item in enumerate(self.input):
+            out.append(_message(item, i))
+        return out
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """`text.format` (and vLLM's `structured_outputs` extra: its options, such as
+        `disable_any_whitespace`, or a constraint of its own) as one StructuredOutputsParams,
+        by the chat route's rules; a refusal names `text` or `structured_outputs`."""
+        fmt = self.text.format if self.text is not None else None
+        response_format = None
+        if fmt is not None and fmt.type != "text":
+            if fmt.type == "json_schema" and fmt.json_schema is None:
+                raise ParameterError(
+                    "text.format.schema is required when type is 'json_schema'.", "text"
+                )
+            spec = None
+            if fmt.type == "json_schema":
+                spec = JsonSchemaResponseFormat(
+                    name=fmt.name or "response", schema=fmt.json_schema, strict=fmt.strict
+                )
+            response_format = ResponseFormat(type=fmt.type, json_schema=spec)
+        fields = SimpleNamespace(
+            structured_outputs=self.structured_outputs,
+            response_format=response_format,
+            guided_json=None,
+            guided_regex=None,
+            guided_choice=None,
+            guided_grammar=None,
+            guided_whitespace_pattern=None,
+        )
+        try:
+            structured, _ = structured_outputs_from_request(fields)
+        except StructuredFieldError as exc:
+            param = "text" if exc.param == "response_format" else exc.param
+            raise ParameterError(str(exc), param) from None
+        return structured
+
+    def to_sampling_params(self) -> SamplingParams:
+        structured = self.structured_outputs_params()
+        return SamplingParams(
+            max_tokens=self.max_output_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured,
+        )
+
+
+def _message(item: Any, index: int) -> dict[str, str]:
+    """One input item (an easy message or a `type: message` item) as a chat message."""
+    where = f"input[{index}]"
+    if not isinstance(item, dict):
+        raise ParameterError(f"{where} must be an object.", "input")
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise ParameterError(f"{where}: input items of type {kind!r} are not supported.", "input")
+    unknown = set(item) - {"type", "role", "content", "id", "status"}
+    if unknown:
+        raise ParameterError(f"{where}: unknown fields {sorted(unknown)}.", "input")
+    role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+    if role is None:
+        raise ParameterError(f"{where}.role must be one of {sorted(_ROLES)}.", "input")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise ParameterError(f"{where}.content must be a string or a list of parts.", "input")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ParameterError(
+                f"{where}.content[{j}]: only text parts are supported, got {kind!r}.", "input"
+            )
+        texts.append(str(part.get("text", "")))
+    return {"role": role, "content": "".join(texts)}
+
+
+def output_text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(item_id: str, text: Optional[str], status: str) -> dict[str, Any]:
+    """The assistant message output item (no content part yet when `text` is None)."""
+    content = [] if text is None else [output_text_part(text)]
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def response_object(
+    request: ResponsesRequest,
+    response_id: str,
+    created_at: int,
+    model: str,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: Optional[dict[str, Any]] = None,
+    incomplete_reason: Optional[str] = None,
+) -> dict[str, Any]:
+    """OpenAI's `response` object."""
+    fmt = request.text.format if request.text is not None else ResponseTextFormat()
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "background": False,
+        "error": None,
+        "incomplete_details": (
+            {"reason": incomplete_reason} if incomplete_reason is not None else None
+        ),
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "metadata": request.metadata or {},
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": (
+            True if request.parallel_tool_calls is None else request.parallel_tool_calls
+        ),
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "service_tier": request.service_tier or "auto",
+        "store": False,
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
+        "tool_choice": request.tool_choice or "auto",
+        "tools": [],
+        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "truncation": request.truncation or "disabled",
+        "usage": usage,
+        "user": request.user,
+    }
+
+
+def usage_object(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def new_ids() -> tuple[str, str, int]:
+    """(response id, message item id, created_at)."""
+    return f"resp_{random_uuid()}", f"msg_{random_uuid()}", int(time.time())
