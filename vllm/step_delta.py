@@ -58,6 +58,8 @@ class GroupDelta(NamedTuple):
     seqs: tuple[SeqDelta, ...]
     # Sent with the request's first message only (None afterwards).
     sampling_params: Optional[SamplingParams]
+    # The request's LoRA adapter (0: none): every stage applies it to the group's tokens.
+    lora_int_id: int = 0
 
 
 @dataclass
@@ -162,6 +164,7 @@ class StepEncoder:
             meta.do_sample,
             tuple(deltas),
             params,
+            meta.lora_int_id,
         )
 
     def checkpoint(self, request_ids: list[str]) -> EncoderCheckpoint:
@@ -249,6 +252,7 @@ class StageRequestState:
             block_tables=tables,
             token_chunk_size=group.token_chunk_size,
             do_sample=group.do_sample,
+            lora_int_id=group.lora_int_id,
         )
 
     def _apply_seq(self, request_id: str, held: _Held, delta: SeqDelta) -> SequenceData:

@@ -37,6 +37,8 @@ from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
+from vllm.lora.registry import LoRARegistry
+from vllm.lora.request import LoRARequest
 from vllm.step_delta import MessageNotSerializableError
 
 logger = init_logger("vllm.engine.llm_engine")
@@ -82,8 +84,15 @@ class LLMEngine:
         budget = MicroBatchBudget.for_pipeline(
             scheduler_config, self.executor.max_concurrent_batches
         )
+        self.lora_config = engine_config.lora_config
+        # The adapters every rank holds (LoRA enabled: the stages' LoRA layers are installed).
+        self.loras = LoRARegistry(self.lora_config, self.executor)
         self.scheduler = Scheduler(
-            scheduler_config, cache_config, budget, schedule_ahead=async_pipeline
+            scheduler_config,
+            cache_config,
+            budget,
+            schedule_ahead=async_pipeline,
+            max_loras=self.lora_config.max_loras if self.lora_config else None,
         )
         self.batch_queue = BatchQueue(self.executor, budget.cohorts, async_pipeline)
         self.output_processor = OutputProcessor(
@@ -146,9 +155,12 @@ class LLMEngine:
         sampling_params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request; bad input raises ValueError/TypeError and leaves the engine as is."""
+        """Queue a request; bad input raises ValueError/TypeError and leaves the engine as is.
+        `lora_request`: the adapter to run it with (registered on first use)."""
         self._check_alive()
+        self.loras.check_request(lora_request)
         prompt_token_ids = validate_request(
             request_id,
             prompt,
@@ -167,6 +179,8 @@ class LLMEngine:
             )
         if self.executor is not None and self.executor.stages_in_own_processes:
             check_sendable(sampling_params)
+        if lora_request is not None:
+            self.loras.ensure(lora_request)
         params = sampling_params.clone()
         # Extra EOS ids of the model's generation_config stop generation too (vLLM does this).
         params.update_from_generation_config(self.generation_config, eos)
@@ -178,8 +192,27 @@ class LLMEngine:
             [seq],
             params,
             arrival_time if arrival_time is not None else time.time(),
+            lora_request=lora_request,
         )
         self.scheduler.add_seq_group(group)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter on every stage (False if its id is registered already)."""
+        self._check_alive()
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter (False if unknown or still used by an unfinished request)."""
+        self._check_alive()
+        queues = (self.scheduler.waiting, self.scheduler.running, self.scheduler.swapped)
+        if any(g.lora_int_id == lora_id for queue in queues for g in queue):
+            logger.warning("LoRA adapter %d is used by unfinished requests: not removed", lora_id)
+            return False
+        return self.loras.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the registered adapters."""
+        return self.loras.list()
 
     def check_structured_outputs(self, sampling_params: SamplingParams) -> None:
         """Compile the request's grammar now (cached per spec): a schema, regex or grammar
@@ -397,6 +430,7 @@ class LLMEngine:
             self._restart_times.append(now)
         try:
             event.recovery_s = self.executor.replace_stages(error.ranks)
+            self.loras.resync()  # the new stage processes load the registered adapters
         except Exception as exc:
             logger.error("Replacing stage(s) %s failed: %s", error.ranks, exc)
             self._fail(error, f"replacing the stage failed ({type(exc).__name__}: {exc})")
