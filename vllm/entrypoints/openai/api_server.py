@@ -43,7 +43,9 @@ from vllm.entrypoints.openai.serving_engine import (
     bad_request,
     error_response,
 )
+from vllm.entrypoints.openai.lora_modules import add_lora_args, lora_requests
 from vllm.logger import init_logger
+from vllm.lora.request import LoRARequest
 
 logger = init_logger("vllm.entrypoints.openai.api_server")
 
@@ -57,17 +59,19 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: Optional[str] = None,
     reasoning_parser: Optional[str] = None,
+    lora_requests: Optional[list[LoRARequest]] = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_names` (default: the model)."""
     names = served_model_names or [engine.engine.served_model_name]
     limits = limits or ServerLimits()
     scheduler_config = engine.engine.scheduler_config
     work = BoundedWork(engine.engine.get_tokenizer(), scheduler_config.max_model_len, limits)
-    completion = OpenAIServingCompletion(engine, names, work)
+    completion = OpenAIServingCompletion(engine, names, work, lora_requests)
     chat = OpenAIServingChat(
         engine,
         names,
         work,
+        lora_requests,
         chat_template=chat_template,
         enable_auto_tools=enable_auto_tool_choice,
         tool_parser=tool_call_parser,
@@ -355,6 +359,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
         choices=["debug", "info", "warning", "error", "critical", "trace"],
         help="Log level for uvicorn.",
     )
+    add_lora_args(parser)
     return AsyncEngineArgs.add_cli_args(parser)
 
 
@@ -479,6 +484,9 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
     engine.max_log_len = getattr(args, "max_log_len", None)
     limits = limits_from_args(args)
     names = [args.served_model_name] if args.served_model_name else None
+    loras = lora_requests(getattr(args, "lora_modules", None))
+    for lora in loras:  # loaded on every stage before the first request
+        await engine.add_lora(lora)
     app = build_app(
         engine,
         names,
@@ -488,6 +496,7 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        lora_requests=loras,
     )
     config = uvicorn.Config(
         app,

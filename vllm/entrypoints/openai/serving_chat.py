@@ -203,7 +203,10 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chat-{random_uuid()}"
         created = int(time.time())
         generator = self.engine.generate(
-            {"prompt": prompt, "prompt_token_ids": token_ids}, params, request_id
+            {"prompt": prompt, "prompt_token_ids": token_ids},
+            params,
+            request_id,
+            self.lora_request(request.model),
         )
         firsts, error = await start_all(raw_request, [generator], self.prompt_limit, "messages")
         if error is not None:

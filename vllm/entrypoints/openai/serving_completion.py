@@ -111,7 +111,8 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = f"cmpl-{random_uuid()}"
         created = int(time.time())
         generators = [
-            self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(inputs)
+            self.engine.generate(p, params, f"{request_id}-{i}", self.lora_request(request.model))
+            for i, p in enumerate(inputs)
         ]
 
         firsts, error = await start_all(raw_request, generators, self.prompt_limit)

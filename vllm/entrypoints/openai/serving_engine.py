@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextvars import ContextVar
 from http import HTTPStatus
 from typing import Any, Optional
 
@@ -17,9 +18,13 @@ from fastapi.responses import JSONResponse
 from vllm.engine.async_llm_engine import AsyncLLMEngine
 from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
 from vllm.entrypoints.openai.protocol import ErrorResponse, ModelCard, ModelList, ParameterError
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
+# The served LoRA adapter a request named (set by check_model, in the request's own task):
+# its responses carry the adapter's name as their `model`.
+_REQUEST_ADAPTER: ContextVar[Optional[str]] = ContextVar("request_adapter", default=None)
 _PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {"max_completion_tokens", "messages"}
 # Engine messages that do not start with the parameter's name.
 _MESSAGE_PARAMS = [
@@ -94,9 +99,12 @@ class OpenAIServing:
         engine: AsyncLLMEngine,
         served_model_names: list[str],
         work: Optional[BoundedWork] = None,
+        lora_requests: Optional[list[LoRARequest]] = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        # --lora-modules: adapter name -> its request (the request's `model` picks it).
+        self.loras = {r.lora_name: r for r in lora_requests or []}
         self.model_config = engine.engine.model_config
         self.max_model_len = engine.engine.scheduler_config.max_model_len
         # Longer prompts are ignored by the scheduler; the server refuses them with a 400.
@@ -142,11 +150,21 @@ class OpenAIServing:
                 ModelCard(id=name, root=root, max_model_len=self.max_model_len)
                 for name in self.served_model_names
             ]
+            + [
+                ModelCard(
+                    id=lora.lora_name,
+                    root=lora.lora_path,
+                    parent=lora.base_model_name or self.served_model_names[0],
+                )
+                for lora in self.loras.values()
+            ]
         )
 
     def check_model(self, model: Optional[str]) -> Optional[JSONResponse]:
-        """None if the request's model is served (or not given), else a 404 body."""
-        if model is None or model in self.served_model_names:
+        """None if the request's model is served (or not given), else a 404 body. A served
+        adapter's name is remembered for the request's responses (`model_name`)."""
+        _REQUEST_ADAPTER.set(model if model in self.loras else None)
+        if model is None or model in self.served_model_names or model in self.loras:
             return None
         return error_response(
             f"The model `{model}` does not exist.",
@@ -155,9 +173,14 @@ class OpenAIServing:
             param="model",
         )
 
+    def lora_request(self, model: Optional[str]) -> Optional[LoRARequest]:
+        """The adapter a request's `model` names (None: the base model)."""
+        return self.loras.get(model) if model else None
+
     @property
     def model_name(self) -> str:
-        return self.served_model_names[0]
+        """The `model` of this request's responses: the adapter it named, else the base."""
+        return _REQUEST_ADAPTER.get() or self.served_model_names[0]
 
 
 async def first_output(
