@@ -32,7 +32,6 @@ def make_adapter(
 ) -> str:
     """Save a PEFT LoRA adapter of `model_dir` with random non-zero A and B."""
     from peft import LoraConfig, get_peft_model
-
     from tiny_models import load_hf
 
     config = LoraConfig(
@@ -74,9 +73,8 @@ def hf_lora_greedy(
     """HF transformers' greedy continuations with the adapter applied (PeftModel), or of the
     base model when adapter_dir is None."""
     from peft import PeftModel
-    from transformers import AutoTokenizer
-
     from tiny_models import hf_greedy_with, load_hf
+    from transformers import AutoTokenizer
 
     model = load_hf(model_dir)
     if adapter_dir is not None:

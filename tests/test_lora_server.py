@@ -91,9 +91,7 @@ def _complete(server: ServerThread, model: str, prompt: str, stream: bool) -> tu
 def test_adapters_and_base_at_once(server, expected) -> None:
     jobs = [(m, i, s) for m in (BASE, "a4", "b8") for i in range(len(PROMPTS)) for s in (0, 1)]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(
-            pool.map(lambda j: _complete(server, j[0], PROMPTS[j[1]], bool(j[2])), jobs)
-        )
+        results = list(pool.map(lambda j: _complete(server, j[0], PROMPTS[j[1]], bool(j[2])), jobs))
     for (model, index, stream), (text, answered_as) in zip(jobs, results):
         assert text == expected[model][index], (model, index, stream)
         assert answered_as == model

@@ -237,9 +237,7 @@ class AsyncLLMEngine:
         if sampling_params is None:
             sampling_params = SamplingParams()
         request_id = str(request_id)
-        stream = self._add_request(
-            request_id, prompt, sampling_params, arrival_time, lora_request
-        )
+        stream = self._add_request(request_id, prompt, sampling_params, arrival_time, lora_request)
         done = False
         try:
             async for output in stream:

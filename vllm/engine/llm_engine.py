@@ -34,11 +34,11 @@ from vllm.engine.request_failure import RequestFailedError
 from vllm.engine.request_validation import check_sendable, validate_request
 from vllm.executor.stage_supervisor import EngineDeadError, FaultEvent, StageFailedError
 from vllm.logger import init_logger
+from vllm.lora.registry import LoRARegistry
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
-from vllm.lora.registry import LoRARegistry
-from vllm.lora.request import LoRARequest
 from vllm.step_delta import MessageNotSerializableError
 
 logger = init_logger("vllm.engine.llm_engine")
@@ -212,7 +212,7 @@ class LLMEngine:
 
     def list_loras(self) -> set[int]:
         """The ids of the registered adapters."""
-        return self.loras.list()
+        return self.loras.ids()
 
     def check_structured_outputs(self, sampling_params: SamplingParams) -> None:
         """Compile the request's grammar now (cached per spec): a schema, regex or grammar

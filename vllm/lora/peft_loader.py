@@ -32,9 +32,7 @@ class LoRAWeights:
     lora_int_id: int
     rank: int
     scaling: float
-    modules: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(
-        default_factory=dict
-    )
+    modules: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
 
 def module_lookup(layers: dict[str, LoRALinear]) -> dict[str, tuple[str, int]]:
@@ -100,7 +98,7 @@ def load_lora_weights(
             unexpected.add((module or part).rsplit(".", 1)[-1])
             continue
         pairs.setdefault(module, {})[part] = tensor
-    for module, parts in pairs.items():
+    for module in pairs:
         local = localize_layer_name(module + ".weight", layout)
         if local is not None and local[: -len(".weight")] not in lookup:
             unexpected.add(module)
@@ -128,4 +126,3 @@ def load_lora_weights(
             )
         weights.modules.setdefault(layer_name, {})[index] = (a, b)
     return weights
-

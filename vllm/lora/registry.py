@@ -68,7 +68,9 @@ class LoRARegistry:
             self.executor._run_workers("remove_lora", lora_request.lora_int_id)
             raise ValueError(next(e for e in errors if e))
         self.requests[lora_request.lora_int_id] = lora_request
-        logger.info("Loaded LoRA adapter %r (id %d)", lora_request.lora_name, lora_request.lora_int_id)
+        logger.info(
+            "Loaded LoRA adapter %r (id %d)", lora_request.lora_name, lora_request.lora_int_id
+        )
         return True
 
     def remove(self, lora_id: int) -> bool:
@@ -77,7 +79,7 @@ class LoRARegistry:
         self.executor._run_workers("remove_lora", lora_id)
         return True
 
-    def list(self) -> set[int]:
+    def ids(self) -> set[int]:
         return set(self.requests)
 
     def resync(self) -> None:

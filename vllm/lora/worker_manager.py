@@ -74,7 +74,7 @@ class StageLoRAManager:
             self.free_slots.append(slot)
         return True
 
-    def list(self) -> list[int]:
+    def ids(self) -> list[int]:
         return sorted(self.known)
 
     def _cache_put(self, weights: LoRAWeights) -> None:
@@ -89,9 +89,7 @@ class StageLoRAManager:
             request = self.known.get(lora_id)
             if request is None:
                 raise RuntimeError(f"LoRA adapter {lora_id} is not registered on this stage")
-            weights = load_lora_weights(
-                request, self.model, self.layers, self.layout, self.dtype
-            )
+            weights = load_lora_weights(request, self.model, self.layers, self.layout, self.dtype)
         self._cache_put(weights)
         return weights
 
@@ -149,4 +147,3 @@ def token_lora_ids(
         if not meta.is_prompt:
             ids.extend([meta.lora_int_id] * len(meta.seq_data))
     return torch.tensor(ids, dtype=torch.long, device=device)
-

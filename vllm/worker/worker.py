@@ -182,7 +182,7 @@ class Worker:
         return self._lora().remove(lora_id)
 
     def list_loras(self) -> list[int]:
-        return self._lora().list()
+        return self._lora().ids()
 
     def get_stage_info(self) -> dict[str, Any]:
         """Where this stage runs and what it holds (the engine logs it)."""

@@ -28,6 +28,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from vllm.engine.request_failure import RequestFailedError
 from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
+from vllm.entrypoints.openai.lora_modules import add_lora_args, lora_requests
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,7 +44,6 @@ from vllm.entrypoints.openai.serving_engine import (
     bad_request,
     error_response,
 )
-from vllm.entrypoints.openai.lora_modules import add_lora_args, lora_requests
 from vllm.logger import init_logger
 from vllm.lora.request import LoRARequest
 
