@@ -172,6 +172,34 @@ def test_parallel_mp(tiny_model_dirs, requests_, hf, tp, pp) -> None:
         llm.llm_engine.shutdown()
 
 
+def test_replaced_stage_reloads_adapters(tiny_model_dirs, requests_, hf) -> None:
+    """A stage killed mid-generation is respawned; the engine sends it the registered adapters
+    again, and every request finishes with its adapter's tokens."""
+    import time
+
+    llm = engine(
+        tiny_model_dirs[KIND], pipeline_parallel_size=2, distributed_executor_backend="mp"
+    )
+    try:
+        engine_ = llm.llm_engine
+        rows = mixed(["a4", "b8", None])
+        for i, (prompt, name, _) in enumerate(rows):
+            engine_.add_request(str(i), prompt, GREEDY, lora_request=requests_[name])
+        finished = {}
+        for _ in range(3):
+            finished.update((o.request_id, o) for o in engine_.step() if o.finished)
+        victim = engine_.executor.procs[1]
+        victim.kill()
+        deadline = time.monotonic() + 120
+        while engine_.has_unfinished_requests() and time.monotonic() < deadline:
+            finished.update((o.request_id, o) for o in engine_.step() if o.finished)
+        assert len(engine_.fault_events) == 1
+        for i, (_, name, index) in enumerate(rows):
+            assert list(finished[str(i)].outputs[0].token_ids) == hf(name)[index], (name, index)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.mark.ray
 def test_tp2_pp2_ray(ray_session, tiny_model_dirs, requests_, hf) -> None:
     llm = engine(
@@ -308,3 +336,38 @@ def test_prefix_cache_keys_include_the_adapter() -> None:
     assert len(base) == 3
     assert not set(base) & set(one) and not set(one) & set(two)
     assert bm._block_hashes(tokens, 1) == one
+
+
+# -- Ray Data's predictor (called directly: the same code runs in map_batches actors) -----------
+
+
+def test_batch_predictor_passes_lora_requests(tiny_model_dirs, adapters, hf) -> None:
+    import numpy as np
+
+    from vllm.batch.predictor import LLMPredictor
+
+    predictor = LLMPredictor(
+        tiny_model_dirs[KIND],
+        sampling_params={"temperature": 0.0, "max_tokens": MAX_TOKENS},
+        engine_kwargs=dict(
+            enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_space=0.05, swap_space=0.01
+        ),
+    )
+    try:
+        loras = [
+            {"lora_name": "a4", "lora_int_id": IDS["a4"], "lora_path": adapters["a4"]},
+            None,
+            LoRARequest("b8", IDS["b8"], adapters["b8"]),
+            {"lora_name": "bad", "lora_int_id": 0, "lora_path": adapters["a4"]},
+        ]
+        out = predictor(
+            {"prompt": np.array(PROMPTS[:4]), "lora_request": np.array(loras, dtype=object)}
+        )
+        tokenizer = predictor.llm.get_tokenizer()
+        for i, name in enumerate(["a4", None, "b8"]):
+            assert out["error"][i] == ""
+            expected = tokenizer.decode(hf(name)[i], skip_special_tokens=True)
+            assert out["generated_text"][i] == expected, name
+        assert "id must be > 0" in out["error"][3]
+    finally:
+        predictor.shutdown()
