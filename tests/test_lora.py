@@ -177,9 +177,7 @@ def test_replaced_stage_reloads_adapters(tiny_model_dirs, requests_, hf) -> None
     again, and every request finishes with its adapter's tokens."""
     import time
 
-    llm = engine(
-        tiny_model_dirs[KIND], pipeline_parallel_size=2, distributed_executor_backend="mp"
-    )
+    llm = engine(tiny_model_dirs[KIND], pipeline_parallel_size=2, distributed_executor_backend="mp")
     try:
         engine_ = llm.llm_engine
         rows = mixed(["a4", "b8", None])
