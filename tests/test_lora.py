@@ -369,3 +369,39 @@ def test_batch_predictor_passes_lora_requests(tiny_model_dirs, adapters, hf) -> 
         assert "id must be > 0" in out["error"][3]
     finally:
         predictor.shutdown()
+
+
+# -- the batched update itself, against a per-token loop -----------------------------------------
+
+
+@pytest.mark.parametrize("pattern", [[0], [2], [-1], [0, 1, -1, 2], [3, -1, -1, 1], [1, 1, 0]])
+def test_grouped_update_equals_per_token_loop(pattern: list[int]) -> None:
+    import torch
+
+    from vllm.lora.layers import LoRAContext, LoRALinear
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    torch.manual_seed(0)
+    base = QKVParallelLinear(32, 8, 4, 2, bias=True)  # q 32, k 16, v 16 rows
+    torch.nn.init.normal_(base.weight, std=0.1)
+    torch.nn.init.normal_(base.bias, std=0.1)
+    context = LoRAContext()
+    layer = LoRALinear(base, ("q", "k", "v"), [32, 16, 16], context, 4, 8, torch.float32, "cpu")
+    weights = {}
+    for slot, rank in enumerate([4, 8, 2, 8]):
+        # Slot 2 adapts q and v only.
+        parts = [0, 2] if slot == 2 else [0, 1, 2]
+        w = {i: (torch.randn(rank, 32), torch.randn([32, 16, 16][i], rank)) for i in parts}
+        layer.set_slot(slot, w, 0.5 + slot)
+        weights[slot] = w
+    slots = [pattern[i % len(pattern)] for i in range(11)]
+    x = torch.randn(11, 32)
+    context.set_tokens(torch.tensor(slots))
+    got = layer(x)
+    expected = base(x)
+    offsets = [0, 32, 48]
+    for t, slot in enumerate(slots):
+        for i, (a, b) in weights.get(slot, {}).items():
+            rows = slice(offsets[i], offsets[i] + b.shape[0])
+            expected[t, rows] += (x[t] @ a.t() @ b.t()) * (0.5 + slot)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -8,8 +8,9 @@ diagonal (slice i's output rows read only slice i's ranks), so the update of eve
 shrink and one expand matmul. An adapter of rank r < max_rank fills the first r rows of its
 blocks; the rest stay zero. The update of the rows of one slot is
 `((x_rows @ A[slot]^T) @ B[slot]^T) * scaling[slot]`, PEFT's order of operations; the rows are
-grouped by slot once per step (`LoRAContext.set_tokens`), so a step with k adapters costs k
-grouped matmul pairs per layer, whatever the number of requests.
+grouped by slot once per step (`LoRAContext.set_tokens`), so a layer runs a fixed handful of
+ops (two batched matmuls over the slots) whatever the number of requests or adapters: on a
+busy CPU each op's thread synchronisation costs more than these small matmuls.
 
 Tensor parallelism: column-parallel layers (q/k/v, gate/up, fc1) hold B's rows of this rank's
 outputs and the whole A; row-parallel layers (o, down, fc2) hold A's columns of this rank's
@@ -22,6 +23,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vllm.model_executor.layers.linear import (
@@ -34,31 +36,59 @@ from vllm.model_executor.parallel_utils import tensor_parallel as tpu
 
 
 class LoRAContext:
-    """The current step's tokens grouped by adapter slot, shared by the wrapped layers of one
-    stage (set before the stage's forward)."""
+    """The current step's tokens by adapter slot, shared by the wrapped layers of one stage
+    (set once per step, before the stage's forward, so each layer pays only its matmuls).
+
+    One adapter for every token: `single_slot`. Otherwise the tokens of each slot are laid
+    out as the rows of a [slots, rows, in] batch (`gather`: each row's token; padding rows
+    repeat token 0 and their results are never read), and `inverse` picks each token's update
+    back out of the flattened [slots * rows (+1 zero row for the base model's tokens), out]
+    result. Every layer then runs the same few ops whatever the number of adapters: a gather,
+    two batched matmuls over the slots, the scaling, a gather back and an add (index_add_ on
+    CPU is far slower than a gather).
+    """
 
     def __init__(self) -> None:
-        # (slot, token rows [t] of that slot, or None when every token of the step uses it).
-        self.groups: list[tuple[int, Optional[torch.Tensor]]] = []
+        self.active = False
+        self.single_slot: Optional[int] = None  # every token uses this slot
+        self.num_slots = 0  # slots [0, num_slots) in the batched form
+        self.rows = 0  # rows per slot (the most tokens one slot has)
+        self.gather: Optional[torch.Tensor] = None  # [num_slots * rows]
+        self.inverse: Optional[torch.Tensor] = None  # [T]
 
     def set_tokens(self, token_slots: torch.Tensor) -> None:
         """token_slots [T]: each token's slot, -1 for the base model."""
-        self.groups = []
-        if token_slots.numel() == 0:
+        self.clear()
+        slots = token_slots.tolist()
+        used = sorted(set(slots) - {-1})
+        if not used:
             return
-        slots = [int(s) for s in torch.unique(token_slots).tolist()]
-        if slots == [-1]:
+        self.active = True
+        if len(used) == 1 and -1 not in slots:
+            self.single_slot = used[0]
             return
-        if len(slots) == 1:
-            self.groups = [(slots[0], None)]
-            return
-        for slot in slots:
+        per_slot: list[list[int]] = [[] for _ in range(used[-1] + 1)]
+        for token, slot in enumerate(slots):
             if slot >= 0:
-                rows = (token_slots == slot).nonzero().squeeze(1)  # [t]
-                self.groups.append((slot, rows))
+                per_slot[slot].append(token)
+        self.num_slots = len(per_slot)
+        self.rows = max(len(tokens) for tokens in per_slot)
+        gather: list[int] = []
+        zero_row = self.num_slots * self.rows
+        inverse = [zero_row] * len(slots)
+        for slot, tokens in enumerate(per_slot):
+            for j, token in enumerate(tokens):
+                inverse[token] = slot * self.rows + j
+            gather += tokens + [0] * (self.rows - len(tokens))
+        device = token_slots.device
+        self.gather = torch.tensor(gather, dtype=torch.long, device=device)
+        self.inverse = torch.tensor(inverse, dtype=torch.long, device=device)
 
     def clear(self) -> None:
-        self.groups = []
+        self.active = False
+        self.single_slot = None
+        self.num_slots = self.rows = 0
+        self.gather = self.inverse = None
 
 
 class LoRALinear(nn.Module):
@@ -96,6 +126,9 @@ class LoRALinear(nn.Module):
             "lora_b", torch.zeros(max_loras, out_local, n * max_rank, dtype=dtype, device=device)
         )  # [slots, out, n*R]
         self.scaling = [0.0] * max_loras
+        self.register_buffer(
+            "scale", torch.zeros(max_loras, 1, 1, dtype=dtype, device=device)
+        )  # [slots, 1, 1]: scaling[slot], for the batched form
 
     def set_slot(
         self,
@@ -114,30 +147,37 @@ class LoRALinear(nn.Module):
             self.lora_a[slot, cols].copy_(a)
             self.lora_b[slot, rows, cols].copy_(b)
         self.scaling[slot] = scaling
+        self.scale[slot] = scaling
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.scaling[slot] = 0.0
+        self.scale[slot] = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_local] -> [T, out_local] (all-reduced for a row-parallel layer)."""
         base = self.base
-        groups = self.context.groups
-        if not groups:
+        ctx = self.context
+        if not ctx.active:
             return base(x)
         bias = base.bias
         if self.row_parallel and tpu.tp_rank() != 0:
             bias = None  # added once, by rank 0 (RowParallelLinear's rule)
         out = base._matmul(x, bias)  # [T, out_local]
-        for slot, rows in groups:
-            xs = x if rows is None else x.index_select(0, rows)  # [t, in]
-            shrunk = xs @ self.lora_a[slot].t()  # [t, n*R]
-            delta = (shrunk @ self.lora_b[slot].t()) * self.scaling[slot]  # [t, out]
-            if rows is None:
-                out += delta
-            else:
-                out.index_add_(0, rows, delta)
+        if ctx.single_slot is not None:
+            slot = ctx.single_slot
+            shrunk = x @ self.lora_a[slot].t()  # [T, n*R]
+            out.addmm_(shrunk, self.lora_b[slot].t(), alpha=self.scaling[slot])
+        else:
+            assert ctx.gather is not None and ctx.inverse is not None
+            slots, rows = ctx.num_slots, ctx.rows
+            xs = x.index_select(0, ctx.gather).view(slots, rows, -1)  # [S, rows, in]
+            shrunk = torch.bmm(xs, self.lora_a[:slots].transpose(1, 2))  # [S, rows, n*R]
+            delta = torch.bmm(shrunk, self.lora_b[:slots].transpose(1, 2))  # [S, rows, out]
+            delta.mul_(self.scale[:slots])
+            flat = F.pad(delta.view(slots * rows, -1), (0, 0, 0, 1))  # [S*rows + 1, out]
+            out += flat.index_select(0, ctx.inverse)  # [T, out]; base tokens add zeros
         if self.row_parallel:
             out = tpu.all_reduce(out)
         return out
