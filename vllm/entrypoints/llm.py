@@ -108,9 +108,10 @@ class LLM:
         sampling_params: Union[SamplingParams, SequenceABC[SamplingParams], None] = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and
-        generate a reply for each."""
+        generate a reply for each (with `lora_request`'s adapter, as generate)."""
         if isinstance(messages, str) or not isinstance(messages, (list, tuple)):
             raise TypeError(
                 "messages must be a list of message dicts ({'role': ..., 'content': ...}) or a "
@@ -133,6 +134,7 @@ class LLM:
             [{"prompt_token_ids": i, "prompt": p} for i, p in zip(ids, prompts)],
             sampling_params,
             use_tqdm=use_tqdm,
+            lora_request=lora_request,
         )
 
     @staticmethod
