@@ -140,7 +140,15 @@ def test_add_list_remove(llm1, requests_, hf) -> None:
 
 
 def test_one_slot_swaps_and_finishes_everything(tiny_model_dirs, requests_, hf) -> None:
-    llm = engine(tiny_model_dirs[KIND], max_loras=1, max_cpu_loras=1)
+    # Chunked prefill (the other scheduling policy), prompts cut into 16-token chunks.
+    llm = engine(
+        tiny_model_dirs[KIND],
+        max_loras=1,
+        max_cpu_loras=1,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        max_num_seqs=16,
+    )
     try:
         check_mixed(llm, ["a4", "b8", None, "c8"], requests_, hf)
         manager = llm.llm_engine.executor.worker.model_runner.lora_manager
