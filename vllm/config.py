@@ -464,6 +464,35 @@ class DeviceConfig:
             )
 
 
+# vLLM's accepted --max-lora-rank values.
+POSSIBLE_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's `LoRAConfig`): `max_loras` adapters active in one batch (GPU
+    slots), `max_cpu_loras` kept loaded per stage (default: max_loras), ranks up to
+    `max_lora_rank`."""
+
+    max_lora_rank: int = 16
+    max_loras: int = 1
+    max_cpu_loras: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.max_lora_rank not in POSSIBLE_MAX_LORA_RANKS:
+            raise ValueError(
+                f"max_lora_rank ({self.max_lora_rank}) must be one of {POSSIBLE_MAX_LORA_RANKS}."
+            )
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras ({self.max_loras}) must be >= 1.")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+
 @dataclass
 class EngineConfig:
     """All of an engine's configs together: one object, passed by name from `EngineArgs` to
@@ -474,3 +503,5 @@ class EngineConfig:
     parallel_config: ParallelConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
+    # None: LoRA disabled (enable_lora=False).
+    lora_config: Optional[LoRAConfig] = None

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
 
 
@@ -295,8 +296,11 @@ class SequenceGroup:
         seqs: list[Sequence],
         sampling_params: SamplingParams,
         arrival_time: float,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        # The adapter the request runs with (None: the base model).
+        self.lora_request = lora_request
         self.seqs_dict = {seq.seq_id: seq for seq in seqs}
         self.sampling_params = sampling_params
         self.metrics = RequestMetrics(arrival_time=arrival_time, last_token_time=arrival_time)
@@ -352,6 +356,11 @@ class SequenceGroup:
         self.metrics.last_token_time = now
         if self.metrics.finished_time is None and self.is_finished():
             self.metrics.finished_time = now
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     def is_prefill(self) -> bool:
         """Whether the group's (single) unfinished sequence still has prompt KV to compute."""
@@ -427,6 +436,8 @@ class SequenceGroupMetadata:
     block_tables: dict[int, list[int]]
     token_chunk_size: int | None = None
     do_sample: bool = True
+    # The request's LoRA adapter id (0: the base model).
+    lora_int_id: int = 0
 
     def __post_init__(self) -> None:
         if self.token_chunk_size is None:

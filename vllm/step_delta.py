@@ -20,7 +20,7 @@ Imports no torch: the engine side and these tests run without it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
 from vllm.sequence import SequenceData, SequenceGroupMetadata
 
@@ -55,8 +55,9 @@ class GroupDelta(NamedTuple):
     token_chunk_size: int
     do_sample: bool
     seqs: tuple[SeqDelta, ...]
-    # Sent with the request's first message only (None afterwards).
-    sampling_params: Optional[SamplingParams]
+    # Sent with the request's first message only (None afterwards); for a request with a
+    # LoRA adapter, (params, lora_int_id): a request without one pays no byte for LoRA.
+    sampling_params: Optional[Union[SamplingParams, tuple[SamplingParams, int]]]
 
 
 @dataclass
@@ -160,7 +161,7 @@ class StepEncoder:
             meta.token_chunk_size if meta.token_chunk_size is not None else 1,
             meta.do_sample,
             tuple(deltas),
-            params,
+            (params, meta.lora_int_id) if params is not None and meta.lora_int_id else params,
         )
 
     def checkpoint(self, request_ids: list[str]) -> EncoderCheckpoint:
@@ -200,6 +201,7 @@ class _Held:
     params: SamplingParams
     seqs: dict[int, SequenceData]
     tables: dict[int, list[int]]
+    lora_int_id: int = 0
 
 
 class StageRequestState:
@@ -220,15 +222,18 @@ class StageRequestState:
 
     def _apply_group(self, group: GroupDelta) -> SequenceGroupMetadata:
         held = self._requests.get(group.request_id)
+        params, lora_int_id = group.sampling_params, 0
+        if isinstance(params, tuple):
+            params, lora_int_id = params
         if held is None:
-            if group.sampling_params is None:
+            if params is None:
                 raise RuntimeError(
                     f"request {group.request_id}: the stage does not hold it and the step "
                     "did not send its sampling params"
                 )
-            held = self._requests[group.request_id] = _Held(group.sampling_params, {}, {})
-        elif group.sampling_params is not None:
-            held.params = group.sampling_params
+            held = self._requests[group.request_id] = _Held(params, {}, {}, lora_int_id)
+        elif params is not None:
+            held.params, held.lora_int_id = params, lora_int_id
         seqs: dict[int, SequenceData] = {}
         tables: dict[int, list[int]] = {}
         for delta in group.seqs:
@@ -248,6 +253,7 @@ class StageRequestState:
             block_tables=tables,
             token_chunk_size=group.token_chunk_size,
             do_sample=group.do_sample,
+            lora_int_id=held.lora_int_id,
         )
 
     def _apply_seq(self, request_id: str, held: _Held, delta: SeqDelta) -> SequenceData:

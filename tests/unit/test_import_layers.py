@@ -1,7 +1,7 @@
 """The package's layers, kept by reading its imports (no module is imported; milliseconds).
 
 From the bottom: shared helpers and torch-free tables; the request records; the config; the
-distributed layer; the model code, the scheduler and the grammar engine; the worker; the
+distributed layer; the model code, the scheduler, the grammar engine and the LoRA layers; the worker; the
 executors; the engine; the entry points; the Ray Data batch layer and the CLI on top. A module
 imports only from its own layer or below (a `TYPE_CHECKING` import included: a type that points
 up is a dependency that points up), and no two modules import each other at run time, through
@@ -37,6 +37,8 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     (
         "vllm.structured_output.params",
+        "vllm.lora.request",
+        "vllm.lora.peft_config",
         "vllm.sampling_params",
         "vllm.inputs",
         "vllm.sequence",
@@ -46,7 +48,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("vllm.config",),
     ("vllm.distributed",),
-    ("vllm.model_executor", "vllm.core", "vllm.structured_output"),
+    ("vllm.model_executor", "vllm.core", "vllm.structured_output", "vllm.lora"),
     ("vllm.worker",),
     ("vllm.executor",),
     ("vllm.engine",),

@@ -8,6 +8,10 @@ Each batch goes through three steps:
                `generated_text`, `num_prompt_tokens`, `num_generated_tokens`, `finish_reason`
                and `error` ("" when the row succeeded).
 
+A row's `lora_request` column (a LoRARequest, or a dict of its fields: lora_name, lora_int_id,
+lora_path) runs that row with the adapter (the engine needs `enable_lora=True` in
+engine_kwargs); rows of one batch may name different adapters.
+
 A failure is reported per row and the job goes on: a row that cannot be preprocessed or that
 the engine refuses (bad sampling parameters, a prompt longer than the context) gets its
 message in `error`; a failure of the whole engine is written into every row of that batch and
@@ -22,6 +26,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 
 OUTPUT_COLUMNS = (
@@ -97,9 +102,12 @@ class LLMPredictor:
         errors: list[str] = [""] * num_rows
         inputs: list[Optional[EngineInput]] = [None] * num_rows
         params: list[Optional[SamplingParams]] = [None] * num_rows
+        loras: list[Optional[LoRARequest]] = [None] * num_rows
         for i in range(num_rows):
             try:
-                inputs[i], params[i] = self.preprocess({k: v[i] for k, v in columns.items()})
+                row = {k: v[i] for k, v in columns.items()}
+                inputs[i], params[i] = self.preprocess(row)
+                loras[i] = _as_lora(row.get("lora_request"))
             except Exception as error:  # a bad row must not fail the batch
                 errors[i] = _describe(error)
         outputs: dict[int, Any] = {}
@@ -112,7 +120,7 @@ class LLMPredictor:
                     for i in valid:
                         errors[i] = f"engine could not be built: {_describe(error)}"
                     valid = []
-            self._generate(valid, inputs, params, outputs, errors)
+            self._generate(valid, inputs, params, outputs, errors, loras)
         return self.postprocess(columns, num_rows, inputs, outputs, errors)
 
     # -- steps ----------------------------------------------------------------------------------
@@ -152,16 +160,21 @@ class LLMPredictor:
         params: list[Optional[SamplingParams]],
         outputs: dict[int, Any],
         errors: list[str],
+        loras: list[Optional[LoRARequest]],
     ) -> None:
-        """Generate `rows` in one call; if the engine refuses the call, split it in halves so
-        the rows it refuses are found and the others still run (batched)."""
+        """Generate `rows` in one call (each with its row's adapter, if any); if the engine
+        refuses the call, split it in halves so the rows it refuses are found and the others
+        still run (batched)."""
         if not rows:
             return
         from vllm.executor.stage_supervisor import EngineDeadError
 
         try:
             results = self.llm.generate(
-                [inputs[i] for i in rows], [params[i] for i in rows], use_tqdm=False
+                [inputs[i] for i in rows],
+                [params[i] for i in rows],
+                use_tqdm=False,
+                lora_request=[loras[i] for i in rows] if any(loras[i] for i in rows) else None,
             )
         except EngineDeadError as error:
             # The whole engine is gone: every row of the batch fails; the next batch builds
@@ -178,9 +191,9 @@ class LLMPredictor:
                     self._drop_llm()
                 return
             half = len(rows) // 2
-            self._generate(rows[:half], inputs, params, outputs, errors)
+            self._generate(rows[:half], inputs, params, outputs, errors, loras)
             if self.llm is not None:
-                self._generate(rows[half:], inputs, params, outputs, errors)
+                self._generate(rows[half:], inputs, params, outputs, errors, loras)
             else:
                 for i in rows[half:]:
                     errors[i] = f"engine failed: {_describe(error)}"
@@ -274,6 +287,17 @@ def _as_params(
     if not fields:
         return base
     return dataclasses.replace(base, **fields)
+
+
+def _as_lora(value: Any) -> Optional[LoRARequest]:
+    """A row's `lora_request`: a LoRARequest, a dict of its fields, or nothing."""
+    value = value if isinstance(value, LoRARequest) else _plain(value)
+    if value is None or isinstance(value, LoRARequest):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"lora_request must be a LoRARequest or a dict, got {type(value).__name__}")
+    fields = {k: v for k, v in value.items() if v is not None}
+    return LoRARequest(**fields) if fields else None
 
 
 def _describe(error: BaseException) -> str:

@@ -9,8 +9,8 @@ goes stale:
     python -m vllm.batch.ray_llm_compat                    # the list
     python -m vllm.batch.ray_llm_compat --run HF_MODEL_DIR # and a run of ray.data.llm on CPU
 
-Calls needed only for features this engine does not have (LoRA, pooling/embeddings, guided
-decoding) are listed as optional. Resource placement is not an engine call but is listed too:
+Calls needed only for some features (LoRA, pooling/embeddings -- which this engine lacks --,
+guided decoding) are listed as optional. Resource placement is not an engine call but is listed too:
 by default the stage asks for GPU bundles.
 """
 

@@ -174,11 +174,13 @@ class BlockSpaceManager:
             del self._hash_to_block[block_hash]
         self._computed.discard(block)
 
-    def _block_hashes(self, token_ids: list[int]) -> list[int]:
-        """hash((parent hash, block tokens)) of each full block of `token_ids`."""
+    def _block_hashes(self, token_ids: list[int], lora_int_id: int = 0) -> list[int]:
+        """hash((parent hash, block tokens)) of each full block of `token_ids`. The chain
+        starts from the request's LoRA adapter id: the same tokens under two adapters (or an
+        adapter and the base model) have different KV, and never share blocks."""
         size = self.block_size
         hashes: list[int] = []
-        parent: Optional[int] = None
+        parent: Optional[int] = lora_int_id or None
         for start in range(0, len(token_ids) - size + 1, size):
             parent = hash((parent, tuple(token_ids[start : start + size])))
             hashes.append(parent)
@@ -194,7 +196,7 @@ class BlockSpaceManager:
         if len(prompt_sets) != 1:
             return [], []
         tokens = prompt_sets[0][0].get_token_ids()
-        hashes = self._block_hashes(tokens)
+        hashes = self._block_hashes(tokens, getattr(seq_group, "lora_int_id", 0))
         hits: list[int] = []
         # Prompt logprobs need the logits of every prompt position: nothing may be skipped.
         if getattr(seq_group.sampling_params, "prompt_logprobs", None) is None:

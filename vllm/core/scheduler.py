@@ -37,6 +37,7 @@ from vllm.core.block_manager import AllocStatus, BlockSpaceManager
 from vllm.core.budget import NO_CAP, MicroBatchBudget
 from vllm.core.chunked_policy import ChunkedPolicy
 from vllm.core.classic_policy import ClassicPolicy
+from vllm.core.lora_admission import LoRAAdmission
 from vllm.sequence import Flight, Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 from vllm.utils import ceil_div
 
@@ -95,6 +96,7 @@ class Scheduler:
         cache_config: CacheConfig,
         budget: MicroBatchBudget | None = None,
         schedule_ahead: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         if cache_config.num_gpu_blocks is None or cache_config.num_cpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks and num_cpu_blocks must be set.")
@@ -102,6 +104,8 @@ class Scheduler:
         self.cache_config = cache_config
         self.budget = budget or MicroBatchBudget.from_config(scheduler_config)
         self.schedule_ahead = schedule_ahead
+        # How many distinct LoRA adapters the running groups may use (None: no LoRA).
+        self.lora_admission = LoRAAdmission(max_loras)
         chunked = scheduler_config.enable_chunked_prefill
         self.policy = ChunkedPolicy(self) if chunked else ClassicPolicy(self)
         # A prompt must fit the context window and, unless chunked, one step's token budget.
@@ -326,6 +330,7 @@ class Scheduler:
                     },
                     token_chunk_size=chunk if is_prompt else 1,
                     do_sample=do_sample,
+                    lora_int_id=seq_group.lora_int_id,
                 )
             )
             seq_group.flights.append(Flight(chunk if is_prompt else 1, step_no))
@@ -422,6 +427,8 @@ class Scheduler:
             )
             self.ignore(seq_group, out)
             return AllocStatus.NEVER
+        if not self.lora_admission.allows(seq_group, self.running):
+            return AllocStatus.LATER  # its adapter needs a slot the running groups hold
         status = self.block_manager.can_allocate(seq_group)
         if status == AllocStatus.LATER or self.block_manager.prefix_pending(seq_group):
             return AllocStatus.LATER
@@ -453,6 +460,8 @@ class Scheduler:
                 return None
             num_new_seqs = seq_group.get_max_num_running_seqs()
             if num_seqs + num_new_seqs > self.budget.max_num_seqs:
+                return None
+            if not self.lora_admission.allows(seq_group, self.running):
                 return None
             return seq_group
         return None

@@ -11,6 +11,7 @@ from vllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -58,6 +59,11 @@ class EngineArgs:
     # tokenizer_pool_size is accepted (tokenizing runs in the server's own thread pool).
     worker_use_ray: bool = False
     tokenizer_pool_size: int = 0
+    # Multi-LoRA (vLLM's names and defaults).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -192,6 +198,30 @@ class EngineArgs:
             "with pipeline parallelism on the ray and mp backends.",
         )
         add(
+            "--enable-lora",
+            action="store_true",
+            help="If True, enable handling of LoRA adapters.",
+        )
+        add(
+            "--max-loras",
+            type=int,
+            default=d.max_loras,
+            help="Max number of LoRAs in a single batch.",
+        )
+        add(
+            "--max-lora-rank",
+            type=int,
+            default=d.max_lora_rank,
+            help="Max LoRA rank.",
+        )
+        add(
+            "--max-cpu-loras",
+            type=int,
+            default=d.max_cpu_loras,
+            help="Maximum number of LoRAs to store in CPU memory (per stage); must be >= "
+            "max_loras (default: max_loras).",
+        )
+        add(
             "--enable-prefix-caching",
             action="store_true",
             help="Enables automatic prefix caching: requests reuse the KV blocks of a shared "
@@ -312,6 +342,11 @@ class EngineArgs:
             parallel_config=parallel_config,
             scheduler_config=scheduler_config,
             device_config=device_config,
+            lora_config=(
+                LoRAConfig(self.max_lora_rank, self.max_loras, self.max_cpu_loras)
+                if self.enable_lora
+                else None
+            ),
         )
 
 

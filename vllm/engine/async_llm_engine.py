@@ -97,6 +97,7 @@ class _NewRequest:
     prompt_token_ids: Optional[list[int]]
     params: SamplingParams
     arrival_time: float
+    lora_request: Any = None
 
 
 class AsyncLLMEngine:
@@ -230,6 +231,16 @@ class AsyncLLMEngine:
     async def do_log_stats(self) -> None:
         """Metrics are refreshed by the background loop; kept for vLLM's API."""
 
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Load an adapter on every stage (on the engine thread, between steps)."""
+        return await self._on_engine_thread(lambda: self.engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._on_engine_thread(lambda: self.engine.remove_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return await self._on_engine_thread(self.engine.list_loras)
+
     async def start_profile(self) -> None:
         """Start torch.profiler on every stage (VLLM_TORCH_PROFILER_DIR), between two steps."""
         await self._on_engine_thread(self.engine.start_profile)
@@ -271,8 +282,6 @@ class AsyncLLMEngine:
         `prompt` is a string, `{"prompt": ...}`, `{"prompt_token_ids": [...]}` or a list of
         token ids (`inputs=` is vLLM 0.5's name for it). Bad input raises ValueError/TypeError
         from the first iteration; stopping the iteration early aborts the request."""
-        if lora_request is not None:
-            raise ValueError("LoRA is not supported by this engine.")
         if prompt_adapter_request is not None:
             raise ValueError("prompt_adapter_request: prompt adapters are not supported.")
         if prompt is None:
@@ -282,7 +291,7 @@ class AsyncLLMEngine:
         if sampling_params is None:
             sampling_params = SamplingParams()
         request_id = str(request_id)
-        stream = self._add_request(request_id, prompt, sampling_params, arrival_time)
+        stream = self._add_request(request_id, prompt, sampling_params, arrival_time, lora_request)
         done = False
         try:
             async for output in stream:
@@ -345,6 +354,7 @@ class AsyncLLMEngine:
         prompt: Any,
         params: SamplingParams,
         arrival_time: Optional[float],
+        lora_request: Any = None,
     ) -> AsyncStream:
         text, token_ids = parse_prompt(prompt)
         stream = AsyncStream(request_id, asyncio.get_running_loop())
@@ -357,7 +367,9 @@ class AsyncLLMEngine:
                 raise ValueError(f"Request {request_id} already exists.")
             self._active.add(request_id)
             self._new_requests.append(
-                _NewRequest(stream, text, token_ids, params, arrival_time or time.time())
+                _NewRequest(
+                    stream, text, token_ids, params, arrival_time or time.time(), lora_request
+                )
             )
         self._wakeup.set()
         if self.log_requests:
@@ -416,6 +428,7 @@ class AsyncLLMEngine:
                     req.params,
                     prompt_token_ids=req.prompt_token_ids,
                     arrival_time=req.arrival_time,
+                    lora_request=req.lora_request,
                 )
             except (ValueError, TypeError) as exc:
                 # A bad request is refused alone; the engine and the others go on.

@@ -35,6 +35,8 @@ from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.request_validation import check_sendable, validate_request
 from vllm.executor.stage_supervisor import EngineDeadError, FaultEvent, StageFailedError
 from vllm.logger import init_logger
+from vllm.lora.registry import LoRARegistry
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.request_failure import RequestFailedError
 from vllm.sampling_params import SamplingParams
@@ -85,8 +87,15 @@ class LLMEngine:
         budget = MicroBatchBudget.for_pipeline(
             scheduler_config, self.executor.max_concurrent_batches
         )
+        self.lora_config = engine_config.lora_config
+        # The adapters every rank holds (LoRA enabled: the stages' LoRA layers are installed).
+        self.loras = LoRARegistry(self.lora_config, self.executor)
         self.scheduler = Scheduler(
-            scheduler_config, cache_config, budget, schedule_ahead=async_pipeline
+            scheduler_config,
+            cache_config,
+            budget,
+            schedule_ahead=async_pipeline,
+            max_loras=self.lora_config.max_loras if self.lora_config else None,
         )
         self.batch_queue = BatchQueue(self.executor, budget.cohorts, async_pipeline)
         self.output_processor = OutputProcessor(
@@ -199,12 +208,15 @@ class LLMEngine:
         params: SamplingParams | None = None,
         trace_headers: Any = None,
         prompt_adapter_request: Any = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; bad input raises ValueError/TypeError and leaves the engine as is.
 
         Takes vLLM 0.5's form too: `add_request(request_id, inputs, params, arrival_time)`
-        with `inputs` a string, a `TextPrompt` / `TokensPrompt` dict or token ids."""
+        with `inputs` a string, a `TextPrompt` / `TokensPrompt` dict or token ids.
+        `lora_request`: the adapter to run it with (registered on first use)."""
         self._check_alive()
+        self.loras.check_request(lora_request)
         if prompt is None and inputs is not None:
             prompt = inputs
         if sampling_params is None:
@@ -240,6 +252,8 @@ class LLMEngine:
             )
         if self.executor is not None and self.executor.stages_in_own_processes:
             check_sendable(sampling_params)
+        if lora_request is not None:
+            self.loras.ensure(lora_request)
         params = sampling_params.clone()
         # Extra EOS ids of the model's generation_config stop generation too (vLLM does this).
         params.update_from_generation_config(self.generation_config, eos)
@@ -251,8 +265,27 @@ class LLMEngine:
             [seq],
             params,
             arrival_time if arrival_time is not None else time.time(),
+            lora_request=lora_request,
         )
         self.scheduler.add_seq_group(group)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter on every stage (False if its id is registered already)."""
+        self._check_alive()
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter (False if unknown or still used by an unfinished request)."""
+        self._check_alive()
+        queues = (self.scheduler.waiting, self.scheduler.running, self.scheduler.swapped)
+        if any(g.lora_int_id == lora_id for queue in queues for g in queue):
+            logger.warning("LoRA adapter %d is used by unfinished requests: not removed", lora_id)
+            return False
+        return self.loras.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the registered adapters."""
+        return self.loras.ids()
 
     def check_structured_outputs(self, sampling_params: SamplingParams) -> None:
         """Compile the request's grammar now (cached per spec): a schema, regex or grammar
@@ -488,6 +521,7 @@ class LLMEngine:
             self._restart_times.append(now)
         try:
             event.recovery_s = self.executor.replace_stages(error.ranks)
+            self.loras.resync()  # the new stage processes load the registered adapters
         except Exception as exc:
             logger.error("Replacing stage(s) %s failed: %s", error.ranks, exc)
             self._fail(error, f"replacing the stage failed ({type(exc).__name__}: {exc})")

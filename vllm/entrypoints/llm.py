@@ -67,8 +67,6 @@ class LLM:
         legacy `prompt_token_ids=` takes one list of ids or a list of them.
         `sampling_params` is one SamplingParams for all or a list with one per prompt
         (default: SamplingParams())."""
-        if lora_request is not None:
-            raise ValueError("LoRA is not supported by this engine.")
         if self.DEPRECATE_LEGACY:
             legacy = [
                 name
@@ -89,12 +87,15 @@ class LLM:
             prompts = inputs
         items = self._normalize_prompts(prompts, prompt_token_ids)
         params_list = _final_only(self._normalize_params(sampling_params, len(items)))
+        loras = self._normalize_loras(lora_request, len(items))
         # Validate everything first: a bad prompt must not leave half the batch queued.
         request_ids: list[str] = []
         try:
-            for (text, ids), params in zip(items, params_list):
+            for (text, ids), params, lora in zip(items, params_list, loras):
                 request_id = str(next(self.request_counter))
-                self.llm_engine.add_request(request_id, text, params, prompt_token_ids=ids)
+                self.llm_engine.add_request(
+                    request_id, text, params, prompt_token_ids=ids, lora_request=lora
+                )
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)
@@ -107,9 +108,10 @@ class LLM:
         sampling_params: Union[SamplingParams, SequenceABC[SamplingParams], None] = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and
-        generate a reply for each."""
+        generate a reply for each (with `lora_request`'s adapter, as generate)."""
         if isinstance(messages, str) or not isinstance(messages, (list, tuple)):
             raise TypeError(
                 "messages must be a list of message dicts ({'role': ..., 'content': ...}) or a "
@@ -132,6 +134,7 @@ class LLM:
             [{"prompt_token_ids": i, "prompt": p} for i, p in zip(ids, prompts)],
             sampling_params,
             use_tqdm=use_tqdm,
+            lora_request=lora_request,
         )
 
     @staticmethod
@@ -167,6 +170,15 @@ class LLM:
                 )
             items.append(parse_prompt(prompt))
         return items
+
+    @staticmethod
+    def _normalize_loras(lora_request: Any, count: int) -> list[Any]:
+        """One LoRARequest (or None) for all prompts, or a list with one per prompt."""
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != count:
+                raise ValueError("The lengths of prompts and lora_request must be the same.")
+            return list(lora_request)
+        return [lora_request] * count
 
     @staticmethod
     def _normalize_params(params: Any, count: int) -> list[SamplingParams]:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from vllm.distributed import parallel_state as ps
+from vllm.lora.worker_manager import StageLoRAManager, token_lora_ids
 from vllm.model_executor.input_metadata import InputMetadata
 from vllm.model_executor.layers.attention import KVCache
 from vllm.model_executor.layers.sampler import Sampler
@@ -121,6 +122,8 @@ class ModelRunner:
         # Grammars and matchers of structured outputs, on the sampling rank; built on the
         # first constrained request (see vllm/structured_output/matcher.py for why here).
         self._structured: Optional[StructuredOutputState] = None
+        # This stage's LoRA adapters (enable_lora; set by the worker), else None.
+        self.lora_manager: Optional[StageLoRAManager] = None
 
     def drop_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -156,17 +159,28 @@ class ModelRunner:
         structured = None
         if self.layout.is_last and metadata_list is not None:
             structured = self._structured_state(metadata_list)
+        lora_ids: Optional[torch.Tensor] = None  # [T] each token's adapter (LoRA enabled)
         if self.layout.is_first:
             assert metadata_list is not None
             input_ids, positions, md = prepare_inputs(metadata_list, self.block_size, self.device)
+            if self.lora_manager is not None:
+                lora_ids = token_lora_ids(metadata_list, md._prefill_lens_list or [], self.device)
+                self.lora_manager.activate(lora_ids)
             hidden = self.model(input_ids, positions, kv_caches, md)
         else:
             assert received is not None
             positions = received["positions"]
             md = InputMetadata.from_dict(received)
+            if self.lora_manager is not None:
+                # The first stage's mapping travels with the hidden states.
+                lora_ids = received["lora_ids"]
+                self.lora_manager.activate(lora_ids)
             hidden = self.model(None, positions, kv_caches, md, hidden_states=received["hidden"])
         if not self.layout.is_last:
-            return {"hidden": hidden, "positions": positions, **md.to_dict()}, None
+            to_send = {"hidden": hidden, "positions": positions, **md.to_dict()}
+            if lora_ids is not None:
+                to_send["lora_ids"] = lora_ids
+            return to_send, None
         assert metadata_list is not None
         sampling_md = build_sampling_metadata(metadata_list, self.generators, self.device)
         if sampling_md.num_rows == 0:

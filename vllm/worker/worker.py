@@ -11,12 +11,14 @@ from typing import Any, Optional
 
 import torch
 
-from vllm.config import EngineConfig
+from vllm.config import EngineConfig, LoRAConfig
 from vllm.distributed import net_utils as net
 from vllm.distributed import parallel_state as ps
 from vllm.distributed import tensor_parallel as tpu
 from vllm.distributed.communication import recv_tensor_dict, send_tensor_dict
 from vllm.distributed.serialization import message_bytes
+from vllm.lora.request import LoRARequest
+from vllm.lora.worker_manager import StageLoRAManager
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import SamplerOutput
@@ -126,6 +128,47 @@ class Worker:
         self.model_runner = ModelRunner(
             model, self.layout, self.cache_config.block_size, self.device, self.model_config
         )
+
+    # -- LoRA adapters (the engine's registry, mirrored on every rank) ------------------------
+
+    def _lora(self, lora_config: Optional[LoRAConfig] = None) -> StageLoRAManager:
+        runner = self.model_runner
+        if runner.lora_manager is None:
+            if lora_config is None:
+                raise RuntimeError(f"rank {self.rank}: LoRA is not set up on this stage")
+            dtype = get_torch_dtype(self.model_config.dtype)
+            runner.lora_manager = StageLoRAManager(
+                runner.model, self.layout, lora_config, dtype, self.device
+            )
+        return runner.lora_manager
+
+    def sync_loras(self, lora_config: LoRAConfig, requests: list[LoRARequest]) -> Optional[str]:
+        """Install the LoRA layers if not yet, and hold exactly `requests` (the engine's
+        registry: at start, and on a replaced stage). Returns an error message or None (a bad
+        adapter is the caller's error, not this stage's failure)."""
+        manager = self._lora(lora_config)
+        wanted = {r.lora_int_id: r for r in requests}
+        for lora_id in set(manager.known) - set(wanted):
+            manager.remove(lora_id)
+        for request in requests:
+            error = self.add_lora(request)
+            if error is not None:
+                return error
+        return None
+
+    def add_lora(self, request: LoRARequest) -> Optional[str]:
+        """Register and load an adapter; an error message instead of raising."""
+        try:
+            self._lora().add(request)
+        except (ValueError, OSError) as exc:
+            return str(exc)
+        return None
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora().remove(lora_id)
+
+    def list_loras(self) -> list[int]:
+        return self._lora().ids()
 
     def get_stage_info(self) -> StageInfo:
         """Where this stage runs and what it holds (the engine logs it)."""

@@ -28,6 +28,7 @@ from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from vllm.entrypoints.openai.batch_lines import BatchLineRunner
 from vllm.entrypoints.openai.batches import add_batch_args, attach_batches
 from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
+from vllm.entrypoints.openai.lora_modules import add_lora_args, lora_requests
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,6 +48,7 @@ from vllm.entrypoints.openai.serving_engine import (
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm.executor.stage_supervisor import StageFailedError
 from vllm.logger import init_logger
+from vllm.lora.request import LoRARequest
 from vllm.request_failure import RequestFailedError
 
 logger = init_logger("vllm.entrypoints.openai.api_server")
@@ -65,6 +67,7 @@ def build_app(
     batch_max_concurrency: Optional[int] = None,
     return_tokens_as_token_ids: bool = False,
     response_role: str = "assistant",
+    lora_requests: Optional[list[LoRARequest]] = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_names` (default: the model)."""
     names = served_model_names or [engine.engine.served_model_name]
@@ -72,13 +75,18 @@ def build_app(
     scheduler_config = engine.engine.scheduler_config
     work = BoundedWork(engine.engine.get_tokenizer(), scheduler_config.max_model_len, limits)
     completion = OpenAIServingCompletion(
-        engine, names, work=work, return_tokens_as_token_ids=return_tokens_as_token_ids
+        engine,
+        names,
+        work=work,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
+        lora_requests=lora_requests,
     )
     chat = OpenAIServingChat(
         engine,
         names,
         response_role=response_role,
         work=work,
+        lora_requests=lora_requests,
         chat_template=chat_template,
         enable_auto_tools=enable_auto_tool_choice,
         tool_parser=tool_call_parser,
@@ -399,6 +407,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
         choices=["debug", "info", "warning", "error", "critical", "trace"],
         help="Log level for uvicorn.",
     )
+    add_lora_args(parser)
     return AsyncEngineArgs.add_cli_args(parser)
 
 
@@ -520,6 +529,9 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
     limits = limits_from_args(args)
     name = args.served_model_name
     names = ([name] if isinstance(name, str) else list(name)) if name else None
+    loras = lora_requests(getattr(args, "lora_modules", None))
+    for lora in loras:  # loaded on every stage before the first request
+        await engine.add_lora(lora)
     app = build_app(
         engine,
         names,
@@ -533,6 +545,7 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
         batch_max_concurrency=getattr(args, "batch_max_concurrency", None),
         return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
         response_role=getattr(args, "response_role", "assistant"),
+        lora_requests=loras,
     )
     config = uvicorn.Config(
         app,

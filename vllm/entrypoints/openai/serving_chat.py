@@ -220,7 +220,9 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         engine_input = {"prompt": prompt, "prompt_token_ids": token_ids}
         self.log_inputs(request_id, engine_input, params)
-        generator = self.engine.generate(engine_input, params, request_id)
+        generator = self.engine.generate(
+            engine_input, params, request_id, lora_request=self.lora_request(request.model)
+        )
         firsts, error = await start_all(raw_request, [generator], self.prompt_limit, "messages")
         if error is not None:
             return error

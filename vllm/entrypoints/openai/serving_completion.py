@@ -139,7 +139,8 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, engine_input in enumerate(inputs):
             self.log_inputs(f"{request_id}-{i}", engine_input, params)
         generators = [
-            self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(inputs)
+            self.engine.generate(p, params, f"{request_id}-{i}", self.lora_request(request.model))
+            for i, p in enumerate(inputs)
         ]
 
         firsts, error = await start_all(raw_request, generators, self.prompt_limit)

@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextvars import ContextVar
 from http import HTTPStatus
 from typing import Any, Optional
 
@@ -17,9 +18,13 @@ from fastapi.responses import JSONResponse
 from vllm.engine.async_llm_engine import AsyncLLMEngine
 from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
 from vllm.entrypoints.openai.protocol import ErrorResponse, ModelCard, ModelList, ParameterError
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
+# The served LoRA adapter a request named (set by check_model, in the request's own task):
+# its responses carry the adapter's name as their `model`.
+_REQUEST_ADAPTER: ContextVar[Optional[str]] = ContextVar("request_adapter", default=None)
 _PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {"max_completion_tokens", "messages"}
 # Engine messages that do not start with the parameter's name.
 _MESSAGE_PARAMS = [
@@ -91,7 +96,7 @@ class OpenAIServing:
 
     Takes vLLM 0.5's constructor, `(engine, model_config, served_model_names, *,
     lora_modules, prompt_adapters, request_logger, return_tokens_as_token_ids)`, as well as
-    the shorter `(engine, served_model_names, work=...)` this server uses."""
+    the shorter `(engine, served_model_names, work=..., lora_requests=...)` this server uses."""
 
     def __init__(
         self,
@@ -104,17 +109,24 @@ class OpenAIServing:
         prompt_adapters: Optional[list[Any]] = None,
         request_logger: Any = None,
         return_tokens_as_token_ids: bool = False,
+        lora_requests: Optional[list[LoRARequest]] = None,
     ) -> None:
         if isinstance(model_config, (list, tuple)):  # (engine, served_model_names, ...)
             model_config, served_model_names = None, list(model_config)
-        for name, value in (("lora_modules", lora_modules), ("prompt_adapters", prompt_adapters)):
-            if value:
-                raise ValueError(f"{name} are not supported by this server.")
+        if prompt_adapters:
+            raise ValueError("prompt_adapters are not supported by this server.")
+        # vLLM 0.5's LoRAModulePath(name, path) entries become requests numbered from 1.
+        lora_requests = list(lora_requests or []) + [
+            LoRARequest(module.name, i, module.path)
+            for i, module in enumerate(lora_modules or [], start=len(lora_requests or []) + 1)
+        ]
         self.engine = engine
         self.model_config = model_config or engine.engine.model_config
         self.served_model_names = served_model_names or [engine.engine.served_model_name]
         self.request_logger = request_logger
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        # --lora-modules: adapter name -> its request (the request's `model` picks it).
+        self.loras = {r.lora_name: r for r in lora_requests or []}
         self.max_model_len = engine.engine.scheduler_config.max_model_len
         # Longer prompts are ignored by the scheduler; the server refuses them with a 400.
         self.prompt_limit = engine.engine.scheduler.prompt_limit
@@ -176,6 +188,14 @@ class OpenAIServing:
                 ModelCard(id=name, root=root, max_model_len=self.max_model_len)
                 for name in self.served_model_names
             ]
+            + [
+                ModelCard(
+                    id=lora.lora_name,
+                    root=lora.lora_path,
+                    parent=lora.base_model_name or self.served_model_names[0],
+                )
+                for lora in self.loras.values()
+            ]
         )
 
     async def show_available_models(self) -> ModelList:
@@ -183,8 +203,10 @@ class OpenAIServing:
         return self.show_models()
 
     def check_model(self, model: Optional[str]) -> Optional[JSONResponse]:
-        """None if the request's model is served (or not given), else a 404 body."""
-        if model is None or model in self.served_model_names:
+        """None if the request's model is served (or not given), else a 404 body. A served
+        adapter's name is remembered for the request's responses (`model_name`)."""
+        _REQUEST_ADAPTER.set(model if model in self.loras else None)
+        if model is None or model in self.served_model_names or model in self.loras:
             return None
         return error_response(
             f"The model `{model}` does not exist.",
@@ -193,9 +215,14 @@ class OpenAIServing:
             param="model",
         )
 
+    def lora_request(self, model: Optional[str]) -> Optional[LoRARequest]:
+        """The adapter a request's `model` names (None: the base model)."""
+        return self.loras.get(model) if model else None
+
     @property
     def model_name(self) -> str:
-        return self.served_model_names[0]
+        """The `model` of this request's responses: the adapter it named, else the base."""
+        return _REQUEST_ADAPTER.get() or self.served_model_names[0]
 
 
 async def first_output(
