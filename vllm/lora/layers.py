@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.distributed import tensor_parallel as tpu
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     ParallelLinearBase,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from vllm.distributed import tensor_parallel as tpu
 
 
 class LoRAContext:
