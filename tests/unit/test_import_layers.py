@@ -2,10 +2,11 @@
 
 From the bottom: shared helpers and torch-free tables; the request records; the config; the
 distributed layer; the model code, the scheduler, the grammar engine and the LoRA layers; the
-worker; the executors; the engine; the entry points; the Ray Data batch layer and the CLI on top. A module
-imports only from its own layer or below (a `TYPE_CHECKING` import included: a type that points
-up is a dependency that points up), and no two modules import each other at run time, through
-any chain (a cycle makes the import order matter and hides which piece owns what).
+worker; the executors; the engine; the entry points; the Ray Data batch layer and the CLI on
+top. A module imports only from its own layer or below (a `TYPE_CHECKING` import included: a
+type that points up is a dependency that points up), and no two modules import each other at
+run time, through any chain (a cycle makes the import order matter and hides which piece owns
+what).
 """
 
 from __future__ import annotations
