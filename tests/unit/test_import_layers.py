@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     (
         "vllm.structured_output.params",
+        "vllm.structured_output.lark_to_ebnf",
         "vllm.sampling_params",
         "vllm.inputs",
         "vllm.sequence",
