@@ -53,7 +53,7 @@ def test_constructs():
         's: "a" -> alias | "b"': '"a" | "b"',
         r"s: /\d+\.?(?:e|E)./": r'([0-9] + "." ? ( "e" | "E" ) [^\n])',
         # Python quoting and escapes in, JSON's out.
-        r"s: 'it\'s \"q\"'": json.dumps("it's \"q\""),
+        r"s: 'it\'s \"q\"'": json.dumps('it\'s "q"'),
     }
     for lark, body in cases.items():
         assert convert_lark_to_ebnf(lark).splitlines()[1] == f"s ::= {body}", lark
