@@ -63,7 +63,7 @@ def _assert_close(a, b) -> None:
 
 
 def test_sampling_same_at_pp2(ray_session, tiny_model_dirs, monkeypatch):
-    from test_sampling import keep_engine_cumulative_logprob
+    from tests.models.test_sampling import keep_engine_cumulative_logprob
 
     keep_engine_cumulative_logprob(monkeypatch)
     path = tiny_model_dirs[KIND]

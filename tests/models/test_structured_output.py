@@ -286,7 +286,7 @@ def test_pp2_ray_same_outputs_and_survives_a_stage_kill(reference, ray_session, 
     """PP=2 on Ray: the same outputs as PP=1; then the last stage (which holds the matchers)
     is killed mid-generation, replaced, and rebuilds the matchers from the committed tokens:
     outputs still valid and equal to the fault-free run."""
-    from test_fault_tolerance import after_steps, kill_stage
+    from tests.distributed.test_fault_tolerance import after_steps, kill_stage
 
     llm = LLM(
         tiny_model_dirs[KIND],
