@@ -1,12 +1,17 @@
 """The per-step cost of structured outputs: decode tokens/s with and without a JSON schema on
 the same workload (same prompts, batch and token count), plus the mask's own cost per row.
 
-    python -m benchmarks.structured_output [--model smollm2] [--batch 8] [--max-tokens 64] [-pp 1]
+    python -m benchmarks.structured_output [--model smollm2] [--batch 8] [--max-tokens 64]
+        [--rounds 3] [-pp 1]
 
 The constrained run uses a schema whose output cannot end early (exactly 200 objects with
 bounded fields, no whitespace), so both runs generate the same number of tokens (the
-unconstrained run uses `ignore_eos` for the same reason). Each configuration is run twice and the
-second run is reported (the first warms up and compiles the grammar). The mask's own cost is
+unconstrained run uses `ignore_eos` for the same reason). Each configuration is warmed up once
+(which compiles the grammar), then the two alternate for `--rounds` rounds, so load from other
+processes on a shared machine falls on both alike; the median run of each is reported, with the
+ratio of the medians and the median of the per-round ratios. At PP=1 the engine runs in this
+process, so its CPU time is reported too: tokens per CPU second are less sensitive to other
+processes than wall time. The mask's own cost is
 measured by replaying the constrained outputs' tokens through fresh matchers: the mean time to
 fill one row's bitmask at each position, plus applying it to the logits.
 """
@@ -14,7 +19,9 @@ fill one row's bitmask at each position, plus applying it to the logits.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from typing import NamedTuple
 
 SCHEMA = {
     "type": "array",
@@ -35,12 +42,19 @@ SCHEMA = {
 PROMPT = "List the users of the system as JSON:"
 
 
-def run(llm, params, batch: int) -> tuple[int, float, list]:
-    """(tokens generated, seconds, outputs) of one batch."""
-    start = time.perf_counter()
+class Run(NamedTuple):
+    tokens: int
+    seconds: float
+    cpu_seconds: float
+    outputs: list
+
+
+def run(llm, params, batch: int) -> Run:
+    """Tokens generated, wall and CPU seconds (this process) and outputs of one batch."""
+    start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate([f"{PROMPT} #{i}" for i in range(batch)], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outputs), elapsed, outputs
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return Run(sum(len(o.outputs[0].token_ids) for o in outputs), elapsed, cpu, outputs)
 
 
 def mask_cost(llm, outputs) -> float:
@@ -78,6 +92,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     args = parser.parse_args()
 
@@ -88,18 +103,39 @@ def main() -> None:
     plain = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     constrained = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=so)
-    results = {}
-    for name, params in (("no schema", plain), ("json schema", constrained)):
-        run(llm, params, args.batch)
-        results[name] = run(llm, params, args.batch)
+    configs = (("no schema", plain), ("json schema", constrained))
+    for _, params in configs:
+        run(llm, params, args.batch)  # warm-up (and the grammar's compile)
+    runs: dict[str, list[Run]] = {name: [] for name, _ in configs}
+    for _ in range(args.rounds):
+        for name, params in configs:
+            runs[name].append(run(llm, params, args.batch))
     print(f"model={args.model} batch={args.batch} max_tokens={args.max_tokens} "
-          f"pp={args.pipeline_parallel_size}")  # fmt: skip
-    for name, (tokens, seconds, _) in results.items():
-        print(f"{name:12s} {tokens:6d} tokens in {seconds:7.2f} s: {tokens / seconds:8.1f} tok/s")
-    base = results["no schema"][0] / results["no schema"][1]
-    with_schema = results["json schema"][0] / results["json schema"][1]
-    print(f"json schema / no schema: {with_schema / base:.3f}")
-    print(f"mask fill + apply: {mask_cost(llm, results['json schema'][2]) * 1e6:.1f} us per row")
+          f"pp={args.pipeline_parallel_size} rounds={args.rounds}")  # fmt: skip
+    median: dict[str, float] = {}
+    for name, results in runs.items():
+        rates = [r.tokens / r.seconds for r in results]
+        median[name] = statistics.median(rates)
+        line = (f"{name:12s} {results[0].tokens:6d} tokens/run: median {median[name]:7.1f} "
+                f"tok/s (runs: {', '.join(f'{x:.1f}' for x in rates)})")  # fmt: skip
+        if args.pipeline_parallel_size == 1:
+            cpu = statistics.median(r.tokens / r.cpu_seconds for r in results)
+            line += f"; {cpu:.1f} tok per CPU s"
+        print(line)
+    pairs = [
+        (s.tokens / s.seconds) / (p.tokens / p.seconds)
+        for p, s in zip(runs["no schema"], runs["json schema"])
+    ]
+    print(f"json schema / no schema: {median['json schema'] / median['no schema']:.3f} "
+          f"(median of per-round ratios {statistics.median(pairs):.3f})")  # fmt: skip
+    if args.pipeline_parallel_size == 1:
+        cpu_ratio = statistics.median(
+            (p.cpu_seconds / p.tokens) / (s.cpu_seconds / s.tokens)
+            for p, s in zip(runs["no schema"], runs["json schema"])
+        )
+        print(f"json schema / no schema, per CPU second: {cpu_ratio:.3f}")
+    mask = mask_cost(llm, runs["json schema"][-1].outputs)
+    print(f"mask fill + apply: {mask * 1e6:.1f} us per row")
     llm.shutdown()
 
 

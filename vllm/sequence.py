@@ -107,6 +107,11 @@ class SequenceData:
     eos_token_id: int | None = None
     _num_computed_tokens: int = 0
     _stage: SequenceStage = SequenceStage.PREFILL
+    # The sample's index within its request (0 for the first; a fork made from the k-th
+    # extra draw of the first step gets k + 1): a seeded sample draws from the stream of
+    # seed + index, as vLLM's parallel sampling, so its tokens never depend on which of its
+    # siblings are still running (see sampling_metadata.sample_seed).
+    sample_index: int = 0
 
     def get_num_computed_tokens(self) -> int:
         return self._num_computed_tokens
@@ -248,6 +253,7 @@ class Sequence:
             self.data.eos_token_id,
             self.data._num_computed_tokens,
             self.data._stage,
+            self.data.sample_index,
         )
         new_seq.output_logprobs = list(self.output_logprobs)
         new_seq.tokens = None if self.tokens is None else list(self.tokens)

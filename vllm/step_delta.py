@@ -263,7 +263,7 @@ class StageRequestState:
             # appends tokens to its data independently of the engine.
             data = SequenceData(
                 list(src.prompt_token_ids), list(src.output_token_ids), src.cumulative_logprob,
-                src.eos_token_id, src.get_num_computed_tokens(), src.stage,
+                src.eos_token_id, src.get_num_computed_tokens(), src.stage, src.sample_index,
             )  # fmt: skip
         else:
             data = held.seqs.get(delta.seq_id)  # type: ignore[assignment]

@@ -14,57 +14,11 @@ import openai
 import pytest
 
 from tests.utils.server_utils import ServerThread
+from tests.utils.tool_cases import HERMES_TEMPLATE, NO_WS, SCHEMAS, TOOLS, USER
 from vllm import AsyncEngineArgs, AsyncLLMEngine
 
 KIND = "llama-gqa-untied"
 MODEL = "tiny"
-# A tiny random model never stops emitting whitespace where JSON allows any: ask for none.
-NO_WS = {"structured_outputs": {"disable_any_whitespace": True}}
-USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 8},
-                "unit": {"enum": ["c", "f"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS = [WEATHER, TIME]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-# A Hermes-style template (the tiny model's own has no tools): tools in the system turn,
-# assistant tool calls as <tool_call> blocks, tool results as <tool_response>.
-HERMES_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n"
-    "{% endfor %}<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
-    "</tool_response><|im_end|>\n"
-    "{%- elif m.tool_calls %}<|im_start|>assistant\n{% for c in m.tool_calls %}<tool_call>\n"
-    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n'
-    "</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 CITY = "[A-Z][a-z]{1,6}"
 HERMES_CALL = (
     r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "' + CITY + r'", "unit": '
@@ -180,11 +134,29 @@ def test_guided_regex_choice_json_on_completions(client):
     jsonschema.validate(_parse(out.choices[0].text), schema)
 
 
+def test_guided_grammar_in_lark_form(client):
+    """vLLM's `guided_grammar` takes Lark as well as EBNF: the output parses under the
+    grammar with Lark itself."""
+    import lark
+
+    grammar = 'start: WORD (" " WORD)~0..2 "."\nWORD: /[a-z]{1,5}/'
+    out = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=30, temperature=0.7, seed=1, n=2,
+        extra_body={"guided_grammar": grammar},
+    )  # fmt: skip
+    parser = lark.Lark(grammar)
+    for choice in out.choices:
+        assert choice.finish_reason == "stop", choice.text
+        parser.parse(choice.text)
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
         ({"guided_regex": "(ab"}, "guided_regex"),
         ({"guided_json": {"type": 7}}, "guided_json"),
+        ({"guided_grammar": "neither ebnf nor lark"}, "guided_grammar"),
+        ({"guided_grammar": "start: missing"}, "guided_grammar"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         (
             {

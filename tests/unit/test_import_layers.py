@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
         "vllm.structured_output.params",
         "vllm.lora.request",
         "vllm.lora.peft_config",
+        "vllm.structured_output.lark_to_ebnf",
         "vllm.sampling_params",
         "vllm.inputs",
         "vllm.sequence",

@@ -114,9 +114,12 @@ class OutputProcessor:
             samples = by_parent.get(parent.seq_id)
             if not samples:
                 raise RuntimeError(f"no sample for running sequence {parent.seq_id}")
-            # Extra samples (best_of on the first step) become forks of the parent.
-            for sample in samples[:-1]:
+            # Extra samples (best_of on the first step) become forks of the parent; the
+            # fork from the j-th draw is sample parent + 1 + j (the sampler drew it from that
+            # sample's seeded stream: sampler.draw_sample_indices).
+            for j, sample in enumerate(samples[:-1]):
                 child = parent.fork(self.new_seq_id())
+                child.data.sample_index = parent.data.sample_index + 1 + j
                 self.append_token(child, sample, params)
                 children.append((child, parent))
             self.append_token(parent, samples[-1], params)

@@ -24,6 +24,8 @@ class SeqGroupRows:
     is_prompt: bool
     rows: list[int]
     seq_data: dict[int, SequenceData]
+    # The request's seeded generator (None unless it has a seed); each draw re-seeds it with
+    # sample_seed(seed, sample index, step).
     generator: torch.Generator | None
     # The request's very first step (a prompt run before any token exists): best_of samples
     # are drawn and prompt logprobs computed only then, never again after a recompute.
@@ -35,6 +37,10 @@ class SeqGroupRows:
     # logprobs of its chunk (prompt_start is the chunk's first position).
     want_prompt_logprobs: bool = False
     prompt_start: int = 0
+    # Per row: the sample index of its sequence (SequenceData.sample_index).
+    sample_indices: list[int] = field(default_factory=list)
+    # Output tokens each sequence has so far (the group's samples advance in lockstep).
+    step: int = 0
 
 
 @dataclass
@@ -59,6 +65,15 @@ def step_seed(seed: int, step: int) -> int:
     return (x ^ (x >> 29)) & ((1 << 63) - 1)
 
 
+def sample_seed(seed: int, sample_index: int, step: int) -> int:
+    """The generator seed of sample `sample_index` of a seeded request at output position
+    `step`. Sample k draws as a request seeded `seed + k` (vLLM's parallel sampling gives
+    its k-th child that seed), from a stream of its own: its tokens depend neither on its
+    row in the batch nor on which of its siblings are still running -- a finished sibling
+    that is still in a step scheduled ahead (the asynchronous pipeline) changes nothing."""
+    return step_seed(seed + sample_index, step)
+
+
 def build_sampling_metadata(
     metadata_list: list[SequenceGroupMetadata],
     generators: dict[str, torch.Generator],
@@ -66,10 +81,11 @@ def build_sampling_metadata(
 ) -> SamplingMetadata:
     """Map groups to rows. Layout matches the model runner: prefills first, then decodes.
 
-    `generators` holds one seeded generator per request, re-seeded at every step from
-    (seed, number of tokens generated so far): a request's draws depend only on its own seed
-    and position, so a step that is recomputed (after preemption, an interrupt, or the loss of
-    a stage with its generators) draws exactly what the first attempt drew.
+    `generators` holds one seeded generator per request, re-seeded at every draw from
+    (seed, sample index, number of tokens generated so far): a sample's draws depend only on
+    its own seed, index and position, so a step that is recomputed (after preemption, an
+    interrupt, or the loss of a stage with its generators) draws exactly what the first
+    attempt drew.
     """
     prefills = [m for m in metadata_list if m.is_prompt]
     decodes = [m for m in metadata_list if not m.is_prompt]
@@ -85,10 +101,10 @@ def build_sampling_metadata(
             if gen is None:
                 gen = torch.Generator(device=device)
                 generators[meta.request_id] = gen
-            # The group's sequences advance in lockstep, so any one's length is the step.
-            step = meta.seq_data[seq_ids[0]].get_output_len()
-            gen.manual_seed(step_seed(params.seed, step))
+        # The group's sequences advance in lockstep, so any one's length is the step.
+        step = meta.seq_data[seq_ids[0]].get_output_len()
         rows: list[int] = []
+        sample_indices: list[int] = []
         prompt_rows: list[int] = []
         prompt_start = 0
         # The request's first prefill (no token generated yet); it samples best_of tokens
@@ -116,10 +132,12 @@ def build_sampling_metadata(
                 offset += length
                 if meta.do_sample:
                     rows.append(len(selected))
+                    sample_indices.append(data.sample_index)
                     selected.append(offset - 1)
         else:
-            for _ in seq_ids:
+            for seq_id in seq_ids:
                 rows.append(len(selected))
+                sample_indices.append(meta.seq_data[seq_id].sample_index)
                 selected.append(offset)
                 offset += 1
         groups.append(
@@ -135,6 +153,8 @@ def build_sampling_metadata(
                 prompt_rows,
                 want_prompt_logprobs,
                 prompt_start,
+                sample_indices,
+                step,
             )
         )
     # Put groups back in the scheduler's order: outputs are matched to groups positionally.

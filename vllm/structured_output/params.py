@@ -11,6 +11,8 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
+from vllm.structured_output.lark_to_ebnf import convert_lark_to_ebnf, grammar_is_likely_lark
+
 # The constraint fields, in vLLM's order; exactly one of them is set.
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -170,6 +172,20 @@ def _choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(_json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def _ebnf(grammar: str) -> str:
+    """The grammar as xgrammar's EBNF: a Lark grammar is rewritten (vLLM accepts either)."""
+    if not grammar_is_likely_lark(grammar):
+        return grammar
+    try:
+        return convert_lark_to_ebnf(grammar)
+    except ValueError as exc:
+        # vLLM's wording, with the reason: neither EBNF (no `::=`) nor convertible Lark.
+        raise ValueError(
+            f"Invalid grammar for structured outputs: failed to convert the grammar from Lark "
+            f"to EBNF ({exc}). A grammar is EBNF (GBNF, `rule ::= ...`) or Lark (`rule: ...`)."
+        ) from None
+
+
 def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
     """Reduce a request's constraint to the one spec the compiler takes (choice becomes an
     EBNF alternative of literals, as in vLLM's xgrammar backend)."""
@@ -183,7 +199,7 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
     if params.choice is not None:
         return GrammarSpec("grammar", _choice_grammar(params.choice))
     if params.grammar is not None:
-        return GrammarSpec("grammar", params.grammar)
+        return GrammarSpec("grammar", _ebnf(params.grammar))
     if params.structural_tag is not None:
         return GrammarSpec("structural_tag", params.structural_tag)
     raise ValueError("structured_outputs has no constraint")

@@ -11,6 +11,8 @@ logprobs (or beam search).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from vllm import _custom_ops as ops
@@ -28,7 +30,7 @@ from vllm.model_executor.layers.sampler_ops import (
     apply_temperature_and_filters,
     apply_token_constraints,
 )
-from vllm.model_executor.sampling_metadata import SamplingMetadata, SeqGroupRows
+from vllm.model_executor.sampling_metadata import SamplingMetadata, SeqGroupRows, sample_seed
 from vllm.request_failure import describe
 from vllm.sampling_params import SamplingType
 from vllm.sequence import SamplerOutput, SequenceGroupOutput, SequenceOutput
@@ -60,18 +62,37 @@ def _beam_candidates(logprobs: StepLogprobs, group: SeqGroupRows, vocab: int) ->
     return draws
 
 
-def _draw_plan(groups: list[SeqGroupRows]) -> list[tuple[list[int], list[int], SeqGroupRows]]:
-    """(rows, parent seq ids, group) per random group, one entry per draw: on its first step
-    a group draws best_of samples from its single prompt row."""
+class DrawPlan(NamedTuple):
+    """A random group's draws: per draw, its logits row, the seq it extends and the index of
+    the sample it becomes."""
+
+    rows: list[int]
+    parents: list[int]
+    sample_indices: list[int]
+    group: SeqGroupRows
+
+
+def draw_sample_indices(parent_index: int, repeat: int) -> list[int]:
+    """The sample indices of `repeat` draws from one sequence: the parent continues with the
+    last draw (output_processor forks the others), and the fork from draw j is sample
+    parent + 1 + j."""
+    return [parent_index + 1 + j for j in range(repeat - 1)] + [parent_index]
+
+
+def _draw_plan(groups: list[SeqGroupRows]) -> list[DrawPlan]:
+    """One DrawPlan per random group: on its first step a group draws best_of samples from
+    its single prompt row."""
     plan = []
     for group in groups:
         repeat = group.params.best_of if group.first_step else 1
         rows: list[int] = []
         parents: list[int] = []
-        for seq_id, row in zip(group.seq_ids, group.rows):
+        indices: list[int] = []
+        for seq_id, row, index in zip(group.seq_ids, group.rows, group.sample_indices):
             rows.extend([row] * repeat)
             parents.extend([seq_id] * repeat)
-        plan.append((rows, parents, group))
+            indices.extend(draw_sample_indices(index, repeat))
+        plan.append(DrawPlan(rows, parents, indices, group))
     return plan
 
 
@@ -87,21 +108,27 @@ def _inverse_cdf_draws(logits: torch.Tensor, rows: list[int]) -> list[int]:
     return picked.tolist()
 
 
-def _seeded_draws(logits: torch.Tensor, rows: list[int], group: SeqGroupRows) -> list[int]:
+def _seeded_draws(logits: torch.Tensor, draw: DrawPlan) -> list[int]:
     """A seeded group's draws by vLLM's exponential race: argmax of p / q with q ~ Exp(1) per
     token. A token only changes when two ratios nearly tie, so the draw survives the ~1e-6
     logit noise between prefill (recompute) and decode, or between stage thread counts --
     inverse-CDF sampling would not: fp32 cumsum error is as wide as a token in a flat
-    distribution. The group draws its q rows from its own generator in one call, so its tokens
-    depend neither on the rest of the batch nor on the number of stages. q = -log(u) costs ~5x
-    less than torch's exponential_ on CPU."""
+    distribution. Each sample draws its q row from its own seeded stream (sample_seed), so its
+    tokens depend neither on the rest of the batch, nor on its siblings, nor on the number of
+    stages. q = -log(u) costs ~5x less than torch's exponential_ on CPU."""
+    group = draw.group
+    gen = group.generator
+    assert gen is not None
     device = logits.device
-    probs = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=device))
-    probs = probs.softmax(dim=-1)
-    # u in [0, 1): -log(u) is in (0, inf], so q is never 0 and p / q never NaN (a filtered
-    # token has p = 0 and can never win).
-    q = torch.rand(probs.shape, generator=group.generator, device=device).log_().neg_()
-    return probs.div_(q).argmax(dim=-1).tolist()
+    probs = logits.index_select(0, torch.tensor(draw.rows, dtype=torch.long, device=device))
+    probs = probs.softmax(dim=-1)  # [D, vocab]
+    q = torch.empty_like(probs)  # [D, vocab]
+    for i, index in enumerate(draw.sample_indices):
+        gen.manual_seed(sample_seed(group.params.seed or 0, index, group.step))
+        # u in [0, 1): -log(u) is in (0, inf], so q is never 0 and p / q never NaN (a
+        # filtered token has p = 0 and can never win).
+        q[i] = torch.rand(probs.shape[1], generator=gen, device=device)
+    return probs.div_(q.log_().neg_()).argmax(dim=-1).tolist()
 
 
 class Sampler:
@@ -135,7 +162,7 @@ class Sampler:
         plan = _draw_plan(random_groups)
         # Unseeded requests promise no reproducibility, so they take inverse-CDF sampling:
         # one uniform per draw instead of one per vocabulary entry.
-        unseeded_rows = [r for rows, _, g in plan if g.generator is None for r in rows]
+        unseeded_rows = [r for d in plan if d.group.generator is None for r in d.rows]
 
         # Per-row passes over the vocabulary: argmax, logsumexp and the unseeded draws, in one
         # C++ call on CPU (~10x less than torch's softmax + cumsum), else in torch.
@@ -164,17 +191,18 @@ class Sampler:
             except Exception as exc:
                 failed[group.request_id] = describe(exc, "beam search")
         next_drawn = 0
-        for rows, parents, group in plan:
+        for draw in plan:
+            group = draw.group
             if group.generator is None:
-                tokens = drawn[next_drawn : next_drawn + len(rows)]
-                next_drawn += len(rows)
+                tokens = drawn[next_drawn : next_drawn + len(draw.rows)]
+                next_drawn += len(draw.rows)
             else:
                 try:
-                    tokens = _seeded_draws(logits, rows, group)
+                    tokens = _seeded_draws(logits, draw)
                 except Exception as exc:
                     failed[group.request_id] = describe(exc, "the seeded draw")
                     continue
-            draws[id(group)] = list(zip(rows, parents, tokens))
+            draws[id(group)] = list(zip(draw.rows, draw.parents, tokens))
         for group in md.groups:
             if group.request_id in failed:
                 # Token 0 in place of a sample, so a decode scheduled ahead finds one.
