@@ -1,0 +1,298 @@
+// Weight-only quantized matmul on GGUF blocks: y[T, N] = x[T, K] @ W^T with W [N, K] kept in
+// llama.cpp's block formats (the bytes of the .gguf file, row by row), x and y float32 or
+// bfloat16. Q4_0, Q4_1 and Q8_0: blocks of 32 weights sharing an fp16 scale d (and, Q4_1, an
+// fp16 minimum m):
+//   Q4_0 (18 bytes): d, 16 bytes of nibbles       w = d * (q - 8)
+//   Q4_1 (20 bytes): d, m, 16 bytes of nibbles    w = d * q + m
+//   Q8_0 (34 bytes): d, 32 int8                   w = d * q
+// where weight j < 16 of a 4-bit block is the low nibble of byte j, weight j >= 16 the high
+// nibble of byte j - 16.
+//
+// At decode (a few tokens per step) the matmul is bound by the bytes of weights it reads: each
+// weight row is read from memory once per step, its blocks widened to fp32 in registers and
+// multiplied with every token of the step (a tile of up to 4 tokens at a time, the row tile
+// staying in L1 between token tiles). Each (row, token) pair accumulates in one vector: 8 rows x
+// 1 token, 4 x 2 or 2 x 4, so 8 independent FMA chains hide the FMA latency. Rows are split
+// over threads (at::parallel_for). The order of the sum: lane l of the accumulator adds the
+// products of weights l, l + W, l + 2W, ... in order, then the lanes are added (cpu_simd.h's
+// reduce_add), and every weight is d * q (+ m) as an FMA: the results are within fp32
+// summation error of the dequantized weights' dot product (tests/test_gguf_quant.py).
+//
+// For many tokens (prefill), gguf_dequantize expands the rows to a dense fp32/bf16 matrix for
+// the GEMM instead; vllm/model_executor/layers/quantization/gguf.py picks by token count.
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_isa.h"
+#include "cpu_simd.h"
+#include "ops.h"
+
+namespace vllm_pp {
+namespace {
+
+// ggml's type ids (ggml.h: GGML_TYPE_*).
+constexpr int64_t kQ4_0 = 2;
+constexpr int64_t kQ4_1 = 3;
+constexpr int64_t kQ8_0 = 8;
+constexpr int64_t kBlock = 32;  // weights per block, all three types
+
+constexpr int64_t block_bytes(int64_t type) {
+  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 34;
+}
+
+// Byte vectors of W lanes (vector_size needs a constant, hence one specialization per width).
+template <int W>
+struct Bytes;
+template <>
+struct Bytes<4> {
+  typedef uint8_t u8 __attribute__((vector_size(4)));
+  typedef int8_t i8 __attribute__((vector_size(4)));
+};
+template <>
+struct Bytes<8> {
+  typedef uint8_t u8 __attribute__((vector_size(8)));
+  typedef int8_t i8 __attribute__((vector_size(8)));
+};
+template <>
+struct Bytes<16> {
+  typedef uint8_t u8 __attribute__((vector_size(16)));
+  typedef int8_t i8 __attribute__((vector_size(16)));
+};
+
+// IEEE half -> float for finite values (a scale is never inf or NaN): the half's exponent and
+// mantissa moved into a float's fields, then scaled by 2^(127 - 15) = 2^112, which is exact and
+// also covers subnormal halves. A few integer ops, no F16C needed.
+VLLM_PP_INLINE float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t magnitude = static_cast<uint32_t>(h & 0x7fff) << 13;
+  float f;
+  std::memcpy(&f, &magnitude, 4);
+  f *= 0x1p112f;
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits |= static_cast<uint32_t>(h & 0x8000) << 16;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// One block's 32 weights as 32 / W fp32 vectors.
+template <int W, int64_t Type>
+struct Block {
+  using S = simd::Simd<W>;
+  using f32 = typename S::f32;
+  using u8 = typename Bytes<W>::u8;
+  using i8 = typename Bytes<W>::i8;
+  using i32 = typename S::i32;
+  static constexpr int kVecs = kBlock / W;
+
+  static VLLM_PP_INLINE void decode(const uint8_t* blk, f32 (&w)[kVecs]) {
+    const f32 d = S::splat(half_to_float(blk));
+    if constexpr (Type == kQ8_0) {
+      for (int v = 0; v < kVecs; ++v) {
+        i8 q;
+        std::memcpy(&q, blk + 2 + v * W, W);
+        w[v] = __builtin_convertvector(__builtin_convertvector(q, i32), f32) * d;
+      }
+    } else {
+      const uint8_t* qs = blk + (Type == kQ4_1 ? 4 : 2);
+      [[maybe_unused]] const f32 m = S::splat(Type == kQ4_1 ? half_to_float(blk + 2) : 0.0f);
+      for (int v = 0; v < kVecs; ++v) {
+        u8 q;
+        std::memcpy(&q, qs + (v * W) % 16, W);
+        q = v * W < 16 ? (q & 15) : (q >> 4);
+        // Through int32: GCC scalarises a direct byte -> float conversion.
+        const f32 f = __builtin_convertvector(__builtin_convertvector(q, i32), f32);
+        if constexpr (Type == kQ4_1) {
+          w[v] = f * d + m;
+        } else {
+          w[v] = (f - 8.0f) * d;  // q - 8 is exact in fp32
+        }
+      }
+    }
+  }
+};
+
+struct LinearArgs {
+  void* out;         // [T, N], row stride out_stride
+  const void* x;     // [T, K], row stride x_stride
+  const uint8_t* w;  // [N, row_bytes]
+  int64_t tokens, n, k, row_bytes, x_stride, out_stride;
+};
+
+template <int W, int64_t Type, typename scalar_t>
+struct Tile {
+  using S = simd::Simd<W>;
+  using f32 = typename S::f32;
+  using B = Block<W, Type>;
+  static constexpr int64_t kBytes = block_bytes(Type);
+
+  // Rows [row, row + RT) x tokens [tok, tok + TT): each weight block is decoded once per tile
+  // and multiplied with the TT tokens' matching x.
+  template <int RT, int TT>
+  static VLLM_PP_INLINE void run(const LinearArgs& a, int64_t row, int64_t tok) {
+    const auto* x = static_cast<const scalar_t*>(a.x) + tok * a.x_stride;
+    const uint8_t* w = a.w + row * a.row_bytes;
+    f32 acc[RT][TT];
+    for (int r = 0; r < RT; ++r)
+      for (int t = 0; t < TT; ++t) acc[r][t] = f32{};
+    const int64_t blocks = a.k / kBlock;
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int r = 0; r < RT; ++r) {
+        typename S::f32 wv[B::kVecs];
+        B::decode(w + r * a.row_bytes + b * kBytes, wv);
+        for (int v = 0; v < B::kVecs; ++v)
+          for (int t = 0; t < TT; ++t)
+            acc[r][t] += wv[v] * S::load(x + t * a.x_stride + b * kBlock + v * W);
+      }
+    }
+    auto* out = static_cast<scalar_t*>(a.out);
+    for (int r = 0; r < RT; ++r)
+      for (int t = 0; t < TT; ++t)
+        out[(tok + t) * a.out_stride + row + r] = static_cast<scalar_t>(S::reduce_add(acc[r][t]));
+  }
+
+  // Rows [begin, end) for all tokens: tiles of RT rows (8 / TT), the remainder row by row.
+  template <int TT>
+  static VLLM_PP_INLINE void rows(const LinearArgs& a, int64_t begin, int64_t end, int64_t tok) {
+    constexpr int RT = 8 / TT;
+    int64_t row = begin;
+    for (; row + RT <= end; row += RT) run<RT, TT>(a, row, tok);
+    for (; row < end; ++row) run<1, TT>(a, row, tok);
+  }
+};
+
+template <int W>
+struct LinearKernel {
+  template <int64_t Type, typename scalar_t>
+  static VLLM_PP_INLINE void typed(const LinearArgs& a, int64_t begin, int64_t end) {
+    using T = Tile<W, Type, scalar_t>;
+    // Row chunks of 64 so a tile's weights stay in L1/L2 across the token tiles.
+    for (int64_t r0 = begin; r0 < end; r0 += 64) {
+      const int64_t r1 = std::min(end, r0 + 64);
+      int64_t tok = 0;
+      for (; tok + 4 <= a.tokens; tok += 4) T::template rows<4>(a, r0, r1, tok);
+      for (; tok + 2 <= a.tokens; tok += 2) T::template rows<2>(a, r0, r1, tok);
+      for (; tok < a.tokens; ++tok) T::template rows<1>(a, r0, r1, tok);
+    }
+  }
+
+  template <typename scalar_t>
+  static VLLM_PP_INLINE void run(const LinearArgs& a, int64_t type, int64_t begin, int64_t end,
+                                 scalar_t*) {
+    switch (type) {
+      case kQ4_0:
+        return typed<kQ4_0, scalar_t>(a, begin, end);
+      case kQ4_1:
+        return typed<kQ4_1, scalar_t>(a, begin, end);
+      default:
+        return typed<kQ8_0, scalar_t>(a, begin, end);
+    }
+  }
+
+  static VLLM_PP_INLINE void run(const LinearArgs* a, int64_t type, bool bf16, int64_t begin,
+                                 int64_t end) {
+    if (bf16) {
+      run(*a, type, begin, end, static_cast<c10::BFloat16*>(nullptr));
+    } else {
+      run(*a, type, begin, end, static_cast<float*>(nullptr));
+    }
+  }
+};
+
+template <int W>
+struct DequantKernel {
+  template <int64_t Type, typename scalar_t>
+  static VLLM_PP_INLINE void typed(scalar_t* out, const uint8_t* w, int64_t k, int64_t row_bytes,
+                                   int64_t begin, int64_t end) {
+    using S = simd::Simd<W>;
+    using B = Block<W, Type>;
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t b = 0; b < k / kBlock; ++b) {
+        typename S::f32 wv[B::kVecs];
+        B::decode(w + row * row_bytes + b * block_bytes(Type), wv);
+        for (int v = 0; v < B::kVecs; ++v) S::store(out + row * k + b * kBlock + v * W, wv[v]);
+      }
+    }
+  }
+
+  static VLLM_PP_INLINE void run(void* out, const uint8_t* w, int64_t type, bool bf16, int64_t k,
+                                 int64_t row_bytes, int64_t begin, int64_t end) {
+#define VLLM_PP_DEQUANT_CASE(TYPE)                                                         \
+  if (type == TYPE) {                                                                      \
+    if (bf16)                                                                              \
+      typed<TYPE>(static_cast<c10::BFloat16*>(out), w, k, row_bytes, begin, end);          \
+    else                                                                                   \
+      typed<TYPE>(static_cast<float*>(out), w, k, row_bytes, begin, end);                  \
+    return;                                                                                \
+  }
+    VLLM_PP_DEQUANT_CASE(kQ4_0)
+    VLLM_PP_DEQUANT_CASE(kQ4_1)
+    VLLM_PP_DEQUANT_CASE(kQ8_0)
+#undef VLLM_PP_DEQUANT_CASE
+  }
+};
+
+void check_blocks(const char* op, const at::Tensor& weight, int64_t type, int64_t k) {
+  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0, op, ": ggml type ", type,
+              " is not supported (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte, op,
+              ": weight must be a CPU uint8 tensor of GGUF blocks");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), op,
+              ": weight must be contiguous [N, row_bytes], got ", weight.sizes());
+  TORCH_CHECK(k > 0 && k % kBlock == 0, op, ": K (", k, ") must be a multiple of ", kBlock);
+  TORCH_CHECK(weight.size(1) == k / kBlock * block_bytes(type), op, ": weight rows hold ",
+              weight.size(1), " bytes, expected ", k / kBlock * block_bytes(type), " for K = ", k);
+}
+
+// Rows per task: enough weight bytes (>= 256 KiB) that a thread's share outweighs waking it.
+int64_t row_grain(int64_t row_bytes, int64_t tokens) {
+  return std::max<int64_t>(8, (int64_t{1} << 18) / std::max<int64_t>(1, row_bytes * tokens));
+}
+
+}  // namespace
+
+void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t type) {
+  constexpr const char* op = "gguf_linear";
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, op,
+              ": x must be a CPU [T, K] tensor with unit last stride");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
+  check_blocks(op, weight, type, x.size(1));
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.dim() == 2 && out.stride(1) == 1 &&
+                  out.size(0) == x.size(0) && out.size(1) == weight.size(0),
+              op, ": out must be [T, N] of x's dtype with unit last stride");
+  const LinearArgs args{out.data_ptr(), x.data_ptr(), weight.data_ptr<uint8_t>(),
+                        x.size(0),      weight.size(0), x.size(1),
+                        weight.size(1), x.stride(0),    out.stride(0)};
+  if (args.tokens == 0 || args.n == 0) return;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  auto fn = select_isa_kernel<LinearKernel, const LinearArgs*, int64_t, bool, int64_t, int64_t>();
+  at::parallel_for(0, args.n, row_grain(args.row_bytes, args.tokens),
+                   [&](int64_t begin, int64_t end) { fn(&args, type, bf16, begin, end); });
+}
+
+void gguf_dequantize(at::Tensor& out, const at::Tensor& weight, int64_t type) {
+  constexpr const char* op = "gguf_dequantize";
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, op,
+              ": out must be float32 or bfloat16");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == weight.size(0), op,
+              ": out must be contiguous [N, K]");
+  check_blocks(op, weight, type, out.size(1));
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  auto fn = select_isa_kernel<DequantKernel, void*, const uint8_t*, int64_t, bool, int64_t,
+                              int64_t, int64_t, int64_t>();
+  void* dst = out.data_ptr();
+  const uint8_t* src = weight.data_ptr<uint8_t>();
+  const int64_t k = out.size(1), row_bytes = weight.size(1);
+  at::parallel_for(0, weight.size(0), row_grain(row_bytes, 1), [&](int64_t begin, int64_t end) {
+    fn(dst, src, type, bf16, k, row_bytes, begin, end);
+  });
+}
+
+}  // namespace vllm_pp
