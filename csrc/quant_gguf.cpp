@@ -6,7 +6,8 @@
 //   Q4_1 (20 bytes): d, m, 16 bytes of nibbles    w = d * q + m
 //   Q8_0 (34 bytes): d, 32 int8                   w = d * q
 // where weight j < 16 of a 4-bit block is the low nibble of byte j, weight j >= 16 the high
-// nibble of byte j - 16.
+// nibble of byte j - 16. The kernels read each row with its bytes regrouped once at load
+// (`Layout` below): the scales of all its blocks first, so they widen a vector at a time.
 //
 // At decode (a few tokens per step) the matmul is bound by the bytes of weights it reads: each
 // weight row is read from memory once per step, its blocks widened to fp32 in registers and
@@ -45,71 +46,151 @@ constexpr int64_t block_bytes(int64_t type) {
   return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 34;
 }
 
-// Byte vectors of W lanes (vector_size needs a constant, hence one specialization per width).
+// W bytes widened to W fp32 lanes: signed (Q8_0), or the low / high nibbles of 16 bytes
+// (W = 8: of their first or second half). GCC 12 turns a byte -> int vector conversion written
+// with __builtin_convertvector into one scalar insert per lane, and intrinsics cannot be
+// inlined into these ISA-generic templates (their target attribute must be the caller's), so
+// the wide ISAs sign/zero-extend with one pmovsxbd / pmovzxbd in inline asm. These functions
+// are only ever inlined into their ISA's kernel (cpu_isa.h), where the asm is valid.
+typedef uint8_t Bytes16 __attribute__((vector_size(16)));
+typedef uint16_t Words8 __attribute__((vector_size(16)));
+
+VLLM_PP_INLINE Bytes16 nibbles16(const uint8_t* p, bool high) {
+  Bytes16 q;
+  std::memcpy(&q, p, 16);
+  if (high) q = (Bytes16)((Words8)q >> 4);
+  return q & 15;
+}
+
 template <int W>
-struct Bytes;
+struct Widen;
+
 template <>
-struct Bytes<4> {
-  typedef uint8_t u8 __attribute__((vector_size(4)));
-  typedef int8_t i8 __attribute__((vector_size(4)));
+struct Widen<4> {
+  using f32 = simd::Simd<4>::f32;
+  static VLLM_PP_INLINE f32 s8(const uint8_t* p) {
+    f32 v;
+    for (int i = 0; i < 4; ++i) v[i] = static_cast<int8_t>(p[i]);
+    return v;
+  }
+  // Lanes from byte `first` of the 16 (a multiple of 4).
+  static VLLM_PP_INLINE f32 nibbles(const uint8_t* p, int first, bool high) {
+    f32 v;
+    for (int i = 0; i < 4; ++i) v[i] = high ? p[first + i] >> 4 : p[first + i] & 15;
+    return v;
+  }
 };
+
+#if defined(__x86_64__)
 template <>
-struct Bytes<8> {
-  typedef uint8_t u8 __attribute__((vector_size(8)));
-  typedef int8_t i8 __attribute__((vector_size(8)));
+struct Widen<8> {
+  using f32 = simd::Simd<8>::f32;
+  using i32 = simd::Simd<8>::i32;
+  static VLLM_PP_INLINE f32 s8(const uint8_t* p) {
+    i32 v;
+    asm("vpmovsxbd %1, %0" : "=v"(v) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p)));
+    return __builtin_convertvector(v, f32);
+  }
+  static VLLM_PP_INLINE f32 nibbles(const uint8_t* p, int first, bool high) {
+    Bytes16 q = nibbles16(p, high);
+    if (first == 8) q = __builtin_shufflevector(q, q, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11,
+                                                12, 13, 14, 15);
+    i32 v;
+    asm("vpmovzxbd %1, %0" : "=v"(v) : "v"(q));
+    return __builtin_convertvector(v, f32);
+  }
 };
+
 template <>
-struct Bytes<16> {
-  typedef uint8_t u8 __attribute__((vector_size(16)));
-  typedef int8_t i8 __attribute__((vector_size(16)));
+struct Widen<16> {
+  using f32 = simd::Simd<16>::f32;
+  using i32 = simd::Simd<16>::i32;
+  static VLLM_PP_INLINE f32 s8(const uint8_t* p) {
+    i32 v;
+    asm("vpmovsxbd %1, %0" : "=v"(v) : "m"(*reinterpret_cast<const uint8_t(*)[16]>(p)));
+    return __builtin_convertvector(v, f32);
+  }
+  static VLLM_PP_INLINE f32 nibbles(const uint8_t* p, int, bool high) {
+    i32 v;
+    asm("vpmovzxbd %1, %0" : "=v"(v) : "v"(nibbles16(p, high)));
+    return __builtin_convertvector(v, f32);
+  }
 };
+#endif
 
 // IEEE half -> float for finite values (a scale is never inf or NaN): the half's exponent and
 // mantissa moved into a float's fields, then scaled by 2^(127 - 15) = 2^112, which is exact and
-// also covers subnormal halves. A few integer ops, no F16C needed.
-VLLM_PP_INLINE float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  const uint32_t magnitude = static_cast<uint32_t>(h & 0x7fff) << 13;
-  float f;
-  std::memcpy(&f, &magnitude, 4);
-  f *= 0x1p112f;
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  bits |= static_cast<uint32_t>(h & 0x8000) << 16;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+// also covers subnormal halves. Integer ops only (no F16C needed), W halves at a time.
+template <int W>
+struct Halves {
+  using S = simd::Simd<W>;
+  using f32 = typename S::f32;
+  using u32 = typename S::u32;
+  using u16 = typename S::u16;
 
-// One block's 32 weights as 32 / W fp32 vectors.
+  static VLLM_PP_INLINE f32 widen(u16 h16) {
+    const u32 h = __builtin_convertvector(h16, u32);
+    const f32 magnitude = (f32)((h & 0x7fffu) << 13) * 0x1p112f;
+    return (f32)((u32)magnitude | ((h & 0x8000u) << 16));
+  }
+
+  // out[i] = the half at p[2i] as a float, for i < n.
+  static VLLM_PP_INLINE void convert(const uint8_t* p, float* out, int64_t n) {
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      u16 h;
+      std::memcpy(&h, p + 2 * i, sizeof(h));
+      S::store(out + i, widen(h));
+    }
+    if (i < n) {
+      u16 h{};
+      std::memcpy(&h, p + 2 * i, 2 * (n - i));
+      float tail[W];
+      S::store(tail, widen(h));
+      std::copy(tail, tail + (n - i), out + i);
+    }
+  }
+};
+
+// The row layout the kernels read: the bytes of a GGUF row regrouped (repack_gguf_rows in
+// vllm/model_executor/layers/quantization/gguf.py does it once at load): first the fp16 scales
+// d of all its blocks, then (Q4_1) their minima m, then the blocks' quants one after the
+// other. Same bytes, so the same size; but the scales of a row are contiguous, and W of them
+// are widened to fp32 with a few vector ops instead of one block at a time.
+template <int64_t Type>
+struct Layout {
+  static constexpr int64_t kScaleBytes = Type == kQ4_1 ? 4 : 2;     // per block
+  static constexpr int64_t kQuantBytes = block_bytes(Type) - kScaleBytes;
+  static VLLM_PP_INLINE const uint8_t* mins(const uint8_t* row, int64_t blocks) {
+    return row + 2 * blocks;
+  }
+  static VLLM_PP_INLINE const uint8_t* quants(const uint8_t* row, int64_t blocks) {
+    return row + kScaleBytes * blocks;
+  }
+};
+
+// One block's 32 weights as 32 / W fp32 vectors, from its quants qs and its scale (and min).
 template <int W, int64_t Type>
 struct Block {
   using S = simd::Simd<W>;
   using f32 = typename S::f32;
-  using u8 = typename Bytes<W>::u8;
-  using i8 = typename Bytes<W>::i8;
-  using i32 = typename S::i32;
   static constexpr int kVecs = kBlock / W;
 
-  static VLLM_PP_INLINE void decode(const uint8_t* blk, f32 (&w)[kVecs]) {
-    const f32 d = S::splat(half_to_float(blk));
+  // *p in every lane, as a broadcast load: x - 0 is x for every x (also -0 and NaN), so the
+  // compiler drops the subtraction, where Simd::splat's `f32{} + x` (not x for x = -0) costs
+  // an add before the broadcast.
+  static VLLM_PP_INLINE f32 broadcast(float x) { return x - f32{}; }
+
+  static VLLM_PP_INLINE void decode(const uint8_t* qs, float scale, float min,
+                                    f32 (&w)[kVecs]) {
+    const f32 d = broadcast(scale);
     if constexpr (Type == kQ8_0) {
-      for (int v = 0; v < kVecs; ++v) {
-        i8 q;
-        std::memcpy(&q, blk + 2 + v * W, W);
-        w[v] = __builtin_convertvector(__builtin_convertvector(q, i32), f32) * d;
-      }
+      for (int v = 0; v < kVecs; ++v) w[v] = Widen<W>::s8(qs + v * W) * d;
     } else {
-      const uint8_t* qs = blk + (Type == kQ4_1 ? 4 : 2);
-      [[maybe_unused]] const f32 m = S::splat(Type == kQ4_1 ? half_to_float(blk + 2) : 0.0f);
       for (int v = 0; v < kVecs; ++v) {
-        u8 q;
-        std::memcpy(&q, qs + (v * W) % 16, W);
-        q = v * W < 16 ? (q & 15) : (q >> 4);
-        // Through int32: GCC scalarises a direct byte -> float conversion.
-        const f32 f = __builtin_convertvector(__builtin_convertvector(q, i32), f32);
+        const f32 f = Widen<W>::nibbles(qs, (v * W) % 16, v * W >= 16);
         if constexpr (Type == kQ4_1) {
-          w[v] = f * d + m;
+          w[v] = f * d + broadcast(min);
         } else {
           w[v] = (f - 8.0f) * d;  // q - 8 is exact in fp32
         }
@@ -117,6 +198,9 @@ struct Block {
     }
   }
 };
+
+// Blocks whose scales are widened at a time (per row of a tile: 2 x 64 floats on the stack).
+constexpr int64_t kChunk = 64;
 
 struct LinearArgs {
   void* out;         // [T, N], row stride out_stride
@@ -136,19 +220,31 @@ struct Tile {
   // and multiplied with the TT tokens' matching x.
   template <int RT, int TT>
   static VLLM_PP_INLINE void run(const LinearArgs& a, int64_t row, int64_t tok) {
+    using L = Layout<Type>;
     const auto* x = static_cast<const scalar_t*>(a.x) + tok * a.x_stride;
     const uint8_t* w = a.w + row * a.row_bytes;
+    const int64_t blocks = a.k / kBlock;
     f32 acc[RT][TT];
     for (int r = 0; r < RT; ++r)
       for (int t = 0; t < TT; ++t) acc[r][t] = f32{};
-    const int64_t blocks = a.k / kBlock;
-    for (int64_t b = 0; b < blocks; ++b) {
+    float scales[RT][kChunk], mins[RT][kChunk];
+    for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
+      const int64_t n = std::min(kChunk, blocks - b0);
       for (int r = 0; r < RT; ++r) {
-        typename S::f32 wv[B::kVecs];
-        B::decode(w + r * a.row_bytes + b * kBytes, wv);
-        for (int v = 0; v < B::kVecs; ++v)
-          for (int t = 0; t < TT; ++t)
-            acc[r][t] += wv[v] * S::load(x + t * a.x_stride + b * kBlock + v * W);
+        const uint8_t* row_r = w + r * a.row_bytes;
+        Halves<W>::convert(row_r + 2 * b0, scales[r], n);
+        if constexpr (Type == kQ4_1) Halves<W>::convert(L::mins(row_r, blocks) + 2 * b0, mins[r], n);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t b = b0 + j;
+        for (int r = 0; r < RT; ++r) {
+          typename S::f32 wv[B::kVecs];
+          const uint8_t* qs = L::quants(w + r * a.row_bytes, blocks) + b * L::kQuantBytes;
+          B::decode(qs, scales[r][j], Type == kQ4_1 ? mins[r][j] : 0.0f, wv);
+          for (int v = 0; v < B::kVecs; ++v)
+            for (int t = 0; t < TT; ++t)
+              acc[r][t] += wv[v] * S::load(x + t * a.x_stride + b * kBlock + v * W);
+        }
       }
     }
     auto* out = static_cast<scalar_t*>(a.out);
@@ -212,11 +308,22 @@ struct DequantKernel {
                                    int64_t begin, int64_t end) {
     using S = simd::Simd<W>;
     using B = Block<W, Type>;
+    using L = Layout<Type>;
+    const int64_t blocks = k / kBlock;
+    float scales[kChunk], mins[kChunk];
     for (int64_t row = begin; row < end; ++row) {
-      for (int64_t b = 0; b < k / kBlock; ++b) {
-        typename S::f32 wv[B::kVecs];
-        B::decode(w + row * row_bytes + b * block_bytes(Type), wv);
-        for (int v = 0; v < B::kVecs; ++v) S::store(out + row * k + b * kBlock + v * W, wv[v]);
+      const uint8_t* w_row = w + row * row_bytes;
+      for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
+        const int64_t n = std::min(kChunk, blocks - b0);
+        Halves<W>::convert(w_row + 2 * b0, scales, n);
+        if constexpr (Type == kQ4_1) Halves<W>::convert(L::mins(w_row, blocks) + 2 * b0, mins, n);
+        for (int64_t j = 0; j < n; ++j) {
+          typename S::f32 wv[B::kVecs];
+          const int64_t b = b0 + j;
+          B::decode(L::quants(w_row, blocks) + b * L::kQuantBytes, scales[j],
+                    Type == kQ4_1 ? mins[j] : 0.0f, wv);
+          for (int v = 0; v < B::kVecs; ++v) S::store(out + row * k + b * kBlock + v * W, wv[v]);
+        }
       }
     }
   }

@@ -44,6 +44,11 @@ def numpy_weight(raw: np.ndarray, qtype: Q, cols: int) -> np.ndarray:
     return gguf.quants.dequantize(raw, qtype).reshape(raw.shape[0], cols).astype(np.float32)
 
 
+def packed(raw: np.ndarray, qtype: Q) -> torch.Tensor:
+    """The blocks in the kernels' row layout (the same bytes regrouped)."""
+    return gguf_quant.repack_gguf_rows(torch.from_numpy(raw), int(qtype))
+
+
 def isas() -> list[str]:
     return ops.supported_isas()
 
@@ -65,9 +70,9 @@ def test_dequantize_is_exact(qtype: Q, shape: tuple[int, int], restore_isa) -> N
     ref = torch.from_numpy(numpy_weight(raw, qtype, cols))
     for isa in isas():
         ops.set_cpu_isa(isa)
-        got = ops.gguf_dequantize(torch.from_numpy(raw), int(qtype), cols, torch.float32)
+        got = ops.gguf_dequantize(packed(raw, qtype), int(qtype), cols, torch.float32)
         assert torch.equal(got, ref), isa
-        got16 = ops.gguf_dequantize(torch.from_numpy(raw), int(qtype), cols, torch.bfloat16)
+        got16 = ops.gguf_dequantize(packed(raw, qtype), int(qtype), cols, torch.bfloat16)
         assert torch.equal(got16, ref.to(torch.bfloat16)), isa
 
 
@@ -93,13 +98,13 @@ def test_gguf_linear_matches_dequantized(
     bound = (cols / 4 + 4) * 2.0**-23 * (np.abs(x.double().numpy()) @ np.abs(weight).T)
     for isa in isas():
         ops.set_cpu_isa(isa)
-        got = ops.gguf_linear(x, torch.from_numpy(raw), int(qtype)).double().numpy()
+        got = ops.gguf_linear(x, packed(raw, qtype), int(qtype)).double().numpy()
         assert got.shape == (tokens, rows)
         assert (np.abs(got - ref) <= bound).all(), (isa, np.abs(got - ref).max())
         # bf16 activations: the same sums over bf16 inputs, the result rounded to bf16 once.
         xb = x.to(torch.bfloat16)
         refb = xb.double().numpy() @ weight.T
-        gotb = ops.gguf_linear(xb, torch.from_numpy(raw), int(qtype)).double().numpy()
+        gotb = ops.gguf_linear(xb, packed(raw, qtype), int(qtype)).double().numpy()
         boundb = bound + np.abs(refb) * 2.0**-8
         assert (np.abs(gotb - refb) <= boundb).all(), (isa, np.abs(gotb - refb).max())
 

@@ -6,8 +6,8 @@ for a column-parallel layer, whole blocks of each row for a row-parallel one). A
 built while `quantized_linears()` is active has a meta (memory-less) weight whose
 `gguf_sink` collects those rows at their offsets (q, k and v into one fused qkv, ...); after
 loading, `finalize_quantized(model)` turns each sink into a `GGUFWeight` the layer multiplies
-with. Q4_0, Q4_1 and Q8_0 rows go to the C++ kernel (csrc/quant_gguf.cpp) with fp32 or bf16
-activations; other types (the K-quants, F16) are dequantized at load to the activation dtype.
+with. Q4_0, Q4_1 and Q8_0 rows are regrouped once (`repack_gguf_rows`: the same bytes, a row's
+scales together) and go to the C++ kernel (csrc/quant_gguf.cpp) with fp32 or bf16 activations; other types (the K-quants, F16) are dequantized at load to the activation dtype.
 
 At one or a few tokens per step the kernel reads each block once; from `DENSE_MIN_TOKENS`
 tokens on (prefill), dequantizing the layer to a dense matrix and running the GEMM is faster
@@ -34,9 +34,29 @@ logger = logging.getLogger("vllm.quantization.gguf")
 KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 # Activation dtypes the kernel takes.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# From this many tokens in one matmul on, dequantize + GEMM beats the block kernel (measured
-# on this project's AVX-512 machine, one thread, SmolLM2-135M's shapes: see the README).
-DENSE_MIN_TOKENS = 64
+# From this many tokens in one matmul on, dequantize + GEMM beats the block kernel: measured
+# with benchmarks/gguf_quant.py on SmolLM2's gate/up (3072 x 576, Q4_1), one thread, AVX-512:
+# the kernel is ~2x faster at 1-4 tokens, even at 16, and the GEMM ~1.3-2x faster from 32 on.
+DENSE_MIN_TOKENS = 16
+
+
+# Bytes per block, and of its fp16 scale (+ Q4_1's fp16 minimum) at the block's start.
+_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+_SCALE_BYTES = {2: 2, 3: 4, 8: 2}
+
+
+def repack_gguf_rows(raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """GGUF rows [N, row_bytes] (blocks one after the other: scale(s), then quants) -> the
+    kernels' layout of the same bytes [N, row_bytes]: each row's fp16 scales d of all blocks,
+    then (Q4_1) their minima m, then the blocks' quants, so a row's scales are contiguous and
+    widened to fp32 a vector at a time (csrc/quant_gguf.cpp)."""
+    n, row_bytes = raw.shape
+    blocks = raw.reshape(n, row_bytes // _BLOCK_BYTES[qtype], _BLOCK_BYTES[qtype])
+    pieces = [blocks[:, :, 0:2].reshape(n, -1)]
+    if qtype == 3:
+        pieces.append(blocks[:, :, 2:4].reshape(n, -1))
+    pieces.append(blocks[:, :, _SCALE_BYTES[qtype] :].reshape(n, -1))
+    return torch.cat(pieces, dim=1).contiguous()
 
 
 @dataclass
@@ -122,7 +142,8 @@ def kernel_runs(qtype: int, dtype: torch.dtype) -> bool:
 
 
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
-    """x [T, cols] (fp32/bf16, unit last stride) @ W^T, W the blocks raw [N, row_bytes]:
+    """x [T, cols] (fp32/bf16, unit last stride) @ W^T, W the blocks raw [N, row_bytes] (in
+    the kernels' layout, `repack_gguf_rows`):
     the block kernel for few tokens, dequantize + GEMM from DENSE_MIN_TOKENS on -> [T, N]."""
     if x.shape[0] >= DENSE_MIN_TOKENS:
         return F.linear(x, ops.gguf_dequantize(raw, qtype, cols, x.dtype))
@@ -160,7 +181,7 @@ class GGUFWeight(nn.Module):
         for _, tensor in segments:
             if isinstance(tensor, GGUFBlocks) and kernel_runs(tensor.qtype, dtype):
                 qtype: Optional[int] = tensor.qtype
-                piece = tensor.raw.contiguous()
+                piece = repack_gguf_rows(tensor.raw, tensor.qtype)
             else:
                 qtype, piece = None, dense(tensor).to(dtype)
             if parts and parts[-1][0] == qtype:
@@ -253,6 +274,7 @@ def quantize_vocab(model: nn.Module, path: str, dtype: torch.dtype) -> int:
         return cache[name]
 
     count = 0
+    packed_cache: dict[str, torch.Tensor] = {}  # a tied pair shares one tensor
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
             name = "model.embed_tokens.weight" if tied else "lm_head.weight"
@@ -265,7 +287,10 @@ def quantize_vocab(model: nn.Module, path: str, dtype: torch.dtype) -> int:
         if found is None or found.shape[1] != cols:
             continue
         del module.weight
-        module.quant = GGUFWeight([(found.qtype, found.raw)], cols, dtype)
+        packed = packed_cache.get(name)
+        if packed is None:
+            packed = packed_cache[name] = repack_gguf_rows(found.raw, found.qtype)
+        module.quant = GGUFWeight([(found.qtype, packed)], cols, dtype)
         count += 1
     return count
 
