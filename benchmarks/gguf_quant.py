@@ -119,8 +119,8 @@ def decode_rates(
 
 def greedy_agreement(max_tokens: int) -> list[list[Any]]:
     """Per config: agreement with HF fp32 on 16 prompts, and HF's margins where tokens differ."""
-    import torch
     import tiny_models
+    import torch
     from transformers import AutoModelForCausalLM
 
     from vllm import LLM, SamplingParams
@@ -174,10 +174,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"load average before: {os.getloadavg()}")
     bandwidth = copy_bandwidth()
-    print(f"\nMemory bandwidth (copy, read + write, {args.threads} thread(s)): "
-          f"{bandwidth / 1e9:.1f} GB/s")
+    print(
+        f"\nMemory bandwidth (copy, read + write, {args.threads} thread(s)): "
+        f"{bandwidth / 1e9:.1f} GB/s"
+    )
     print("\nQuantized linear, gate/up 3072 x 576 Q4_1: block kernel vs dequantize + GEMM (ms)")
-    print_table(["tokens", "kernel", "dequant+GEMM", "faster"], crossover([1, 4, 16, 32, 64, 128, 256]))
+    print_table(
+        ["tokens", "kernel", "dequant+GEMM", "faster"], crossover([1, 4, 16, 32, 64, 128, 256])
+    )
 
     batches = [int(b) for b in args.batches.split(",")]
     rows = []

@@ -7,11 +7,13 @@ built while `quantized_linears()` is active has a meta (memory-less) weight whos
 `gguf_sink` collects those rows at their offsets (q, k and v into one fused qkv, ...); after
 loading, `finalize_quantized(model)` turns each sink into a `GGUFWeight` the layer multiplies
 with. Q4_0, Q4_1 and Q8_0 rows are regrouped once (`repack_gguf_rows`: the same bytes, a row's
-scales together) and go to the C++ kernel (csrc/quant_gguf.cpp) with fp32 or bf16 activations; other types (the K-quants, F16) are dequantized at load to the activation dtype.
+scales together) and go to the C++ kernel (csrc/quant_gguf.cpp) with fp32 or bf16 activations;
+other types (the K-quants, F16), other activation dtypes, or a build without the kernels are
+dequantized at load to the activation dtype.
 
 At one or a few tokens per step the kernel reads each block once; from `DENSE_MIN_TOKENS`
 tokens on (prefill), dequantizing the layer to a dense matrix and running the GEMM is faster
-(measured with benchmarks/gguf_quant.py --crossover).
+(measured by benchmarks/gguf_quant.py).
 """
 
 from __future__ import annotations
