@@ -234,18 +234,23 @@ class GGUFWeight(nn.Module):
 
 
 def finalize_quantized(model: nn.Module, dtype: torch.dtype) -> int:
-    """Replace every collecting (meta) linear weight by its GGUFWeight (`module.quant`);
-    returns how many layers run quantized."""
+    """Replace every collecting (meta) linear weight by its GGUFWeight (`module.quant`), or,
+    when none of its rows are kernel blocks (an F32/F16 file), by a dense weight again, so such
+    layers run exactly as without --quantization gguf; returns how many layers run quantized."""
     count = 0
     for name, module in model.named_modules():
-        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        weight = module._parameters.get("weight")
         sink = getattr(weight, "gguf_sink", None)
         if sink is None:
             continue
         quant = GGUFWeight.from_sink(sink, dtype, f"{name}.weight")
         del module.weight
-        module.quant = quant
-        count += quant.is_quantized
+        if quant.is_quantized:
+            module.quant = quant
+            count += 1
+        else:
+            dense_rows = torch.cat(quant.tensors()) if len(quant.qtypes) > 1 else quant.part0
+            module.weight = nn.Parameter(dense_rows, requires_grad=False)
     return count
 
 
