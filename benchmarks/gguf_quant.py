@@ -11,7 +11,9 @@ In one run, on --threads cores (default 1; the engine's stage gets the same):
    (both dequantized at load, --quantization none): the time of prompts + D tokens minus that
    of the prompts + 1 token, over batch x (D - 1) tokens. With the bytes of weights a step
    reads (the stage's weights: the tied embedding is the lm_head, read whole every step) and
-   the bandwidth limit they imply at batch 1.
+   the bandwidth limit they imply at batch 1; and the time of one token through the linear
+   layers alone (the weight-reading part of a step, without the engine's per-step work), as
+   the bandwidth it achieves.
 4. Greedy agreement on 16 prompts x 32 tokens against HF transformers loading the same GGUF
    (dequantized to fp32), as benchmarks/bf16_accuracy.py does for bf16; at each first
    difference, HF's top-2 logit margin (a near tie, or a real disagreement).
@@ -89,10 +91,31 @@ def crossover(tokens: list[int]) -> list[list[Any]]:
     return rows
 
 
+def linear_step_seconds(llm: Any, dtype: Any) -> float:
+    """Best time of one token through every linear layer of the model (lm_head included):
+    the weight-reading part of a batch-1 decode step, without the engine around it."""
+    import torch
+
+    from vllm.model_executor.layers.linear import ParallelLinearBase
+
+    model = llm.llm_engine.executor.worker.model_runner.model
+    layers = [m for m in model.modules() if isinstance(m, ParallelLinearBase)]
+    inputs = [torch.randn(1, m.in_features, dtype=dtype) for m in layers]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(5):
+            start = time.perf_counter()
+            for layer, x in zip(layers, inputs):
+                layer._matmul(x, None)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
 def decode_rates(
     kwargs: dict[str, Any], batches: list[int], decode_tokens: int
 ) -> tuple[dict[int, float], dict[str, Any]]:
-    """Decode tokens/s per batch size, and the stage's info (weights, linear path)."""
+    """Decode tokens/s per batch size, and the stage's info (weights, linear path, and the
+    time of one token through the linear layers alone)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM("smollm2", kv_cache_space=1.0, swap_space=0.1, max_model_len=1024, **kwargs)
@@ -112,6 +135,10 @@ def decode_rates(
             full = run(batch, decode_tokens)
             rates[batch] = batch * (decode_tokens - 1) / max(full - prefill, 1e-9)
         info = dict(llm.llm_engine.executor.stage_infos[0])
+        import torch
+
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kwargs["dtype"]]
+        info["linear_step_s"] = linear_step_seconds(llm, dtype)
     finally:
         llm.shutdown()
     return rates, info
@@ -189,17 +216,19 @@ def main() -> None:
         rates, info = decode_rates(kwargs, batches, args.decode_tokens)
         step_bytes = info["weight_bytes"]  # tied: the embedding is the lm_head, read each step
         limit = bandwidth / step_bytes
+        linear_s = info["linear_step_s"]
         rows.append(
             [label, fmt_bytes(step_bytes), f"{limit:.1f}"]
             + [f"{rates[b]:.1f}" for b in batches]
             + [f"{rates[batches[0]] / limit:.0%}"]
+            + [f"{linear_s * 1e3:.1f} ms = {step_bytes / linear_s / 1e9:.1f} GB/s"]
         )
         print(f"{label}: linear path {info.get('linear_path')}")
     print(f"\nDecode tokens/s ({args.decode_tokens} tokens after a 16-token prompt)")
     print_table(
         ["weights", "bytes read / step", "bandwidth limit (tok/s, batch 1)"]
         + [f"batch {b}" for b in batches]
-        + [f"batch {batches[0]} / limit"],
+        + [f"batch {batches[0]} / limit", "1 token through the linears alone"],
         rows,
     )
     if not args.skip_accuracy:
