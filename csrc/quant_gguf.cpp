@@ -176,21 +176,16 @@ struct Block {
   using f32 = typename S::f32;
   static constexpr int kVecs = kBlock / W;
 
-  // *p in every lane, as a broadcast load: x - 0 is x for every x (also -0 and NaN), so the
-  // compiler drops the subtraction, where Simd::splat's `f32{} + x` (not x for x = -0) costs
-  // an add before the broadcast.
-  static VLLM_PP_INLINE f32 broadcast(float x) { return x - f32{}; }
-
   static VLLM_PP_INLINE void decode(const uint8_t* qs, float scale, float min,
                                     f32 (&w)[kVecs]) {
-    const f32 d = broadcast(scale);
+    const f32 d = S::splat(scale);
     if constexpr (Type == kQ8_0) {
       for (int v = 0; v < kVecs; ++v) w[v] = Widen<W>::s8(qs + v * W) * d;
     } else {
       for (int v = 0; v < kVecs; ++v) {
         const f32 f = Widen<W>::nibbles(qs, (v * W) % 16, v * W >= 16);
         if constexpr (Type == kQ4_1) {
-          w[v] = f * d + broadcast(min);
+          w[v] = f * d + S::splat(min);
         } else {
           w[v] = (f - 8.0f) * d;  // q - 8 is exact in fp32
         }
