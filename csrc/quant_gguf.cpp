@@ -19,8 +19,10 @@
 // reduce_add), and every weight is d * q (+ m) as an FMA: the results are within fp32
 // summation error of the dequantized weights' dot product (tests/test_gguf_quant.py).
 //
-// For many tokens (prefill), gguf_dequantize expands the rows to a dense fp32/bf16 matrix for
-// the GEMM instead; vllm/model_executor/layers/quantization/gguf.py picks by token count.
+// More than 4 tokens: each tile of 8 rows is decoded once into an fp32 buffer and multiplied
+// with every token from there (DenseTile). For many tokens (prefill), gguf_dequantize expands
+// the rows to a dense fp32/bf16 matrix for the GEMM instead;
+// vllm/model_executor/layers/quantization/gguf.py picks by token count.
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -28,6 +30,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_isa.h"
 #include "cpu_simd.h"
@@ -258,11 +261,92 @@ struct Tile {
   }
 };
 
+// More than 4 tokens: decoding a block per 4-token tile would be repeated T / 4 times, so the
+// rows of a tile are decoded once into an fp32 buffer (L1/L2) and multiplied from there. The
+// products and their order are those of Tile (lane l adds columns l, l + W, ... in order), so
+// both paths give the same results.
+template <int W, int64_t Type>
+VLLM_PP_INLINE void decode_rows(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t rows,
+                                float* out) {
+  using S = simd::Simd<W>;
+  using B = Block<W, Type>;
+  using L = Layout<Type>;
+  const int64_t blocks = k / kBlock;
+  float scales[kChunk], mins[kChunk];
+  for (int64_t row = 0; row < rows; ++row) {
+    const uint8_t* w_row = w + row * row_bytes;
+    for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
+      const int64_t n = std::min(kChunk, blocks - b0);
+      Halves<W>::convert(w_row + 2 * b0, scales, n);
+      if constexpr (Type == kQ4_1) Halves<W>::convert(L::mins(w_row, blocks) + 2 * b0, mins, n);
+      for (int64_t j = 0; j < n; ++j) {
+        typename S::f32 wv[B::kVecs];
+        const int64_t b = b0 + j;
+        B::decode(L::quants(w_row, blocks) + b * L::kQuantBytes, scales[j],
+                  Type == kQ4_1 ? mins[j] : 0.0f, wv);
+        for (int v = 0; v < B::kVecs; ++v) S::store(out + row * k + b * kBlock + v * W, wv[v]);
+      }
+    }
+  }
+}
+
+template <int W, typename scalar_t>
+struct DenseTile {
+  using S = simd::Simd<W>;
+  using f32 = typename S::f32;
+
+  // Rows [row, row + RT) (fp32 in wbuf, [RT][k]) x tokens [tok, tok + TT).
+  template <int RT, int TT>
+  static VLLM_PP_INLINE void run(const LinearArgs& a, const float* wbuf, int64_t row,
+                                 int64_t tok) {
+    const auto* x = static_cast<const scalar_t*>(a.x) + tok * a.x_stride;
+    f32 acc[RT][TT];
+    for (int r = 0; r < RT; ++r)
+      for (int t = 0; t < TT; ++t) acc[r][t] = f32{};
+    for (int64_t c = 0; c < a.k; c += W) {
+      for (int r = 0; r < RT; ++r) {
+        const f32 wv = S::load(wbuf + r * a.k + c);
+        for (int t = 0; t < TT; ++t) acc[r][t] += wv * S::load(x + t * a.x_stride + c);
+      }
+    }
+    auto* out = static_cast<scalar_t*>(a.out);
+    for (int r = 0; r < RT; ++r)
+      for (int t = 0; t < TT; ++t)
+        out[(tok + t) * a.out_stride + row + r] = static_cast<scalar_t>(S::reduce_add(acc[r][t]));
+  }
+
+  // Every token for rows [row, row + rows) decoded in wbuf: pairs of rows x 4 tokens.
+  static VLLM_PP_INLINE void rows(const LinearArgs& a, const float* wbuf, int64_t row,
+                                  int64_t rows) {
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) {
+      int64_t tok = 0;
+      for (; tok + 4 <= a.tokens; tok += 4) run<2, 4>(a, wbuf + r * a.k, row + r, tok);
+      for (; tok < a.tokens; ++tok) run<2, 1>(a, wbuf + r * a.k, row + r, tok);
+    }
+    for (; r < rows; ++r) {
+      int64_t tok = 0;
+      for (; tok + 4 <= a.tokens; tok += 4) run<1, 4>(a, wbuf + r * a.k, row + r, tok);
+      for (; tok < a.tokens; ++tok) run<1, 1>(a, wbuf + r * a.k, row + r, tok);
+    }
+  }
+};
+
 template <int W>
 struct LinearKernel {
   template <int64_t Type, typename scalar_t>
   static VLLM_PP_INLINE void typed(const LinearArgs& a, int64_t begin, int64_t end) {
     using T = Tile<W, Type, scalar_t>;
+    if (a.tokens > 4) {
+      // 8 rows at a time decoded once (8 x K floats: 48 KiB at K = 1536).
+      std::vector<float> wbuf(8 * a.k);
+      for (int64_t row = begin; row < end; row += 8) {
+        const int64_t rows = std::min<int64_t>(8, end - row);
+        decode_rows<W, Type>(a.w + row * a.row_bytes, a.row_bytes, a.k, rows, wbuf.data());
+        DenseTile<W, scalar_t>::rows(a, wbuf.data(), row, rows);
+      }
+      return;
+    }
     // Row chunks of 64 so a tile's weights stay in L1/L2 across the token tiles.
     for (int64_t r0 = begin; r0 < end; r0 += 64) {
       const int64_t r1 = std::min(end, r0 + 64);

@@ -36,10 +36,11 @@ logger = logging.getLogger("vllm.quantization.gguf")
 KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 # Activation dtypes the kernel takes.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# From this many tokens in one matmul on, dequantize + GEMM beats the block kernel: measured
-# with benchmarks/gguf_quant.py on SmolLM2's gate/up (3072 x 576, Q4_1), one thread, AVX-512:
-# the kernel is ~2x faster at 1-4 tokens, even at 16, and the GEMM ~1.3-2x faster from 32 on.
-DENSE_MIN_TOKENS = 16
+# From this many tokens in one matmul on, dequantize + GEMM is used instead of the block kernel:
+# measured with benchmarks/gguf_quant.py on SmolLM2's gate/up (3072 x 576, Q4_1), one thread,
+# AVX-512: the kernel is 2-4x faster at 1-4 tokens, 1.2x at 8, level with the GEMM from 16 to
+# 128 (its rows decoded once into fp32 for more than 4 tokens), and the GEMM 1.2x faster at 256.
+DENSE_MIN_TOKENS = 128
 
 
 # Bytes per block, and of its fp16 scale (+ Q4_1's fp16 minimum) at the block's start.
