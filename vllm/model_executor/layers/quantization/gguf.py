@@ -120,7 +120,7 @@ def make_linear_weight(out_local: int, in_local: int) -> nn.Parameter:
     if not _ACTIVE:
         return nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
     weight = nn.Parameter(torch.empty(out_local, in_local, device="meta"), requires_grad=False)
-    weight.gguf_sink = _Sink(out_local, in_local)  # type: ignore[attr-defined]
+    weight.gguf_sink = _Sink(out_local, in_local)
     return weight
 
 
