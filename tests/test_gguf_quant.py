@@ -1,6 +1,6 @@
 """GGUF weight-only quantization (--quantization gguf): the block kernels against a numpy
 dequantization of the same blocks, the loader's block shards, the bundled SmolLM2 through the
-quantized path (PP = 1 and PP = 2 over mp) against the dequantized path, and the flag."""
+quantized path (PP = 1, PP = 2 and TP = 3 over mp) against the dequantized path, and the flag."""
 
 from __future__ import annotations
 
@@ -305,3 +305,17 @@ def test_block_sizes_are_ggml_s() -> None:
     assert sizes == {2: (32, 18), 3: (32, 20), 8: (32, 34)}
     assert set(gguf_quant.KERNEL_TYPES) == set(sizes)
     assert math.gcd(*[s[0] for s in sizes.values()]) == 32
+
+
+@needs_kernels
+@needs_smollm2
+def test_smollm2_quantized_tp3_mp(reference) -> None:
+    # 9 heads, 3 KV heads: TP = 3 (TP = 2 does not divide them). Column-parallel layers hold
+    # whole rows, row-parallel ones whole blocks of each row (o_proj 192, down_proj 512 columns
+    # per rank), the vocabulary shards of the Q8_0 embedding / lm_head padded with zero rows.
+    ids, meta = run_quantized(tensor_parallel_size=3, distributed_executor_backend="mp")
+    infos = meta["infos"]
+    assert [i["tp_rank"] for i in infos] == [0, 1, 2]
+    assert all("GGUF blocks (122 layers" in i["linear_path"] for i in infos), infos
+    agreement = check_against_reference(ids, reference)
+    print(f"TP=3 quantized vs dequantized: {agreement:.1%} of tokens agree")
