@@ -137,6 +137,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["auto", "float32", "bfloat16"],
         help="Weights/activations dtype (auto: the model's, fp32 if none).",
     )
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="Weight-only quantization: 'gguf' (the default for a .gguf model, so for the "
+        "bundled one: its Q4_1 blocks are kept) or 'none' (dequantize at load to --dtype).",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Engine random seed.")
     parser.add_argument(
         "--output-json",
@@ -215,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_space=args.kv_cache_space,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
+        quantization=args.quantization,
         seed=args.seed,
     )
     init_s = time.perf_counter() - start

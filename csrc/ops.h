@@ -43,6 +43,13 @@ void sample_from_logits(const at::Tensor& logits, const at::Tensor& draw_rows,
                         const at::Tensor& uniforms, at::Tensor& tokens, at::Tensor& argmax,
                         at::Tensor& lse);
 
+// Weight-only quantized matmul on GGUF blocks (quant_gguf.cpp): out[T, N] = x[T, K] @ W^T,
+// W [N, K / 32 * block bytes] uint8, the rows of a GGUF tensor of ggml type `type` (Q4_0 = 2,
+// Q4_1 = 3, Q8_0 = 8) with each row's bytes regrouped: all scales, (Q4_1) all minima, quants; x and out float32 or bfloat16 (unit last stride). gguf_dequantize
+// expands the same rows to a dense out [N, K] (float32 or bfloat16).
+void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t type);
+void gguf_dequantize(at::Tensor& out, const at::Tensor& weight, int64_t type);
+
 // The instruction set the attention kernel runs with ("avx512", "avx2" or "generic"), and a
 // way to lower it so tests can check every variant on one machine.
 std::string cpu_isa();

@@ -24,6 +24,8 @@ TORCH_LIBRARY(vllm_pp, m) {
   m.def(
       "sample_from_logits(Tensor logits, Tensor draw_rows, Tensor uniforms, Tensor(a!) tokens, "
       "Tensor(b!) argmax, Tensor(c!) lse) -> ()");
+  m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor weight, int type) -> ()");
+  m.def("gguf_dequantize(Tensor(a!) out, Tensor weight, int type) -> ()");
   // No tensor arguments, so these cannot dispatch on a device: register them for all.
   m.def("cpu_isa() -> str", &vllm_pp::cpu_isa);
   m.def("set_cpu_isa(str isa) -> ()", &vllm_pp::set_cpu_isa);
@@ -37,6 +39,8 @@ TORCH_LIBRARY_IMPL(vllm_pp, CPU, m) {
   m.impl("rotary_embedding", &vllm_pp::rotary_embedding);
   m.impl("silu_and_mul", &vllm_pp::silu_and_mul);
   m.impl("sample_from_logits", &vllm_pp::sample_from_logits);
+  m.impl("gguf_linear", &vllm_pp::gguf_linear);
+  m.impl("gguf_dequantize", &vllm_pp::gguf_dequantize);
 }
 
 // An empty module: everything is reached through torch.ops.vllm_pp.

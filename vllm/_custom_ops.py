@@ -258,3 +258,24 @@ def set_cpu_isa(isa: str) -> None:
         torch.ops.vllm_pp.set_cpu_isa(isa)
     except RuntimeError as exc:
         raise ValueError(str(exc)) from exc
+
+
+def gguf_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x [T, K] (float32/bfloat16, unit last stride) @ W^T -> [T, N] in x's dtype, W [N, K]
+    held as GGUF blocks weight [N, K / 32 * block bytes] uint8 of ggml type `qtype` (Q4_0 = 2,
+    Q4_1 = 3, Q8_0 = 8), rows regrouped by quantization.gguf.repack_gguf_rows; see
+    csrc/quant_gguf.cpp."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    torch.ops.vllm_pp.gguf_linear.default(out, x, weight, qtype)
+    return out
+
+
+def gguf_dequantize(
+    weight: torch.Tensor, qtype: int, cols: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """GGUF blocks weight [N, row bytes] uint8 of ggml type `qtype` (rows regrouped as for
+    gguf_linear) -> dense [N, cols] in dtype
+    (float32 or bfloat16), the exact values of ggml's dequantization (bf16: rounded once)."""
+    out = torch.empty(weight.shape[0], cols, dtype=dtype)
+    torch.ops.vllm_pp.gguf_dequantize.default(out, weight, qtype)
+    return out

@@ -26,6 +26,9 @@ class ModelConfig:
 
     `model` may be a HF directory (config.json + safetensors/.bin), a .gguf file, a directory
     holding one .gguf, or the alias "smollm2" (the bundled SmolLM2-135M-Instruct).
+    `quantization`: vLLM's weight-only method; "gguf" (the default for a .gguf model) keeps the
+    file's quantized blocks, "none" dequantizes them at load to `dtype`. Resolved in
+    __post_init__ to "gguf" or None.
     """
 
     model: str
@@ -37,6 +40,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     max_logprobs: int = 20
     skip_tokenizer_init: bool = False
+    quantization: Optional[str] = None
     hf_config: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +50,9 @@ class ModelConfig:
 
         self.model = resolve_model(self.model)
         self.is_gguf = is_gguf(self.model)
+        from vllm.model_executor.layers.quantization import resolve_quantization
+
+        self.quantization = resolve_quantization(self.quantization, self.is_gguf)
         if self.tokenizer is None:
             self.tokenizer = self.model
         if self.hf_config is None:

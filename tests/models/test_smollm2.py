@@ -1,5 +1,6 @@
-"""The bundled real model: greedy output of SmolLM2-135M-Instruct (GGUF) equals HF transformers
-loading the same GGUF, at PP = 1 and 2; and the chat template gives a sensible answer."""
+"""The bundled real model: greedy output of SmolLM2-135M-Instruct (GGUF) dequantized at load
+(--quantization none) equals HF transformers loading the same GGUF, at PP = 1 and 2; and the chat
+template gives a sensible answer. (The default, quantized path: tests/test_gguf_quant.py.)"""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def hf_reference() -> list[list[int]]:
 
 
 def test_smollm2_pp1_matches_hf_and_chats(hf_reference):
-    llm = LLM("smollm2", kv_cache_space=0.5, swap_space=0.1)
+    llm = LLM("smollm2", quantization="none", kv_cache_space=0.5, swap_space=0.1)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_reference
     reply = llm.chat(
@@ -44,7 +45,13 @@ def test_smollm2_pp1_matches_hf_and_chats(hf_reference):
 
 @pytest.mark.ray
 def test_smollm2_pp2_matches_hf(ray_session, hf_reference):
-    llm = LLM("smollm2", pipeline_parallel_size=2, kv_cache_space=0.5, swap_space=0.1)
+    llm = LLM(
+        "smollm2",
+        quantization="none",
+        pipeline_parallel_size=2,
+        kv_cache_space=0.5,
+        swap_space=0.1,
+    )
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_reference
     llm.shutdown()
@@ -57,6 +64,7 @@ def test_smollm2_tp3_matches_hf(hf_reference):
         LLM("smollm2", tensor_parallel_size=2, distributed_executor_backend="mp")
     llm = LLM(
         "smollm2",
+        quantization="none",
         tensor_parallel_size=3,
         distributed_executor_backend="mp",
         kv_cache_space=0.5,

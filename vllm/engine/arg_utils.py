@@ -27,6 +27,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
     dtype: str = "auto"
+    quantization: Optional[str] = None
     seed: int = 0
     max_model_len: Optional[int] = None
     pipeline_parallel_size: int = 1
@@ -89,6 +90,14 @@ class EngineArgs:
             default=d.dtype,
             choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
             help="Weights and activations dtype; auto = the model config's (fp32 if none).",
+        )
+        add(
+            "--quantization",
+            "-q",
+            type=str,
+            default=d.quantization,
+            help="Weight-only quantization: 'gguf' (the default for a .gguf model: its "
+            "quantized blocks are kept) or 'none' (dequantize a .gguf at load to --dtype).",
         )
         add("--seed", type=int, default=d.seed, help="Random seed.")
         add(
@@ -318,6 +327,7 @@ class EngineArgs:
             model=self.model,
             tokenizer=self.tokenizer,
             dtype=self.dtype,
+            quantization=self.quantization,
             seed=self.seed,
             max_model_len=self.max_model_len,  # type: ignore[arg-type]  # None: derived
             trust_remote_code=self.trust_remote_code,

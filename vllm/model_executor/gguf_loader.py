@@ -10,14 +10,19 @@ parsing its header, the config and the tokenizer live in the torch-free
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Optional
 
 import gguf
 import numpy as np
 import torch
 
+from vllm.model_executor.layers.quantization.gguf import GGUFBlocks
 from vllm.transformers_utils.gguf_config import TensorInfo, gguf_config_dict, read_header
+
+# HF names of the linear layers' weights: kept as blocks under --quantization gguf.
+_LINEAR_WEIGHT = re.compile(r"\.(self_attn|mlp)\.[a-z_]*proj\.weight$")
 
 # llama.cpp tensor names -> HF LLaMA module names.
 _GLOBAL_NAMES = {
@@ -80,11 +85,15 @@ def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return per_head.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def _dequantize(blob: np.memmap, info: TensorInfo, shard: Any = None) -> torch.Tensor:
-    """Float32 copy of one tensor, or of one TP shard of it (`models.utils.Shard`: rows of a
-    2-D tensor, dim 0, or columns, dim 1). Only the bytes needed are read from the mapped file:
-    a row shard reads its rows; a column shard reads the quantisation blocks it covers in each
-    row (when its edges fall on block boundaries; else the whole rows, then cut)."""
+def _read_rows(
+    blob: np.memmap, info: TensorInfo, shard: Any = None
+) -> tuple[np.ndarray, list[int], Any]:
+    """The raw bytes [rows, row_bytes] of one tensor, or of one TP shard of it
+    (`models.utils.Shard`: rows of a 2-D tensor, dim 0, or columns, dim 1), with the shape they
+    stand for and what is left of the shard to cut after dequantizing (None when the bytes are
+    exactly the shard). Only the bytes needed are read from the mapped file: a row shard reads
+    its rows; a column shard reads the quantisation blocks it covers in each row (when its
+    edges fall on block boundaries; else the whole rows, to be cut once dequantized)."""
     qtype = gguf.GGMLQuantizationType(info.ggml_type)
     block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     row_bytes = info.shape[-1] // block * block_bytes  # quantized rows are whole blocks
@@ -109,6 +118,13 @@ def _dequantize(blob: np.memmap, info: TensorInfo, shard: Any = None) -> torch.T
         ]
         shape[-1] = shard.size
         shard = None
+    return raw, shape, shard
+
+
+def _dequantize(blob: np.memmap, info: TensorInfo, shard: Any = None) -> torch.Tensor:
+    """Float32 copy of one tensor, or of one TP shard of it (see `_read_rows`)."""
+    raw, shape, shard = _read_rows(blob, info, shard)
+    qtype = gguf.GGMLQuantizationType(info.ggml_type)
     values = gguf.quants.dequantize(np.ascontiguousarray(raw), qtype)
     if not values.flags.writeable or values.dtype != np.float32:
         values = values.astype(np.float32)  # F32 tensors come back as views of the read-only map
@@ -116,11 +132,56 @@ def _dequantize(blob: np.memmap, info: TensorInfo, shard: Any = None) -> torch.T
     return tensor if shard is None else shard.narrow(tensor).contiguous()
 
 
+# Types that are not block-quantized: always loaded as dense tensors.
+_DENSE_TYPES = frozenset(
+    {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+)
+
+
+def _blocks(blob: np.memmap, info: TensorInfo, shard: Any = None) -> Optional[GGUFBlocks]:
+    """One 2-D quantized tensor (or this rank's shard of it) as its raw blocks, copied out of
+    the map; None when it is not block-quantized or the shard does not fall on whole blocks."""
+    if info.ggml_type in _DENSE_TYPES or len(info.shape) != 2:
+        return None
+    raw, shape, rest = _read_rows(blob, info, shard)
+    if rest is not None:
+        return None
+    tensor = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
+    return GGUFBlocks(tensor, int(info.ggml_type), (shape[0], shape[1]))
+
+
+def _kept_blocks(blob: np.memmap, info: TensorInfo, shard: Any) -> Optional[GGUFBlocks]:
+    """`_blocks` for a shard spec; several row shards (a fused tensor's parts) are joined."""
+    if not isinstance(shard, (list, tuple)):
+        return _blocks(blob, info, shard)
+    if any(one.dim != 0 for one in shard):
+        return None
+    parts = [_blocks(blob, info, one) for one in shard]
+    kept = [p for p in parts if p is not None]
+    if len(kept) != len(parts):
+        return None
+    raw = torch.cat([p.raw for p in kept])  # one tensor: one type
+    return GGUFBlocks(raw, kept[0].qtype, (raw.shape[0], kept[0].shape[1]))
+
+
+def read_gguf_blocks(path: str, hf_name: str, shard: Any = None) -> Optional[GGUFBlocks]:
+    """The raw blocks of one tensor by HF name (this TP rank's `shard` of rows), or None if
+    the file has no such quantized tensor."""
+    header = read_header(path)
+    arch = header.metadata["general.architecture"]
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    for info in header.tensors:
+        if _hf_name(info.name, arch) == hf_name:
+            return _blocks(blob, info, shard)
+    return None
+
+
 def iter_gguf_weights(
     path: str,
     wanted: Callable[[str], bool] | None = None,
     shard_of: Callable[[str], Any] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    keep_quantized: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Yield (HF name, float32 tensor [out, in]) for each tensor of a GGUF file.
 
     llama files' Q/K rows are un-permuted as transformers does (llama.cpp permutes them for
@@ -129,6 +190,10 @@ def iter_gguf_weights(
     read. With `shard_of` (a TP rank's part of each tensor), only that part is read and
     dequantized; Q/K row shards hold whole heads, and the un-permutation is per head, so it
     applies to them.
+
+    With `keep_quantized` (--quantization gguf), the block-quantized weights of the linear
+    layers come as `GGUFBlocks`, the file's bytes (rows un-permuted alike), unless a column
+    shard cuts through blocks.
     """
     header = read_header(path)
     config = gguf_config_dict(header, path)
@@ -141,15 +206,22 @@ def iter_gguf_weights(
         if name is None or (wanted is not None and not wanted(name)):
             continue
         shard = shard_of(name) if shard_of is not None else None
-        if isinstance(shard, (list, tuple)):  # parts of a fused tensor, joined
+        tensor: torch.Tensor | GGUFBlocks | None = None
+        if keep_quantized and _LINEAR_WEIGHT.search(name):
+            tensor = _kept_blocks(blob, info, shard)
+        if tensor is None and isinstance(shard, (list, tuple)):  # parts of a fused tensor
             parts = [_dequantize(blob, info, one) for one in shard]
             tensor = torch.cat(parts, dim=shard[0].dim)
-        else:
+        elif tensor is None:
             tensor = _dequantize(blob, info, shard)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = n_head if name.endswith("q_proj.weight") else n_kv_head
             head_rows = info.shape[0] // heads
-            tensor = _unpermute(tensor, tensor.shape[0] // head_rows)
+            if isinstance(tensor, GGUFBlocks):  # whole rows move: the same permutation
+                tensor.raw = _unpermute(tensor.raw, tensor.shape[0] // head_rows)
+            else:
+                tensor = _unpermute(tensor, tensor.shape[0] // head_rows)
         if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            assert isinstance(tensor, torch.Tensor)
             tensor = tensor - 1.0
         yield name, tensor

@@ -14,13 +14,14 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 
 from vllm.config import ModelConfig
 from vllm.model_executor.layers.linear import linear_path, pack_linears
+from vllm.model_executor.layers.quantization import gguf as gguf_quant
 from vllm.model_executor.models import get_model_class
 from vllm.model_executor.models.utils import Shard, StageLayout
 
@@ -104,14 +105,16 @@ def iter_torch_bin(
 
 def iter_weights(
     model_config: ModelConfig, wanted: WeightFilter, shard_of: ShardFn = _no_shard
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, Any]]:
     """Checkpoint tensors (HF names) accepted by `wanted`, from whatever format the model uses,
-    each cut to `shard_of(name)` (this TP rank's part) while reading."""
+    each cut to `shard_of(name)` (this TP rank's part) while reading. Under --quantization
+    gguf, the linear layers' weights come as `GGUFBlocks`."""
     path = model_config.model
     if model_config.is_gguf:
         from vllm.model_executor.gguf_loader import iter_gguf_weights
 
-        yield from iter_gguf_weights(path, wanted, shard_of)
+        keep = model_config.quantization == "gguf"
+        yield from iter_gguf_weights(path, wanted, shard_of, keep_quantized=keep)
         return
     if glob.glob(os.path.join(path, "*.safetensors")):
         yield from iter_safetensors(path, wanted, shard_of)
@@ -140,18 +143,26 @@ def load_stage_model(
     start = time.perf_counter()
     model_cls = get_model_class(model_config.hf_config)
     dtype = get_torch_dtype(model_config.dtype)
-    with _default_dtype(dtype), torch.device(device):
+    quantized = model_config.quantization == "gguf" and device.type == "cpu"
+    with _default_dtype(dtype), torch.device(device), gguf_quant.quantized_linears(quantized):
         model = model_cls(model_config.hf_config, layout)
     model.load_weights(iter_weights(model_config, model.owns_weight, model.weight_shard))
     model.eval()
+    n_quant = 0
+    if quantized:
+        n_quant = gguf_quant.finalize_quantized(model, dtype)
+        n_quant += gguf_quant.quantize_vocab(model, model_config.model, dtype)
     # Counted before packing: packed weights are buffers of oneDNN's, not parameters.
-    n_params = sum(p.numel() for p in model.parameters())
+    quant_params, quant_bytes = gguf_quant.quantized_bytes(model)
+    n_params = sum(p.numel() for p in model.parameters()) + quant_params
     model.num_params = n_params
     # Bytes of this rank's weights (tied tensors once): what TP x PP divides.
-    model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.weight_bytes = quant_bytes + sum(p.numel() * p.element_size() for p in model.parameters())
     packed, path = linear_path(device, dtype)
     if packed:
         pack_linears(model)
+    if n_quant:
+        path = f"GGUF blocks ({n_quant} layers; the rest: {path})"
     model.linear_path = path
     logger.info(
         "Loaded layers [%d, %d) (%.1fM params, %s) in %.2f s; linear layers: %s",

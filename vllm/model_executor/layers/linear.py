@@ -20,6 +20,7 @@ from torch import nn
 from vllm import envs
 from vllm.distributed import tensor_parallel as tpu
 from vllm.model_executor.layers.fused_moe import FusedMoE
+from vllm.model_executor.layers.quantization.gguf import GGUFWeight, make_linear_weight
 
 # dtypes whose linears are prepacked (oneDNN's reorder supports both).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -113,24 +114,38 @@ class ParallelLinearBase(nn.Module):
     """A linear layer holding this TP rank's shard: weight [out_local, in_local].
 
     `pack()` (CPU fp32/bf16) replaces the weight by its oneDNN-prepacked form, like
-    PackedLinear; until then it runs F.linear (the fallback path, also used on CUDA).
+    PackedLinear; until then it runs F.linear (the fallback path, also used on CUDA). Built
+    under `quantization.gguf.quantized_linears(True)`, the weight is GGUF blocks instead
+    (`quant`, set after loading).
     """
+
+    # Whether the layer takes GGUF blocks under --quantization gguf (the lm_head: see
+    # quantization.gguf.quantize_lm_head).
+    QUANTIZABLE = True
 
     def __init__(self, in_local: int, out_local: int, bias: bool, bias_size: int) -> None:
         super().__init__()
         self.in_features = in_local
         self.out_features = out_local
-        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        if self.QUANTIZABLE:
+            self.weight = make_linear_weight(out_local, in_local)
+        else:
+            self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(bias_size), requires_grad=False) if bias else None
         self._packed: Optional[torch.Tensor] = None
+        self.quant: Optional[GGUFWeight] = None
 
     def pack(self) -> None:
+        if self.quant is not None:  # GGUF blocks: nothing to prepack
+            return
         weight = self.weight.detach().contiguous()
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PackedLinear.ROWS_HINT)
         del self.weight  # the packed copy replaces it (one copy of the weights in memory)
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """x [..., in_local] -> [..., out_local] (+ bias)."""
+        if self.quant is not None:
+            return self.quant(x, bias)
         if self._packed is None:
             return F.linear(x, self.weight, bias)
         lead = x.shape[:-1]

@@ -15,6 +15,7 @@ from torch import nn
 
 from vllm.distributed import tensor_parallel as tpu
 from vllm.model_executor.layers.linear import ParallelLinearBase
+from vllm.model_executor.layers.quantization.gguf import GGUFWeight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -25,21 +26,32 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.start, self.end, rows = tpu.vocab_range(vocab_size, tpu.tp_size(), tpu.tp_rank())
         self.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
+        # --quantization gguf: the rows as GGUF blocks instead of `weight` (set after loading).
+        self.quant: Optional[GGUFWeight] = None
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of this shard -> [T, dim] (GGUF blocks: only those rows dequantized)."""
+        if self.quant is None:
+            return F.embedding(ids, self.weight)
+        return self.quant.rows(ids)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> [T, dim]."""
         if tpu.tp_size() == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         mine = (ids >= self.start) & (ids < self.end)
         local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
-        out = F.embedding(local, self.weight)
+        out = self._lookup(local)
         out.masked_fill_(~mine[:, None], 0)
         return tpu.all_reduce(out)
 
 
 class ParallelLMHead(ParallelLinearBase):
     """The lm_head with its vocabulary rows split like VocabParallelEmbedding (so a tied head
-    shares the embedding's shard)."""
+    shares the embedding's shard). Under --quantization gguf it gets the file's blocks after
+    loading (quantization.gguf.quantize_lm_head), not while loading."""
+
+    QUANTIZABLE = False
 
     def __init__(self, vocab_size: int, dim: int) -> None:
         self.vocab_size = vocab_size

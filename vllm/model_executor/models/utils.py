@@ -9,6 +9,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from vllm.model_executor.layers.quantization import gguf as gguf_quant
+
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -69,7 +71,12 @@ def copy_padded_rows(param: torch.Tensor, loaded: torch.Tensor, name: str) -> No
 
 
 def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
-    """Copy a checkpoint tensor into a parameter (or a slice of one), checking the shape."""
+    """Copy a checkpoint tensor into a parameter (or a slice of one), checking the shape.
+    GGUF blocks go to a quantized weight's collector (--quantization gguf), or are
+    dequantized for a dense parameter."""
+    if gguf_quant.load_into(param, loaded, name):
+        return
+    loaded = gguf_quant.dense(loaded)
     if param.shape != loaded.shape:
         raise ValueError(
             f"weight {name}: checkpoint shape {tuple(loaded.shape)} does not match the model's "

@@ -1,0 +1,237 @@
+"""The bundled GGUF run as shipped (--quantization gguf) against dequantized fp32 and bf16.
+
+    python -m benchmarks.gguf_quant [--threads 1] [--batches 1,4,16,128] [--decode-tokens 32]
+
+In one run, on --threads cores (default 1; the engine's stage gets the same):
+1. Memory bandwidth, STREAM-like: the best of several copies of a 256 MiB buffer (bytes read +
+   bytes written per second), the physical limit of a decode step that reads every weight.
+2. The crossover of the quantized linear: the block kernel against dequantize + GEMM for one
+   of the model's matmuls (gate/up, 3072 x 576, Q4_1) from 1 to 256 tokens.
+3. Decode tokens/s at each batch size for Q4_1 as shipped (fp32 activations), fp32 and bf16
+   (both dequantized at load, --quantization none): the time of prompts + D tokens minus that
+   of the prompts + 1 token, over batch x (D - 1) tokens. With the bytes of weights a step
+   reads (the stage's weights: the tied embedding is the lm_head, read whole every step) and
+   the bandwidth limit they imply at batch 1; and the time of one token through the linear
+   layers alone (the weight-reading part of a step, without the engine's per-step work), as
+   the bandwidth it achieves.
+4. Greedy agreement on 16 prompts x 32 tokens against HF transformers loading the same GGUF
+   (dequantized to fp32), as benchmarks/bf16_accuracy.py does for bf16; at each first
+   difference, HF's top-2 logit margin (a near tie, or a real disagreement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+from benchmarks.bf16_accuracy import agreement
+from benchmarks.common import fmt_bytes, load_prompts, print_table
+
+# (label, LLM keyword arguments)
+CONFIGS = [
+    ("Q4_1 as shipped (fp32 act.)", {"quantization": "gguf", "dtype": "float32"}),
+    ("fp32 (dequantized)", {"quantization": "none", "dtype": "float32"}),
+    ("bf16 (dequantized)", {"quantization": "none", "dtype": "bfloat16"}),
+]
+
+
+def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes moved per second (read + write) by the best of `repeats` buffer copies."""
+    import torch
+
+    src = torch.ones(mib << 18, dtype=torch.float32)  # mib MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best
+
+
+def crossover(tokens: list[int]) -> list[list[Any]]:
+    """Per token count: ms of the block kernel and of dequantize + GEMM (gate/up, Q4_1)."""
+    import torch
+    import torch.nn.functional as F
+
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.gguf import repack_gguf_rows
+
+    n, k, qtype = 3072, 576, 3
+    raw = torch.randint(0, 256, (n, k // 32 * 20), dtype=torch.uint8)
+    scales = (torch.randn(n, k // 32, 2) * 0.02).half().view(torch.uint8)
+    raw.view(n, k // 32, 20)[:, :, :4] = scales.view(n, k // 32, 4)
+    raw = repack_gguf_rows(raw, qtype)
+
+    def best(fn: Any) -> float:
+        fn()
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times) * 1e3
+
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, k)
+        kernel = best(lambda x=x: ops.gguf_linear(x, raw, qtype))
+        dense = best(lambda x=x: F.linear(x, ops.gguf_dequantize(raw, qtype, k, x.dtype)))
+        rows.append([t, f"{kernel:.2f}", f"{dense:.2f}", "kernel" if kernel <= dense else "GEMM"])
+    return rows
+
+
+def linear_step_seconds(llm: Any, dtype: Any) -> float:
+    """Best time of one token through every linear layer of the model (lm_head included):
+    the weight-reading part of a batch-1 decode step, without the engine around it."""
+    import torch
+
+    from vllm.model_executor.layers.linear import ParallelLinearBase
+
+    model = llm.llm_engine.executor.worker.model_runner.model
+    layers = [m for m in model.modules() if isinstance(m, ParallelLinearBase)]
+    inputs = [torch.randn(1, m.in_features, dtype=dtype) for m in layers]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(5):
+            start = time.perf_counter()
+            for layer, x in zip(layers, inputs):
+                layer._matmul(x, None)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def decode_rates(
+    kwargs: dict[str, Any], batches: list[int], decode_tokens: int
+) -> tuple[dict[int, float], dict[str, Any]]:
+    """Decode tokens/s per batch size, and the stage's info (weights, linear path, and the
+    time of one token through the linear layers alone)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM("smollm2", kv_cache_space=1.0, swap_space=0.1, max_model_len=1024, **kwargs)
+    try:
+        prompt = {"prompt_token_ids": list(range(1000, 1016))}  # 16 tokens
+
+        def run(batch: int, tokens: int) -> float:
+            params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+            start = time.perf_counter()
+            llm.generate([prompt] * batch, params, use_tqdm=False)
+            return time.perf_counter() - start
+
+        run(2, 4)  # warm-up
+        rates = {}
+        for batch in batches:
+            prefill = min(run(batch, 1) for _ in range(2))
+            full = run(batch, decode_tokens)
+            rates[batch] = batch * (decode_tokens - 1) / max(full - prefill, 1e-9)
+        info = dict(llm.llm_engine.executor.stage_infos[0])
+        import torch
+
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kwargs["dtype"]]
+        info["linear_step_s"] = linear_step_seconds(llm, dtype)
+    finally:
+        llm.shutdown()
+    return rates, info
+
+
+def greedy_agreement(max_tokens: int) -> list[list[Any]]:
+    """Per config: agreement with HF fp32 on 16 prompts, and HF's margins where tokens differ."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.utils import tiny_models
+    from vllm import LLM, SamplingParams
+    from vllm.transformers_utils.gguf_config import load_gguf_tokenizer, resolve_model
+
+    prompts = load_prompts()[:16]
+    path = resolve_model("smollm2")
+    directory, name = os.path.split(path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    tokenizer = load_gguf_tokenizer(path)
+    ref = tiny_models.hf_greedy_with(model, tokenizer, prompts, max_tokens)
+    rows = []
+    for label, kwargs in CONFIGS:
+        llm = LLM("smollm2", kv_cache_space=0.5, swap_space=0.1, max_model_len=1024, **kwargs)
+        try:
+            outs = llm.generate(
+                prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False
+            )
+        finally:
+            llm.shutdown()
+        ours = [o.outputs[0].token_ids for o in outs]
+        margins = []
+        for prompt, a, b in zip(prompts, ours, ref):
+            n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if n is None:
+                continue
+            with torch.inference_mode():
+                logits = model(torch.tensor([tokenizer.encode(prompt) + b[:n]])).logits[0, -1]
+            top = torch.topk(logits.float(), 2).values
+            margins.append(f"{float(top[0] - top[1]):.1e}")
+        score = agreement(ours, ref)
+        rows.append(
+            [label, f"{score['exact']:.0%}", f"{score['tokens']:.0%}", ", ".join(margins) or "-"]
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batches", default="1,4,16,128")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--accuracy-tokens", type=int, default=32)
+    parser.add_argument("--skip-accuracy", action="store_true")
+    args = parser.parse_args()
+    os.environ["VLLM_CPU_THREADS_PER_STAGE"] = str(args.threads)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(f"load average before: {os.getloadavg()}")
+    bandwidth = copy_bandwidth()
+    print(
+        f"\nMemory bandwidth (copy, read + write, {args.threads} thread(s)): "
+        f"{bandwidth / 1e9:.1f} GB/s"
+    )
+    print("\nQuantized linear, gate/up 3072 x 576 Q4_1: block kernel vs dequantize + GEMM (ms)")
+    print_table(
+        ["tokens", "kernel", "dequant+GEMM", "faster"], crossover([1, 4, 16, 32, 64, 128, 256])
+    )
+
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    for label, kwargs in CONFIGS:
+        rates, info = decode_rates(kwargs, batches, args.decode_tokens)
+        step_bytes = info["weight_bytes"]  # tied: the embedding is the lm_head, read each step
+        limit = bandwidth / step_bytes
+        linear_s = info["linear_step_s"]
+        rows.append(
+            [label, fmt_bytes(step_bytes), f"{limit:.1f}"]
+            + [f"{rates[b]:.1f}" for b in batches]
+            + [f"{rates[batches[0]] / limit:.0%}"]
+            + [f"{linear_s * 1e3:.1f} ms = {step_bytes / linear_s / 1e9:.1f} GB/s"]
+        )
+        print(f"{label}: linear path {info.get('linear_path')}")
+    print(f"\nDecode tokens/s ({args.decode_tokens} tokens after a 16-token prompt)")
+    print_table(
+        ["weights", "bytes read / step", "bandwidth limit (tok/s, batch 1)"]
+        + [f"batch {b}" for b in batches]
+        + [f"batch {batches[0]} / limit", "1 token through the linears alone"],
+        rows,
+    )
+    if not args.skip_accuracy:
+        print(f"\nGreedy agreement with HF fp32 (16 prompts x {args.accuracy_tokens} tokens)")
+        print_table(
+            ["weights", "prompts exact", "tokens", "HF top-2 margin at each first difference"],
+            greedy_agreement(args.accuracy_tokens),
+        )
+    print(f"\nload average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,484 @@
+// Weight-only quantized matmul on GGUF blocks: y[T, N] = x[T, K] @ W^T with W [N, K] kept in
+// llama.cpp's block formats (the bytes of the .gguf file, row by row), x and y float32 or
+// bfloat16. Q4_0, Q4_1 and Q8_0: blocks of 32 weights sharing an fp16 scale d (and, Q4_1, an
+// fp16 minimum m):
+//   Q4_0 (18 bytes): d, 16 bytes of nibbles       w = d * (q - 8)
+//   Q4_1 (20 bytes): d, m, 16 bytes of nibbles    w = d * q + m
+//   Q8_0 (34 bytes): d, 32 int8                   w = d * q
+// where weight j < 16 of a 4-bit block is the low nibble of byte j, weight j >= 16 the high
+// nibble of byte j - 16. The kernels read each row with its bytes regrouped once at load
+// (`Layout` below): the scales of all its blocks first, so they widen a vector at a time.
+//
+// At decode (a few tokens per step) the matmul is bound by the bytes of weights it reads: each
+// weight row is read from memory once per step, its blocks widened to fp32 in registers and
+// multiplied with every token of the step (a tile of up to 4 tokens at a time, the row tile
+// staying in L1 between token tiles). Each (row, token) pair accumulates in one vector: 8 rows x
+// 1 token, 4 x 2 or 2 x 4, so 8 independent FMA chains hide the FMA latency. Rows are split
+// over threads (at::parallel_for). The order of the sum: lane l of the accumulator adds the
+// products of weights l, l + W, l + 2W, ... in order, then the lanes are added (cpu_simd.h's
+// reduce_add), and every weight is d * q (+ m) as an FMA: the results are within fp32
+// summation error of the dequantized weights' dot product (tests/test_gguf_quant.py).
+//
+// More than 4 tokens: each tile of 8 rows is decoded once into an fp32 buffer and multiplied
+// with every token from there (DenseTile). For many tokens (prefill), gguf_dequantize expands
+// the rows to a dense fp32/bf16 matrix for the GEMM instead;
+// vllm/model_executor/layers/quantization/gguf.py picks by token count.
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_isa.h"
+#include "cpu_simd.h"
+#include "ops.h"
+
+namespace vllm_pp {
+namespace {
+
+// ggml's type ids (ggml.h: GGML_TYPE_*).
+constexpr int64_t kQ4_0 = 2;
+constexpr int64_t kQ4_1 = 3;
+constexpr int64_t kQ8_0 = 8;
+constexpr int64_t kBlock = 32;  // weights per block, all three types
+
+constexpr int64_t block_bytes(int64_t type) {
+  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 34;
+}
+
+// W bytes widened to W fp32 lanes: signed (Q8_0), or the low / high nibbles of 16 bytes
+// (W = 8: of their first or second half). GCC 12 turns a byte -> int vector conversion written
+// with __builtin_convertvector into one scalar insert per lane, and intrinsics cannot be
+// inlined into these ISA-generic templates (their target attribute must be the caller's), so
+// the wide ISAs sign/zero-extend with one pmovsxbd / pmovzxbd in inline asm. These functions
+// are only ever inlined into their ISA's kernel (cpu_isa.h), where the asm is valid.
+typedef uint8_t Bytes16 __attribute__((vector_size(16)));
+typedef uint16_t Words8 __attribute__((vector_size(16)));
+
+VLLM_PP_INLINE Bytes16 nibbles16(const uint8_t* p, bool high) {
+  Bytes16 q;
+  std::memcpy(&q, p, 16);
+  if (high) q = (Bytes16)((Words8)q >> 4);
+  return q & 15;
+}
+
+template <int W>
+struct Widen;
+
+template <>
+struct Widen<4> {
+  using f32 = simd::Simd<4>::f32;
+  static VLLM_PP_INLINE f32 s8(const uint8_t* p) {
+    f32 v;
+    for (int i = 0; i < 4; ++i) v[i] = static_cast<int8_t>(p[i]);
+    return v;
+  }
+  // Lanes from byte `first` of the 16 (a multiple of 4).
+  static VLLM_PP_INLINE f32 nibbles(const uint8_t* p, int first, bool high) {
+    f32 v;
+    for (int i = 0; i < 4; ++i) v[i] = high ? p[first + i] >> 4 : p[first + i] & 15;
+    return v;
+  }
+};
+
+#if defined(__x86_64__)
+template <>
+struct Widen<8> {
+  using f32 = simd::Simd<8>::f32;
+  using i32 = simd::Simd<8>::i32;
+  static VLLM_PP_INLINE f32 s8(const uint8_t* p) {
+    i32 v;
+    asm("vpmovsxbd %1, %0" : "=v"(v) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p)));
+    return __builtin_convertvector(v, f32);
+  }
+  static VLLM_PP_INLINE f32 nibbles(const uint8_t* p, int first, bool high) {
+    Bytes16 q = nibbles16(p, high);
+    if (first == 8) q = __builtin_shufflevector(q, q, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11,
+                                                12, 13, 14, 15);
+    i32 v;
+    asm("vpmovzxbd %1, %0" : "=v"(v) : "v"(q));
+    return __builtin_convertvector(v, f32);
+  }
+};
+
+template <>
+struct Widen<16> {
+  using f32 = simd::Simd<16>::f32;
+  using i32 = simd::Simd<16>::i32;
+  static VLLM_PP_INLINE f32 s8(const uint8_t* p) {
+    i32 v;
+    asm("vpmovsxbd %1, %0" : "=v"(v) : "m"(*reinterpret_cast<const uint8_t(*)[16]>(p)));
+    return __builtin_convertvector(v, f32);
+  }
+  static VLLM_PP_INLINE f32 nibbles(const uint8_t* p, int, bool high) {
+    i32 v;
+    asm("vpmovzxbd %1, %0" : "=v"(v) : "v"(nibbles16(p, high)));
+    return __builtin_convertvector(v, f32);
+  }
+};
+#endif
+
+// IEEE half -> float for finite values (a scale is never inf or NaN): the half's exponent and
+// mantissa moved into a float's fields, then scaled by 2^(127 - 15) = 2^112, which is exact and
+// also covers subnormal halves. Integer ops only (no F16C needed), W halves at a time.
+template <int W>
+struct Halves {
+  using S = simd::Simd<W>;
+  using f32 = typename S::f32;
+  using u32 = typename S::u32;
+  using u16 = typename S::u16;
+
+  static VLLM_PP_INLINE f32 widen(u16 h16) {
+    const u32 h = __builtin_convertvector(h16, u32);
+    const f32 magnitude = (f32)((h & 0x7fffu) << 13) * 0x1p112f;
+    return (f32)((u32)magnitude | ((h & 0x8000u) << 16));
+  }
+
+  // out[i] = the half at p[2i] as a float, for i < n.
+  static VLLM_PP_INLINE void convert(const uint8_t* p, float* out, int64_t n) {
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      u16 h;
+      std::memcpy(&h, p + 2 * i, sizeof(h));
+      S::store(out + i, widen(h));
+    }
+    if (i < n) {
+      u16 h{};
+      std::memcpy(&h, p + 2 * i, 2 * (n - i));
+      float tail[W];
+      S::store(tail, widen(h));
+      std::copy(tail, tail + (n - i), out + i);
+    }
+  }
+};
+
+// The row layout the kernels read: the bytes of a GGUF row regrouped (repack_gguf_rows in
+// vllm/model_executor/layers/quantization/gguf.py does it once at load): first the fp16 scales
+// d of all its blocks, then (Q4_1) their minima m, then the blocks' quants one after the
+// other. Same bytes, so the same size; but the scales of a row are contiguous, and W of them
+// are widened to fp32 with a few vector ops instead of one block at a time.
+template <int64_t Type>
+struct Layout {
+  static constexpr int64_t kScaleBytes = Type == kQ4_1 ? 4 : 2;     // per block
+  static constexpr int64_t kQuantBytes = block_bytes(Type) - kScaleBytes;
+  static VLLM_PP_INLINE const uint8_t* mins(const uint8_t* row, int64_t blocks) {
+    return row + 2 * blocks;
+  }
+  static VLLM_PP_INLINE const uint8_t* quants(const uint8_t* row, int64_t blocks) {
+    return row + kScaleBytes * blocks;
+  }
+};
+
+// One block's 32 weights as 32 / W fp32 vectors, from its quants qs and its scale (and min).
+template <int W, int64_t Type>
+struct Block {
+  using S = simd::Simd<W>;
+  using f32 = typename S::f32;
+  static constexpr int kVecs = kBlock / W;
+
+  static VLLM_PP_INLINE void decode(const uint8_t* qs, float scale, float min,
+                                    f32 (&w)[kVecs]) {
+    const f32 d = S::splat(scale);
+    if constexpr (Type == kQ8_0) {
+      for (int v = 0; v < kVecs; ++v) w[v] = Widen<W>::s8(qs + v * W) * d;
+    } else {
+      for (int v = 0; v < kVecs; ++v) {
+        const f32 f = Widen<W>::nibbles(qs, (v * W) % 16, v * W >= 16);
+        if constexpr (Type == kQ4_1) {
+          w[v] = f * d + S::splat(min);
+        } else {
+          w[v] = (f - 8.0f) * d;  // q - 8 is exact in fp32
+        }
+      }
+    }
+  }
+};
+
+// Blocks whose scales are widened at a time (per row of a tile: 2 x 64 floats on the stack).
+constexpr int64_t kChunk = 64;
+
+struct LinearArgs {
+  void* out;         // [T, N], row stride out_stride
+  const void* x;     // [T, K], row stride x_stride
+  const uint8_t* w;  // [N, row_bytes]
+  int64_t tokens, n, k, row_bytes, x_stride, out_stride;
+};
+
+template <int W, int64_t Type, typename scalar_t>
+struct Tile {
+  using S = simd::Simd<W>;
+  using f32 = typename S::f32;
+  using B = Block<W, Type>;
+  static constexpr int64_t kBytes = block_bytes(Type);
+
+  // Rows [row, row + RT) x tokens [tok, tok + TT): each weight block is decoded once per tile
+  // and multiplied with the TT tokens' matching x.
+  template <int RT, int TT>
+  static VLLM_PP_INLINE void run(const LinearArgs& a, int64_t row, int64_t tok) {
+    using L = Layout<Type>;
+    const auto* x = static_cast<const scalar_t*>(a.x) + tok * a.x_stride;
+    const uint8_t* w = a.w + row * a.row_bytes;
+    const int64_t blocks = a.k / kBlock;
+    f32 acc[RT][TT];
+    for (int r = 0; r < RT; ++r)
+      for (int t = 0; t < TT; ++t) acc[r][t] = f32{};
+    float scales[RT][kChunk], mins[RT][kChunk];
+    for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
+      const int64_t n = std::min(kChunk, blocks - b0);
+      for (int r = 0; r < RT; ++r) {
+        const uint8_t* row_r = w + r * a.row_bytes;
+        Halves<W>::convert(row_r + 2 * b0, scales[r], n);
+        if constexpr (Type == kQ4_1) Halves<W>::convert(L::mins(row_r, blocks) + 2 * b0, mins[r], n);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t b = b0 + j;
+        for (int r = 0; r < RT; ++r) {
+          typename S::f32 wv[B::kVecs];
+          const uint8_t* qs = L::quants(w + r * a.row_bytes, blocks) + b * L::kQuantBytes;
+          B::decode(qs, scales[r][j], Type == kQ4_1 ? mins[r][j] : 0.0f, wv);
+          for (int v = 0; v < B::kVecs; ++v)
+            for (int t = 0; t < TT; ++t)
+              acc[r][t] += wv[v] * S::load(x + t * a.x_stride + b * kBlock + v * W);
+        }
+      }
+    }
+    auto* out = static_cast<scalar_t*>(a.out);
+    for (int r = 0; r < RT; ++r)
+      for (int t = 0; t < TT; ++t)
+        out[(tok + t) * a.out_stride + row + r] = static_cast<scalar_t>(S::reduce_add(acc[r][t]));
+  }
+
+  // Rows [begin, end) for all tokens: tiles of RT rows (8 / TT), the remainder row by row.
+  template <int TT>
+  static VLLM_PP_INLINE void rows(const LinearArgs& a, int64_t begin, int64_t end, int64_t tok) {
+    constexpr int RT = 8 / TT;
+    int64_t row = begin;
+    for (; row + RT <= end; row += RT) run<RT, TT>(a, row, tok);
+    for (; row < end; ++row) run<1, TT>(a, row, tok);
+  }
+};
+
+// More than 4 tokens: decoding a block per 4-token tile would be repeated T / 4 times, so the
+// rows of a tile are decoded once into an fp32 buffer (L1/L2) and multiplied from there. The
+// products and their order are those of Tile (lane l adds columns l, l + W, ... in order), so
+// both paths give the same results.
+template <int W, int64_t Type>
+VLLM_PP_INLINE void decode_rows(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t rows,
+                                float* out) {
+  using S = simd::Simd<W>;
+  using B = Block<W, Type>;
+  using L = Layout<Type>;
+  const int64_t blocks = k / kBlock;
+  float scales[kChunk], mins[kChunk];
+  for (int64_t row = 0; row < rows; ++row) {
+    const uint8_t* w_row = w + row * row_bytes;
+    for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
+      const int64_t n = std::min(kChunk, blocks - b0);
+      Halves<W>::convert(w_row + 2 * b0, scales, n);
+      if constexpr (Type == kQ4_1) Halves<W>::convert(L::mins(w_row, blocks) + 2 * b0, mins, n);
+      for (int64_t j = 0; j < n; ++j) {
+        typename S::f32 wv[B::kVecs];
+        const int64_t b = b0 + j;
+        B::decode(L::quants(w_row, blocks) + b * L::kQuantBytes, scales[j],
+                  Type == kQ4_1 ? mins[j] : 0.0f, wv);
+        for (int v = 0; v < B::kVecs; ++v) S::store(out + row * k + b * kBlock + v * W, wv[v]);
+      }
+    }
+  }
+}
+
+template <int W, typename scalar_t>
+struct DenseTile {
+  using S = simd::Simd<W>;
+  using f32 = typename S::f32;
+
+  // Rows [row, row + RT) (fp32 in wbuf, [RT][k]) x tokens [tok, tok + TT).
+  template <int RT, int TT>
+  static VLLM_PP_INLINE void run(const LinearArgs& a, const float* wbuf, int64_t row,
+                                 int64_t tok) {
+    const auto* x = static_cast<const scalar_t*>(a.x) + tok * a.x_stride;
+    f32 acc[RT][TT];
+    for (int r = 0; r < RT; ++r)
+      for (int t = 0; t < TT; ++t) acc[r][t] = f32{};
+    for (int64_t c = 0; c < a.k; c += W) {
+      for (int r = 0; r < RT; ++r) {
+        const f32 wv = S::load(wbuf + r * a.k + c);
+        for (int t = 0; t < TT; ++t) acc[r][t] += wv * S::load(x + t * a.x_stride + c);
+      }
+    }
+    auto* out = static_cast<scalar_t*>(a.out);
+    for (int r = 0; r < RT; ++r)
+      for (int t = 0; t < TT; ++t)
+        out[(tok + t) * a.out_stride + row + r] = static_cast<scalar_t>(S::reduce_add(acc[r][t]));
+  }
+
+  // Every token for rows [row, row + rows) decoded in wbuf: pairs of rows x 4 tokens.
+  static VLLM_PP_INLINE void rows(const LinearArgs& a, const float* wbuf, int64_t row,
+                                  int64_t rows) {
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) {
+      int64_t tok = 0;
+      for (; tok + 4 <= a.tokens; tok += 4) run<2, 4>(a, wbuf + r * a.k, row + r, tok);
+      for (; tok < a.tokens; ++tok) run<2, 1>(a, wbuf + r * a.k, row + r, tok);
+    }
+    for (; r < rows; ++r) {
+      int64_t tok = 0;
+      for (; tok + 4 <= a.tokens; tok += 4) run<1, 4>(a, wbuf + r * a.k, row + r, tok);
+      for (; tok < a.tokens; ++tok) run<1, 1>(a, wbuf + r * a.k, row + r, tok);
+    }
+  }
+};
+
+template <int W>
+struct LinearKernel {
+  template <int64_t Type, typename scalar_t>
+  static VLLM_PP_INLINE void typed(const LinearArgs& a, int64_t begin, int64_t end) {
+    using T = Tile<W, Type, scalar_t>;
+    if (a.tokens > 4) {
+      // 8 rows at a time decoded once (8 x K floats: 48 KiB at K = 1536).
+      std::vector<float> wbuf(8 * a.k);
+      for (int64_t row = begin; row < end; row += 8) {
+        const int64_t rows = std::min<int64_t>(8, end - row);
+        decode_rows<W, Type>(a.w + row * a.row_bytes, a.row_bytes, a.k, rows, wbuf.data());
+        DenseTile<W, scalar_t>::rows(a, wbuf.data(), row, rows);
+      }
+      return;
+    }
+    // Row chunks of 64 so a tile's weights stay in L1/L2 across the token tiles.
+    for (int64_t r0 = begin; r0 < end; r0 += 64) {
+      const int64_t r1 = std::min(end, r0 + 64);
+      int64_t tok = 0;
+      for (; tok + 4 <= a.tokens; tok += 4) T::template rows<4>(a, r0, r1, tok);
+      for (; tok + 2 <= a.tokens; tok += 2) T::template rows<2>(a, r0, r1, tok);
+      for (; tok < a.tokens; ++tok) T::template rows<1>(a, r0, r1, tok);
+    }
+  }
+
+  template <typename scalar_t>
+  static VLLM_PP_INLINE void run(const LinearArgs& a, int64_t type, int64_t begin, int64_t end,
+                                 scalar_t*) {
+    switch (type) {
+      case kQ4_0:
+        return typed<kQ4_0, scalar_t>(a, begin, end);
+      case kQ4_1:
+        return typed<kQ4_1, scalar_t>(a, begin, end);
+      default:
+        return typed<kQ8_0, scalar_t>(a, begin, end);
+    }
+  }
+
+  static VLLM_PP_INLINE void run(const LinearArgs* a, int64_t type, bool bf16, int64_t begin,
+                                 int64_t end) {
+    if (bf16) {
+      run(*a, type, begin, end, static_cast<c10::BFloat16*>(nullptr));
+    } else {
+      run(*a, type, begin, end, static_cast<float*>(nullptr));
+    }
+  }
+};
+
+template <int W>
+struct DequantKernel {
+  template <int64_t Type, typename scalar_t>
+  static VLLM_PP_INLINE void typed(scalar_t* out, const uint8_t* w, int64_t k, int64_t row_bytes,
+                                   int64_t begin, int64_t end) {
+    using S = simd::Simd<W>;
+    using B = Block<W, Type>;
+    using L = Layout<Type>;
+    const int64_t blocks = k / kBlock;
+    float scales[kChunk], mins[kChunk];
+    for (int64_t row = begin; row < end; ++row) {
+      const uint8_t* w_row = w + row * row_bytes;
+      for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
+        const int64_t n = std::min(kChunk, blocks - b0);
+        Halves<W>::convert(w_row + 2 * b0, scales, n);
+        if constexpr (Type == kQ4_1) Halves<W>::convert(L::mins(w_row, blocks) + 2 * b0, mins, n);
+        for (int64_t j = 0; j < n; ++j) {
+          typename S::f32 wv[B::kVecs];
+          const int64_t b = b0 + j;
+          B::decode(L::quants(w_row, blocks) + b * L::kQuantBytes, scales[j],
+                    Type == kQ4_1 ? mins[j] : 0.0f, wv);
+          for (int v = 0; v < B::kVecs; ++v) S::store(out + row * k + b * kBlock + v * W, wv[v]);
+        }
+      }
+    }
+  }
+
+  static VLLM_PP_INLINE void run(void* out, const uint8_t* w, int64_t type, bool bf16, int64_t k,
+                                 int64_t row_bytes, int64_t begin, int64_t end) {
+#define VLLM_PP_DEQUANT_CASE(TYPE)                                                         \
+  if (type == TYPE) {                                                                      \
+    if (bf16)                                                                              \
+      typed<TYPE>(static_cast<c10::BFloat16*>(out), w, k, row_bytes, begin, end);          \
+    else                                                                                   \
+      typed<TYPE>(static_cast<float*>(out), w, k, row_bytes, begin, end);                  \
+    return;                                                                                \
+  }
+    VLLM_PP_DEQUANT_CASE(kQ4_0)
+    VLLM_PP_DEQUANT_CASE(kQ4_1)
+    VLLM_PP_DEQUANT_CASE(kQ8_0)
+#undef VLLM_PP_DEQUANT_CASE
+  }
+};
+
+void check_blocks(const char* op, const at::Tensor& weight, int64_t type, int64_t k) {
+  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0, op, ": ggml type ", type,
+              " is not supported (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte, op,
+              ": weight must be a CPU uint8 tensor of GGUF blocks");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), op,
+              ": weight must be contiguous [N, row_bytes], got ", weight.sizes());
+  TORCH_CHECK(k > 0 && k % kBlock == 0, op, ": K (", k, ") must be a multiple of ", kBlock);
+  TORCH_CHECK(weight.size(1) == k / kBlock * block_bytes(type), op, ": weight rows hold ",
+              weight.size(1), " bytes, expected ", k / kBlock * block_bytes(type), " for K = ", k);
+}
+
+// Rows per task: enough weight bytes (>= 256 KiB) that a thread's share outweighs waking it.
+int64_t row_grain(int64_t row_bytes, int64_t tokens) {
+  return std::max<int64_t>(8, (int64_t{1} << 18) / std::max<int64_t>(1, row_bytes * tokens));
+}
+
+}  // namespace
+
+void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t type) {
+  constexpr const char* op = "gguf_linear";
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, op,
+              ": x must be a CPU [T, K] tensor with unit last stride");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
+  check_blocks(op, weight, type, x.size(1));
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.dim() == 2 && out.stride(1) == 1 &&
+                  out.size(0) == x.size(0) && out.size(1) == weight.size(0),
+              op, ": out must be [T, N] of x's dtype with unit last stride");
+  const LinearArgs args{out.data_ptr(), x.data_ptr(), weight.data_ptr<uint8_t>(),
+                        x.size(0),      weight.size(0), x.size(1),
+                        weight.size(1), x.stride(0),    out.stride(0)};
+  if (args.tokens == 0 || args.n == 0) return;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  auto fn = select_isa_kernel<LinearKernel, const LinearArgs*, int64_t, bool, int64_t, int64_t>();
+  at::parallel_for(0, args.n, row_grain(args.row_bytes, args.tokens),
+                   [&](int64_t begin, int64_t end) { fn(&args, type, bf16, begin, end); });
+}
+
+void gguf_dequantize(at::Tensor& out, const at::Tensor& weight, int64_t type) {
+  constexpr const char* op = "gguf_dequantize";
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, op,
+              ": out must be float32 or bfloat16");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == weight.size(0), op,
+              ": out must be contiguous [N, K]");
+  check_blocks(op, weight, type, out.size(1));
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  auto fn = select_isa_kernel<DequantKernel, void*, const uint8_t*, int64_t, bool, int64_t,
+                              int64_t, int64_t, int64_t>();
+  void* dst = out.data_ptr();
+  const uint8_t* src = weight.data_ptr<uint8_t>();
+  const int64_t k = out.size(1), row_bytes = weight.size(1);
+  at::parallel_for(0, weight.size(0), row_grain(row_bytes, 1), [&](int64_t begin, int64_t end) {
+    fn(dst, src, type, bf16, k, row_bytes, begin, end);
+  });
+}
+
+}  // namespace vllm_pp

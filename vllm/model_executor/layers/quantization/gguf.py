@@ -1,0 +1,319 @@
+"""GGUF weight-only quantization (`--quantization gguf`): linear layers keep the file's blocks.
+
+The loader (`gguf_loader.iter_gguf_weights(..., keep_quantized=True)`) yields a linear layer's
+weight as `GGUFBlocks`: the raw rows of the GGUF tensor (or of this TP rank's shard: whole rows
+for a column-parallel layer, whole blocks of each row for a row-parallel one). A linear layer
+built while `quantized_linears()` is active has a meta (memory-less) weight whose
+`gguf_sink` collects those rows at their offsets (q, k and v into one fused qkv, ...); after
+loading, `finalize_quantized(model)` turns each sink into a `GGUFWeight` the layer multiplies
+with. Q4_0, Q4_1 and Q8_0 rows are regrouped once (`repack_gguf_rows`: the same bytes, a row's
+scales together) and go to the C++ kernel (csrc/quant_gguf.cpp) with fp32 or bf16 activations;
+other types (the K-quants, F16), other activation dtypes, or a build without the kernels are
+dequantized at load to the activation dtype.
+
+At one or a few tokens per step the kernel reads each block once; from `DENSE_MIN_TOKENS`
+tokens on (prefill), dequantizing the layer to a dense matrix and running the GEMM is faster
+(measured by benchmarks/gguf_quant.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm import _custom_ops as ops
+
+logger = logging.getLogger("vllm.quantization.gguf")
+
+# ggml type ids the kernel runs (ggml.h): Q4_0, Q4_1, Q8_0.
+KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+# Activation dtypes the kernel takes.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# From this many tokens in one matmul on, dequantize + GEMM is used instead of the block kernel:
+# measured with benchmarks/gguf_quant.py on SmolLM2's gate/up (3072 x 576, Q4_1), one thread,
+# AVX-512: the kernel is 2-4x faster at 1-4 tokens, 1.2x at 8, level with the GEMM from 16 to
+# 128 (its rows decoded once into fp32 for more than 4 tokens), and the GEMM 1.2x faster at 256.
+DENSE_MIN_TOKENS = 128
+
+
+# Bytes per block, and of its fp16 scale (+ Q4_1's fp16 minimum) at the block's start.
+_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+_SCALE_BYTES = {2: 2, 3: 4, 8: 2}
+
+
+def repack_gguf_rows(raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """GGUF rows [N, row_bytes] (blocks one after the other: scale(s), then quants) -> the
+    kernels' layout of the same bytes [N, row_bytes]: each row's fp16 scales d of all blocks,
+    then (Q4_1) their minima m, then the blocks' quants, so a row's scales are contiguous and
+    widened to fp32 a vector at a time (csrc/quant_gguf.cpp)."""
+    n, row_bytes = raw.shape
+    blocks = raw.reshape(n, row_bytes // _BLOCK_BYTES[qtype], _BLOCK_BYTES[qtype])
+    pieces = [blocks[:, :, 0:2].reshape(n, -1)]
+    if qtype == 3:
+        pieces.append(blocks[:, :, 2:4].reshape(n, -1))
+    pieces.append(blocks[:, :, _SCALE_BYTES[qtype] :].reshape(n, -1))
+    return torch.cat(pieces, dim=1).contiguous()
+
+
+@dataclass
+class GGUFBlocks:
+    """Rows of a quantized GGUF tensor as stored: raw [rows, row_bytes] uint8 of ggml type
+    `qtype`, standing for a [rows, cols] weight."""
+
+    raw: torch.Tensor  # [rows, row_bytes] uint8
+    qtype: int
+    shape: tuple[int, int]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [rows, cols] weight (gguf's numpy dequantization)."""
+        import gguf
+        import numpy as np
+
+        values = gguf.quants.dequantize(
+            np.ascontiguousarray(self.raw.numpy()), gguf.GGMLQuantizationType(self.qtype)
+        )
+        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(self.shape)
+
+
+_ACTIVE = False
+
+
+@contextlib.contextmanager
+def quantized_linears(enabled: bool) -> Iterator[None]:
+    """While active, linear layers built get a meta weight that collects GGUF blocks."""
+    global _ACTIVE
+    old, _ACTIVE = _ACTIVE, enabled
+    try:
+        yield
+    finally:
+        _ACTIVE = old
+
+
+class _Sink:
+    """Collects the rows loaded into a quantized linear's (meta) weight, at their offsets."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        self.rows, self.cols = rows, cols
+        self.segments: list[tuple[int, Union[GGUFBlocks, torch.Tensor]]] = []
+
+    def add(self, target: torch.Tensor, loaded: Any, name: str) -> None:
+        shape = tuple(loaded.shape)
+        if shape != tuple(target.shape):
+            raise ValueError(
+                f"weight {name}: checkpoint shape {shape} does not match the model's "
+                f"{tuple(target.shape)}."
+            )
+        # target is the weight or a slice of its rows: its offset gives the first row.
+        self.segments.append((target.storage_offset() // self.cols, loaded))
+
+
+def make_linear_weight(out_local: int, in_local: int) -> nn.Parameter:
+    """A linear layer's weight [out_local, in_local]: dense in the default dtype, or, inside
+    `quantized_linears(True)`, a meta tensor whose `gguf_sink` receives the GGUF rows."""
+    if not _ACTIVE:
+        return nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+    weight = nn.Parameter(torch.empty(out_local, in_local, device="meta"), requires_grad=False)
+    weight.gguf_sink = _Sink(out_local, in_local)
+    return weight
+
+
+def load_into(param: torch.Tensor, loaded: Any, name: str) -> bool:
+    """Route a checkpoint tensor to a quantized weight's sink; False if `param` has none."""
+    base = param if param._base is None else param._base
+    sink = getattr(base, "gguf_sink", None)
+    if sink is None:
+        return False
+    sink.add(param, loaded, name)
+    return True
+
+
+def dense(loaded: Any) -> Any:
+    """A checkpoint tensor as a dense tensor (GGUFBlocks dequantized to float32)."""
+    return loaded.dequantize() if isinstance(loaded, GGUFBlocks) else loaded
+
+
+def kernel_runs(qtype: int, dtype: torch.dtype) -> bool:
+    """Whether the C++ kernel multiplies blocks of `qtype` with `dtype` activations here."""
+    return qtype in KERNEL_TYPES and dtype in KERNEL_DTYPES and ops.is_available()
+
+
+def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """x [T, cols] (fp32/bf16, unit last stride) @ W^T, W the blocks raw [N, row_bytes] (in
+    the kernels' layout, `repack_gguf_rows`):
+    the block kernel for few tokens, dequantize + GEMM from DENSE_MIN_TOKENS on -> [T, N]."""
+    if x.shape[0] >= DENSE_MIN_TOKENS:
+        return F.linear(x, ops.gguf_dequantize(raw, qtype, cols, x.dtype))
+    return ops.gguf_linear(x, raw, qtype)
+
+
+class GGUFWeight(nn.Module):
+    """A linear layer's weight [N, K] as GGUF blocks: one or more row ranges ("parts", e.g.
+    q/k/v of different types), each blocks for the kernel or a dense matrix."""
+
+    def __init__(
+        self, parts: list[tuple[Optional[int], torch.Tensor]], cols: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.cols = cols
+        self.dtype = dtype
+        self.qtypes: list[Optional[int]] = []
+        for i, (qtype, tensor) in enumerate(parts):
+            self.register_buffer(f"part{i}", tensor, persistent=False)
+            self.qtypes.append(qtype)
+
+    @classmethod
+    def from_sink(cls, sink: _Sink, dtype: torch.dtype, name: str) -> GGUFWeight:
+        """Join the sink's segments (checked to cover every row once) into parts: consecutive
+        blocks of one kernel type are concatenated; anything else is dequantized to dtype."""
+        segments = sorted(sink.segments, key=lambda seg: seg[0])
+        expected = 0
+        for start, tensor in segments:
+            if start != expected:
+                raise ValueError(f"weight {name}: rows {expected}..{start} were not loaded.")
+            expected += tensor.shape[0]
+        if expected != sink.rows:
+            raise ValueError(f"weight {name}: {expected} of {sink.rows} rows loaded.")
+        parts: list[tuple[Optional[int], list[torch.Tensor]]] = []
+        for _, tensor in segments:
+            if isinstance(tensor, GGUFBlocks) and kernel_runs(tensor.qtype, dtype):
+                qtype: Optional[int] = tensor.qtype
+                piece = repack_gguf_rows(tensor.raw, tensor.qtype)
+            else:
+                qtype, piece = None, dense(tensor).to(dtype)
+            if parts and parts[-1][0] == qtype:
+                parts[-1][1].append(piece)
+            else:
+                parts.append((qtype, [piece]))
+        return cls(
+            [(q, torch.cat(ts) if len(ts) > 1 else ts[0]) for q, ts in parts], sink.cols, dtype
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f"part{i}") for i in range(len(self.qtypes))]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight as held (blocks and dense parts)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @property
+    def is_quantized(self) -> bool:
+        return any(q is not None for q in self.qtypes)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of the weight, dequantized -> [T, K] in dtype (an embedding lookup:
+        the values the dense embedding would hold)."""
+        assert len(self.qtypes) == 1 and self.qtypes[0] is not None
+        picked = self.part0.index_select(0, ids)  # [T, row_bytes]
+        return ops.gguf_dequantize(picked, self.qtypes[0], self.cols, self.dtype)
+
+    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [..., K] -> [..., N] (+ bias), in x's dtype."""
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.cols)
+        if flat.dtype != self.dtype:
+            flat = flat.to(self.dtype)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        outs = []
+        for qtype, tensor in zip(self.qtypes, self.tensors()):
+            if qtype is None:
+                outs.append(F.linear(flat, tensor))
+            else:
+                outs.append(gguf_linear(flat, tensor, qtype, self.cols))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [T, N]
+        if bias is not None:
+            out = out + bias
+        return out.view(*lead, out.shape[-1])
+
+
+def finalize_quantized(model: nn.Module, dtype: torch.dtype) -> int:
+    """Replace every collecting (meta) linear weight by its GGUFWeight (`module.quant`), or,
+    when none of its rows are kernel blocks (an F32/F16 file), by a dense weight again, so such
+    layers run exactly as without --quantization gguf; returns how many layers run quantized."""
+    count = 0
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        sink = getattr(weight, "gguf_sink", None)
+        if sink is None:
+            continue
+        quant = GGUFWeight.from_sink(sink, dtype, f"{name}.weight")
+        del module.weight
+        if quant.is_quantized:
+            module.quant = quant
+            count += 1
+        else:
+            dense_rows = torch.cat(quant.tensors()) if len(quant.qtypes) > 1 else quant.part0
+            module.weight = nn.Parameter(dense_rows, requires_grad=False)
+    return count
+
+
+def quantize_vocab(model: nn.Module, path: str, dtype: torch.dtype) -> int:
+    """Give the lm_head and the embedding (this stage's, this rank's vocabulary shard) the
+    file's blocks when the kernel runs their type (Q8_0 in most GGUFs): the lm_head multiplies
+    with them, the embedding dequantizes the rows it looks up. A tied pair shares one copy.
+    Returns how many of the two were quantized."""
+    from vllm.model_executor.gguf_loader import read_gguf_blocks
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    cache: dict[str, Optional[GGUFBlocks]] = {}
+
+    def blocks(name: str, rows: int) -> Optional[GGUFBlocks]:
+        if name not in cache:
+            found = read_gguf_blocks(path, name, model.weight_shard(name))
+            if found is not None and kernel_runs(found.qtype, dtype):
+                pad = rows - found.raw.shape[0]  # the last TP shard's padding rows: zero bytes
+                raw = torch.cat([found.raw, found.raw.new_zeros(pad, found.raw.shape[1])])
+                found = GGUFBlocks(raw if pad else found.raw, found.qtype, (rows, found.shape[1]))
+            else:
+                found = None
+            cache[name] = found
+        return cache[name]
+
+    count = 0
+    packed_cache: dict[str, torch.Tensor] = {}  # a tied pair shares one tensor
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead):
+            name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        elif type(module) is VocabParallelEmbedding:  # not Gemma's (it scales the weight)
+            name = "model.embed_tokens.weight"
+        else:
+            continue
+        rows, cols = module.weight.shape
+        found = blocks(name, rows)
+        if found is None or found.shape[1] != cols:
+            continue
+        del module.weight
+        packed = packed_cache.get(name)
+        if packed is None:
+            packed = packed_cache[name] = repack_gguf_rows(found.raw, found.qtype)
+        module.quant = GGUFWeight([(found.qtype, packed)], cols, dtype)
+        count += 1
+    return count
+
+
+def quantized_bytes(model: nn.Module) -> tuple[int, int]:
+    """(weights, bytes) held by the model's GGUFWeights (tensors shared by a tied pair once)."""
+    n = nbytes = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, GGUFWeight):
+            continue
+        for tensor in module.tensors():
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            n += tensor.shape[0] * module.cols
+            nbytes += tensor.numel() * tensor.element_size()
+    return n, nbytes
