@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from vllm import _custom_ops as ops
+from vllm.config import resolve_quantization
 from vllm.model_executor.layers.quantization import gguf as gguf_quant
-from vllm.model_executor.layers.quantization import resolve_quantization
 
 Q = gguf.GGMLQuantizationType
 KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]

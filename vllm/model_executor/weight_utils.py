@@ -151,7 +151,7 @@ def load_stage_model(
     n_quant = 0
     if quantized:
         n_quant = gguf_quant.finalize_quantized(model, dtype)
-        n_quant += gguf_quant.quantize_vocab(model, model_config.model, dtype)
+        n_quant += quantize_vocab(model, model_config.model, dtype)
     # Counted before packing: packed weights are buffers of oneDNN's, not parameters.
     quant_params, quant_bytes = gguf_quant.quantized_bytes(model)
     n_params = sum(p.numel() for p in model.parameters()) + quant_params
@@ -174,3 +174,57 @@ def load_stage_model(
         path,
     )
     return model
+
+
+def quantize_vocab(model: nn.Module, path: str, dtype: torch.dtype) -> int:
+    """Give the lm_head and the embedding (this stage's, this rank's vocabulary shard) the
+    file's blocks when the kernel runs their type (Q8_0 in most GGUFs): the lm_head multiplies
+    with them, the embedding dequantizes the rows it looks up. A tied pair shares one copy.
+    Returns how many of the two were quantized."""
+    from vllm.model_executor.gguf_loader import read_gguf_blocks
+    from vllm.model_executor.layers.quantization.gguf import (
+        GGUFBlocks,
+        GGUFWeight,
+        kernel_runs,
+        repack_gguf_rows,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    cache: dict[str, Optional[GGUFBlocks]] = {}
+
+    def blocks(name: str, rows: int) -> Optional[GGUFBlocks]:
+        if name not in cache:
+            found = read_gguf_blocks(path, name, model.weight_shard(name))
+            if found is not None and kernel_runs(found.qtype, dtype):
+                pad = rows - found.raw.shape[0]  # the last TP shard's padding rows: zero bytes
+                raw = torch.cat([found.raw, found.raw.new_zeros(pad, found.raw.shape[1])])
+                found = GGUFBlocks(raw if pad else found.raw, found.qtype, (rows, found.shape[1]))
+            else:
+                found = None
+            cache[name] = found
+        return cache[name]
+
+    count = 0
+    packed_cache: dict[str, torch.Tensor] = {}  # a tied pair shares one tensor
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead):
+            name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        elif type(module) is VocabParallelEmbedding:  # not Gemma's (it scales the weight)
+            name = "model.embed_tokens.weight"
+        else:
+            continue
+        rows, cols = module.weight.shape
+        found = blocks(name, rows)
+        if found is None or found.shape[1] != cols:
+            continue
+        del module.weight
+        packed = packed_cache.get(name)
+        if packed is None:
+            packed = packed_cache[name] = repack_gguf_rows(found.raw, found.qtype)
+        module.quant = GGUFWeight([(found.qtype, packed)], cols, dtype)
+        count += 1
+    return count
