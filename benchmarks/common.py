@@ -16,13 +16,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS_FILE = REPO_ROOT / "benchmarks" / "prompts.txt"
 
 
-def load_prompts(path: Optional[str] = None) -> list[str]:
+def load_prompts(path: str | None = None) -> list[str]:
     """One prompt per non-empty line; a literal backslash-n inside a line is a newline (so code
     prompts stay on one line of the file)."""
     text = Path(path or PROMPTS_FILE).read_text(encoding="utf-8")
@@ -100,7 +100,7 @@ def timer(result: dict[str, float], key: str = "seconds") -> Iterator[None]:
 
 
 @contextmanager
-def env_var(name: str, value: Optional[str]) -> Iterator[None]:
+def env_var(name: str, value: str | None) -> Iterator[None]:
     """Set (or, with None, leave alone) an environment variable for the block only."""
     saved = os.environ.get(name)
     if value is not None:
@@ -131,7 +131,7 @@ def environment() -> dict[str, Any]:
     }
 
 
-def write_json(path: Optional[str], data: dict[str, Any]) -> None:
+def write_json(path: str | None, data: dict[str, Any]) -> None:
     """Write `data` plus the environment to `path` (no-op when path is None)."""
     if not path:
         return

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from benchmarks.common import REPO_ROOT, load_prompts, print_table, take_prompts, write_json
 
@@ -132,7 +132,7 @@ def matmul_bound(args: argparse.Namespace, dtype: str, prompt_tokens: int) -> fl
     return n * args.output_len / seconds
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -288,7 +288,7 @@ def run_one(
     return result
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.only != "ours" and not args.vllm_python:
         raise SystemExit(

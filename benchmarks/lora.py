@@ -19,7 +19,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any
 
 from benchmarks.common import (
     load_prompts,
@@ -32,7 +32,7 @@ from benchmarks.common import (
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -80,7 +80,7 @@ def write_adapter(config: Any, path: str, rank: int, seed: int) -> str:
     return path
 
 
-def run(args: argparse.Namespace, prompts: list[str], loras: Optional[list[Any]]) -> dict:
+def run(args: argparse.Namespace, prompts: list[str], loras: list[Any] | None) -> dict:
     """One engine; `loras` None: LoRA off; []: LoRA on, base model; else round-robin."""
     from vllm import LLM, SamplingParams
 
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace, prompts: list[str], loras: Optional[list[Any]]
     return {"wall_s": wall, "generated_tokens": generated, "tok_s": generated / wall}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     from vllm.lora.request import LoRARequest
 
     args = parse_args(argv)

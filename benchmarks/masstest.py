@@ -23,7 +23,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -36,7 +36,7 @@ class Req:
     prompt: str
     params: Any
     kind: str  # "greedy", "seeded" (random but reproducible) or "random"
-    abort_step: Optional[int] = None
+    abort_step: int | None = None
 
 
 @dataclass
@@ -50,7 +50,7 @@ class RunState:
     seconds: float = 0.0
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -412,7 +412,7 @@ def verify(
     return errors, len(todo)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     faulthandler.dump_traceback_later(args.timeout, exit=True)
     rng = random.Random(args.seed)

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 import numpy as np
@@ -236,7 +236,7 @@ def served_model(base_url: str) -> str:
     return httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-url", default=None, help="A running server (default: --launch).")
     p.add_argument("--launch", action="store_true", help="Start a server for the run.")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any, Union
+from typing import Any
 
 from benchmarks.common import (
     load_prompts,
@@ -27,7 +27,7 @@ from benchmarks.common import (
     write_json,
 )
 
-Prompt = Union[str, list[int]]
+Prompt = str | list[int]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

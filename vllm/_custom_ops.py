@@ -8,8 +8,6 @@ fallback at any time (it is read on every call, so tests and benchmarks can comp
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from vllm import envs
@@ -79,8 +77,8 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    sliding_window: Optional[int] = None,
-    logits_soft_cap: Optional[float] = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; see csrc/attention.cpp.
 

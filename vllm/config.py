@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from vllm import envs
 
@@ -27,7 +27,7 @@ QUANTIZATION_METHODS = ("gguf",)
 QUANTIZATION_OFF = "none"
 
 
-def resolve_quantization(quantization: Optional[str], is_gguf: bool) -> Optional[str]:
+def resolve_quantization(quantization: str | None, is_gguf: bool) -> str | None:
     """The method the engine runs: "gguf" or None (dense weights in --dtype).
 
     None (omitted) means "gguf" for a .gguf model and None otherwise; "none" forces dense
@@ -65,7 +65,7 @@ class ModelConfig:
     """
 
     model: str
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     dtype: str = "auto"
     seed: int = 0
     # None: the model's context length (set in __post_init__).
@@ -73,7 +73,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     max_logprobs: int = 20
     skip_tokenizer_init: bool = False
-    quantization: Optional[str] = None
+    quantization: str | None = None
     hf_config: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -239,7 +239,7 @@ def _resolve_dtype(dtype: str, hf_config: Any) -> str:
     return name if name in ("float32", "bfloat16", "float16") else "float32"
 
 
-def _derive_max_model_len(hf_config: Any, max_model_len: Optional[int]) -> int:
+def _derive_max_model_len(hf_config: Any, max_model_len: int | None) -> int:
     derived = None
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         derived = getattr(hf_config, key, None)
@@ -279,16 +279,16 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0
     kv_cache_space: float = 4.0
-    num_gpu_blocks_override: Optional[int] = None
-    num_gpu_blocks: Optional[int] = None
-    num_cpu_blocks: Optional[int] = None
+    num_gpu_blocks_override: int | None = None
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
     # Automatic prefix caching: full blocks are shared by hash of their tokens and prefix.
     enable_prefix_caching: bool = False
     # vLLM's fields with the only values this engine has: the KV cache in the model's dtype,
     # no CPU weight offload; sliding_window is the model's (set by the engine).
     cache_dtype: str = "auto"
     cpu_offload_gb: float = 0
-    sliding_window: Optional[int] = None
+    sliding_window: int | None = None
 
     def metrics_info(self) -> dict[str, str]:
         """Every field (and swap_space_bytes) as a string: the labels of vLLM's
@@ -351,9 +351,9 @@ class ParallelConfig:
 
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
-    distributed_executor_backend: Optional[str] = None
+    distributed_executor_backend: str | None = None
     # Optional user split of decoder layers over stages, e.g. "8,8,7,7" (VLLM_PP_LAYER_PARTITION).
-    pp_layer_partition: Optional[str] = None
+    pp_layer_partition: str | None = None
     # A failed stage is replaced up to this many times per engine; 0 = fail-stop (vLLM).
     max_stage_restarts: int = 3
     # Base deadline of one micro-batch (VLLM_PP_STEP_TIMEOUT_S when None); see step_deadline_s.
@@ -439,10 +439,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = None  # type: ignore[assignment]
     max_num_seqs: int = 256
     max_model_len: int = 2048
-    preemption_mode: Optional[str] = None
+    preemption_mode: str | None = None
     enable_chunked_prefill: bool = False
     # Decodes scheduled ahead of their previous step's output (None: where supported).
-    async_scheduling: Optional[bool] = None
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -514,7 +514,7 @@ class LoRAConfig:
 
     max_lora_rank: int = 16
     max_loras: int = 1
-    max_cpu_loras: Optional[int] = None
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_lora_rank not in POSSIBLE_MAX_LORA_RANKS:
@@ -542,4 +542,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     # None: LoRA disabled (enable_lora=False).
-    lora_config: Optional[LoRAConfig] = None
+    lora_config: LoRAConfig | None = None

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, TypedDict, Union
+from typing import Any, TypedDict
 
 from typing_extensions import NotRequired
 
@@ -25,7 +25,7 @@ class TokensPrompt(TypedDict):
     multi_modal_data: NotRequired[Any]
 
 
-PromptInputs = Union[str, TextPrompt, TokensPrompt]
+PromptInputs = str | TextPrompt | TokensPrompt
 PromptStrictInputs = PromptInputs  # vLLM 0.5's other name for it
 
 __all__ = ["PromptInputs", "PromptStrictInputs", "TextPrompt", "TokensPrompt", "parse_prompt"]
@@ -40,7 +40,7 @@ def is_token_list(value: Any) -> bool:
     )
 
 
-def parse_prompt(prompt: Any) -> tuple[Optional[str], Optional[list[int]]]:
+def parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
     """(text, token ids) of one prompt input; exactly what the engine's add_request takes."""
     if isinstance(prompt, str):
         return prompt, None

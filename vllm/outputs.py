@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from vllm.sampling_params import RequestOutputKind
 from vllm.sequence import (
@@ -32,10 +31,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: Optional[float]
-    logprobs: Optional[SampleLogprobs]
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -90,12 +89,12 @@ class RequestOutput:
     `output_kind=DELTA` the completions hold only what is new since the previous output."""
 
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: Optional[PromptLogprobs]
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: Optional[RequestMetrics] = None
+    metrics: RequestMetrics | None = None
 
     @classmethod
     def from_seq_group(cls, seq_group: SequenceGroup) -> RequestOutput:

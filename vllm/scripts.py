@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Optional
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     from vllm.entrypoints.openai import run_batch
     from vllm.entrypoints.openai.api_server import make_arg_parser, serve
 

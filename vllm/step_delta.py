@@ -20,7 +20,7 @@ Imports no torch: the engine side and these tests run without it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, NamedTuple
 
 from vllm.sequence import SequenceData, SequenceGroupMetadata
 
@@ -33,7 +33,7 @@ class SeqDelta(NamedTuple):
 
     seq_id: int
     # The whole SequenceData when the stage does not hold this sequence yet, else None.
-    data: Optional[SequenceData]
+    data: SequenceData | None
     # Output token ids the engine appended since the last message (empty when `data` is set).
     new_token_ids: tuple[int, ...]
     # Tokens the stage appends from its own record of sampled ids (asynchronous decode).
@@ -57,7 +57,7 @@ class GroupDelta(NamedTuple):
     seqs: tuple[SeqDelta, ...]
     # Sent with the request's first message only (None afterwards); for a request with a
     # LoRA adapter, (params, lora_int_id): a request without one pays no byte for LoRA.
-    sampling_params: Optional[Union[SamplingParams, tuple[SamplingParams, int]]]
+    sampling_params: SamplingParams | tuple[SamplingParams, int] | None
 
 
 @dataclass
@@ -81,7 +81,7 @@ class StepMessage:
 class _Sent:
     """What the stages hold of one request (the engine's mirror)."""
 
-    params: Optional[SamplingParams] = None
+    params: SamplingParams | None = None
     # seq_id -> (tokens held, block table held)
     seqs: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
 
@@ -89,7 +89,7 @@ class _Sent:
 class EncoderCheckpoint(NamedTuple):
     """The mirror's entries of one step's requests before it was encoded (None: not held)."""
 
-    held: dict[str, Optional[_Sent]]
+    held: dict[str, _Sent | None]
     reset_pending: bool
 
 
@@ -103,7 +103,7 @@ class StepEncoder:
     def encode(
         self,
         metadata_list: list[SequenceGroupMetadata],
-        pending: Optional[dict[int, int]] = None,
+        pending: dict[int, int] | None = None,
     ) -> StepMessage:
         """Deltas of `metadata_list`; `pending[seq_id]` counts tokens the stages take from
         their own sampled ids (decodes scheduled before their previous output came back)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import pytest
@@ -60,7 +60,7 @@ CHAT_TEMPLATE = (
 
 
 def write_gemma_gguf(
-    model_dir: str, out_path: str, kind: str, tokenizer_fields: Optional[dict[str, Any]] = None
+    model_dir: str, out_path: str, kind: str, tokenizer_fields: dict[str, Any] | None = None
 ) -> str:
     """Write a saved tiny Gemma as llama.cpp's convert_hf_to_gguf.py (Gemma2Model /
     Gemma3Model) would, in F32: its keys, its tensor names, every *norm.weight + 1, no

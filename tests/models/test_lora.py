@@ -10,7 +10,7 @@ shares blocks across adapters; vLLM's errors for bad adapters and bad requests.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -43,8 +43,8 @@ def adapters(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def requests_(adapters) -> dict[Optional[str], Optional[LoRARequest]]:
-    reqs: dict[Optional[str], Optional[LoRARequest]] = {
+def requests_(adapters) -> dict[str | None, LoRARequest | None]:
+    reqs: dict[str | None, LoRARequest | None] = {
         name: LoRARequest(name, IDS[name], path) for name, path in adapters.items()
     }
     reqs[None] = None
@@ -54,9 +54,9 @@ def requests_(adapters) -> dict[Optional[str], Optional[LoRARequest]]:
 @pytest.fixture(scope="module")
 def hf(tiny_model_dirs, adapters):
     """adapter name (None: base) -> HF + PEFT greedy ids of PROMPTS, computed once each."""
-    cache: dict[Optional[str], list[list[int]]] = {}
+    cache: dict[str | None, list[list[int]]] = {}
 
-    def get(name: Optional[str]) -> list[list[int]]:
+    def get(name: str | None) -> list[list[int]]:
         if name not in cache:
             path = adapters[name] if name is not None else None
             cache[name] = lora_adapters.hf_lora_greedy(
@@ -74,12 +74,12 @@ def check(llm: LLM, outs: list[Any], expected: list[list[int]], what: str) -> No
         assert out.outputs[0].text == tokenizer.decode(ref, skip_special_tokens=True)
 
 
-def mixed(names: list[Optional[str]]) -> list[tuple[str, Optional[str], int]]:
+def mixed(names: list[str | None]) -> list[tuple[str, str | None, int]]:
     """(prompt, adapter, prompt index) for every prompt under every adapter, interleaved."""
     return [(p, n, i) for i, p in enumerate(PROMPTS) for n in names]
 
 
-def check_mixed(llm: LLM, names: list[Optional[str]], requests_, hf) -> None:
+def check_mixed(llm: LLM, names: list[str | None], requests_, hf) -> None:
     """One generate call mixing the adapters (and the base model) request by request."""
     rows = mixed(names)
     outs = llm.generate(
@@ -315,7 +315,7 @@ def test_lora_config_errors() -> None:
 # -- scheduling and prefix caching (no torch) ---------------------------------------------------
 
 
-def _group(rid: str, lora_id: int, tokens: Optional[list[int]] = None) -> SequenceGroup:
+def _group(rid: str, lora_id: int, tokens: list[int] | None = None) -> SequenceGroup:
     seq = Sequence(int(rid), "p", tokens or [1, 2, 3, 4, 5, 6, 7, 8, 9], block_size=4)
     lora = LoRARequest(f"l{lora_id}", lora_id, "/x") if lora_id else None
     return SequenceGroup(rid, [seq], SamplingParams(), arrival_time=0.0, lora_request=lora)

@@ -15,7 +15,6 @@ show that blocks wholly outside the window are not read.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import pytest
 import torch
@@ -42,8 +41,8 @@ def reference(
     v: torch.Tensor,
     q_positions: torch.Tensor,
     scale: float,
-    window: Optional[int],
-    cap: Optional[float],
+    window: int | None,
+    cap: float | None,
 ) -> torch.Tensor:
     """q [n, H, D] at q_positions [n]; k/v [total, Hkv, D] at positions 0 .. total - 1."""
     q, k, v = q.double(), k.double(), v.double()
@@ -125,7 +124,7 @@ def test_prefill_with_context_matches_reference(window, cap, context, length, mo
 
 def decode_case(
     lens: list[int],
-    window: Optional[int],
+    window: int | None,
     block_size: int,
     dtype: torch.dtype,
     seed: int,

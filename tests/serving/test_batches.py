@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 import pytest
@@ -411,7 +411,7 @@ def _client(url: str) -> Any:
     return openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
 
 
-def _stop(proc: subprocess.Popen) -> Optional[int]:
+def _stop(proc: subprocess.Popen) -> int | None:
     proc.send_signal(signal.SIGTERM)
     try:
         return proc.wait(timeout=60)

@@ -7,7 +7,6 @@ model as their parent; an unknown model is vLLM's 404; the flags parse in both o
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Optional
 
 import httpx
 import pytest
@@ -125,7 +124,7 @@ def test_unknown_model_is_404(server, route) -> None:
         ('{"name": "y", "path": "/d", "base_model_name": "m"}', "y", "m"),
     ],
 )
-def test_lora_modules_flag_forms(value: str, name: str, base: Optional[str]) -> None:
+def test_lora_modules_flag_forms(value: str, name: str, base: str | None) -> None:
     args = make_arg_parser().parse_args(["--enable-lora", "--lora-modules", value])
     (module,) = args.lora_modules
     assert (module.name, module.base_model_name) == (name, base)

@@ -5,7 +5,6 @@ cached blocks, prompt logprobs bypass, hit rate, reset; plus the infeasible-swap
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import pytest
 
@@ -20,7 +19,7 @@ from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 pytestmark = pytest.mark.fast
 
 
-def _group(rid: str, tokens: list[int], params: Optional[_Params] = None) -> SequenceGroup:
+def _group(rid: str, tokens: list[int], params: _Params | None = None) -> SequenceGroup:
     seq = Sequence(next(_seq_ids), "p", tokens, block_size=4)
     return SequenceGroup(rid, [seq], params or _Params(), arrival_time=0.0)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Optional
 
 # Sequence ids, unique across every test module that builds fake sequences.
 seq_ids = itertools.count()
@@ -17,5 +16,5 @@ class FakeParams:
     n: int = 1
     best_of: int = 1
     use_beam_search: bool = False
-    max_tokens: Optional[int] = 16
-    prompt_logprobs: Optional[int] = None
+    max_tokens: int | None = 16
+    prompt_logprobs: int | None = None

@@ -17,7 +17,7 @@ every layer, Qwen2's on the layers from max_window_layers (2) on.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -253,7 +253,7 @@ def _write_tokenizer(writer: Any, fields: dict[str, Any], chat_template: str) ->
 
 
 def write_gguf(
-    model_dir: str, out_path: str, kind: str, tokenizer_fields: Optional[dict[str, Any]] = None
+    model_dir: str, out_path: str, kind: str, tokenizer_fields: dict[str, Any] | None = None
 ) -> str:
     """Write a saved tiny family model as an F32 GGUF file the way llama.cpp's converter
     names it (llama for Mistral, with permuted Q/K rows; Phi-3's longrope factors as tensors).

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
@@ -19,7 +19,7 @@ from vllm.engine.async_llm_engine import AsyncLLMEngine
 class ServerThread:
     """uvicorn serving `build_app(engine)` on 127.0.0.1:<free port> in a daemon thread."""
 
-    def __init__(self, engine: AsyncLLMEngine, api_key: Optional[str] = None, **kw: Any):
+    def __init__(self, engine: AsyncLLMEngine, api_key: str | None = None, **kw: Any):
         import uvicorn
 
         from vllm.entrypoints.openai.api_server import build_app

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Any, Optional
+from typing import Any
 
 INPUT_FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 OUTPUT_FORMATS = ("parquet", "jsonl")
@@ -47,7 +47,7 @@ def read_dataset(path: str, prompt_column: str = "prompt") -> Any:
     return ray.data.read_parquet(path)
 
 
-def output_format(path: str, fmt: Optional[str] = None) -> str:
+def output_format(path: str, fmt: str | None = None) -> str:
     if fmt:
         if fmt not in OUTPUT_FORMATS:
             raise ValueError(f"output format must be one of {OUTPUT_FORMATS}, got {fmt!r}")
@@ -56,7 +56,7 @@ def output_format(path: str, fmt: Optional[str] = None) -> str:
     return "jsonl" if suffix in (".jsonl", ".json") else "parquet"
 
 
-def write_dataset(ds: Any, path: str, fmt: Optional[str] = None) -> str:
+def write_dataset(ds: Any, path: str, fmt: str | None = None) -> str:
     """Run `ds` and write it under the directory `path`; returns the format used."""
     fmt = output_format(path, fmt)
     if fmt == "parquet":
@@ -66,7 +66,7 @@ def write_dataset(ds: Any, path: str, fmt: Optional[str] = None) -> str:
     return fmt
 
 
-def read_outputs(path: str, fmt: Optional[str] = None) -> Any:
+def read_outputs(path: str, fmt: str | None = None) -> Any:
     """The rows written by write_dataset, as one pandas DataFrame."""
     import pandas as pd
 

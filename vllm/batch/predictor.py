@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Optional, Union
+from typing import Any
 
 import numpy as np
 
@@ -58,11 +58,11 @@ class LLMPredictor:
     def __init__(
         self,
         model: str,
-        sampling_params: Union[SamplingParams, Mapping[str, Any], None] = None,
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         prompt_column: str = "prompt",
         messages_column: str = "messages",
         apply_chat_template: bool = False,
-        engine_kwargs: Optional[Mapping[str, Any]] = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.engine_kwargs = dict(engine_kwargs or {})
@@ -100,9 +100,9 @@ class LLMPredictor:
         columns = _columns(batch)
         num_rows = len(next(iter(columns.values()))) if columns else 0
         errors: list[str] = [""] * num_rows
-        inputs: list[Optional[EngineInput]] = [None] * num_rows
-        params: list[Optional[SamplingParams]] = [None] * num_rows
-        loras: list[Optional[LoRARequest]] = [None] * num_rows
+        inputs: list[EngineInput | None] = [None] * num_rows
+        params: list[SamplingParams | None] = [None] * num_rows
+        loras: list[LoRARequest | None] = [None] * num_rows
         for i in range(num_rows):
             try:
                 row = {k: v[i] for k, v in columns.items()}
@@ -156,11 +156,11 @@ class LLMPredictor:
     def _generate(
         self,
         rows: list[int],
-        inputs: list[Optional[EngineInput]],
-        params: list[Optional[SamplingParams]],
+        inputs: list[EngineInput | None],
+        params: list[SamplingParams | None],
         outputs: dict[int, Any],
         errors: list[str],
-        loras: list[Optional[LoRARequest]],
+        loras: list[LoRARequest | None],
     ) -> None:
         """Generate `rows` in one call (each with its row's adapter, if any); if the engine
         refuses the call, split it in halves so the rows it refuses are found and the others
@@ -205,7 +205,7 @@ class LLMPredictor:
         self,
         columns: dict[str, Any],
         num_rows: int,
-        inputs: list[Optional[EngineInput]],
+        inputs: list[EngineInput | None],
         outputs: dict[int, Any],
         errors: list[str],
     ) -> dict[str, Any]:
@@ -273,7 +273,7 @@ def _plain(value: Any) -> Any:
 
 
 def _as_params(
-    value: Union[SamplingParams, Mapping[str, Any], None], base: SamplingParams
+    value: SamplingParams | Mapping[str, Any] | None, base: SamplingParams
 ) -> SamplingParams:
     """SamplingParams from an object or a dict of fields laid over `base` (None fields, as
     Arrow fills them for keys other rows have, are skipped)."""
@@ -289,7 +289,7 @@ def _as_params(
     return dataclasses.replace(base, **fields)
 
 
-def _as_lora(value: Any) -> Optional[LoRARequest]:
+def _as_lora(value: Any) -> LoRARequest | None:
     """A row's `lora_request`: a LoRARequest, a dict of its fields, or nothing."""
     value = value if isinstance(value, LoRARequest) else _plain(value)
     if value is None or isinstance(value, LoRARequest):

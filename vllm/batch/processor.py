@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, Optional, Union
+from typing import Any
 
 from vllm import envs
 from vllm.batch.predictor import LLMPredictor
@@ -53,11 +53,11 @@ class BatchProcessor:
         pipeline_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         batch_size: int = 32,
-        sampling_params: Union[SamplingParams, Mapping[str, Any], None] = None,
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         prompt_column: str = "prompt",
         messages_column: str = "messages",
         apply_chat_template: bool = False,
-        engine_kwargs: Optional[Mapping[str, Any]] = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
         device: str = "auto",
         cpus_per_rank: float = 1,
         placement_strategy: str = "STRICT_PACK",

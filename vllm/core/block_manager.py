@@ -11,7 +11,7 @@ import collections
 import enum
 import heapq
 import math
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable
 
 from vllm.sequence import SequenceStatus
 
@@ -45,9 +45,9 @@ class _BlockAllocator:
         # Free blocks that still hold cached KV, least recently freed first.
         self.evictor: collections.OrderedDict[int, None] = collections.OrderedDict()
         # Called with a block taken out of the evictor for other data (forget its hash).
-        self.on_evict: Optional[Callable[[int], None]] = None
+        self.on_evict: Callable[[int], None] | None = None
         # Called when a block's last reference is dropped: True parks it in the evictor.
-        self.keep_cached: Optional[Callable[[int], bool]] = None
+        self.keep_cached: Callable[[int], bool] | None = None
 
     def allocate(self) -> int:
         if self._free:
@@ -180,7 +180,7 @@ class BlockSpaceManager:
         adapter and the base model) have different KV, and never share blocks."""
         size = self.block_size
         hashes: list[int] = []
-        parent: Optional[int] = lora_int_id or None
+        parent: int | None = lora_int_id or None
         for start in range(0, len(token_ids) - size + 1, size):
             parent = hash((parent, tuple(token_ids[start : start + size])))
             hashes.append(parent)

@@ -41,7 +41,7 @@ import math
 import pickle
 import queue
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -114,11 +114,11 @@ class SendHandle:
 # gloo reports a send done only inside wait(), so they cannot be pruned without waiting, and
 # the sender must not wait itself (the receiver may take them only steps later).
 _UNWAITED: queue.SimpleQueue[SendHandle] = queue.SimpleQueue()
-_REAPER: Optional[threading.Thread] = None
+_REAPER: threading.Thread | None = None
 _REAPER_LOCK = threading.Lock()
 
 
-def release_when_sent(handle: Optional[SendHandle]) -> None:
+def release_when_sent(handle: SendHandle | None) -> None:
     """Hand over an async send that this thread will never wait for: a daemon thread waits
     for it (keeping its buffers alive until then) and drops it; a failed send is dropped."""
     global _REAPER
@@ -308,7 +308,7 @@ def _send_gloo(
     offsets: list[int],
     data_bytes: int,
     dst: int,
-    group: Optional[dist.ProcessGroup],
+    group: dist.ProcessGroup | None,
 ) -> SendHandle:
     """Pack the message into one buffer and send it as chunks (small) or prefix + bulk."""
     body = _aligned(len(header_bytes))  # the tensors' offsets count from here
@@ -344,7 +344,7 @@ class _ChunkReceiver:
     """Chunk receives kept posted ahead for one (group, source): a small message lands in
     them as soon as it is sent, without waiting for this process to ask."""
 
-    def __init__(self, src: int, group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, src: int, group: dist.ProcessGroup | None) -> None:
         self.src = src
         self.group = group
         self._group_ref = group if group is not None else dist.group.WORLD
@@ -376,7 +376,7 @@ class _ChunkReceiver:
 _RECEIVERS: dict[tuple[int, int], _ChunkReceiver] = {}
 
 
-def _receiver_key(src: int, group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+def _receiver_key(src: int, group: dist.ProcessGroup | None) -> tuple[int, int]:
     # The receiver holds its group object, so a group re-created later (new id) never
     # finds the receives posted on an old one.
     return (id(group if group is not None else dist.group.WORLD), src)
@@ -387,7 +387,7 @@ def forget_channels() -> None:
     _RECEIVERS.clear()
 
 
-def _recv_gloo(src: int, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
+def _recv_gloo(src: int, group: dist.ProcessGroup | None) -> dict[str, Any]:
     """Receive one gloo message (see the module docstring) into CPU tensors."""
     key = _receiver_key(src, group)
     receiver = _RECEIVERS.get(key)

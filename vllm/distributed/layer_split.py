@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 def parse_layer_partition(partition: str, num_layers: int, pp_size: int) -> list[int]:
     """Parse a user split such as "8,8,7,7" (VLLM_PP_LAYER_PARTITION) and validate it."""
@@ -29,7 +27,7 @@ def parse_layer_partition(partition: str, num_layers: int, pp_size: int) -> list
 def balanced_layer_sizes(num_layers: int, pp_size: int, head_cost: float) -> list[int]:
     """Split so the slowest stage is as fast as possible when the last stage also runs the
     lm_head (and sampling), which costs `head_cost` decoder layers' worth of work."""
-    best: Optional[tuple[float, list[int]]] = None
+    best: tuple[float, list[int]] | None = None
     for last in range(1, num_layers - pp_size + 2):
         base, extra = divmod(num_layers - last, pp_size - 1)
         sizes = [base + (1 if r < extra else 0) for r in range(pp_size - 1)] + [last]
@@ -42,7 +40,7 @@ def balanced_layer_sizes(num_layers: int, pp_size: int, head_cost: float) -> lis
 
 
 def get_pp_layer_sizes(
-    num_layers: int, pp_size: int, partition: Optional[str] = None, head_cost: float = 0.0
+    num_layers: int, pp_size: int, partition: str | None = None, head_cost: float = 0.0
 ) -> list[int]:
     """Layers per stage. Even split by default; the first stages take the remainder
     (30 layers on 4 stages -> 8/8/7/7). `partition="auto"` balances compute instead, giving
@@ -68,7 +66,7 @@ def get_pp_layer_range(
     num_layers: int,
     pp_rank: int,
     pp_size: int,
-    partition: Optional[str] = None,
+    partition: str | None = None,
     head_cost: float = 0.0,
 ) -> tuple[int, int]:
     """The `[start, end)` decoder layers owned by stage `pp_rank`."""

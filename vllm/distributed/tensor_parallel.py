@@ -11,8 +11,6 @@ stream of our own, and no tensor outlives its collective unwaited (rule (b)).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -74,7 +72,7 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def gather_last_dim_to_driver(x: torch.Tensor) -> Optional[torch.Tensor]:
+def gather_last_dim_to_driver(x: torch.Tensor) -> torch.Tensor | None:
     """[..., n] on each rank -> [..., n * tp] on tp_rank 0 (the driver), None elsewhere.
 
     Only the driver samples, so the logits shards are gathered there alone (a gather moves

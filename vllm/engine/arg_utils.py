@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from vllm.config import (
     CacheConfig,
@@ -23,39 +22,39 @@ class EngineArgs:
     """Arguments for LLMEngine / LLM (`LLM(model=..., **kwargs)` takes the same names)."""
 
     model: str = "smollm2"
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
     dtype: str = "auto"
-    quantization: Optional[str] = None
+    quantization: str | None = None
     seed: int = 0
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
-    distributed_executor_backend: Optional[str] = None
-    pp_layer_partition: Optional[str] = None
+    distributed_executor_backend: str | None = None
+    pp_layer_partition: str | None = None
     block_size: int = 16
     swap_space: float = 4.0
     kv_cache_space: float = 4.0
     gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: Optional[int] = None
-    max_num_batched_tokens: Optional[int] = None
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     max_logprobs: int = 20
-    preemption_mode: Optional[str] = None
+    preemption_mode: str | None = None
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False
-    async_scheduling: Optional[bool] = None
+    async_scheduling: bool | None = None
     device: str = "auto"
     disable_log_stats: bool = False
     max_stage_restarts: int = 3
-    step_timeout_s: Optional[float] = None
+    step_timeout_s: float | None = None
     # Accepted for vLLM compatibility: there are no CUDA graphs to skip on this engine.
     enforce_eager: bool = False
     # The model name in the API and the metrics' model_name label (default: model).
     # One name or several (vLLM's --served-model-name takes a list; the first is the
     # metrics' label and every one is accepted as the request's model).
-    served_model_name: Optional[Union[str, list[str]]] = None
+    served_model_name: str | list[str] | None = None
     # vLLM 0.5's older spellings: worker_use_ray is distributed_executor_backend="ray";
     # tokenizer_pool_size is accepted (tokenizing runs in the server's own thread pool).
     worker_use_ray: bool = False
@@ -64,7 +63,7 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
-    max_cpu_loras: Optional[int] = None
+    max_cpu_loras: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -292,7 +291,7 @@ class EngineArgs:
         return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
     @property
-    def served_model_names(self) -> Optional[list[str]]:
+    def served_model_names(self) -> list[str] | None:
         """`served_model_name` as a list (None when not given)."""
         name = self.served_model_name
         if not name:
@@ -373,7 +372,7 @@ class AsyncEngineArgs(EngineArgs):
     engine_use_ray: bool = False
     # vLLM's --max-log-len (the flag is the server's): characters of a request's parameters
     # in its log line.
-    max_log_len: Optional[int] = None
+    max_log_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.engine_use_ray:

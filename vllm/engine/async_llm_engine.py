@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.llm_engine import LLMEngine
@@ -58,7 +58,7 @@ class AsyncStream:
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
             pass
 
-    def finish(self, error: Optional[BaseException] = None) -> None:
+    def finish(self, error: BaseException | None = None) -> None:
         if not self.finished:
             self.finished = True
             self.put(error if error is not None else _FINISHED)
@@ -77,7 +77,7 @@ class AsyncStream:
 DEFAULT_MAX_LOG_LEN = 1000
 
 
-def truncate_for_log(text: str, max_len: Optional[int]) -> str:
+def truncate_for_log(text: str, max_len: int | None) -> str:
     """`text` cut to `max_len` characters (DEFAULT_MAX_LOG_LEN if None), saying how much."""
     limit = DEFAULT_MAX_LOG_LEN if max_len is None else max_len
     if len(text) <= limit:
@@ -93,8 +93,8 @@ def _put_all(items: list[tuple[AsyncStream, Any]]) -> None:
 @dataclass
 class _NewRequest:
     stream: AsyncStream
-    prompt: Optional[str]
-    prompt_token_ids: Optional[list[int]]
+    prompt: str | None
+    prompt_token_ids: list[int] | None
     params: SamplingParams
     arrival_time: float
     lora_request: Any = None
@@ -118,7 +118,7 @@ class AsyncLLMEngine:
         self.log_requests = log_requests
         # vLLM's --max-log-len: how much of a request's parameters a log line shows (a 10 MB
         # stop list wrote a 10 MB line). None: DEFAULT_MAX_LOG_LEN.
-        self.max_log_len: Optional[int] = None
+        self.max_log_len: int | None = None
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._new_requests: list[_NewRequest] = []
@@ -127,10 +127,10 @@ class AsyncLLMEngine:
         self._engine_calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._streams: dict[str, AsyncStream] = {}  # owned by the engine thread
         self._active: set[str] = set()  # ids generating (under _lock)
-        self._errored_with: Optional[BaseException] = None
+        self._errored_with: BaseException | None = None
         self._hook_tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         if start_engine_loop:
             self.start_background_loop()
 
@@ -147,7 +147,7 @@ class AsyncLLMEngine:
         engine_args: AsyncEngineArgs,
         start_engine_loop: bool = True,
         usage_context: Any = None,
-        stat_loggers: Optional[dict[str, Any]] = None,
+        stat_loggers: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> AsyncLLMEngine:
         """Build the engine (workers, KV caches) and start its loop (vLLM's signature;
@@ -267,13 +267,13 @@ class AsyncLLMEngine:
 
     async def generate(
         self,
-        prompt: Optional[PromptInputs] = None,
-        sampling_params: Optional[SamplingParams] = None,
-        request_id: Optional[str] = None,
+        prompt: PromptInputs | None = None,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
         lora_request: Any = None,
         *,
-        inputs: Optional[PromptInputs] = None,
-        arrival_time: Optional[float] = None,
+        inputs: PromptInputs | None = None,
+        arrival_time: float | None = None,
         trace_headers: Any = None,
         prompt_adapter_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
@@ -308,7 +308,7 @@ class AsyncLLMEngine:
         request_id: str,
         inputs: PromptInputs,
         params: SamplingParams,
-        arrival_time: Optional[float] = None,
+        arrival_time: float | None = None,
         lora_request: Any = None,
         trace_headers: Any = None,
         prompt_adapter_request: Any = None,
@@ -325,7 +325,7 @@ class AsyncLLMEngine:
             prompt_adapter_request=prompt_adapter_request,
         )
 
-    async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
+    async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (their generate() iterations end)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         await self._engine_abort(ids)
@@ -353,7 +353,7 @@ class AsyncLLMEngine:
         request_id: str,
         prompt: Any,
         params: SamplingParams,
-        arrival_time: Optional[float],
+        arrival_time: float | None,
         lora_request: Any = None,
     ) -> AsyncStream:
         text, token_ids = parse_prompt(prompt)

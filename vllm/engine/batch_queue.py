@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Protocol
+from typing import Any, Literal, Protocol
 
 from vllm.core.scheduler import SchedulerOutputs
 from vllm.distributed.serialization import MessageNotSerializableError, message_bytes
@@ -145,7 +145,7 @@ class BatchQueue:
         self.stats.ahead_groups += len(scheduler_outputs.ahead)
         self._batches.append(InFlightBatch(future, scheduler_outputs, self._step_no))
 
-    def request_ids_of_call(self, call_id: Optional[int]) -> list[str]:
+    def request_ids_of_call(self, call_id: int | None) -> list[str]:
         """The requests of the in-flight step that the executor submitted as call `call_id`
         (`StepFuture.call_id`); [] when none is in flight."""
         for batch in self._batches:

@@ -7,7 +7,7 @@ tokenizer-specific spacing come out exactly as a full decode would give them.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from vllm.sequence import Sequence
 
@@ -61,7 +61,7 @@ def _convert_tokens_to_string(
     return (" " if spaces_between_special_tokens else "").join(pieces)
 
 
-def _token_string(info: TokenizerInfo, token_id: int, skip_special_tokens: bool) -> Optional[str]:
+def _token_string(info: TokenizerInfo, token_id: int, skip_special_tokens: bool) -> str | None:
     """The tokenizer's string for one id; None when it is a special token being skipped."""
     if skip_special_tokens and token_id in info.special_ids:
         return None
@@ -159,7 +159,7 @@ def detokenize_incrementally(
 def decode_prompt_logprobs(
     info: TokenizerInfo,
     prompt_token_ids: list[int],
-    prompt_logprobs: list[Optional[dict[int, Any]]],
+    prompt_logprobs: list[dict[int, Any] | None],
     skip_special_tokens: bool = True,
     spaces_between_special_tokens: bool = True,
 ) -> None:
@@ -202,7 +202,7 @@ def decode_prompt_logprobs(
 
 def check_stop_strings(
     seq: Sequence, new_char_count: int, stop: list[str], include_stop_str: bool
-) -> Optional[str]:
+) -> str | None:
     """If a stop string appears in text new this step (or straddling into it), cut the output
     there (keeping the string if asked) and return it."""
     if not stop or new_char_count <= 0:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from vllm.logger import init_logger
 from vllm.sequence import SequenceStatus
@@ -253,7 +253,7 @@ class StatLoggerBase:
     def info(self, type: str, obj: Any) -> None:
         raise NotImplementedError
 
-    def _interval_throughput(self, stats: Stats) -> Optional[tuple[float, float]]:
+    def _interval_throughput(self, stats: Stats) -> tuple[float, float] | None:
         """Prompt and generation tokens/s over the interval, once it has passed."""
         self.num_prompt_tokens += stats.num_prompt_tokens
         self.num_generation_tokens += stats.num_generation_tokens
@@ -404,7 +404,7 @@ class EngineStatsCollector:
         self._preemptions_seen = scheduler.num_cumulative_preemption
 
     @property
-    def stat_logger(self) -> Optional[StatLogger]:
+    def stat_logger(self) -> StatLogger | None:
         """The Prometheus logger (stage-fault metrics go there), if any."""
         found = self.loggers.get("prometheus")
         return found if isinstance(found, StatLogger) else None
@@ -417,7 +417,7 @@ class EngineStatsCollector:
         for stat_logger in list(self.loggers.values()):
             stat_logger.log(stats)
 
-    def before_batch(self, groups: list[Any]) -> list[tuple[Optional[float], float]]:
+    def before_batch(self, groups: list[Any]) -> list[tuple[float | None, float]]:
         return [(g.metrics.first_token_time, g.metrics.last_token_time) for g in groups]
 
     def snapshot(self) -> Stats:
@@ -446,7 +446,7 @@ class EngineStatsCollector:
         self,
         sched_out: Any,
         output: Any,
-        before: list[tuple[Optional[float], float]],
+        before: list[tuple[float | None, float]],
         ignored: list[Any],
     ) -> None:
         """Record a completed batch (`output` is its SamplerOutput) and the ignored groups."""

@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable
 
 from vllm.logger import init_logger
 
 logger = init_logger("vllm.engine.async_llm_engine")
 
-ExceptionLike = Union[BaseException, type[BaseException]]
+ExceptionLike = BaseException | type[BaseException]
 
 
 class TrackedStream:
@@ -37,7 +37,7 @@ class TrackedStream:
         if not self._finished:
             self._queue.put_nowait(item)
 
-    def finish(self, exception: Optional[ExceptionLike] = None) -> None:
+    def finish(self, exception: ExceptionLike | None = None) -> None:
         if not self._finished:
             self._finished = True
             self._queue.put_nowait(exception if exception is not None else self._DONE)
@@ -82,7 +82,7 @@ class RequestTracker:
     def __len__(self) -> int:
         return len(self._request_streams)
 
-    def propagate_exception(self, exc: BaseException, request_id: Optional[str] = None) -> None:
+    def propagate_exception(self, exc: BaseException, request_id: str | None = None) -> None:
         """End one request's stream (or every stream) with `exc`."""
         ids = [request_id] if request_id is not None else list(self._request_streams)
         for rid in ids:
@@ -134,7 +134,7 @@ class RequestTracker:
         self,
         request_id: str,
         *,
-        exception: Optional[ExceptionLike] = None,
+        exception: ExceptionLike | None = None,
         verbose: bool = False,
     ) -> None:
         """Queue an abort for the engine and end the request's stream now."""

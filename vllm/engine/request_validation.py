@@ -3,7 +3,7 @@ or TypeError naming the parameter) and never disturbs the requests already runni
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from vllm.config import ModelConfig
 from vllm.sampling_params import SamplingParams
@@ -11,9 +11,9 @@ from vllm.sampling_params import SamplingParams
 
 def validate_request(
     request_id: Any,
-    prompt: Optional[str],
+    prompt: str | None,
     sampling_params: Any,
-    prompt_token_ids: Optional[list[int]],
+    prompt_token_ids: list[int] | None,
     tokenizer: Any,
     model_config: ModelConfig,
 ) -> list[int]:

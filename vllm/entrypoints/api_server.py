@@ -15,7 +15,7 @@ import asyncio
 import json
 import ssl
 from collections.abc import AsyncIterator
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,7 +32,7 @@ TIMEOUT_KEEP_ALIVE = 5  # seconds
 
 app = FastAPI()
 # The engine /generate uses, set by `init_app` (module globals, as in vLLM's demo).
-engine: Optional[AsyncLLMEngine] = None
+engine: AsyncLLMEngine | None = None
 
 
 def _uuid() -> str:
@@ -111,9 +111,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     return app
 
 
-async def init_app(
-    args: argparse.Namespace, llm_engine: Optional[AsyncLLMEngine] = None
-) -> FastAPI:
+async def init_app(args: argparse.Namespace, llm_engine: AsyncLLMEngine | None = None) -> FastAPI:
     """The app, with `llm_engine` (or one built from the engine flags) behind /generate."""
     global engine
     built = build_app(args)
@@ -126,7 +124,7 @@ async def init_app(
 
 
 async def run_server(
-    args: argparse.Namespace, llm_engine: Optional[AsyncLLMEngine] = None, **uvicorn_kwargs: Any
+    args: argparse.Namespace, llm_engine: AsyncLLMEngine | None = None, **uvicorn_kwargs: Any
 ) -> None:
     """Serve until SIGINT/SIGTERM, then shut the engine down."""
     import uvicorn
@@ -175,7 +173,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
     return AsyncEngineArgs.add_cli_args(parser)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     asyncio.run(run_server(make_arg_parser().parse_args(argv)))
 
 

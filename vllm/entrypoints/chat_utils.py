@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import codecs
 from pathlib import Path
-from typing import Optional, Union
 
 from vllm.logger import init_logger
 
@@ -15,7 +14,7 @@ logger = init_logger(__name__)
 _JINJA_CHARS = "{}\n"
 
 
-def load_chat_template(chat_template: Optional[Union[str, Path]]) -> Optional[str]:
+def load_chat_template(chat_template: str | Path | None) -> str | None:
     """The chat template text: the file's content when `chat_template` opens as a file, else
     the value itself with its backslash escapes read (vLLM's rule, so `--chat-template
     "{{...}}\\n"` works from a shell). A value that looks like a path but does not open is a

@@ -8,7 +8,7 @@ import itertools
 import warnings
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar
 
 from tqdm.auto import tqdm
 
@@ -18,7 +18,7 @@ from vllm.inputs import is_token_list, parse_prompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-PromptType = Union[str, dict[str, Any]]
+PromptType = str | dict[str, Any]
 
 
 class LLM:
@@ -52,13 +52,13 @@ class LLM:
 
     def generate(
         self,
-        prompts: Union[PromptType, SequenceABC[PromptType], None] = None,
-        sampling_params: Union[SamplingParams, SequenceABC[SamplingParams], None] = None,
-        prompt_token_ids: Optional[Union[list[int], list[list[int]]]] = None,
+        prompts: PromptType | SequenceABC[PromptType] | None = None,
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
         use_tqdm: bool = True,
         lora_request: Any = None,
         *,
-        inputs: Union[PromptType, SequenceABC[PromptType], None] = None,
+        inputs: PromptType | SequenceABC[PromptType] | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts to completion; outputs come back in input order.
 
@@ -104,8 +104,8 @@ class LLM:
 
     def chat(
         self,
-        messages: Union[list[dict[str, str]], list[list[dict[str, str]]]],
-        sampling_params: Union[SamplingParams, SequenceABC[SamplingParams], None] = None,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         lora_request: Any = None,
@@ -140,7 +140,7 @@ class LLM:
     @staticmethod
     def _normalize_prompts(
         prompts: Any, prompt_token_ids: Any
-    ) -> list[tuple[Optional[str], Optional[list[int]]]]:
+    ) -> list[tuple[str | None, list[int] | None]]:
         if prompts is None and prompt_token_ids is None:
             raise ValueError("Either prompts or prompt_token_ids must be provided.")
         if prompt_token_ids is not None:
@@ -161,7 +161,7 @@ class LLM:
             raise TypeError(
                 f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}."
             )
-        items: list[tuple[Optional[str], Optional[list[int]]]] = []
+        items: list[tuple[str | None, list[int] | None]] = []
         for prompt in prompts:
             if not isinstance(prompt, (str, dict)) and not is_token_list(prompt):
                 raise TypeError(

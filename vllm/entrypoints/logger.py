@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from vllm.logger import init_logger
 
@@ -14,14 +14,14 @@ class RequestLogger:
     """Logs a request's inputs in vLLM's line, the prompt and its token ids cut to
     `max_log_len` (characters and ids; None: whole)."""
 
-    def __init__(self, *, max_log_len: Optional[int] = None) -> None:
+    def __init__(self, *, max_log_len: int | None = None) -> None:
         self.max_log_len = max_log_len
 
     def log_inputs(
         self,
         request_id: str,
-        prompt: Optional[str],
-        prompt_token_ids: Optional[list[int]],
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
         params: Any,
         lora_request: Any = None,
         prompt_adapter_request: Any = None,

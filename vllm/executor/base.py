@@ -9,7 +9,7 @@ import time
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any, Callable, Literal, Optional, overload
+from typing import Any, Callable, Literal, overload
 
 from vllm.config import EngineConfig
 from vllm.distributed.net_utils import get_file_init_method
@@ -205,7 +205,7 @@ class StageProcessExecutor(ExecutorBase):
     _stages_in_own_processes = True
     calls: RankCalls
     # The private directory of the FileStore rendezvous (ranks on one node), made on first use.
-    _rendezvous_dir: Optional[str] = None
+    _rendezvous_dir: str | None = None
     _rendezvous_count = 0
 
     @abstractmethod
@@ -217,7 +217,7 @@ class StageProcessExecutor(ExecutorBase):
     def _call_timeout_s(self) -> float:
         """How long a set-up or stats call may take (0: no limit)."""
 
-    def _step_watch(self) -> Optional[Callable[[], None]]:
+    def _step_watch(self) -> Callable[[], None] | None:
         """What to run between the slices of a step's wait: every rank process on this node
         is checked (dead, or stopped by SIGSTOP), so a frozen stage is found within a second
         whatever the step's length (Ray adds its pings, for stages on other nodes)."""
@@ -281,7 +281,7 @@ class StageProcessExecutor(ExecutorBase):
             return self.calls.submit(calls)
 
     def _wait_calls(
-        self, ranks: list[int], call_id: int, timeout: Optional[float] = None
+        self, ranks: list[int], call_id: int, timeout: float | None = None
     ) -> list[Any]:
         if timeout is None:
             timeout = self._call_timeout_s()
@@ -289,7 +289,7 @@ class StageProcessExecutor(ExecutorBase):
             return self.calls.wait_all(ranks, call_id, timeout)
 
     def _call_ranks(
-        self, ranks: list[int], method: str, *args: Any, timeout: Optional[float] = None
+        self, ranks: list[int], method: str, *args: Any, timeout: float | None = None
     ) -> list[Any]:
         """Call `method` on the workers of `ranks` and return their results in that order."""
         call_id = self._submit({r: (method, args, {}) for r in ranks})

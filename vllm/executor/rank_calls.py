@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping
 
 from vllm.distributed.net_utils import authenticated_connection
 from vllm.distributed.serialization import dumps_message
@@ -41,7 +41,7 @@ class RankCallError(RuntimeError):
     """A rank reported an error for a call, or was lost (its process or connection gone)."""
 
     def __init__(
-        self, rank: int, problem: str, lost: bool = False, call_id: Optional[int] = None
+        self, rank: int, problem: str, lost: bool = False, call_id: int | None = None
     ) -> None:
         self.rank = rank
         self.problem = problem
@@ -73,7 +73,7 @@ class _Outbox:
     wait finds it by its deadline and heartbeats, not stuck in a write)."""
 
     def __init__(self, conn: Connection, on_error: Callable[[str], None]) -> None:
-        self._queue: queue.SimpleQueue[Optional[bytes]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         threading.Thread(
             target=self._run, args=(conn, on_error), daemon=True, name="rank-calls-send"
         ).start()
@@ -109,8 +109,8 @@ class RankCalls:
         self._last_id = 0
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._conns: list[Optional[Connection]] = [None] * world_size
-        self._outboxes: list[Optional[_Outbox]] = [None] * world_size
+        self._conns: list[Connection | None] = [None] * world_size
+        self._outboxes: list[_Outbox | None] = [None] * world_size
         self._procs: list[Any] = [None] * world_size
         # rank -> call id -> (ok, value); filled by the reader thread.
         self._results: list[dict[int, tuple[bool, Any]]] = [{} for _ in range(world_size)]
@@ -135,7 +135,7 @@ class RankCalls:
         self._install(rank, None, None, None)
 
     def _install(
-        self, rank: int, conn: Optional[Connection], outbox: Optional[_Outbox], process: Any
+        self, rank: int, conn: Connection | None, outbox: _Outbox | None, process: Any
     ) -> None:
         """`rank`'s connection, sender and process from now on; its old ones are closed and
         what it reported so far is forgotten."""
@@ -274,7 +274,7 @@ class RankCalls:
         rank: int,
         call_id: int,
         timeout: float,
-        on_slice: Optional[Callable[[], None]] = None,
+        on_slice: Callable[[], None] | None = None,
     ) -> Any:
         """One call's result. Fails at once when any rank reported an error or was lost, and
         after `timeout` seconds (0: never). `on_slice` runs between waits of at most half a

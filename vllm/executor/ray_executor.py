@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -207,11 +207,11 @@ class RayExecutor(StageProcessExecutor):
 
     # -- steps -----------------------------------------------------------------------------
 
-    def _step_watch(self) -> Optional[Callable[[], None]]:
+    def _step_watch(self) -> Callable[[], None] | None:
         """While a step is slow, every stage is pinged each interval: a frozen stage is found
         in seconds, not at the step's deadline."""
         started = time.monotonic()
-        heartbeat: Optional[tuple[list[Any], float]] = None
+        heartbeat: tuple[list[Any], float] | None = None
         next_beat = started + HEARTBEAT_INTERVAL_S
         check_local = super()._step_watch()
         assert check_local is not None
@@ -227,8 +227,8 @@ class RayExecutor(StageProcessExecutor):
         return on_slice
 
     def _check_heartbeat(
-        self, heartbeat: Optional[tuple[list[Any], float]], started: float
-    ) -> Optional[tuple[list[Any], float]]:
+        self, heartbeat: tuple[list[Any], float] | None, started: float
+    ) -> tuple[list[Any], float] | None:
         """Ping every stage (on its health thread) and fail when one has not answered within
         VLLM_PP_HEARTBEAT_TIMEOUT_S: a frozen stage is found in seconds, not at the deadline."""
         now = time.monotonic()
@@ -244,9 +244,9 @@ class RayExecutor(StageProcessExecutor):
 
     def _stage_failure(
         self,
-        exc: Optional[RankCallError],
+        exc: RankCallError | None,
         waited_s: float,
-        timeout_problem: Optional[str],
+        timeout_problem: str | None,
         raising_rank: int = -1,
     ) -> StageFailedError:
         """Name the failed stages: dead or frozen ones first; else the one that raised; else
@@ -261,12 +261,12 @@ class RayExecutor(StageProcessExecutor):
         logger.error("%s", error)
         return error
 
-    def _ping_all(self) -> dict[int, Optional[PingAnswer]]:
+    def _ping_all(self) -> dict[int, PingAnswer | None]:
         """Every stage's health thread, asked at once and given the ping timeout."""
         refs = {rank: w.ping.remote() for rank, w in enumerate(self.workers)}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=ping_timeout_s())
         ready_set = set(ready)
-        answers: dict[int, Optional[PingAnswer]] = {}
+        answers: dict[int, PingAnswer | None] = {}
         for rank, ref in refs.items():
             if ref not in ready_set:
                 answers[rank] = None
@@ -332,7 +332,7 @@ class RayExecutor(StageProcessExecutor):
                 except RankCallError:  # a stuck or dead stage must not block the shutdown
                     logger.warning("a stage did not shut down cleanly; killing its actor")
             self._kill_ranks(alive, grace_s=2.0 if graceful else 0.0)
-        calls: Optional[RankCalls] = getattr(self, "calls", None)
+        calls: RankCalls | None = getattr(self, "calls", None)
         if calls is not None:
             calls.close()
         self.workers = []

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from vllm import envs
 from vllm.worker.stage_report import StageInfo
@@ -45,7 +45,7 @@ class StageFailedError(RuntimeError):
         self,
         failures: list[StageFailure],
         detected_after_s: float,
-        call_id: Optional[int] = None,
+        call_id: int | None = None,
     ) -> None:
         self.failures = failures
         self.detected_after_s = detected_after_s
@@ -59,7 +59,7 @@ class StageFailedError(RuntimeError):
         return [f.rank for f in self.failures]
 
     @property
-    def raised_signature(self) -> Optional[tuple[tuple[int, str], ...]]:
+    def raised_signature(self) -> tuple[tuple[int, str], ...] | None:
         """(rank, first line of the error) of each failed stage when every one of them raised
         an exception (not died, froze or missed a deadline): the same signature again after a
         replacement means a failure that replaying the step will only repeat."""
@@ -81,12 +81,12 @@ class FaultEvent:
     ranks: list[int]
     message: str
     detected_after_s: float
-    recovery_s: Optional[float] = None
+    recovery_s: float | None = None
     requeued_requests: int = 0
     # When the engine learned of the failure (time.time()).
     detected_at: float = field(default_factory=time.time)
     # What StageFailedError.raised_signature said, and the requests of the step that failed.
-    signature: Optional[tuple[tuple[int, str], ...]] = None
+    signature: tuple[tuple[int, str], ...] | None = None
     step_request_ids: list[str] = field(default_factory=list)
     # The same failure again on the same requests after a replacement: those requests were
     # failed instead of replayed, and the replacement was not counted as a restart.
@@ -94,7 +94,7 @@ class FaultEvent:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def local_process_problem(pid: Optional[int], host: Optional[str]) -> Optional[str]:
+def local_process_problem(pid: int | None, host: str | None) -> str | None:
     """What is wrong with the stage's process, if it runs on this node and something is."""
     if pid is None or host != socket.gethostname():
         return None
@@ -111,7 +111,7 @@ def local_process_problem(pid: Optional[int], host: Optional[str]) -> Optional[s
     return None
 
 
-def kill_local_process(pid: Optional[int], host: Optional[str]) -> None:
+def kill_local_process(pid: int | None, host: str | None) -> None:
     """SIGKILL the stage's process when it runs on this node (frozen ones ignore anything
     gentler); a no-op for processes elsewhere or already gone."""
     if pid is None or host != socket.gethostname() or pid == os.getpid():
@@ -124,7 +124,7 @@ def kill_local_process(pid: Optional[int], host: Optional[str]) -> None:
         pass
 
 
-def wait_process_gone(pid: Optional[int], host: Optional[str], timeout_s: float) -> bool:
+def wait_process_gone(pid: int | None, host: str | None, timeout_s: float) -> bool:
     """True once the local process `pid` has exited (True at once for remote ones)."""
     if pid is None or host != socket.gethostname():
         return True
@@ -145,8 +145,8 @@ def wait_process_gone(pid: Optional[int], host: Optional[str], timeout_s: float)
 class PingAnswer:
     """What one stage's health thread said (None in `diagnose`: no answer in time)."""
 
-    died: Optional[str] = None  # the actor is gone (the error's type), else None
-    busy_s: Optional[float] = None  # seconds in the step in progress, None between steps
+    died: str | None = None  # the actor is gone (the error's type), else None
+    busy_s: float | None = None  # seconds in the step in progress, None between steps
 
 
 def local_problems(infos: list[StageInfo]) -> dict[int, str]:
@@ -161,7 +161,7 @@ def local_problems(infos: list[StageInfo]) -> dict[int, str]:
 
 def diagnose(
     infos: list[StageInfo],
-    answers: dict[int, Optional[PingAnswer]],
+    answers: dict[int, PingAnswer | None],
     waited_s: float,
     ping_timeout: float,
     include_stuck: bool = True,
@@ -192,8 +192,8 @@ def name_failures(
     infos: list[StageInfo],
     problems: dict[int, str],
     waited_s: float,
-    raised: Optional[tuple[int, str, Optional[int]]] = None,
-    timeout_problem: Optional[str] = None,
+    raised: tuple[int, str, int | None] | None = None,
+    timeout_problem: str | None = None,
 ) -> StageFailedError:
     """The error for the engine: the diagnosed stages; else the one that raised (`raised`:
     its rank, the error text with its traceback, the call it raised in); else every stage,

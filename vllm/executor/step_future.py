@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Optional
 
 from vllm.sequence import SamplerOutput
 
@@ -23,7 +22,7 @@ class StepFuture(Future):  # Future[SamplerOutput]; subscripting it at run time 
     names the call it happened in, and the engine maps it back to the step's requests."""
 
     def __init__(
-        self, call_id: Optional[int] = None, wait: Optional[Callable[[], SamplerOutput]] = None
+        self, call_id: int | None = None, wait: Callable[[], SamplerOutput] | None = None
     ) -> None:
         super().__init__()
         self.call_id = call_id
@@ -36,7 +35,7 @@ class StepFuture(Future):  # Future[SamplerOutput]; subscripting it at run time 
         future.set_result(output)
         return future
 
-    def result(self, timeout: Optional[float] = None) -> SamplerOutput:
+    def result(self, timeout: float | None = None) -> SamplerOutput:
         """The step's sampler output; raises what the step failed with (StageFailedError...).
 
         `timeout` bounds only a wait that already runs in another thread: the first caller

@@ -20,8 +20,6 @@ inputs and the whole B, and the update is added to the partial output before the
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,11 +48,11 @@ class LoRAContext:
 
     def __init__(self) -> None:
         self.active = False
-        self.single_slot: Optional[int] = None  # every token uses this slot
+        self.single_slot: int | None = None  # every token uses this slot
         self.num_slots = 0  # slots [0, num_slots) in the batched form
         self.rows = 0  # rows per slot (the most tokens one slot has)
-        self.gather: Optional[torch.Tensor] = None  # [num_slots * rows]
-        self.inverse: Optional[torch.Tensor] = None  # [T]
+        self.gather: torch.Tensor | None = None  # [num_slots * rows]
+        self.inverse: torch.Tensor | None = None  # [T]
 
     def set_tokens(self, token_slots: torch.Tensor) -> None:
         """token_slots [T]: each token's slot, -1 for the base model."""

@@ -4,7 +4,6 @@ Imports no torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass
@@ -17,9 +16,9 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
-    lora_local_path: Optional[str] = None
-    long_lora_max_len: Optional[int] = None
-    base_model_name: Optional[str] = None
+    lora_local_path: str | None = None
+    long_lora_max_len: int | None = None
+    base_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from typing import Any
 
 import gguf
 import numpy as np
@@ -138,7 +138,7 @@ _DENSE_TYPES = frozenset(
 )
 
 
-def _blocks(blob: np.memmap, info: TensorInfo, shard: Any = None) -> Optional[GGUFBlocks]:
+def _blocks(blob: np.memmap, info: TensorInfo, shard: Any = None) -> GGUFBlocks | None:
     """One 2-D quantized tensor (or this rank's shard of it) as its raw blocks, copied out of
     the map; None when it is not block-quantized or the shard does not fall on whole blocks."""
     if info.ggml_type in _DENSE_TYPES or len(info.shape) != 2:
@@ -150,7 +150,7 @@ def _blocks(blob: np.memmap, info: TensorInfo, shard: Any = None) -> Optional[GG
     return GGUFBlocks(tensor, int(info.ggml_type), (shape[0], shape[1]))
 
 
-def _kept_blocks(blob: np.memmap, info: TensorInfo, shard: Any) -> Optional[GGUFBlocks]:
+def _kept_blocks(blob: np.memmap, info: TensorInfo, shard: Any) -> GGUFBlocks | None:
     """`_blocks` for a shard spec; several row shards (a fused tensor's parts) are joined."""
     if not isinstance(shard, (list, tuple)):
         return _blocks(blob, info, shard)
@@ -164,7 +164,7 @@ def _kept_blocks(blob: np.memmap, info: TensorInfo, shard: Any) -> Optional[GGUF
     return GGUFBlocks(raw, kept[0].qtype, (raw.shape[0], kept[0].shape[1]))
 
 
-def read_gguf_blocks(path: str, hf_name: str, shard: Any = None) -> Optional[GGUFBlocks]:
+def read_gguf_blocks(path: str, hf_name: str, shard: Any = None) -> GGUFBlocks | None:
     """The raw blocks of one tensor by HF name (this TP rank's `shard` of rows), or None if
     the file has no such quantized tensor."""
     header = read_header(path)

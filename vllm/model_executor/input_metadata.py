@@ -4,7 +4,7 @@ once and send it down the pipeline with the hidden states (see communication.py)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -31,17 +31,17 @@ class InputMetadata:
     # [num_decodes, max_blocks] int64: block tables of the decoding sequences, zero-padded.
     decode_block_tables: torch.Tensor
     # [num_prefills] int64: tokens of each prefill sequence already in the cache (its context).
-    prefill_context_lens: Optional[torch.Tensor] = None
+    prefill_context_lens: torch.Tensor | None = None
     # [num_prefills, max_blocks] int64: block tables of the prefills, zero-padded; [0, 0] when
     # no prefill has a cached context (the plain prefill path reads no cache).
-    prefill_block_tables: Optional[torch.Tensor] = None
+    prefill_block_tables: torch.Tensor | None = None
     # [num_prefills] int64: tokens of each prefill sequence at this step (cached, in this step
     # and in later chunks): rope variants that switch on the sequence length see it (rotary.py).
-    prefill_total_lens: Optional[torch.Tensor] = None
+    prefill_total_lens: torch.Tensor | None = None
     # Python copies of small tensors, derived once per step so layers do not sync per call.
-    _prefill_lens_list: Optional[list[int]] = field(default=None, repr=False)
-    _decode_max_len: Optional[int] = field(default=None, repr=False)
-    _prefill_context_list: Optional[list[int]] = field(default=None, repr=False)
+    _prefill_lens_list: list[int] | None = field(default=None, repr=False)
+    _decode_max_len: int | None = field(default=None, repr=False)
+    _prefill_context_list: list[int] | None = field(default=None, repr=False)
 
     _INT_FIELDS = ("num_prefills", "num_prefill_tokens", "num_decode_tokens")
     _TENSOR_FIELDS = (

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ logger = logging.getLogger("vllm.model_executor.weight_utils")
 
 WeightFilter = Callable[[str], bool]
 # name -> this TP rank's part of the tensor (None: all of it; several: their parts joined).
-ShardSpec = Optional[Union[Shard, Sequence[Shard]]]
+ShardSpec = Shard | Sequence[Shard] | None
 ShardFn = Callable[[str], ShardSpec]
 
 
@@ -194,9 +194,9 @@ def quantize_vocab(model: nn.Module, path: str, dtype: torch.dtype) -> int:
     )
 
     tied = bool(getattr(model, "tie_word_embeddings", False))
-    cache: dict[str, Optional[GGUFBlocks]] = {}
+    cache: dict[str, GGUFBlocks | None] = {}
 
-    def blocks(name: str, rows: int) -> Optional[GGUFBlocks]:
+    def blocks(name: str, rows: int) -> GGUFBlocks | None:
         if name not in cache:
             found = read_gguf_blocks(path, name, model.weight_shard(name))
             if found is not None and kernel_runs(found.qtype, dtype):

@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any
 
 from vllm.logger import init_logger
 from vllm.structured_output.params import GrammarSpec
@@ -63,7 +63,7 @@ class GrammarCompileCache:
         self._compiler: Any = None
         self._tokenizer_info: Any = None
         self._cache: OrderedDict[GrammarSpec, Future[Any]] = OrderedDict()
-        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def tokenizer_info(self) -> Any:

@@ -19,7 +19,7 @@ EOS is allowed only where the grammar may end.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -43,7 +43,7 @@ class SequenceMatcher:
         self.consumed: list[int] = []
         # The stage's SequenceData the tokens were read from: when a new object arrives (the
         # request was re-sent in full), its tokens are compared with what was consumed.
-        self._source: Optional[SequenceData] = None
+        self._source: SequenceData | None = None
         # A token the grammar refused (only possible if a token was not sampled under this
         # mask, e.g. with ignore_eos past the end): masking stops for the sequence.
         self.broken = False
@@ -114,7 +114,7 @@ class StructuredOutputState:
         """Mask, in place, the sample rows of constrained groups in `logits` [S, V]."""
         import xgrammar as xgr
 
-        bitmask: Optional[torch.Tensor] = None  # [S, ceil(V / 32)] int32
+        bitmask: torch.Tensor | None = None  # [S, ceil(V / 32)] int32
         masked_rows: list[int] = []
         for group in md.groups:
             if group.params.structured_outputs is None or not group.rows:

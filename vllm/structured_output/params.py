@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json as _json
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple
 
 from vllm.structured_output.lark_to_ebnf import convert_lark_to_ebnf, grammar_is_likely_lark
 
@@ -47,16 +47,16 @@ class StructuredOutputsParams:
     `disable_fallback`, `disable_additional_properties` and `whitespace_pattern` are accepted
     for compatibility (one backend: there is nothing to fall back to)."""
 
-    json: Optional[Union[str, dict[str, Any], Any]] = None
-    regex: Optional[str] = None
-    choice: Optional[list[str]] = None
-    grammar: Optional[str] = None
-    json_object: Optional[bool] = None
+    json: str | dict[str, Any] | Any | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
     disable_fallback: bool = False
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
-    whitespace_pattern: Optional[str] = None
-    structural_tag: Optional[str] = None
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
@@ -102,13 +102,13 @@ class GuidedDecodingParams:
     """vLLM 0.6's form of the same constraint (`SamplingParams(guided_decoding=...)`);
     converted to `StructuredOutputsParams` by `SamplingParams`."""
 
-    json: Optional[Union[str, dict[str, Any], Any]] = None
-    regex: Optional[str] = None
-    choice: Optional[list[str]] = None
-    grammar: Optional[str] = None
-    json_object: Optional[bool] = None
-    backend: Optional[str] = None
-    whitespace_pattern: Optional[str] = None
+    json: str | dict[str, Any] | Any | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         guide_count = sum(
@@ -123,14 +123,14 @@ class GuidedDecodingParams:
 
     @staticmethod
     def from_optional(
-        json: Optional[Union[str, dict[str, Any], Any]] = None,
-        regex: Optional[str] = None,
-        choice: Optional[list[str]] = None,
-        grammar: Optional[str] = None,
-        json_object: Optional[bool] = None,
-        backend: Optional[str] = None,
-        whitespace_pattern: Optional[str] = None,
-    ) -> Optional[GuidedDecodingParams]:
+        json: str | dict[str, Any] | Any | None = None,
+        regex: str | None = None,
+        choice: list[str] | None = None,
+        grammar: str | None = None,
+        json_object: bool | None = None,
+        backend: str | None = None,
+        whitespace_pattern: str | None = None,
+    ) -> GuidedDecodingParams | None:
         """None when no constraint is given (vLLM's helper for the server's guided_* fields)."""
         if all(arg is None for arg in (json, regex, choice, grammar, json_object)):
             return None

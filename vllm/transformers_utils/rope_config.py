@@ -6,7 +6,7 @@ length from them without loading torch; `layers/rotary.py` builds the caches.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 # The rope types the engine computes (transformers' ROPE_INIT_FUNCTIONS names, plus "default").
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -14,7 +14,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "lla
 _ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
 
 
-def rope_type_of(params: Optional[dict[str, Any]]) -> str:
+def rope_type_of(params: dict[str, Any] | None) -> str:
     """The rope type a parameter dict names ("default" when none). "su" is Phi-3's old name for
     longrope (transformers maps it the same way)."""
     params = params or {}
@@ -31,7 +31,7 @@ def check_rope_type(rope_type: str) -> None:
         )
 
 
-def get_rope_parameters(config: Any, params: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def get_rope_parameters(config: Any, params: dict[str, Any] | None = None) -> dict[str, Any]:
     """A copy of the config's rope parameters with `rope_type`, `rope_theta` and
     `partial_rotary_factor` always set, and `original_max_position_embeddings` for the types
     that use it (from the config's top level first, as transformers does for Phi-3).
@@ -70,7 +70,7 @@ def scaled_max_positions(params: dict[str, Any], max_position_embeddings: int) -
     return max_position_embeddings
 
 
-def max_positions_served(config: Any, params: Optional[dict[str, Any]] = None) -> int:
+def max_positions_served(config: Any, params: dict[str, Any] | None = None) -> int:
     """The context length a config's rope serves (`scaled_max_positions` of its rope dict, or
     of `params`), except Gemma 3, whose `max_position_embeddings` is already the scaled
     length (vLLM's exception)."""

@@ -3,8 +3,6 @@ operations the scheduler asks for: swap in, swap out, copy (copy-on-write)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from vllm.model_executor.layers.attention import KVCache
@@ -54,7 +52,7 @@ class CacheEngine:
         num_cpu_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
-        layer_shapes: Optional[list[tuple[int, int]]] = None,
+        layer_shapes: list[tuple[int, int]] | None = None,
     ) -> None:
         """`layer_shapes`: (KV heads, head size) of each layer, when they differ between
         layers; else every layer has `num_kv_heads` x `head_size`."""

@@ -6,7 +6,7 @@ per decoding sequence; there is no per-sequence loop around the layers.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -121,9 +121,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # Grammars and matchers of structured outputs, on the sampling rank; built on the
         # first constrained request (see vllm/structured_output/matcher.py for why here).
-        self._structured: Optional[StructuredOutputState] = None
+        self._structured: StructuredOutputState | None = None
         # This stage's LoRA adapters (enable_lora; set by the worker), else None.
-        self.lora_manager: Optional[StageLoRAManager] = None
+        self.lora_manager: StageLoRAManager | None = None
 
     def drop_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -149,9 +149,9 @@ class ModelRunner:
     def execute_stage(
         self,
         kv_caches: list[KVCache],
-        metadata_list: Optional[list[SequenceGroupMetadata]],
-        received: Optional[dict[str, Any]],
-    ) -> tuple[Optional[dict[str, Any]], Optional[SamplerOutput]]:
+        metadata_list: list[SequenceGroupMetadata] | None,
+        received: dict[str, Any] | None,
+    ) -> tuple[dict[str, Any] | None, SamplerOutput | None]:
         """Run this stage. Returns (what to send to the next stage, sampler output if last).
 
         The first stage builds inputs from `metadata_list`; later stages take the hidden
@@ -159,7 +159,7 @@ class ModelRunner:
         structured = None
         if self.layout.is_last and metadata_list is not None:
             structured = self._structured_state(metadata_list)
-        lora_ids: Optional[torch.Tensor] = None  # [T] each token's adapter (LoRA enabled)
+        lora_ids: torch.Tensor | None = None  # [T] each token's adapter (LoRA enabled)
         if self.layout.is_first:
             assert metadata_list is not None
             input_ids, positions, md = prepare_inputs(metadata_list, self.block_size, self.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -17,7 +17,7 @@ class StageProfiler:
     def __init__(self, device: torch.device, rank: int) -> None:
         self.device = device
         self.rank = rank
-        self._running: Optional[tuple[Any, str, str]] = None  # (profiler, trace_dir, name)
+        self._running: tuple[Any, str, str] | None = None  # (profiler, trace_dir, name)
 
     def start(self, trace_dir: str, name: str) -> None:
         """Start profiling on the thread that runs the steps; the trace goes to `trace_dir`
@@ -48,7 +48,7 @@ class StageProfiler:
         self._running = (profiler, trace_dir, name)
         logger.info("rank %d: profiler started (traces to %s)", self.rank, trace_dir)
 
-    def stop(self) -> Optional[str]:
+    def stop(self) -> str | None:
         """Stop: the trace (Chrome trace format, for https://ui.perfetto.dev:
         `<name>.pt.trace.json`, gzipped by torch on CUDA) and a table of the ops by time
         (`<name>-ops.txt`) are written. Returns the table's path; None when not profiling (a

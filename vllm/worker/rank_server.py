@@ -16,7 +16,7 @@ import socket
 import threading
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from vllm.distributed.net_utils import authenticated_connection
 from vllm.distributed.serialization import MessageNotSerializableError, dumps_message
@@ -92,7 +92,7 @@ class CallsThread:
 
     HANDSHAKE_TIMEOUT_S = 5.0
 
-    def __init__(self, host: WorkerHost, first: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, host: WorkerHost, first: Callable[[], None] | None = None) -> None:
         self._server: queue.SimpleQueue[tuple[socket.socket, bytes]] = queue.SimpleQueue()
         ready = threading.Event()
         threading.Thread(
@@ -107,7 +107,7 @@ class CallsThread:
         return ip, server.getsockname()[1]
 
     def _run(
-        self, host: WorkerHost, first: Optional[Callable[[], None]], ready: threading.Event
+        self, host: WorkerHost, first: Callable[[], None] | None, ready: threading.Event
     ) -> None:
         try:
             if first is not None:

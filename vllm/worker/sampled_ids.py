@@ -9,8 +9,6 @@ order when a later step names them (`StepMessage.recv_sampled_through`, set by t
 
 from __future__ import annotations
 
-from typing import Optional
-
 from vllm.config import ParallelConfig
 from vllm.distributed.communication import recv_tensor_dict, release_when_sent, send_tensor_dict
 from vllm.sequence import SamplerOutput
@@ -44,7 +42,7 @@ class SampledIdChannel:
             self.received_through = message["step_no"]
 
     def share(
-        self, step: StepMessage, output: Optional[SamplerOutput], state: StageRequestState
+        self, step: StepMessage, output: SamplerOutput | None, state: StageRequestState
     ) -> None:
         """Last stage: keep the ids this step sampled (for decodes scheduled ahead) and, with
         the asynchronous pipeline, send them to the first stage's ranks and this stage's other

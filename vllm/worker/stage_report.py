@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass
@@ -23,12 +23,12 @@ class StageInfo:
     pp_rank: int
     tp_rank: int = 0
     tp_size: int = 1
-    layers: Optional[tuple[int, int]] = None
+    layers: tuple[int, int] | None = None
     is_first: bool = False
     is_last: bool = False
-    host: Optional[str] = None
+    host: str | None = None
     ip: str = ""
-    pid: Optional[int] = None
+    pid: int | None = None
     node_id: str = ""  # the Ray node of the rank's actor ("" off Ray)
     device: str = ""
     threads: int = 0
@@ -86,8 +86,8 @@ class StageTimers:
         self.pp_rank = pp_rank
         self.stats = StageStats(pp_rank=pp_rank)
         # perf_counter() when the step in progress started; None between steps.
-        self.busy_since: Optional[float] = None
-        self._last_exit: Optional[float] = None
+        self.busy_since: float | None = None
+        self._last_exit: float | None = None
         self._mark = 0.0
 
     def begin(self) -> None:

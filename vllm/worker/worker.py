@@ -7,7 +7,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -40,8 +40,8 @@ class Worker:
         self,
         engine_config: EngineConfig,
         rank: int = 0,
-        distributed_init_method: Optional[str] = None,
-        num_threads: Optional[int] = None,
+        distributed_init_method: str | None = None,
+        num_threads: int | None = None,
     ) -> None:
         """The one way every executor builds a rank: the engine's configs, the rank, the
         rendezvous URL (world size > 1) and the CPU threads (None: torch's default)."""
@@ -54,7 +54,7 @@ class Worker:
         self.rank = rank
         self.distributed_init_method = distributed_init_method
         self.num_threads = num_threads
-        self.cache_engine: Optional[CacheEngine] = None
+        self.cache_engine: CacheEngine | None = None
         self._pending_send: Any = None
         # First and last stage: the requests of the step messages (deltas), and the
         # channel of sampled ids from the last stage to the first (asynchronous pipeline).
@@ -63,7 +63,7 @@ class Worker:
         self.timers = StageTimers()
 
     @property
-    def busy_since(self) -> Optional[float]:
+    def busy_since(self) -> float | None:
         """perf_counter() when the step in progress started; None between steps (read by the
         Ray actor's health thread)."""
         return self.timers.busy_since
@@ -131,7 +131,7 @@ class Worker:
 
     # -- LoRA adapters (the engine's registry, mirrored on every rank) ------------------------
 
-    def _lora(self, lora_config: Optional[LoRAConfig] = None) -> StageLoRAManager:
+    def _lora(self, lora_config: LoRAConfig | None = None) -> StageLoRAManager:
         runner = self.model_runner
         if runner.lora_manager is None:
             if lora_config is None:
@@ -142,7 +142,7 @@ class Worker:
             )
         return runner.lora_manager
 
-    def sync_loras(self, lora_config: LoRAConfig, requests: list[LoRARequest]) -> Optional[str]:
+    def sync_loras(self, lora_config: LoRAConfig, requests: list[LoRARequest]) -> str | None:
         """Install the LoRA layers if not yet, and hold exactly `requests` (the engine's
         registry: at start, and on a replaced stage). Returns an error message or None (a bad
         adapter is the caller's error, not this stage's failure)."""
@@ -156,7 +156,7 @@ class Worker:
                 return error
         return None
 
-    def add_lora(self, request: LoRARequest) -> Optional[str]:
+    def add_lora(self, request: LoRARequest) -> str | None:
         """Register and load an adapter; an error message instead of raising."""
         try:
             self._lora().add(request)
@@ -300,7 +300,7 @@ class Worker:
             layer_shapes=self._layer_kv_shapes(),
         )
 
-    def execute_model(self, request: ExecuteModelRequest) -> Optional[SamplerOutput]:
+    def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput | None:
         """One step of this stage. Returns the sampler output on the last stage, else None.
 
         A step that fails with other ranks around closes this rank's process groups before
@@ -332,7 +332,7 @@ class Worker:
                     logger.warning("rank %d: closing the groups: %s", self.rank, close_exc)
             raise
 
-    def _execute_model(self, request: ExecuteModelRequest) -> Optional[SamplerOutput]:
+    def _execute_model(self, request: ExecuteModelRequest) -> SamplerOutput | None:
         assert self.cache_engine is not None, "initialize_cache() first"
         timers, step, layout = self.timers, request.step, self.layout
         timers.begin()
@@ -403,7 +403,7 @@ class Worker:
             trace_dir, f"stage{ps.get_pipeline_model_parallel_rank()}-rank{self.rank}"
         )
 
-    def stop_profile(self) -> Optional[str]:
+    def stop_profile(self) -> str | None:
         """Stop the profiler; the path of its ops table (None if it was not running)."""
         return self.profiler.stop()
 

@@ -15,7 +15,7 @@ import asyncio
 import hashlib
 import secrets
 from http import HTTPStatus
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -56,18 +56,18 @@ logger = init_logger("vllm.entrypoints.openai.api_server")
 
 def build_app(
     engine: AsyncLLMEngine,
-    served_model_names: Optional[list[str]] = None,
-    api_key: Optional[str] = None,
-    chat_template: Optional[str] = None,
-    limits: Optional[ServerLimits] = None,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    limits: ServerLimits | None = None,
     enable_auto_tool_choice: bool = False,
-    tool_call_parser: Optional[str] = None,
-    reasoning_parser: Optional[str] = None,
-    batch_state_dir: Optional[str] = None,
-    batch_max_concurrency: Optional[int] = None,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    batch_state_dir: str | None = None,
+    batch_max_concurrency: int | None = None,
     return_tokens_as_token_ids: bool = False,
     response_role: str = "assistant",
-    lora_requests: Optional[list[LoRARequest]] = None,
+    lora_requests: list[LoRARequest] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_names` (default: the model)."""
     names = served_model_names or [engine.engine.served_model_name]
@@ -321,7 +321,7 @@ class BodySizeLimit:
         await response(scope, receive, send)
 
 
-def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Server flags plus every engine flag (AsyncEngineArgs)."""
     if parser is None:
         parser = argparse.ArgumentParser(description="vLLM OpenAI-compatible API server.")
@@ -441,7 +441,7 @@ def build_engine(args: argparse.Namespace) -> AsyncLLMEngine:
     return AsyncLLMEngine.from_engine_args(AsyncEngineArgs.from_cli_args(args))
 
 
-def _api_key(args: argparse.Namespace) -> Optional[str]:
+def _api_key(args: argparse.Namespace) -> str | None:
     """--api-key, else --api-key-file's first line, else VLLM_API_KEY."""
     if args.api_key:
         return str(args.api_key)
@@ -511,7 +511,7 @@ class GracefulServer:
         await self.server.serve()
 
 
-async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = None) -> None:
+async def serve(args: argparse.Namespace, engine: AsyncLLMEngine | None = None) -> None:
     """Run the server until SIGTERM/SIGINT, then drain (--shutdown-timeout) and shut the
     engine down (its stages and, on Ray, the local Ray it started)."""
     import uvicorn
@@ -566,7 +566,7 @@ async def serve(args: argparse.Namespace, engine: Optional[AsyncLLMEngine] = Non
         app.state.work.shutdown()
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = make_arg_parser().parse_args(argv)
     asyncio.run(serve(args))
 

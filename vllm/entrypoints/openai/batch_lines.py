@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 from http import HTTPStatus
-from typing import Any, Optional, Union
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -45,9 +45,9 @@ SUPPORTED_URLS = (COMPLETIONS, CHAT_COMPLETIONS)
 
 
 def error_output(
-    custom_id: Optional[str],
+    custom_id: str | None,
     message: str,
-    param: Optional[str] = None,
+    param: str | None = None,
     status: HTTPStatus = HTTPStatus.BAD_REQUEST,
     err_type: str = "BadRequestError",
 ) -> BatchRequestOutput:
@@ -65,7 +65,7 @@ def _request_id() -> str:
     return f"vllm-batch-{random_uuid()}"
 
 
-def parse_line(text: str, line_no: int) -> Union[BatchRequestInput, BatchRequestOutput]:
+def parse_line(text: str, line_no: int) -> BatchRequestInput | BatchRequestOutput:
     """The request on line `line_no` (1-based) of a batch file, or the error line it gets.
     A line that is not a JSON object has no custom_id to report: its error line has
     `custom_id` None and names the line number."""
@@ -91,13 +91,13 @@ def parse_line(text: str, line_no: int) -> Union[BatchRequestInput, BatchRequest
     return request
 
 
-def parse_lines(text: str) -> list[Union[BatchRequestInput, BatchRequestOutput]]:
+def parse_lines(text: str) -> list[BatchRequestInput | BatchRequestOutput]:
     """Each non-empty line of a batch file: its request, or the error line it gets."""
     rows = enumerate(text.splitlines(), start=1)
     return [parse_line(line, no) for no, line in rows if line.strip()]
 
 
-def _loc(exc: ValidationError) -> Optional[str]:
+def _loc(exc: ValidationError) -> str | None:
     errors = exc.errors()
     loc = [str(p) for p in errors[0].get("loc", ())] if errors else []
     return loc[0] if loc else None
@@ -124,7 +124,7 @@ class BatchLineRunner:
         self.chat = chat
 
     async def run(
-        self, request: BatchRequestInput, endpoint: Optional[str] = None
+        self, request: BatchRequestInput, endpoint: str | None = None
     ) -> BatchRequestOutput:
         """The output line of one request. `endpoint` (a /v1/batches job's) refuses lines for
         another url. AsyncEngineDeadError propagates: the engine is gone (or shutting down),
@@ -150,7 +150,7 @@ class BatchLineRunner:
                 f"URL {url} was used. Supported endpoints: {', '.join(SUPPORTED_URLS)}.",
                 param="url",
             )
-        body: Union[CompletionRequest, ChatCompletionRequest]
+        body: CompletionRequest | ChatCompletionRequest
         try:
             if url == COMPLETIONS:
                 body = CompletionRequest.model_validate(request.body)

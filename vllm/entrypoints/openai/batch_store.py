@@ -23,7 +23,7 @@ import os
 import tempfile
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 from vllm import envs
 from vllm.entrypoints.openai.protocol import random_uuid
@@ -88,7 +88,7 @@ class BatchStore:
         return os.path.join(self.files_dir, f"{file_id}.data")
 
     def add_file(
-        self, data: bytes, filename: str, purpose: str, file_id: Optional[str] = None
+        self, data: bytes, filename: str, purpose: str, file_id: str | None = None
     ) -> dict[str, Any]:
         """Store a file (its bytes first, then its metadata: a file listed is whole). A given
         `file_id` (a batch's output) is overwritten, so writing it twice is harmless."""

@@ -39,7 +39,7 @@ import time
 from email import policy
 from email.parser import BytesParser
 from http import HTTPStatus
-from typing import Any, Optional, Union
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -96,13 +96,13 @@ def parse_completion_window(value: Any) -> int:
     return int(match.group(1)) * _WINDOW_UNITS[match.group(2)]
 
 
-def parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[Optional[str], bytes]]:
+def parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
     """The fields of a multipart/form-data body: name -> (filename, bytes)."""
     if not content_type.lower().startswith("multipart/form-data"):
         raise ValueError("file: the upload must be multipart/form-data.")
     head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
     message = BytesParser(policy=policy.HTTP).parsebytes(head + body)
-    fields: dict[str, tuple[Optional[str], bytes]] = {}
+    fields: dict[str, tuple[str | None, bytes]] = {}
     for part in message.iter_parts():
         name = part.get_param("name", header="content-disposition")
         if isinstance(name, str):
@@ -120,7 +120,7 @@ def _not_found(kind: str, object_id: str, param: str) -> JSONResponse:
     )
 
 
-def _page(objects: list[dict[str, Any]], limit: int, after: Optional[str]) -> dict[str, Any]:
+def _page(objects: list[dict[str, Any]], limit: int, after: str | None) -> dict[str, Any]:
     """OpenAI's cursor page of `objects` (newest first)."""
     ordered = sorted(objects, key=lambda o: (o["created_at"], o["id"]), reverse=True)
     if after is not None:
@@ -171,7 +171,7 @@ class BatchManager:
         self._live: dict[str, dict[str, Any]] = {}
         self._stopping = False
 
-    def get(self, batch_id: str) -> Optional[dict[str, Any]]:
+    def get(self, batch_id: str) -> dict[str, Any] | None:
         """The batch as it is now (its counts up to date), or None."""
         batch = self._live.get(batch_id) or self.store.batches.get(batch_id)
         return copy.deepcopy(batch) if batch is not None else None
@@ -205,7 +205,7 @@ class BatchManager:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def create(self, body: dict[str, Any]) -> Union[dict[str, Any], JSONResponse]:
+    async def create(self, body: dict[str, Any]) -> dict[str, Any] | JSONResponse:
         endpoint = body.get("endpoint")
         if endpoint == EMBEDDINGS:
             return error_response(
@@ -262,7 +262,7 @@ class BatchManager:
         self._drive(batch["id"])
         return batch
 
-    async def cancel(self, batch_id: str) -> Union[dict[str, Any], JSONResponse]:
+    async def cancel(self, batch_id: str) -> dict[str, Any] | JSONResponse:
         batch = self._live.get(batch_id) or self.store.batches.get(batch_id)
         if batch is None:
             return _not_found("Batch", batch_id, "batch_id")
@@ -315,7 +315,7 @@ class BatchManager:
             if batch["status"] not in _ACTIVE:
                 self._live.pop(batch_id, None)
 
-    def _read_lines(self, batch_id: str) -> list[Union[BatchRequestInput, BatchRequestOutput]]:
+    def _read_lines(self, batch_id: str) -> list[BatchRequestInput | BatchRequestOutput]:
         return parse_lines(self.store.read_input(batch_id))
 
     async def _fail(self, batch: dict[str, Any], code: str, message: str) -> None:
@@ -326,7 +326,7 @@ class BatchManager:
         await self._save(batch)
 
     async def _run_lines(
-        self, batch: dict[str, Any], items: list[Union[BatchRequestInput, BatchRequestOutput]]
+        self, batch: dict[str, Any], items: list[BatchRequestInput | BatchRequestOutput]
     ) -> str:
         """Run the lines with no recorded output; the batch's next status."""
         batch_id = batch["id"]
@@ -385,7 +385,7 @@ class BatchManager:
     async def _finalize(
         self,
         batch: dict[str, Any],
-        items: list[Union[BatchRequestInput, BatchRequestOutput]],
+        items: list[BatchRequestInput | BatchRequestOutput],
         final: str,
     ) -> None:
         """Write the output and error files from the journal, in input order; then the final
@@ -420,7 +420,7 @@ class BatchManager:
     def _output_lines(
         self,
         batch_id: str,
-        items: list[Union[BatchRequestInput, BatchRequestOutput]],
+        items: list[BatchRequestInput | BatchRequestOutput],
         expired: bool,
     ) -> tuple[list[str], list[str]]:
         """The output and error files' lines from the journal, in input order; with
@@ -454,11 +454,11 @@ def _ok(output: dict[str, Any]) -> bool:
     return bool(response.get("status_code") == 200)
 
 
-def build_router(manager: Optional[BatchManager], unavailable: str = "") -> APIRouter:
+def build_router(manager: BatchManager | None, unavailable: str = "") -> APIRouter:
     """The /v1/files and /v1/batches routes (503 `unavailable` when `manager` is None)."""
     router = APIRouter()
 
-    def disabled() -> Optional[JSONResponse]:
+    def disabled() -> JSONResponse | None:
         if manager is not None:
             return None
         return error_response(
@@ -494,7 +494,7 @@ def build_router(manager: Optional[BatchManager], unavailable: str = "") -> APIR
 
     @router.get("/v1/files")
     async def list_files(
-        purpose: Optional[str] = None, limit: int = 10000, after: Optional[str] = None
+        purpose: str | None = None, limit: int = 10000, after: str | None = None
     ) -> Any:
         if (error := disabled()) is not None or manager is None:
             return error
@@ -539,7 +539,7 @@ def build_router(manager: Optional[BatchManager], unavailable: str = "") -> APIR
         return result if isinstance(result, JSONResponse) else JSONResponse(result)
 
     @router.get("/v1/batches")
-    async def list_batches(limit: int = 20, after: Optional[str] = None) -> Any:
+    async def list_batches(limit: int = 20, after: str | None = None) -> Any:
         if (error := disabled()) is not None or manager is None:
             return error
         return JSONResponse(_page(manager.all_batches(), limit, after))
@@ -565,9 +565,9 @@ def attach_batches(
     app: FastAPI,
     runner: BatchLineRunner,
     max_num_seqs: int,
-    state_dir: Optional[str] = None,
-    max_concurrency: Optional[int] = None,
-) -> Optional[BatchManager]:
+    state_dir: str | None = None,
+    max_concurrency: int | None = None,
+) -> BatchManager | None:
     """Add the batch routes to `app`, the manager starting and stopping with it; None (and
     503 routes) if another server holds the state directory."""
     if max_concurrency is not None and max_concurrency < 1:

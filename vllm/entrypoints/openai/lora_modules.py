@@ -8,7 +8,7 @@ import argparse
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from vllm.lora.request import LoRARequest
 
@@ -20,7 +20,7 @@ class LoRAModulePath:
 
     name: str
     path: str
-    base_model_name: Optional[str] = None
+    base_model_name: str | None = None
 
 
 def parse_lora_module(value: str) -> LoRAModulePath:
@@ -48,7 +48,7 @@ class LoRAParserAction(argparse.Action):
         parser: argparse.ArgumentParser,
         namespace: argparse.Namespace,
         values: Any,
-        option_string: Optional[str] = None,
+        option_string: str | None = None,
     ) -> None:
         items = [values] if isinstance(values, str) else list(values or [])
         try:
@@ -71,7 +71,7 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def lora_requests(modules: Optional[Sequence[LoRAModulePath]]) -> list[LoRARequest]:
+def lora_requests(modules: Sequence[LoRAModulePath] | None) -> list[LoRARequest]:
     """The served adapters as LoRARequests with ids 1, 2, ... in flag order."""
     return [
         LoRARequest(m.name, i + 1, m.path, base_model_name=m.base_model_name)

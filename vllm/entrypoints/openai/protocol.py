@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -56,7 +56,7 @@ class ErrorResponse(OpenAIBaseModel):
     object: str = "error"
     message: str
     type: str
-    param: Optional[str] = None
+    param: str | None = None
     code: int
 
 
@@ -75,7 +75,7 @@ class BatchResponseData(OpenAIBaseModel):
 
     status_code: int = 200
     request_id: str
-    body: Optional[dict[str, Any]] = None
+    body: dict[str, Any] | None = None
 
 
 class BatchRequestOutput(OpenAIBaseModel):
@@ -83,9 +83,9 @@ class BatchRequestOutput(OpenAIBaseModel):
     the error body in `error`; a line that was not JSON has `custom_id` None."""
 
     id: str
-    custom_id: Optional[str]
-    response: Optional[BatchResponseData]
-    error: Optional[Any] = None
+    custom_id: str | None
+    response: BatchResponseData | None
+    error: Any | None = None
 
     @property
     def ok(self) -> bool:
@@ -103,7 +103,7 @@ class ModelPermission(OpenAIBaseModel):
     allow_view: bool = True
     allow_fine_tuning: bool = False
     organization: str = "*"
-    group: Optional[str] = None
+    group: str | None = None
     is_blocking: bool = False
 
 
@@ -112,9 +112,9 @@ class ModelCard(OpenAIBaseModel):
     object: str = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "vllm"
-    root: Optional[str] = None
-    parent: Optional[str] = None
-    max_model_len: Optional[int] = None
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
     permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
@@ -124,50 +124,50 @@ class ModelList(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: Optional[bool] = True
-    continuous_usage_stats: Optional[bool] = False
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
 
 
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
-    completion_tokens: Optional[int] = 0
+    completion_tokens: int | None = 0
 
 
 class JsonSchemaResponseFormat(OpenAIBaseModel):
     """`response_format.json_schema`: OpenAI's structured outputs."""
 
     name: str = "response"
-    description: Optional[str] = None
-    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
-    strict: Optional[bool] = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseFormat(OpenAIBaseModel):
     """`response_format`: text, any JSON object, or JSON matching a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JsonSchemaResponseFormat] = None
+    json_schema: JsonSchemaResponseFormat | None = None
 
 
 class _SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
-    model: Optional[str] = None
+    model: str | None = None
     n: int = 1
-    best_of: Optional[int] = None
+    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: dict[str, float] | None = None
     # Outside int64 (what vLLM's torch.long bound allows) it is a 400 naming it, from
     # SamplingParams' int64 check.
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    user: Optional[str] = None
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
     # vLLM's extras
     use_beam_search: bool = False
     top_k: int = -1
@@ -175,24 +175,24 @@ class _SamplingFields(OpenAIBaseModel):
     repetition_penalty: float = 1.0
     length_penalty: float = 1.0
     early_stopping: bool = False
-    stop_token_ids: Optional[list[int]] = None
-    allowed_token_ids: Optional[list[int]] = None
+    stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
     # Structured outputs: OpenAI's response_format, vLLM's object and its older extras.
-    response_format: Optional[ResponseFormat] = None
-    structured_outputs: Optional[dict[str, Any]] = None
-    guided_json: Optional[Union[str, dict[str, Any]]] = None
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = None
-    guided_grammar: Optional[str] = None
-    guided_decoding_backend: Optional[str] = None
-    guided_whitespace_pattern: Optional[str] = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     _structured_param: str = PrivateAttr(default="structured_outputs")
 
     @model_validator(mode="before")
@@ -208,11 +208,11 @@ class _SamplingFields(OpenAIBaseModel):
 
     def _params(
         self,
-        max_tokens: Optional[int],
-        logprobs: Optional[int],
+        max_tokens: int | None,
+        logprobs: int | None,
         temp: float,
-        tool_schema: Optional[dict[str, Any]] = None,
-        prompt_logprobs: Optional[int] = None,
+        tool_schema: dict[str, Any] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Any:
         check_unsupported(self.model_extra or {})
         if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
@@ -276,7 +276,7 @@ class _SamplingFields(OpenAIBaseModel):
 class ParameterError(ValueError):
     """A request field the server refuses (not a SamplingParams error)."""
 
-    def __init__(self, message: str, param: Optional[str] = None) -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
 
@@ -284,11 +284,11 @@ class ParameterError(ValueError):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
     echo: bool = False
-    suffix: Optional[str] = None
+    suffix: str | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
@@ -308,17 +308,17 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[dict[str, Any]]
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = 0
+    top_logprobs: int | None = 0
     add_generation_prompt: bool = True
     echo: bool = False
-    chat_template: Optional[str] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[bool] = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
 
     @field_validator("messages")
     @classmethod
@@ -335,7 +335,7 @@ class ChatCompletionRequest(_SamplingFields):
                 )
         return messages
 
-    def to_sampling_params(self, tool_schema: Optional[dict[str, Any]] = None) -> SamplingParams:
+    def to_sampling_params(self, tool_schema: dict[str, Any] | None = None) -> SamplingParams:
         """`tool_schema`: the JSON schema a `required` or named tool_choice imposes."""
         if self.top_logprobs and not self.logprobs:
             raise ParameterError("top_logprobs needs logprobs=true.", "top_logprobs")
@@ -352,17 +352,17 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionLogProbs(OpenAIBaseModel):
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
 # vLLM's `prompt_logprobs` in a response: per prompt token (None for the first), the
 # token ids' {"logprob", "rank", "decoded_token"}.
-PromptLogprobsJSON = list[Optional[dict[int, dict[str, Any]]]]
+PromptLogprobsJSON = list[dict[int, dict[str, Any]] | None]
 
 
-def prompt_logprobs_json(steps: Optional[list[Any]]) -> Optional[PromptLogprobsJSON]:
+def prompt_logprobs_json(steps: list[Any] | None) -> PromptLogprobsJSON | None:
     """A RequestOutput's prompt_logprobs as vLLM's server returns them."""
     if steps is None:
         return None
@@ -380,10 +380,10 @@ def prompt_logprobs_json(steps: Optional[list[Any]]) -> Optional[PromptLogprobsJ
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
-    logprobs: Optional[CompletionLogProbs] = None
-    prompt_logprobs: Optional[PromptLogprobsJSON] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
+    logprobs: CompletionLogProbs | None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -401,13 +401,13 @@ class CompletionStreamResponse(OpenAIBaseModel):
     created: int
     model: str
     choices: list[CompletionResponseChoice]
-    usage: Optional[UsageInfo] = None
+    usage: UsageInfo | None = None
 
 
 class ChatLogProb(OpenAIBaseModel):
     token: str
     logprob: float = -9999.0
-    bytes: Optional[list[int]] = None
+    bytes: list[int] | None = None
 
 
 class ChatLogProbsContent(ChatLogProb):
@@ -415,7 +415,7 @@ class ChatLogProbsContent(ChatLogProb):
 
 
 class ChatCompletionLogProbs(OpenAIBaseModel):
-    content: Optional[list[ChatLogProbsContent]] = None
+    content: list[ChatLogProbsContent] | None = None
 
 
 class FunctionCall(OpenAIBaseModel):
@@ -434,8 +434,8 @@ class ToolCall(OpenAIBaseModel):
 
 
 class DeltaFunctionCall(OpenAIBaseModel):
-    name: Optional[str] = None
-    arguments: Optional[str] = None
+    name: str | None = None
+    arguments: str | None = None
 
 
 class DeltaToolCall(OpenAIBaseModel):
@@ -443,31 +443,31 @@ class DeltaToolCall(OpenAIBaseModel):
     to `arguments` (matched by `index`)."""
 
     index: int
-    id: Optional[str] = None
-    type: Optional[Literal["function"]] = None
-    function: Optional[DeltaFunctionCall] = None
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
     role: str
-    content: Optional[str] = None
-    reasoning_content: Optional[str] = None
+    content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class DeltaMessage(OpenAIBaseModel):
-    role: Optional[str] = None
-    content: Optional[str] = None
-    reasoning_content: Optional[str] = None
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
     index: int
     message: ChatMessage
-    logprobs: Optional[ChatCompletionLogProbs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -477,15 +477,15 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
-    prompt_logprobs: Optional[PromptLogprobsJSON] = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: Optional[ChatCompletionLogProbs] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -494,19 +494,19 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     created: int
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
-    usage: Optional[UsageInfo] = None
+    usage: UsageInfo | None = None
 
 
 class TokenizeRequest(OpenAIBaseModel):
     """POST /tokenize: `prompt` text, or chat `messages` through the chat template."""
 
-    model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[dict[str, Any]]] = None
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     # Refused unless the server runs with --trust-request-chat-template (as in vLLM).
-    chat_template: Optional[str] = None
+    chat_template: str | None = None
 
 
 class TokenizeResponse(OpenAIBaseModel):
@@ -516,7 +516,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 
 class DetokenizeRequest(OpenAIBaseModel):
-    model: Optional[str] = None
+    model: str | None = None
     tokens: list[int]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,17 +35,17 @@ class ResponseTextFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"] = "text"
-    name: Optional[str] = None
-    description: Optional[str] = None
-    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
-    strict: Optional[bool] = None
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseTextConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     format: ResponseTextFormat = Field(default_factory=ResponseTextFormat)
-    verbosity: Optional[str] = None
+    verbosity: str | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -53,37 +53,37 @@ class ResponsesRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: Optional[str] = None
-    input: Union[str, list[dict[str, Any]]]
-    instructions: Optional[str] = None
-    max_output_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    text: Optional[ResponseTextConfig] = None
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: ResponseTextConfig | None = None
     stream: bool = False
     # Stateful or unsupported parts: accepted only at their "off" values (checked below).
-    previous_response_id: Optional[str] = None
-    store: Optional[bool] = None
-    background: Optional[bool] = None
-    conversation: Optional[Any] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    include: Optional[list[str]] = None
-    top_logprobs: Optional[int] = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    background: bool | None = None
+    conversation: Any | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     # Echoed back, no effect on generation.
-    metadata: Optional[dict[str, str]] = None
-    user: Optional[str] = None
-    parallel_tool_calls: Optional[bool] = None
-    reasoning: Optional[dict[str, Any]] = None
-    truncation: Optional[Literal["auto", "disabled"]] = None
-    service_tier: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    stream_options: Optional[dict[str, Any]] = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    stream_options: dict[str, Any] | None = None
     # vLLM's extras, as on the other routes.
-    seed: Optional[int] = None
-    top_k: Optional[int] = None
-    structured_outputs: Optional[dict[str, Any]] = None
+    seed: int | None = None
+    top_k: int | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def check_stateless(self) -> None:
         """400s, naming the field, for what needs server-side state or is not implemented."""
@@ -121,7 +121,7 @@ class ResponsesRequest(BaseModel):
             out.append(_message(item, i))
         return out
 
-    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """`text.format` (and vLLM's `structured_outputs` extra: its options, such as
         `disable_any_whitespace`, or a constraint of its own) as one StructuredOutputsParams,
         by the chat route's rules; a refusal names `text` or `structured_outputs`."""
@@ -201,7 +201,7 @@ def output_text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def message_item(item_id: str, text: Optional[str], status: str) -> dict[str, Any]:
+def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     """The assistant message output item (no content part yet when `text` is None)."""
     content = [] if text is None else [output_text_part(text)]
     return {
@@ -220,8 +220,8 @@ def response_object(
     model: str,
     status: str,
     output: list[dict[str, Any]],
-    usage: Optional[dict[str, Any]] = None,
-    incomplete_reason: Optional[str] = None,
+    usage: dict[str, Any] | None = None,
+    incomplete_reason: str | None = None,
 ) -> dict[str, Any]:
     """OpenAI's `response` object."""
     fmt = request.text.format if request.text is not None else ResponseTextFormat()

@@ -8,8 +8,6 @@ only between an explicit `<think>` and `</think>`; without the tags everything i
 
 from __future__ import annotations
 
-from typing import Optional
-
 START, END = "<think>", "</think>"
 
 
@@ -18,7 +16,7 @@ class ReasoningParser:
 
     implicit_start = False
 
-    def split(self, text: str, final: bool) -> tuple[Optional[str], str]:
+    def split(self, text: str, final: bool) -> tuple[str | None, str]:
         """(reasoning or None, content) of the text so far; before the end (`final` False) a
         tail that may be the start of a tag is held back from both."""
         body = text

@@ -20,7 +20,6 @@ import os
 import sys
 import tempfile
 from http import HTTPStatus
-from typing import Optional, Union
 
 from tqdm import tqdm
 
@@ -44,7 +43,7 @@ _BAR_FORMAT = (
 )
 
 
-def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """run-batch's flags plus every engine flag (AsyncEngineArgs)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.openai.api_server import add_tool_args
@@ -99,7 +98,7 @@ def read_input(path_or_url: str) -> str:
         return f.read()
 
 
-def write_output(path_or_url: str, lines: list[str], tmp_dir: Optional[str] = None) -> None:
+def write_output(path_or_url: str, lines: list[str], tmp_dir: str | None = None) -> None:
     """Write the output lines: to a local path atomically (a temporary file renamed), or with
     an HTTP PUT to a URL."""
     is_url = path_or_url.startswith(("http://", "https://"))
@@ -125,13 +124,13 @@ def write_output(path_or_url: str, lines: list[str], tmp_dir: Optional[str] = No
 
 async def run_lines(
     runner: BatchLineRunner,
-    items: list[Union[BatchRequestInput, BatchRequestOutput]],
+    items: list[BatchRequestInput | BatchRequestOutput],
     max_concurrency: int,
     progress: bool = True,
 ) -> list[BatchRequestOutput]:
     """Every parsed line's output (`parse_lines`), in input order, at most `max_concurrency`
     running at once. If the engine dies, the lines not yet answered get 500 error lines."""
-    results: list[Optional[BatchRequestOutput]] = [
+    results: list[BatchRequestOutput | None] = [
         item if isinstance(item, BatchRequestOutput) else None for item in items
     ]
     semaphore = asyncio.Semaphore(max_concurrency)
@@ -243,7 +242,7 @@ async def _main(args: argparse.Namespace) -> None:
         engine.shutdown()
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Entry point of `python -m vllm.entrypoints.openai.run_batch`."""
     run(make_arg_parser().parse_args(argv))
 

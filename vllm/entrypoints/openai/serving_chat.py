@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -73,7 +73,7 @@ def _text_content(content: Any) -> str:
     raise ParameterError("message content must be a string or a list of parts.", "messages")
 
 
-def chat_prompt(tokenizer: Any, request: Any, chat_template: Optional[str] = None) -> str:
+def chat_prompt(tokenizer: Any, request: Any, chat_template: str | None = None) -> str:
     """Apply the chat template to the request's messages (raises ParameterError)."""
     if tokenizer is None:
         raise ParameterError("chat needs a tokenizer (skip_tokenizer_init is set).", "messages")
@@ -115,7 +115,7 @@ UNTRUSTED_TEMPLATE = (
 
 
 async def render_chat(
-    work: BoundedWork, request: Any, chat_template: Optional[str]
+    work: BoundedWork, request: Any, chat_template: str | None
 ) -> tuple[str, list[int]]:
     """The chat prompt and its token ids, rendered and tokenized in the bounded-work pool (a
     request's own template only with --trust-request-chat-template)."""
@@ -172,13 +172,13 @@ class OpenAIServingChat(OpenAIServing):
         self,
         engine: Any,
         model_config: Any = None,
-        served_model_names: Optional[list[str]] = None,
+        served_model_names: list[str] | None = None,
         response_role: str = "assistant",
         *,
-        chat_template: Optional[str] = None,
+        chat_template: str | None = None,
         enable_auto_tools: bool = False,
-        tool_parser: Optional[str] = None,
-        reasoning_parser: Optional[str] = None,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(engine, model_config, served_model_names, **kwargs)
@@ -188,10 +188,10 @@ class OpenAIServingChat(OpenAIServing):
 
         self.chat_template = load_chat_template(chat_template)
         self.enable_auto_tools = enable_auto_tools
-        self.tool_parser: Optional[ToolParser] = None
+        self.tool_parser: ToolParser | None = None
         if tool_parser is not None:
             self.tool_parser = ToolParserManager.get_tool_parser(tool_parser)(self.tokenizer)
-        self.reasoning: Optional[ReasoningParser] = None
+        self.reasoning: ReasoningParser | None = None
         if reasoning_parser is not None:
             self.reasoning = get_reasoning_parser(reasoning_parser)
 
@@ -233,7 +233,7 @@ class OpenAIServingChat(OpenAIServing):
                 media_type="text/event-stream",
             )
 
-        async def collect() -> Optional[RequestOutput]:
+        async def collect() -> RequestOutput | None:
             final = None
             async for output in stream:
                 final = output
@@ -447,10 +447,10 @@ class _ToolMode:
     def __init__(
         self,
         mode: str,
-        name: Optional[str],
-        parser: Optional[ToolParser],
+        name: str | None,
+        parser: ToolParser | None,
         request: Any,
-        reasoning: Optional[ReasoningParser] = None,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self.mode = mode
         self.name = name
@@ -473,8 +473,8 @@ class _ToolMode:
         return self.parser is None or not self.parser.may_start_tool_call(content)
 
     def split(
-        self, text: str, finish_reason: Optional[str], final: bool = True
-    ) -> tuple[Optional[str], Optional[str], list[ToolCall], Optional[str]]:
+        self, text: str, finish_reason: str | None, final: bool = True
+    ) -> tuple[str | None, str | None, list[ToolCall], str | None]:
         """(reasoning, content, tool calls, finish_reason) of a choice's text; before its end
         (`final` False) the calls are not read yet."""
         reasoning = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, Optional, Union
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -43,7 +43,7 @@ from vllm.sequence import Logprob
 Generator = AsyncGenerator[RequestOutput, None]
 
 
-def _prompts(prompt: Any) -> list[Union[str, list[int]]]:
+def _prompts(prompt: Any) -> list[str | list[int]]:
     """The request's prompts: a string, a list of strings, token ids, or lists of them."""
     if isinstance(prompt, str):
         return [prompt]
@@ -59,9 +59,7 @@ def _prompts(prompt: Any) -> list[Union[str, list[int]]]:
     )
 
 
-def token_text(
-    logprob: Optional[Logprob], token_id: int, tokenizer: Any, as_id: bool = False
-) -> str:
+def token_text(logprob: Logprob | None, token_id: int, tokenizer: Any, as_id: bool = False) -> str:
     """A logprobs entry's token: `token_id:N` with --return-tokens-as-token-ids (text that
     is not valid UTF-8 on its own stays exact), else its decoded text."""
     if as_id:
@@ -73,7 +71,7 @@ def token_text(
 
 def completion_logprobs(
     token_ids: list[int],
-    steps: list[Optional[dict[int, Logprob]]],
+    steps: list[dict[int, Logprob] | None],
     tokenizer: Any,
     text_offset: int,
     as_id: bool = False,
@@ -104,8 +102,8 @@ def completion_logprobs(
 
 
 def _echo_logprobs(
-    output: RequestOutput, token_ids: list[int], steps: Optional[list[Any]]
-) -> tuple[list[int], list[Optional[dict[int, Logprob]]]]:
+    output: RequestOutput, token_ids: list[int], steps: list[Any] | None
+) -> tuple[list[int], list[dict[int, Logprob] | None]]:
     """The prompt's tokens and logprobs ahead of a choice's own (echo with logprobs)."""
     prompt_steps = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids))
     return list(output.prompt_token_ids) + list(token_ids), prompt_steps + list(steps or [])
@@ -152,7 +150,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 self._stream(request, request_id, created, streams),
                 media_type="text/event-stream",
             )
-        finals: list[Optional[RequestOutput]] = [None] * len(streams)
+        finals: list[RequestOutput | None] = [None] * len(streams)
 
         async def collect() -> None:
             async for i, output in merge_streams(streams):
@@ -161,7 +159,7 @@ class OpenAIServingCompletion(OpenAIServing):
         await until_disconnected(raw_request, collect())
         return JSONResponse(self._response(request, request_id, created, finals).model_dump())
 
-    async def _engine_input(self, prompt: Union[str, list[int]], params: Any) -> dict[str, Any]:
+    async def _engine_input(self, prompt: str | list[int], params: Any) -> dict[str, Any]:
         """The prompt as the engine takes it, tokenized here (off the event loop and off the
         engine thread) and checked against the context."""
         if isinstance(prompt, str):
@@ -176,7 +174,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request: CompletionRequest,
         request_id: str,
         created: int,
-        finals: list[Optional[RequestOutput]],
+        finals: list[RequestOutput | None],
     ) -> CompletionResponse:
         choices = []
         prompt_tokens = completion_tokens = 0
@@ -238,7 +236,7 @@ class OpenAIServingCompletion(OpenAIServing):
         options = request.stream_options
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
 
-        def usage_so_far(i: int, index: int) -> Optional[UsageInfo]:
+        def usage_so_far(i: int, index: int) -> UsageInfo | None:
             # vLLM's continuous_usage_stats: each chunk carries its choice's usage so far.
             if not continuous:
                 return None
@@ -312,7 +310,7 @@ class OpenAIServingCompletion(OpenAIServing):
         yield sse("[DONE]")
 
 
-async def _chain(first: Optional[RequestOutput], rest: Generator) -> Generator:
+async def _chain(first: RequestOutput | None, rest: Generator) -> Generator:
     if first is not None:
         yield first
         if first.finished:
@@ -325,9 +323,9 @@ async def _chain(first: Optional[RequestOutput], rest: Generator) -> Generator:
 async def start_all(
     raw_request: Request,
     generators: list[Generator],
-    prompt_limit: Optional[int] = None,
+    prompt_limit: int | None = None,
     param: str = "prompt",
-) -> tuple[list[tuple[Optional[RequestOutput], Generator]], Optional[JSONResponse]]:
+) -> tuple[list[tuple[RequestOutput | None, Generator]], JSONResponse | None]:
     """The first output of every request, or a 400 if the engine refused one of them (then
     the others are aborted). A prompt longer than `prompt_limit` (which the scheduler
     ignores) is a 400 too, with vLLM's message."""

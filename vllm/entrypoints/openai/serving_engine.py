@@ -10,7 +10,7 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextvars import ContextVar
 from http import HTTPStatus
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -24,7 +24,7 @@ from vllm.sampling_params import SamplingParams
 
 # The served LoRA adapter a request named (set by check_model, in the request's own task):
 # its responses carry the adapter's name as their `model`.
-_REQUEST_ADAPTER: ContextVar[Optional[str]] = ContextVar("request_adapter", default=None)
+_REQUEST_ADAPTER: ContextVar[str | None] = ContextVar("request_adapter", default=None)
 _PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {"max_completion_tokens", "messages"}
 # Engine messages that do not start with the parameter's name.
 _MESSAGE_PARAMS = [
@@ -39,7 +39,7 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its request finished (the request was aborted)."""
 
 
-def error_param(exc: BaseException) -> Optional[str]:
+def error_param(exc: BaseException) -> str | None:
     """The request parameter an error is about (the engine's messages name it first)."""
     if isinstance(exc, ParameterError):
         return exc.param
@@ -59,7 +59,7 @@ def error_response(
     message: str,
     err_type: str = "BadRequestError",
     status: HTTPStatus = HTTPStatus.BAD_REQUEST,
-    param: Optional[str] = None,
+    param: str | None = None,
 ) -> JSONResponse:
     body = ErrorResponse(message=message, type=err_type, param=param, code=status.value)
     return JSONResponse(body.model_dump(), status_code=status.value)
@@ -102,14 +102,14 @@ class OpenAIServing:
         self,
         engine: AsyncLLMEngine,
         model_config: Any = None,
-        served_model_names: Optional[list[str]] = None,
+        served_model_names: list[str] | None = None,
         *,
-        work: Optional[BoundedWork] = None,
-        lora_modules: Optional[list[Any]] = None,
-        prompt_adapters: Optional[list[Any]] = None,
+        work: BoundedWork | None = None,
+        lora_modules: list[Any] | None = None,
+        prompt_adapters: list[Any] | None = None,
         request_logger: Any = None,
         return_tokens_as_token_ids: bool = False,
-        lora_requests: Optional[list[LoRARequest]] = None,
+        lora_requests: list[LoRARequest] | None = None,
     ) -> None:
         if isinstance(model_config, (list, tuple)):  # (engine, served_model_names, ...)
             model_config, served_model_names = None, list(model_config)
@@ -202,7 +202,7 @@ class OpenAIServing:
         """vLLM's name for `show_models`."""
         return self.show_models()
 
-    def check_model(self, model: Optional[str]) -> Optional[JSONResponse]:
+    def check_model(self, model: str | None) -> JSONResponse | None:
         """None if the request's model is served (or not given), else a 404 body. A served
         adapter's name is remembered for the request's responses (`model_name`)."""
         _REQUEST_ADAPTER.set(model if model in self.loras else None)
@@ -215,7 +215,7 @@ class OpenAIServing:
             param="model",
         )
 
-    def lora_request(self, model: Optional[str]) -> Optional[LoRARequest]:
+    def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model)."""
         return self.loras.get(model) if model else None
 
@@ -227,7 +227,7 @@ class OpenAIServing:
 
 async def first_output(
     generator: AsyncGenerator[RequestOutput, None],
-) -> tuple[Optional[RequestOutput], AsyncGenerator[RequestOutput, None]]:
+) -> tuple[RequestOutput | None, AsyncGenerator[RequestOutput, None]]:
     """Wait for a request's first output, so a bad request fails before any response byte
     is sent (the engine validates it); None if the stream ended without one (aborted)."""
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -34,7 +34,7 @@ from vllm.entrypoints.openai.serving_engine import (
 from vllm.outputs import RequestOutput
 
 
-def _status(finish_reason: Optional[str]) -> tuple[str, Optional[str]]:
+def _status(finish_reason: str | None) -> tuple[str, str | None]:
     """(status, incomplete reason) of a finished output: cut by the token limit is
     `incomplete` with reason `max_output_tokens`, as OpenAI reports it."""
     if finish_reason == "length":
@@ -45,7 +45,7 @@ def _status(finish_reason: Optional[str]) -> tuple[str, Optional[str]]:
 class OpenAIServingResponses(OpenAIServing):
     """Handles /v1/responses with the chat handler's template (`chat_template`)."""
 
-    def __init__(self, *args: Any, chat_template: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, chat_template: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
 
@@ -84,7 +84,7 @@ class OpenAIServingResponses(OpenAIServing):
                 media_type="text/event-stream",
             )
 
-        async def collect() -> Optional[RequestOutput]:
+        async def collect() -> RequestOutput | None:
             final = None
             async for output in stream:
                 final = output

@@ -7,7 +7,7 @@ vLLM's message; so is a known OpenAI field this server does not implement."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from vllm.structured_output.params import StructuredOutputsParams
 
@@ -65,8 +65,8 @@ def _response_format_constraint(response_format: Any) -> dict[str, Any]:
 
 
 def structured_outputs_from_request(
-    request: Any, tool_schema: Optional[dict[str, Any]] = None
-) -> tuple[Optional[StructuredOutputsParams], str]:
+    request: Any, tool_schema: dict[str, Any] | None = None
+) -> tuple[StructuredOutputsParams | None, str]:
     """The request's one constraint (or None), and the field that set it (for a 400 when the
     grammar engine refuses it)."""
     given: dict[str, Any] = {}

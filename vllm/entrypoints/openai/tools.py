@@ -6,7 +6,7 @@ and the tool calls read back from such an output. `auto` goes through the `--too
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -33,7 +33,7 @@ def _functions(request: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
 
 def tool_choice_mode(
     request: ChatCompletionRequest, enable_auto_tools: bool, has_parser: bool
-) -> tuple[str, Optional[str]]:
+) -> tuple[str, str | None]:
     """("none" | "auto" | "required" | "named", the named function) after vLLM's checks."""
     functions = _functions(request)
     choice = request.tool_choice
@@ -73,7 +73,7 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     return params if isinstance(params, dict) else {"type": "object", "properties": {}}
 
 
-def tool_schema(request: ChatCompletionRequest, mode: str, name: Optional[str]) -> Optional[dict]:
+def tool_schema(request: ChatCompletionRequest, mode: str, name: str | None) -> dict | None:
     """The JSON schema of the output for `required` (a list of {name, parameters}) and named
     (the function's parameters) choices, as vLLM builds it; None otherwise."""
     functions = _functions(request)
@@ -101,7 +101,7 @@ def tool_schema(request: ChatCompletionRequest, mode: str, name: Optional[str]) 
     return schema
 
 
-def forced_tool_calls(text: str, mode: str, name: Optional[str]) -> list[ToolCall]:
+def forced_tool_calls(text: str, mode: str, name: str | None) -> list[ToolCall]:
     """The tool calls of an output constrained by `tool_schema` (empty if it was cut short)."""
     try:
         value = json.loads(text, strict=False)

@@ -4,8 +4,6 @@ sliding window and with soft-capped scores."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,7 +32,7 @@ def write_to_kv_cache(
     value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value)
 
 
-def _check_options(sliding_window: Optional[int], logits_soft_cap: Optional[float]) -> None:
+def _check_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
     """ValueError naming the option when a window or a soft-cap is not positive."""
     if sliding_window is not None and (
         isinstance(sliding_window, bool)
@@ -48,7 +46,7 @@ def _check_options(sliding_window: Optional[int], logits_soft_cap: Optional[floa
         )
 
 
-def soft_cap(scores: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
     """cap * tanh(scores / cap) (Gemma 2's attention and final logit capping), in HF's order of
     operations; the scores unchanged when cap is None."""
     if cap is None:
@@ -56,7 +54,7 @@ def soft_cap(scores: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return torch.tanh(scores / cap) * cap
 
 
-def first_visible_position(context_len: int, sliding_window: Optional[int]) -> int:
+def first_visible_position(context_len: int, sliding_window: int | None) -> int:
     """The first key position a query at position `context_len - 1` sees: HF's sliding mask
     keeps key j for query i when i - W < j <= i, i.e. the last W positions, the query's own
     included (transformers' `sliding_window_overlay`; Mistral and Gemma alike)."""
@@ -72,8 +70,8 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     max_context_len: int,
     scale: float,
-    sliding_window: Optional[int] = None,
-    logits_soft_cap: Optional[float] = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its cached context.
 
@@ -149,8 +147,8 @@ def masked_attention(
     query_start: int,
     key_start: int,
     scale: float,
-    sliding_window: Optional[int] = None,
-    logits_soft_cap: Optional[float] = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal (and, with a window, banded) attention with explicit positions.
 
@@ -206,8 +204,8 @@ def prefill_attention(
     value: torch.Tensor,
     seq_lens: list[int],
     scale: float,
-    sliding_window: Optional[int] = None,
-    logits_soft_cap: Optional[float] = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each prompt over itself. query [T, H, D], key/value [T, Hkv, D].
 
@@ -253,8 +251,8 @@ def prefill_attention_with_context(
     block_table: torch.Tensor,
     context_len: int,
     scale: float,
-    sliding_window: Optional[int] = None,
-    logits_soft_cap: Optional[float] = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of one prefill chunk over its cached context plus itself.
 
@@ -296,8 +294,8 @@ class PagedAttention(nn.Module):
         head_size: int,
         scale: float,
         num_kv_heads: int,
-        sliding_window: Optional[int] = None,
-        logits_soft_cap: Optional[float] = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -314,7 +312,7 @@ class PagedAttention(nn.Module):
         self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap is not None else None
 
     @property
-    def _options(self) -> tuple[Optional[int], Optional[float]]:
+    def _options(self) -> tuple[int | None, float | None]:
         """(sliding_window, logits_soft_cap), as the attention functions take them."""
         return self.sliding_window, self.logits_soft_cap
 
@@ -330,7 +328,7 @@ class PagedAttention(nn.Module):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: Optional[KVCache],
+        kv_cache: KVCache | None,
         md: InputMetadata,
     ) -> torch.Tensor:
         """query [T, H*D], key/value [T, Hkv*D] -> [T, H*D]."""

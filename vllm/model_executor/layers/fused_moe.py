@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +75,7 @@ def grouped_experts(
     w2: Sequence[torch.Tensor],
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    linear: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2*I, H], w2 [E, H, I], topk_weights / topk_ids [T, k] -> [T, H]:
     sum over each token's k experts of weight * down(silu(gate(x)) * up(x)), each expert's
@@ -182,7 +182,7 @@ class FusedMoE(nn.Module):
         )
 
         # Per-expert oneDNN-prepacked copies (see pack()), replacing the stacked parameters.
-        self._packed: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
+        self._packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def pack(self) -> None:
         """Prepack each expert's matrices for oneDNN (CPU fp32/bf16; called by pack_linears
@@ -206,7 +206,7 @@ class FusedMoE(nn.Module):
             out = grouped_experts(x, w13, w2, topk_weights, topk_ids, packed_linear)
         return tpu.all_reduce(out) if self.reduce_results else out
 
-    def load_weight(self, tensor: torch.Tensor, part: str, expert: Optional[int], name: str) -> str:
+    def load_weight(self, tensor: torch.Tensor, part: str, expert: int | None, name: str) -> str:
         """Copy a checkpoint tensor into its place; returns the parameter's local name.
 
         part "gate"/"up"/"down" with `expert`: one expert's matrix, already cut to this rank's
@@ -230,7 +230,7 @@ class FusedMoE(nn.Module):
         return "w13_weight"
 
 
-def parse_expert_name(name: str) -> Optional[tuple[str, Optional[int]]]:
+def parse_expert_name(name: str) -> tuple[str, int | None] | None:
     """(part, expert) of an expert checkpoint tensor ("gate", "up", "down" or "gate_up";
     expert None for the stacked tensors), None for any other tensor."""
     match = _EXPERT_RE.search(name)
@@ -242,7 +242,7 @@ def parse_expert_name(name: str) -> Optional[tuple[str, Optional[int]]]:
     return None
 
 
-def moe_weight_shard(name: str, intermediate_size: int) -> Optional[Shard]:
+def moe_weight_shard(name: str, intermediate_size: int) -> Shard | None:
     """This TP rank's part of an expert checkpoint tensor (None: all of it, or not an expert
     tensor). Gate/up rows and down columns are split like an MLP's."""
     parsed = parse_expert_name(name)
@@ -297,7 +297,7 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(x.dtype)
         return self.experts(x, weights, ids)
 
-    def load_weight(self, suffix: str, tensor: torch.Tensor, name: str) -> Optional[str]:
+    def load_weight(self, suffix: str, tensor: torch.Tensor, name: str) -> str | None:
         """Load checkpoint tensor `name` whose part below this block is `suffix` (e.g.
         "gate.weight", "experts.3.w1.weight"); returns the parameter's name below the block,
         None if the name is not one of the block's."""

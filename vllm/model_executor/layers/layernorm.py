@@ -3,8 +3,6 @@ Gemma's variant (weight applied as 1 + w, all in float32)."""
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 from torch import nn
 
@@ -25,8 +23,8 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> normed [T, hidden]; or, with residual [T, hidden], the pair
         (normed sum, sum) of the residual stream's sum = residual + x.
 
@@ -75,8 +73,8 @@ class GemmaRMSNorm(RMSNorm):
             self.weight.zero_()
 
     def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [..., hidden] -> normed; with residual [T, hidden], (normed sum, sum) as RMSNorm.
         With a residual the kernel works in place, as in RMSNorm."""
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:

@@ -11,8 +11,6 @@ to 1.5x faster, and end to end bf16 throughput (benchmarks/throughput.py, 128 x 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,10 +47,10 @@ class PackedLinear(nn.Module):
 
 
 # dtype -> None when oneDNN prepacks it on this CPU, else why not (probed once per process).
-_PACK_PROBES: dict[torch.dtype, Optional[str]] = {}
+_PACK_PROBES: dict[torch.dtype, str | None] = {}
 
 
-def _probe_packing(dtype: torch.dtype) -> Optional[str]:
+def _probe_packing(dtype: torch.dtype) -> str | None:
     """Whether oneDNN can reorder and run a linear of `dtype` on this CPU: None if so, else
     its error. bf16 reorders need avx512bw/vl/dq or avx_ne_convert (an AVX2-only CPU has
     neither, and torch raises at load); asking oneDNN itself covers every CPU torch runs on."""
@@ -132,8 +130,8 @@ class ParallelLinearBase(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(bias_size), requires_grad=False) if bias else None
-        self._packed: Optional[torch.Tensor] = None
-        self.quant: Optional[GGUFWeight] = None
+        self._packed: torch.Tensor | None = None
+        self.quant: GGUFWeight | None = None
 
     def pack(self) -> None:
         if self.quant is not None:  # GGUF blocks: nothing to prepack
@@ -142,7 +140,7 @@ class ParallelLinearBase(nn.Module):
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PackedLinear.ROWS_HINT)
         del self.weight  # the packed copy replaces it (one copy of the weights in memory)
 
-    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in_local] -> [..., out_local] (+ bias)."""
         if self.quant is not None:
             return self.quant(x, bias)

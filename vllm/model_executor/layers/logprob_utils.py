@@ -9,8 +9,6 @@ log_softmax. The rank pass ([n, vocab] comparisons) and top-k run only for those
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from vllm.model_executor.sampling_metadata import SeqGroupRows
@@ -31,7 +29,7 @@ class StepLogprobs:
         self.logits = logits
         self.lse = lse
         self._full_pos = {row: i for i, row in enumerate(full_rows)}
-        self._full: Optional[torch.Tensor] = None  # [len(full_rows), V]
+        self._full: torch.Tensor | None = None  # [len(full_rows), V]
         if full_rows:
             if full_rows == list(range(logits.shape[0])):
                 selected = logits
@@ -87,7 +85,7 @@ def logprob_rows_needed(groups: list[SeqGroupRows], beam_groups: list[SeqGroupRo
 
 def build_logprob_entries(
     logprobs: StepLogprobs,
-    num_logprobs: list[Optional[int]],
+    num_logprobs: list[int | None],
     draws: list[list[Draw]],
 ) -> list[list[dict[int, Logprob]]]:
     """One entry per draw, grouped like `draws`. A group with `logprobs=None` gets the bare

@@ -22,7 +22,7 @@ original context.)
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _default_inv_freq(base: Union[float, torch.Tensor], dim: int) -> torch.Tensor:
+def _default_inv_freq(base: float | torch.Tensor, dim: int) -> torch.Tensor:
     """[dim/2] float32: 1 / base^(2i/dim)."""
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
@@ -118,7 +118,7 @@ def compute_inv_freq(
     params: dict[str, Any],
     dim: int,
     max_position: int,
-    seq_len: Optional[int] = None,
+    seq_len: int | None = None,
 ) -> tuple[torch.Tensor, float]:
     """(inv_freq [dim/2] float32, attention factor) of a rope parameter dict (as returned by
     `get_rope_parameters`) for the rotary width `dim`, as transformers computes them for a
@@ -182,9 +182,9 @@ class RotaryEmbedding(nn.Module):
         head_size: int,
         max_position: int,
         base: float = 10000.0,
-        rope_scaling: Optional[dict[str, Any]] = None,
-        rotary_dim: Optional[int] = None,
-        cache_positions: Optional[int] = None,
+        rope_scaling: dict[str, Any] | None = None,
+        rotary_dim: int | None = None,
+        cache_positions: int | None = None,
     ) -> None:
         super().__init__()
         params = dict(rope_scaling or {})
@@ -212,7 +212,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq, scale = compute_inv_freq(params, rotary_dim, max_position)
         cos_sin = _cos_sin(positions, inv_freq, scale)  # [2, n, rotary_dim]
         # Positions from which the sequence length changes the frequencies (None: never).
-        self.switch_len: Optional[int] = None
+        self.switch_len: int | None = None
         if self.rope_type == "longrope":
             # Rows [n, 2n): the long factors, selected by an index offset of n.
             self.switch_len = params["original_max_position_embeddings"]
@@ -234,7 +234,7 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,
         query: torch.Tensor,
         key: torch.Tensor,
-        seq_lens: Optional[torch.Tensor] = None,
+        seq_lens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, H*D]; key [T, Hkv*D] -> rotated (same shapes). seq_lens [T]
         (longrope, dynamic): the sequence length `s` each token's frequencies come from
@@ -247,7 +247,7 @@ class RotaryEmbedding(nn.Module):
         returns new tensors and leaves its inputs alone.
         """
         index = positions
-        cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.switch_len is not None:
             s = positions + 1 if seq_lens is None else seq_lens
             if self.rope_type == "longrope":
@@ -315,8 +315,8 @@ def token_seq_lens(positions: torch.Tensor, md: Any) -> torch.Tensor:
 def get_rope(
     config: Any,
     head_size: int,
-    rope_parameters: Optional[dict[str, Any]] = None,
-    max_position: Optional[int] = None,
+    rope_parameters: dict[str, Any] | None = None,
+    max_position: int | None = None,
 ) -> RotaryEmbedding:
     """The RotaryEmbedding a model config asks for: its rope type, theta, partial rotary
     factor and context lengths. A model builds one and shares it between its layers (the

@@ -7,8 +7,6 @@ that samples. With TP = 1 both are the plain embedding / matmul.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,7 +25,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.end, rows = tpu.vocab_range(vocab_size, tpu.tp_size(), tpu.tp_rank())
         self.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
         # --quantization gguf: the rows as GGUF blocks instead of `weight` (set after loading).
-        self.quant: Optional[GGUFWeight] = None
+        self.quant: GGUFWeight | None = None
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of this shard -> [T, dim] (GGUF blocks: only those rows dequantized)."""
@@ -59,7 +57,7 @@ class ParallelLMHead(ParallelLinearBase):
         self.start, self.end = start, end
         super().__init__(dim, rows, False, 0)
 
-    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [S, dim] -> logits [S, vocab] float32 on the TP driver; None on other ranks."""
         logits = tpu.gather_last_dim_to_driver(self._matmul(hidden, None))
         if logits is None:

@@ -12,7 +12,7 @@ Weight names, TP sharding and loading are LLaMA's (LlamaForCausalLM's methods ar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -45,14 +45,14 @@ class GemmaLayerSpec:
     """What differs between the decoder layers of one Gemma model: local (windowed) or global
     attention, its rope, its score soft-cap, and q/k norms (Gemma 3)."""
 
-    sliding_window: Optional[int]
+    sliding_window: int | None
     rope_theta: float
     rope_scaling: dict[str, Any] = field(default_factory=dict)
-    attn_soft_cap: Optional[float] = None
+    attn_soft_cap: float | None = None
     qk_norm: bool = False
 
 
-def split_rope_params(params: Optional[dict[str, Any]], theta: float) -> tuple[float, dict]:
+def split_rope_params(params: dict[str, Any] | None, theta: float) -> tuple[float, dict]:
     """(rope_theta, the rest) of one rope dict; transformers >= 5 keeps rope_theta inside it,
     older configs at top level (`theta`, the fallback)."""
     rope = dict(params or {})
@@ -149,7 +149,7 @@ class GemmaAttention(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        kv_cache: Optional[KVCache],
+        kv_cache: KVCache | None,
         md: InputMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # [T, q + 2kv]
@@ -183,9 +183,9 @@ class GemmaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        kv_cache: Optional[KVCache],
+        kv_cache: KVCache | None,
         md: InputMetadata,
-        residual: Optional[torch.Tensor] = None,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden_states [T, hidden] and residual as in LlamaDecoderLayer.forward; returns
         (this layer's post-feed-forward-norm output, residual), the stream being their sum."""
@@ -254,7 +254,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.layout = layout
         self.model = GemmaModel(config, layout, self.layer_spec)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.final_logit_softcapping: Optional[float] = getattr(
+        self.final_logit_softcapping: float | None = getattr(
             config, "final_logit_softcapping", None
         )
         if layout.is_last:
@@ -262,7 +262,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             if self.tie_word_embeddings and layout.is_first:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """hidden_states [S, hidden] (normed) -> soft-capped logits [S, vocab] float32 on the TP
         driver, None elsewhere. Sampling and prompt logprobs both start from these."""
         logits = self.lm_head.compute_logits(hidden_states)

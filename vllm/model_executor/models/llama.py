@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -58,7 +58,7 @@ def num_kv_heads_of(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def sliding_window_of(config: Any, layer_idx: int) -> Optional[int]:
+def sliding_window_of(config: Any, layer_idx: int) -> int | None:
     """The attention window of decoder layer `layer_idx` (None: full attention). Configs with
     `layer_types` (Qwen2/3) window only their "sliding_attention" layers; others (Mistral,
     Phi-3) window every layer when `sliding_window` is set."""
@@ -82,8 +82,8 @@ class LlamaAttention(nn.Module):
     def __init__(
         self,
         config: Any,
-        options: Optional[DecoderOptions] = None,
-        rope: Optional[RotaryEmbedding] = None,
+        options: DecoderOptions | None = None,
+        rope: RotaryEmbedding | None = None,
         layer_idx: int = 0,
     ) -> None:
         super().__init__()
@@ -119,9 +119,9 @@ class LlamaAttention(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        kv_cache: Optional[KVCache],
+        kv_cache: KVCache | None,
         md: InputMetadata,
-        rope_seq_lens: Optional[torch.Tensor] = None,
+        rope_seq_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden_states [T, hidden] -> [T, hidden]. rope_seq_lens [T]: each token's sequence
         length, for rope variants that switch on it (`token_seq_lens`)."""
@@ -139,7 +139,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with a fused gate/up projection."""
 
-    def __init__(self, config: Any, options: Optional[DecoderOptions] = None) -> None:
+    def __init__(self, config: Any, options: DecoderOptions | None = None) -> None:
         super().__init__()
         options = options or DecoderOptions()
         bias = options.mlp_bias
@@ -166,10 +166,10 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
         config: Any,
-        options: Optional[DecoderOptions] = None,
-        rope: Optional[RotaryEmbedding] = None,
+        options: DecoderOptions | None = None,
+        rope: RotaryEmbedding | None = None,
         layer_idx: int = 0,
-        mlp: Optional[nn.Module] = None,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, options, rope, layer_idx)
@@ -182,10 +182,10 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        kv_cache: Optional[KVCache],
+        kv_cache: KVCache | None,
         md: InputMetadata,
-        residual: Optional[torch.Tensor] = None,
-        rope_seq_lens: Optional[torch.Tensor] = None,
+        residual: torch.Tensor | None = None,
+        rope_seq_lens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden_states [T, hidden]: the stream itself (residual None: first layer of the
         stage) or the previous layer's MLP output to add to `residual` [T, hidden].
@@ -211,8 +211,8 @@ class LlamaModel(nn.Module):
         self,
         config: Any,
         layout: StageLayout,
-        options: Optional[DecoderOptions] = None,
-        make_mlp: Optional[Callable[[int], Optional[nn.Module]]] = None,
+        options: DecoderOptions | None = None,
+        make_mlp: Callable[[int], nn.Module | None] | None = None,
     ) -> None:
         super().__init__()
         self.layout = layout
@@ -262,24 +262,24 @@ class LlamaForCausalLM(nn.Module):
             (layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.model.layers
         ]
 
-    def make_mlp(self, layer_idx: int) -> Optional[nn.Module]:
+    def make_mlp(self, layer_idx: int) -> nn.Module | None:
         """Hook: the feed-forward block of global layer `layer_idx` (None: LlamaMLP)."""
         return None
 
     def load_other_weight(
         self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
-    ) -> Optional[str]:
+    ) -> str | None:
         """Hook: load a (stage-local) tensor LLaMA does not know; returns the parameter's
         name if handled, else None."""
         return None
 
     def forward(
         self,
-        input_ids: Optional[torch.Tensor],
+        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         md: InputMetadata,
-        hidden_states: Optional[torch.Tensor] = None,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [T] on the first stage, else hidden_states [T, hidden] (the residual
         stream from the previous stage; not modified); -> [T, hidden]: the final norm's output
@@ -291,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
             # The layers update the residual stream in place (fused add + norm): work on a
             # copy, not on the caller's tensor (one [T, hidden] copy per step).
             hidden_states = hidden_states.clone()
-        residual: Optional[torch.Tensor] = None
+        residual: torch.Tensor | None = None
         # Longrope and dynamic NTK need each token's sequence length (once per step). Models
         # that reuse this forward with layers of their own (Gemma) have no shared rope.
         extra = {}
@@ -312,12 +312,12 @@ class LlamaForCausalLM(nn.Module):
             hidden_states = residual + hidden_states
         return hidden_states
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """hidden_states [S, hidden] (already normed) -> logits [S, vocab] in float32 on the
         TP driver (the vocabulary shards gathered); None on the other TP ranks."""
         return self.lm_head.compute_logits(hidden_states)
 
-    def weight_shard(self, name: str) -> Optional[Union[Shard, Sequence[Shard]]]:
+    def weight_shard(self, name: str) -> Shard | Sequence[Shard] | None:
         """The part of checkpoint tensor `name` this TP rank loads (None: all of it; several
         shards: their parts concatenated, e.g. this rank's q, k and v rows of a fused qkv)."""
         tp = tpu.tp_size()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ class MoEWeightsMixin:
     moe_intermediate_size: int
     model: Any
 
-    def weight_shard(self, name: str) -> Optional[Shard]:
+    def weight_shard(self, name: str) -> Shard | None:
         """Expert tensors split like an MLP's; the router replicated; the rest as LLaMA."""
         if _MOE_RE.search(name) is not None:
             return moe_weight_shard(name, self.moe_intermediate_size)
@@ -46,7 +46,7 @@ class MoEWeightsMixin:
 
     def load_other_weight(
         self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
-    ) -> Optional[str]:
+    ) -> str | None:
         """Router and expert tensors into their layer's SparseMoeBlock (`name` stage-local)."""
         match = _MOE_RE.match(name)
         if match is None:
@@ -101,7 +101,7 @@ class MixtralForCausalLM(MoEWeightsMixin, LlamaForCausalLM):
         self.moe_intermediate_size = config.intermediate_size
         super().__init__(config, layout)
 
-    def make_mlp(self, layer_idx: int) -> Optional[nn.Module]:
+    def make_mlp(self, layer_idx: int) -> nn.Module | None:
         cfg = self.config
         return SparseMoeBlock(
             cfg.hidden_size,

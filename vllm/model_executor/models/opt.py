@@ -4,7 +4,7 @@ stage's layers. Learned positions carry OPT's offset of 2."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ class OPTAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.head_dim, 1.0, self.num_heads)
 
     def forward(
-        self, hidden_states: torch.Tensor, kv_cache: Optional[KVCache], md: InputMetadata
+        self, hidden_states: torch.Tensor, kv_cache: KVCache | None, md: InputMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).chunk(3, dim=-1)  # each [T, hidden]
         return self.out_proj(self.attn(q * self.scaling, k, v, kv_cache, md))
@@ -76,7 +76,7 @@ class OPTDecoderLayer(nn.Module):
         self.act = get_act_fn(config.activation_function)
 
     def forward(
-        self, hidden_states: torch.Tensor, kv_cache: Optional[KVCache], md: InputMetadata
+        self, hidden_states: torch.Tensor, kv_cache: KVCache | None, md: InputMetadata
     ) -> torch.Tensor:
         residual = hidden_states
         if self.do_layer_norm_before:
@@ -137,11 +137,11 @@ class OPTForCausalLM(nn.Module):
 
     def forward(
         self,
-        input_ids: Optional[torch.Tensor],
+        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         md: InputMetadata,
-        hidden_states: Optional[torch.Tensor] = None,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [T] on the first stage, else hidden_states [T, hidden]; -> [T, hidden]
         ([T, word_embed_proj_dim] after project_out on the last stage)."""
@@ -161,12 +161,12 @@ class OPTForCausalLM(nn.Module):
                 hidden_states = dec.project_out(hidden_states)
         return hidden_states
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """hidden_states [S, proj_dim] -> logits [S, vocab] in float32 on the TP driver; None
         on the other TP ranks."""
         return self.lm_head.compute_logits(hidden_states)
 
-    def weight_shard(self, name: str) -> Optional[Shard]:
+    def weight_shard(self, name: str) -> Shard | None:
         """The part of checkpoint tensor `name` this TP rank loads (None: all of it).
         Positions and project_in/out are small and replicated (as in vLLM)."""
         tp = tpu.tp_size()

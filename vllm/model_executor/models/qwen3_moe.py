@@ -6,7 +6,7 @@ rope, `head_dim` independent of hidden / heads) and sparse MoE feed-forward bloc
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 
@@ -37,7 +37,7 @@ class Qwen3MoeForCausalLM(MoEWeightsMixin, LlamaForCausalLM):
         bias = bool(getattr(config, "attention_bias", False))
         return DecoderOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
-    def make_mlp(self, layer_idx: int) -> Optional[nn.Module]:
+    def make_mlp(self, layer_idx: int) -> nn.Module | None:
         cfg = self.config
         if not is_moe_layer(cfg, layer_idx):
             return None  # LLaMA's MLP with the dense intermediate_size

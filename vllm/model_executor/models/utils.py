@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -29,13 +28,13 @@ class StageLayout:
         return self.end_layer - self.start_layer
 
 
-def layer_index(name: str) -> Optional[int]:
+def layer_index(name: str) -> int | None:
     """Global decoder-layer index in a checkpoint tensor name, or None for non-layer tensors."""
     match = _LAYER_RE.search(name)
     return int(match.group(1)) if match else None
 
 
-def localize_layer_name(name: str, layout: StageLayout) -> Optional[str]:
+def localize_layer_name(name: str, layout: StageLayout) -> str | None:
     """Rename `...layers.<global>.` to `...layers.<local>.`; None if another stage owns it."""
     idx = layer_index(name)
     if idx is None:
@@ -91,7 +90,7 @@ def load_stacked(
     name: str,
     tensor: torch.Tensor,
     stacked: list[tuple[str, str, int, int]],
-) -> Optional[str]:
+) -> str | None:
     """Load a q/k/v (or gate/up) checkpoint tensor into its rows of a fused parameter.
 
     `stacked` lists (fused_name, shard_name, row_start, row_count). Returns the fused

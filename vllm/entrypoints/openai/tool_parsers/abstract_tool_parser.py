@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from vllm.entrypoints.openai.protocol import FunctionCall, ToolCall
 
@@ -17,7 +17,7 @@ class ExtractedToolCallInformation:
 
     tools_called: bool
     tool_calls: list[ToolCall] = field(default_factory=list)
-    content: Optional[str] = None
+    content: str | None = None
 
 
 def make_tool_call(name: Any, arguments: Any) -> ToolCall:

@@ -22,7 +22,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +101,7 @@ class _Sink:
 
     def __init__(self, rows: int, cols: int) -> None:
         self.rows, self.cols = rows, cols
-        self.segments: list[tuple[int, Union[GGUFBlocks, torch.Tensor]]] = []
+        self.segments: list[tuple[int, GGUFBlocks | torch.Tensor]] = []
 
     def add(self, target: torch.Tensor, loaded: Any, name: str) -> None:
         shape = tuple(loaded.shape)
@@ -158,12 +158,12 @@ class GGUFWeight(nn.Module):
     q/k/v of different types), each blocks for the kernel or a dense matrix."""
 
     def __init__(
-        self, parts: list[tuple[Optional[int], torch.Tensor]], cols: int, dtype: torch.dtype
+        self, parts: list[tuple[int | None, torch.Tensor]], cols: int, dtype: torch.dtype
     ) -> None:
         super().__init__()
         self.cols = cols
         self.dtype = dtype
-        self.qtypes: list[Optional[int]] = []
+        self.qtypes: list[int | None] = []
         for i, (qtype, tensor) in enumerate(parts):
             self.register_buffer(f"part{i}", tensor, persistent=False)
             self.qtypes.append(qtype)
@@ -180,10 +180,10 @@ class GGUFWeight(nn.Module):
             expected += tensor.shape[0]
         if expected != sink.rows:
             raise ValueError(f"weight {name}: {expected} of {sink.rows} rows loaded.")
-        parts: list[tuple[Optional[int], list[torch.Tensor]]] = []
+        parts: list[tuple[int | None, list[torch.Tensor]]] = []
         for _, tensor in segments:
             if isinstance(tensor, GGUFBlocks) and kernel_runs(tensor.qtype, dtype):
-                qtype: Optional[int] = tensor.qtype
+                qtype: int | None = tensor.qtype
                 piece = repack_gguf_rows(tensor.raw, tensor.qtype)
             else:
                 qtype, piece = None, dense(tensor).to(dtype)
@@ -214,7 +214,7 @@ class GGUFWeight(nn.Module):
         picked = self.part0.index_select(0, ids)  # [T, row_bytes]
         return ops.gguf_dequantize(picked, self.qtypes[0], self.cols, self.dtype)
 
-    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] (+ bias), in x's dtype."""
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.cols)
