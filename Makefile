@@ -24,7 +24,7 @@ test: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m mypy
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=15 tests
 
 # Seconds, no model, no Ray, no torch: the scheduler, block manager, configs, sampling params,
 # environment registry and structure checks. Assumes `make install` ran once.
