@@ -22,6 +22,7 @@ In one run, on --threads cores (default 1; the engine's stage gets the same):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from typing import Any
@@ -127,7 +128,7 @@ def decode_rates(
             prefill = min(run(batch, 1) for _ in range(2))
             full = run(batch, decode_tokens)
             rates[batch] = batch * (decode_tokens - 1) / max(full - prefill, 1e-9)
-        info = dict(llm.llm_engine.executor.stage_infos[0])
+        info = dataclasses.asdict(llm.llm_engine.get_stage_infos()[0])
         import torch
 
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kwargs["dtype"]]

@@ -69,7 +69,7 @@ def rss():
     gc.collect()
     return proc.memory_info().rss
 base = rss()
-llm = LLM("smollm2", kv_cache_space=1, swap_space=0.1)
+llm = LLM("smollm2", quantization="none", kv_cache_space=1, swap_space=0.1)  # fp32 weights
 llm.generate(["Hello, my name is"] * 8, SamplingParams(max_tokens=16, temperature=0),
              use_tqdm=False)
 peak = rss()
@@ -120,6 +120,8 @@ def mib():
 def alloc_and_free():
     blocks = [bytearray(8 << 20) for _ in range(32)]  # 256 MiB, touched
     del blocks
+big = bytearray(30 << 20)  # a big mapped block freed: glibc raises its mmap threshold to 30 MiB
+del big
 base = mib()
 print(tune_malloc())
 alloc_and_free()

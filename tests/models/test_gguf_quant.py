@@ -268,7 +268,7 @@ def run_quantized(**kwargs) -> tuple[list[list[int]], dict]:
         outs = llm.generate(
             PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
         )
-        infos = llm.llm_engine.executor.stage_infos
+        infos = llm.llm_engine.get_stage_infos()
     finally:
         llm.shutdown()
     return [o.outputs[0].token_ids for o in outs], {"infos": infos}
@@ -280,9 +280,9 @@ def test_smollm2_quantized_pp1(reference) -> None:
     ids, meta = run_quantized()  # the default for a .gguf: quantization="gguf"
     info = meta["infos"][0]
     # 30 layers x 7 linears (fused: qkv, o, gate_up, down = 4 layers each) + lm_head + embedding
-    assert "GGUF blocks (122 layers" in info.get("linear_path", ""), info
+    assert "GGUF blocks (122 layers" in info.linear_path, info
     # Q4_1 layers (~0.6 B/weight) + the Q8_0 embedding/lm_head (~1.06 B/weight), once.
-    assert info["weight_bytes"] < 0.2 * 4 * info["num_params"], info
+    assert info.weight_bytes < 0.2 * 4 * info.num_params, info
     agreement = check_against_reference(ids, reference)
     print(f"PP=1 quantized vs dequantized: {agreement:.1%} of tokens agree")
 
@@ -293,7 +293,7 @@ def test_smollm2_quantized_pp2_mp(reference) -> None:
     ids, meta = run_quantized(
         quantization="gguf", pipeline_parallel_size=2, distributed_executor_backend="mp"
     )
-    total = sum(i["weight_bytes"] for i in meta["infos"])
+    total = sum(i.weight_bytes for i in meta["infos"])
     assert total < 0.25 * 4 * 134.5e6  # each stage holds its blocks only
     agreement = check_against_reference(ids, reference)
     print(f"PP=2 quantized vs dequantized: {agreement:.1%} of tokens agree")
@@ -315,7 +315,7 @@ def test_smollm2_quantized_tp3_mp(reference) -> None:
     # per rank), the vocabulary shards of the Q8_0 embedding / lm_head padded with zero rows.
     ids, meta = run_quantized(tensor_parallel_size=3, distributed_executor_backend="mp")
     infos = meta["infos"]
-    assert [i["tp_rank"] for i in infos] == [0, 1, 2]
-    assert all("GGUF blocks (122 layers" in i["linear_path"] for i in infos), infos
+    assert [i.tp_rank for i in infos] == [0, 1, 2]
+    assert all("GGUF blocks (122 layers" in i.linear_path for i in infos), infos
     agreement = check_against_reference(ids, reference)
     print(f"TP=3 quantized vs dequantized: {agreement:.1%} of tokens agree")

@@ -397,8 +397,8 @@ def _run_layout(path: str, expected, tp: int, pp: int, backend: str, features: b
             assert blocks.num_hit_blocks > hits
         if tp == 2 and pp == 2:
             # Each of the 4 ranks holds about a quarter of the weights (experts included).
-            total = sum(i["num_params"] for i in infos)
-            assert all(abs(i["num_params"] * 4 / total - 1) < 0.05 for i in infos), infos
+            total = sum(i.num_params for i in infos)
+            assert all(abs(i.num_params * 4 / total - 1) < 0.05 for i in infos), infos
     finally:
         llm.shutdown()
 

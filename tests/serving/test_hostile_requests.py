@@ -28,6 +28,7 @@ from vllm import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 from vllm.entrypoints.openai.bounded_work import ServerLimits
 from vllm.entrypoints.openai.serving_chat import UNTRUSTED_TEMPLATE
 from vllm.request_failure import RequestFailedError
+from vllm.worker import cpu_memory
 from vllm.worker.cpu_memory import keep_malloc_defaults_in_this_process
 
 KIND = "llama-gqa-tied"
@@ -426,14 +427,11 @@ def test_large_tokenize_requests_leave_memory_bounded(server):
     grown = (proc.memory_info().rss - before) / 2**20
     print(f"RSS after 20 large /tokenize + 20 refused prompts: {grown:+.1f} MiB")
     assert grown < 150
-    # The cause of the old growth: with the worker's malloc tuning (no mmap, no trim) a freed
-    # block stays mapped. The API process, which hosts the PP=1 worker, must return it.
-    rss = proc.memory_info().rss
-    blocks = [bytearray(8 << 20) for _ in range(32)]  # 256 MiB, touched
-    del blocks
-    kept = (proc.memory_info().rss - rss) / 2**20
-    print(f"256 MiB allocated and freed in the API process: {kept:+.1f} MiB kept")
-    assert kept < 32  # +256 MiB with the tuning applied here
+    # The cause of the old growth was the worker's malloc tuning (no mmap, no trim) applied in
+    # the API process, which hosts the PP=1 worker: it must be off here. (What the tuning does
+    # to freed memory is measured in a fresh process: tests/models/test_cpu_memory.py; here
+    # the test session's own heap is too fragmented for a byte count to mean anything.)
+    assert cpu_memory.tune_malloc() is False
 
 
 def test_request_log_line_is_truncated(server, caplog):

@@ -107,6 +107,7 @@ def test_serving_constructors_and_engine_keywords(tiny_model_dirs, caplog):
     from vllm.entrypoints.logger import RequestLogger
     from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
     from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from vllm.entrypoints.openai.serving_engine import LoRAModulePath
 
     counter = _Count()
     args = AsyncEngineArgs(
@@ -158,6 +159,12 @@ def test_serving_constructors_and_engine_keywords(tiny_model_dirs, caplog):
                 prompt_adapters=None,
                 request_logger=None,
             )
+        # vLLM 0.5's LoRAModulePath entries become the served adapters (listed with a parent).
+        with_lora = OpenAIServingCompletion(
+            engine, model_config, ["tiny"], lora_modules=[LoRAModulePath("ad", "/some/dir")]
+        )
+        listed = asyncio.run(with_lora.show_available_models()).data
+        assert [(m.id, m.parent) for m in listed] == [("tiny", None), ("ad", "tiny")]
 
         async def run() -> str:
             final = None

@@ -62,6 +62,75 @@ def _parse(text: str):
     return json.loads(text, strict=False)  # xgrammar strings may hold raw control chars
 
 
+def _obj(properties: dict, required: list[str]) -> dict:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+_DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+# Twenty schemas a random model must still finish within max_tokens (every string, array and
+# number bounded): nested objects, arrays, enums, anyOf, $ref, const and string patterns.
+TWENTY_SCHEMAS = [
+    {"type": "integer", "minimum": 0, "maximum": 999},
+    {"type": "boolean"},
+    {"type": "null"},
+    {"enum": ["red", "green", "blue"]},
+    {"enum": [1, "two", True, None]},
+    {"const": "ok"},
+    {"type": "string", "maxLength": 5},
+    {"type": "string", "pattern": "^[A-Z][a-z]{1,4}$"},
+    {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"},
+    {"type": "array", "items": _DIGIT, "minItems": 1, "maxItems": 3},
+    {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2},
+    _obj({"a": {"type": "boolean"}}, ["a"]),
+    _obj(
+        {
+            "k": {"type": "string", "maxLength": 3},
+            "v": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        ["k"],
+    ),  # noqa: E501
+    _obj({"p": _obj({"x": _DIGIT, "y": _DIGIT}, ["x", "y"])}, ["p"]),
+    _obj(
+        {"level": {"enum": ["low", "high"]}, "code": {"type": "string", "pattern": "^[0-9]{3}$"}},
+        ["level", "code"],
+    ),  # noqa: E501
+    {"type": "array", "items": _obj({"id": _DIGIT}, ["id"]), "maxItems": 2},
+    {"anyOf": [_DIGIT, {"enum": ["none"]}]},
+    {"anyOf": [_obj({"cat": {"type": "boolean"}}, ["cat"]), _obj({"dog": _DIGIT}, ["dog"])]},
+    {
+        "$defs": {"pt": _obj({"x": _DIGIT}, ["x"])},
+        **_obj({"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}}, ["a", "b"]),
+    },
+]
+
+
+def test_twenty_json_schemas_parse_and_validate(client):
+    """response_format json_schema (strict) with the official client: every output of twenty
+    schemas parses and validates, at PP 1 and 2."""
+    assert len(TWENTY_SCHEMAS) == 20
+    for i, schema in enumerate(TWENTY_SCHEMAS):
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            temperature=0,
+            max_tokens=120,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": f"s{i}", "schema": schema, "strict": True},
+            },
+            extra_body=NO_WS,
+        )
+        choice = response.choices[0]
+        assert choice.finish_reason == "stop", (i, choice.message.content)
+        jsonschema.validate(_parse(choice.message.content), schema)
+
+
 def test_response_format_json_schema(client):
     schemas = [
         {

@@ -17,7 +17,7 @@ def kill_stage(llm: LLM, rank: int, mode: str) -> int:
     import ray
 
     executor = llm.llm_engine.executor
-    pid = executor.stage_infos[rank].pid
+    pid = llm.llm_engine.get_stage_infos()[rank].pid
     if mode == "ray.kill":
         ray.kill(executor.workers[rank])
     elif mode == "SIGKILL":

@@ -49,8 +49,12 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 # glibc mallopt() parameters (malloc.h) and glibc's defaults for them.
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -2, -3, -4
 _GLIBC_DEFAULTS = ((_M_MMAP_MAX, 65536), (_M_TRIM_THRESHOLD, 128 << 10), (_M_TOP_PAD, 0))
+# The API server also pins the mmap threshold at glibc's initial 128 KiB: glibc otherwise raises
+# it (up to 32 MiB) each time a big mapped block is freed, after which request-sized blocks come
+# from the heap and may stay there.
+_SERVER_SETTINGS = (*_GLIBC_DEFAULTS, (_M_MMAP_THRESHOLD, 128 << 10))
 # Engines (workers) in this process that asked for the tuning and are still alive.
 _tuned_users = 0
 # Set by a process that serves requests (the API server): it keeps glibc's defaults even when
@@ -67,12 +71,13 @@ def keep_malloc_defaults_in_this_process() -> None:
     server by ~0.5 GB. With PP=1 the worker runs in the API process and loses the tuning
     (prefill slower); with PP>1 (ray or mp) the stages keep it.
     An engine already running in this process (tuned before the call) is put back on
-    glibc's defaults too: the settings are per process, not per engine."""
+    glibc's defaults too: the settings are per process, not per engine. The mmap threshold is
+    pinned (see _SERVER_SETTINGS), so a freed request-sized block is always unmapped."""
     global _keep_defaults
     _keep_defaults = True
     libc = _libc()
-    if libc is not None and _tuned_users > 0:
-        for param, value in _GLIBC_DEFAULTS:
+    if libc is not None:
+        for param, value in _SERVER_SETTINGS:
             libc.mallopt(param, value)
         libc.malloc_trim(0)
 

@@ -9,6 +9,7 @@ import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextvars import ContextVar
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -91,6 +92,16 @@ def server_error(exc: BaseException) -> JSONResponse:
     )
 
 
+@dataclass
+class LoRAModulePath:
+    """vLLM 0.5's `--lora-modules` entry for the serving constructors: a served adapter name
+    and its PEFT directory."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
 class OpenAIServing:
     """Base of the completion and chat handlers.
 
@@ -116,10 +127,17 @@ class OpenAIServing:
         if prompt_adapters:
             raise ValueError("prompt_adapters are not supported by this server.")
         # vLLM 0.5's LoRAModulePath(name, path) entries become requests numbered from 1.
-        lora_requests = list(lora_requests or []) + [
-            LoRARequest(module.name, i, module.path)
-            for i, module in enumerate(lora_modules or [], start=len(lora_requests or []) + 1)
-        ]
+        lora_requests = list(lora_requests or [])
+        for module in lora_modules or []:
+            if not isinstance(getattr(module, "name", None), str) or not isinstance(
+                getattr(module, "path", None), str
+            ):
+                raise ValueError(
+                    f"lora_modules must hold LoRAModulePath(name, path) entries, got {module!r}."
+                )
+            request = LoRARequest(module.name, len(lora_requests) + 1, module.path)
+            request.base_model_name = getattr(module, "base_model_name", None)
+            lora_requests.append(request)
         self.engine = engine
         self.model_config = model_config or engine.engine.model_config
         self.served_model_names = served_model_names or [engine.engine.served_model_name]
