@@ -42,8 +42,8 @@ from vllm.entrypoints.openai.serving_engine import (
     bad_request,
     check_structured_outputs,
     error_body,
+    final_output,
     sse,
-    until_disconnected,
 )
 from vllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
 from vllm.entrypoints.openai.tools import (
@@ -233,14 +233,7 @@ class OpenAIServingChat(OpenAIServing):
                 media_type="text/event-stream",
             )
 
-        async def collect() -> RequestOutput | None:
-            final = None
-            async for output in stream:
-                final = output
-            return final
-
-        final = await until_disconnected(raw_request, collect())
-        assert final is not None
+        final: RequestOutput = await final_output(raw_request, stream)
         body = self._response(request, request_id, created, final, tools)
         return JSONResponse(body.model_dump())
 

@@ -298,6 +298,21 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
+async def final_output(request: Request, stream: Any) -> Any:
+    """The last output of a request's stream (its final RequestOutput), aborted if the client
+    leaves first."""
+
+    async def collect() -> Any:
+        final = None
+        async for output in stream:
+            final = output
+        return final
+
+    final = await until_disconnected(request, collect())
+    assert final is not None
+    return final
+
+
 async def until_disconnected(request: Request, coro: Any) -> Any:
     """Await `coro`, cancelling it (and so aborting its requests) if the client leaves."""
     task = asyncio.ensure_future(coro)

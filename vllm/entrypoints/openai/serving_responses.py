@@ -29,7 +29,7 @@ from vllm.entrypoints.openai.serving_engine import (
     bad_request,
     check_structured_outputs,
     error_body,
-    until_disconnected,
+    final_output,
 )
 from vllm.outputs import RequestOutput
 
@@ -84,14 +84,7 @@ class OpenAIServingResponses(OpenAIServing):
                 media_type="text/event-stream",
             )
 
-        async def collect() -> RequestOutput | None:
-            final = None
-            async for output in stream:
-                final = output
-            return final
-
-        final = await until_disconnected(raw_request, collect())
-        assert final is not None
+        final: RequestOutput = await final_output(raw_request, stream)
         out = final.outputs[0]
         status, reason = _status(out.finish_reason)
         body = response_object(
