@@ -5,7 +5,6 @@ free local port: /generate whole and streamed (NUL-separated JSON) equal `LLM.ge
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,10 +13,10 @@ import httpx
 import pytest
 
 from tests.utils import tiny_models
+from tests.utils.server_utils import spawn, wait_until_healthy
 from vllm import LLM, SamplingParams
 from vllm.distributed.net_utils import get_open_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KIND = "llama-gqa-tied"
 SETTINGS = ["--kv-cache-space", "0.05", "--swap-space", "0.01"]
 
@@ -30,20 +29,10 @@ def demo(tiny_model_dirs):
         tiny_model_dirs[KIND], "--host", "127.0.0.1", "--port", str(port),
         "--log-level", "warning", *SETTINGS,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    proc = spawn(cmd)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}"
-            assert time.time() < deadline, "server did not become healthy"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_healthy(proc, url, 300)
         yield url
     finally:
         proc.terminate()

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.utils import tiny_models
-from tests.utils.server_utils import ServerThread
-from vllm import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
+from tests.utils.server_utils import ServerThread, tiny_openai_server
+from vllm import LLM, SamplingParams
 
 KIND = "llama-gqa-tied"
 MODEL = "tiny"
@@ -33,20 +33,7 @@ def reference(tiny_model_dirs):
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["pp1", "pp2"])
 def server(request, tiny_model_dirs):
-    pp = request.param
-    if pp > 1:
-        request.getfixturevalue("ray_session")
-    args = AsyncEngineArgs(
-        model=tiny_model_dirs[KIND],
-        pipeline_parallel_size=pp,
-        served_model_name=MODEL,
-        disable_log_stats=False,
-        disable_log_requests=True,
-        **SETTINGS,
-    )
-    srv = ServerThread(AsyncLLMEngine.from_engine_args(args))
-    yield srv
-    srv.stop()
+    yield from tiny_openai_server(request, tiny_model_dirs[KIND], MODEL, **SETTINGS)
 
 
 def metrics(srv: ServerThread) -> dict[str, float]:

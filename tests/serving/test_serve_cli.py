@@ -3,18 +3,15 @@ in a subprocess on a free local port, and the api_server flag parser."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 
+from tests.utils.server_utils import spawn, wait_until_healthy
 from vllm.distributed.net_utils import get_open_port
 from vllm.entrypoints.openai.api_server import make_arg_parser
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_api_server_flags_include_the_engine_flags():
@@ -36,20 +33,10 @@ def test_vllm_serve_subprocess(tiny_model_dirs):
         "--swap-space", "0.01", "--served-model-name", "tiny-opt", "opt-alias", "--api-key", "k",
         "--uvicorn-log-level", "warning",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    proc = spawn(cmd)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}"
-            assert time.time() < deadline, "server did not become healthy"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_healthy(proc, url, 300)
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
         # Several served names (vLLM's nargs="+"): all listed, the first is every root.
         cards = client.models.list().data

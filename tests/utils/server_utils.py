@@ -64,16 +64,48 @@ def start_server_process(
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model_name,
         "--uvicorn-log-level", "warning", *args,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    proc = spawn(cmd)
     url = f"http://127.0.0.1:{port}"
+    wait_until_healthy(proc, url, timeout_s)
+    return proc, url
+
+
+def spawn(cmd: list[str]) -> subprocess.Popen:
+    """A server command run from the repository root, importing this checkout's vllm."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOGGING_LEVEL": "WARNING"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env)
+
+
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 240.0) -> None:
+    """Until `url`/health answers 200; fails if the process exits or the time runs out."""
     deadline = time.time() + timeout_s
     while True:
         assert proc.poll() is None, f"server exited with {proc.returncode}"
         assert time.time() < deadline, "server did not become healthy"
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
+
+
+def tiny_openai_server(request: Any, model_dir: str, served_name: str, **settings: Any) -> Any:
+    """A module's OpenAI server thread on `model_dir` at the fixture's PP (`request.param`, Ray
+    for PP > 1), with stats on; yields it and stops it (a generator for a fixture)."""
+    from vllm import AsyncEngineArgs
+
+    pp = request.param
+    if pp > 1:
+        request.getfixturevalue("ray_session")
+    args = AsyncEngineArgs(
+        model=model_dir,
+        pipeline_parallel_size=pp,
+        served_model_name=served_name,
+        disable_log_stats=False,
+        disable_log_requests=True,
+        **settings,
+    )
+    srv = ServerThread(AsyncLLMEngine.from_engine_args(args))
+    yield srv
+    srv.stop()
