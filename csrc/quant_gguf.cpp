@@ -265,9 +265,9 @@ struct Tile {
 // rows of a tile are decoded once into an fp32 buffer (L1/L2) and multiplied from there. The
 // products and their order are those of Tile (lane l adds columns l, l + W, ... in order), so
 // both paths give the same results.
-template <int W, int64_t Type>
+template <int W, int64_t Type, typename scalar_t>
 VLLM_PP_INLINE void decode_rows(const uint8_t* w, int64_t row_bytes, int64_t k, int64_t rows,
-                                float* out) {
+                                scalar_t* out) {
   using S = simd::Simd<W>;
   using B = Block<W, Type>;
   using L = Layout<Type>;
@@ -385,26 +385,7 @@ struct DequantKernel {
   template <int64_t Type, typename scalar_t>
   static VLLM_PP_INLINE void typed(scalar_t* out, const uint8_t* w, int64_t k, int64_t row_bytes,
                                    int64_t begin, int64_t end) {
-    using S = simd::Simd<W>;
-    using B = Block<W, Type>;
-    using L = Layout<Type>;
-    const int64_t blocks = k / kBlock;
-    float scales[kChunk], mins[kChunk];
-    for (int64_t row = begin; row < end; ++row) {
-      const uint8_t* w_row = w + row * row_bytes;
-      for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
-        const int64_t n = std::min(kChunk, blocks - b0);
-        Halves<W>::convert(w_row + 2 * b0, scales, n);
-        if constexpr (Type == kQ4_1) Halves<W>::convert(L::mins(w_row, blocks) + 2 * b0, mins, n);
-        for (int64_t j = 0; j < n; ++j) {
-          typename S::f32 wv[B::kVecs];
-          const int64_t b = b0 + j;
-          B::decode(L::quants(w_row, blocks) + b * L::kQuantBytes, scales[j],
-                    Type == kQ4_1 ? mins[j] : 0.0f, wv);
-          for (int v = 0; v < B::kVecs; ++v) S::store(out + row * k + b * kBlock + v * W, wv[v]);
-        }
-      }
-    }
+    decode_rows<W, Type>(w + begin * row_bytes, row_bytes, k, end - begin, out + begin * k);
   }
 
   static VLLM_PP_INLINE void run(void* out, const uint8_t* w, int64_t type, bool bf16, int64_t k,
