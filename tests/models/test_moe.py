@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.utils import tiny_models, tiny_moe
-from tests.utils.tiny_moe import EXPERTS, H, INTER, LAYERS, TOP_K
+from tests.utils.tiny_moe import EXPERTS, INTER, LAYERS, TOP_K, H
 from vllm import LLM, SamplingParams
 from vllm._custom_ops import DISABLE_ENV
 from vllm.distributed import tensor_parallel as tpu

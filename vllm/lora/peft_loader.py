@@ -101,7 +101,9 @@ def load_lora_weights(
     unexpected: set[str] = set()
     experts = sorted({m for m, _ in map(_parse_key, tensors) if m and is_expert_module(m)})
     if experts:
-        shown = ", ".join(experts[:4]) + (f" and {len(experts) - 4} more" if len(experts) > 4 else "")
+        shown = ", ".join(experts[:4]) + (
+            f" and {len(experts) - 4} more" if len(experts) > 4 else ""
+        )
         raise ValueError(
             f"While loading {path}, expected target modules in {sorted(supported)} but "
             f"received MoE expert or router modules ({shown}): {EXPERT_LORA_UNSUPPORTED}"
