@@ -122,6 +122,22 @@ def test_load_serve_unload(server, adapters, expected) -> None:
     _unload(server, "c8")
 
 
+def test_unload_while_a_request_runs(server, adapters) -> None:
+    """The adapter leaves /v1/models at once; the request already running with it finishes
+    with it (the engine keeps it until no request uses it)."""
+    client = _client(server)
+    params = dict(prompt=PROMPTS[0], max_tokens=48, temperature=0.0)
+    _load(server, "busy", adapters["c8"])
+    alone = client.completions.create(model="busy", **params).choices[0].text
+    assert alone != client.completions.create(model=BASE, **params).choices[0].text
+    chunks = iter(client.completions.create(model="busy", stream=True, **params))
+    text = next(chunks).choices[0].text
+    assert _unload(server, "busy") == "Success: LoRA adapter 'busy' removed successfully."
+    assert "busy" not in {c.id for c in client.models.list().data}
+    text += "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == alone
+
+
 def test_errors(server, adapters, tmp_path) -> None:
     with pytest.raises(
         openai.BadRequestError, match="The lora adapter 'a4' has already been loaded."
