@@ -3,7 +3,8 @@
 (listed in /v1/models with its parent, chosen by `model=`, greedy text equal to HF + PEFT);
 `POST /v1/unload_lora_adapter` stops serving it. vLLM's status codes and messages: 400 for an
 adapter already loaded, a bad adapter (rank, JSON, missing field), 404 for a directory without
-an adapter and for unloading an unknown name. Both routes need the API key like the others.
+an adapter and for unloading an unknown name; vLLM's messages for a rank over max_lora_rank,
+DoRA, adapter bias and modules_to_save. Both routes need the API key like the others.
 Many adapters loaded and used at once (more than max_cpu_loras) each give their own text, and
 bad loads meanwhile break no request. (Without the variable the routes are absent:
 tests/serving/test_lora_server.py.)"""
@@ -138,6 +139,26 @@ def test_unload_while_a_request_runs(server, adapters) -> None:
     assert text == alone
 
 
+# vLLM's own cases: a field of adapter_config.json changed -> 400 with vLLM's message.
+BADREQUEST_CASES = [
+    ({"r": 1024}, "is greater than max_lora_rank"),
+    ({"bias": "all"}, "Adapter bias cannot be used without bias_enabled"),
+    ({"use_dora": True}, "does not yet support DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "only supports modules_to_save being None"),
+]
+
+
+@pytest.mark.parametrize("change,message", BADREQUEST_CASES)
+def test_bad_adapter_configs(server, adapters, tmp_path, change, message) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["c8"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(openai.BadRequestError, match=message):
+        _load(server, "bad", str(bad))
+    assert "bad" not in {c.id for c in _client(server).models.list().data}
+
+
 def test_errors(server, adapters, tmp_path) -> None:
     with pytest.raises(
         openai.BadRequestError, match="The lora adapter 'a4' has already been loaded."
@@ -150,12 +171,6 @@ def test_errors(server, adapters, tmp_path) -> None:
     (invalid / "adapter_config.json").write_text("this is not json")
     with pytest.raises(openai.BadRequestError):
         _load(server, "invalid-json", str(invalid))
-    big = tmp_path / "big_rank"
-    shutil.copytree(adapters["c8"], big)
-    config = json.loads((big / "adapter_config.json").read_text())
-    (big / "adapter_config.json").write_text(json.dumps({**config, "r": 1024}))
-    with pytest.raises(openai.BadRequestError, match="is greater than max_lora_rank"):
-        _load(server, "big", str(big))
     with pytest.raises(openai.BadRequestError, match="Both 'lora_name' and 'lora_path'"):
         _load(server, "nopath", "")
     # None of them is served; the served ones still are.

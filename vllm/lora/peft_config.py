@@ -69,14 +69,17 @@ def read_adapter_config(path: str) -> AdapterConfig:
             f"adapter {path}: target_parameters {config['target_parameters']} are not "
             f"supported; {EXPERT_LORA_UNSUPPORTED}"
         )
+    # vLLM's messages (its PEFTHelper's checks).
     if config.get("modules_to_save"):
         raise ValueError(
-            f"adapter {path}: modules_to_save {config['modules_to_save']} is not supported "
-            "(only low-rank updates of the linear layers are applied)."
+            f"adapter {path}: vLLM only supports modules_to_save being None (got "
+            f"{config['modules_to_save']}: only low-rank updates of the linear layers are "
+            "applied)."
         )
-    for key in ("use_dora", "lora_bias"):
-        if config.get(key):
-            raise ValueError(f"adapter {path}: {key}=True is not supported.")
+    if config.get("use_dora"):
+        raise ValueError(f"adapter {path}: vLLM does not yet support DoRA.")
+    if config.get("bias", "none") not in (None, "none") or config.get("lora_bias"):
+        raise ValueError(f"adapter {path}: Adapter bias cannot be used without bias_enabled.")
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise ValueError(f"adapter {path}: a per-module {key} is not supported.")
