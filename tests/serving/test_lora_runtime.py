@@ -106,10 +106,20 @@ def test_load_serve_unload(server, adapters, expected) -> None:
     assert _texts(server, "c8") == expected["c8"]
     assert _texts(server, "a4") == expected["a4"]
     assert _texts(server, BASE) == expected[None]
+    # Chat and the Responses API run it too (the same chat template: the same text).
     chat = _client(server).chat.completions.create(
-        model="c8", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0.0
+        model="c8", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.0
     )
     assert chat.model == "c8"
+    response = _client(server).responses.create(
+        model="c8", input="Hi", max_output_tokens=6, temperature=0.0
+    )
+    assert response.model == "c8"
+    assert response.output_text == chat.choices[0].message.content
+    base_chat = _client(server).chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0.0
+    )
+    assert base_chat.choices[0].message.content != chat.choices[0].message.content
 
     assert _unload(server, "c8") == "Success: LoRA adapter 'c8' removed successfully."
     assert [c.id for c in _client(server).models.list().data] == [BASE, "a4"]

@@ -99,7 +99,13 @@ def build_app(
         return_tokens_as_token_ids=return_tokens_as_token_ids,
     )
     chat_template = chat.chat_template  # read once (a path or the text)
-    responses = OpenAIServingResponses(engine, names, work=work, chat_template=chat_template)
+    responses = OpenAIServingResponses(
+        engine,
+        names,
+        work=work,
+        chat_template=chat_template,
+        served_loras=models.lora_requests,
+    )
     tokenizer = completion.tokenizer
     app = FastAPI()
     app.state.engine = engine
