@@ -133,6 +133,16 @@ def test_load_serve_unload(server, adapters, expected) -> None:
     _unload(server, "c8")
 
 
+def test_load_inplace_replaces_the_adapter(server, adapters, expected) -> None:
+    _load(server, "swap", adapters["c8"])
+    assert _texts(server, "swap") == expected["c8"]
+    body = {"lora_name": "swap", "lora_path": adapters["a4"], "load_inplace": True}
+    assert "success" in _client(server).post("load_lora_adapter", cast_to=str, body=body).lower()
+    assert _texts(server, "swap") == expected["a4"]
+    assert [c.id for c in _client(server).models.list().data].count("swap") == 1
+    _unload(server, "swap")
+
+
 def test_unload_while_a_request_runs(server, adapters) -> None:
     """The adapter leaves /v1/models at once; the request already running with it finishes
     with it (the engine keeps it until no request uses it)."""

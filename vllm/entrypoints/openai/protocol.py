@@ -125,10 +125,11 @@ class ModelList(OpenAIBaseModel):
 
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
     """`POST /v1/load_lora_adapter` (vLLM's): serve the PEFT adapter at `lora_path` as the
-    model `lora_name`."""
+    model `lora_name` (`load_inplace`: replacing the adapter served under that name)."""
 
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):

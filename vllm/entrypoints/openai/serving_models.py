@@ -45,8 +45,9 @@ class OpenAIServingModels:
         )
 
     async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> JSONResponse | str:
-        """Load and serve an adapter: vLLM's success text, or its error (400; 404 when the
-        directory holds no adapter)."""
+        """Load and serve an adapter (with `load_inplace`, in place of the one served under
+        its name: requests already running keep the old one): vLLM's success text, or its
+        error (400; 404 when the directory holds no adapter)."""
         name = request.lora_name
         async with self._locks[name]:
             if not name or not request.lora_path:
@@ -54,7 +55,8 @@ class OpenAIServingModels:
                     "Both 'lora_name' and 'lora_path' must be provided.",
                     err_type="InvalidUserInput",
                 )
-            if name in self.lora_requests:
+            replaced = self.lora_requests.get(name)
+            if replaced is not None and not request.load_inplace:
                 return error_response(
                     f"The lora adapter '{name}' has already been loaded.",
                     err_type="InvalidUserInput",
@@ -78,6 +80,8 @@ class OpenAIServingModels:
                     )
                 return error_response(str(exc), err_type="BadRequestError")
             self.lora_requests[name] = lora
+            if replaced is not None:
+                await self.engine.remove_lora(replaced.lora_int_id)
             logger.info("Loaded new LoRA adapter: name '%s', path '%s'", name, lora.lora_path)
             return f"Success: LoRA adapter '{name}' added successfully."
 
