@@ -24,9 +24,9 @@ from tests.utils import family_models, lora_adapters, tiny_gemma, tiny_models, t
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
 
-MAX_TOKENS = 16
+MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-PROMPTS = tiny_models.PROMPTS[:4]
+PROMPTS = tiny_models.PROMPTS[:3]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
