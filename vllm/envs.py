@@ -169,6 +169,14 @@ _VARS = (
         "0 leaves the 'vllm' logger unconfigured (no handler, level or format set).",
     ),
     EnvVar(
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+        "0",
+        bool,
+        "1 adds the server's POST /v1/load_lora_adapter and /v1/unload_lora_adapter routes "
+        "(adapters loaded and unloaded while it runs); off, they do not exist (404).",
+        forward=False,  # read by the API server only
+    ),
+    EnvVar(
         "VLLM_API_KEY",
         "",
         str,

@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from tests.utils import tiny_models
+from tests.utils import tiny_models, tiny_moe
+from tests.utils.tiny_moe import EXPERTS, INTER, LAYERS, TOP_K, H
 from vllm import LLM, SamplingParams
 from vllm._custom_ops import DISABLE_ENV
 from vllm.distributed import tensor_parallel as tpu
@@ -26,81 +27,14 @@ from vllm.model_executor.layers.fused_moe import (
 from vllm.model_executor.models.utils import StageLayout
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
-H, INTER, EXPERTS, TOP_K, LAYERS = 64, 96, 4, 2, 4
-
-
-def _randomise(module: torch.nn.Module, seed: int) -> None:
-    """std 0.08 weights (norms 1 +- 0.1): well separated logits and routing."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(0.08 * torch.randn(param.shape, generator=gen))
-
-
-def _mixtral_config(**overrides):
-    from transformers import MixtralConfig
-
-    fields = dict(
-        hidden_size=H,
-        intermediate_size=INTER,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        sliding_window=None,
-    )
-    fields.update(overrides)
-    return MixtralConfig(**fields)
-
-
-def _save_tiny(config, tokenizer, path: str) -> str:
-    """A random-weight model of `config` saved by transformers, tokenizer included."""
-    from transformers import AutoModelForCausalLM
-
-    config.vocab_size = len(tokenizer)
-    config.bos_token_id = tokenizer.bos_token_id
-    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomise(model, seed=0)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    """kind -> a tiny random checkpoint: "mixtral" (4 layers, 4 experts, top-2) and
-    "qwen3_moe" (4 layers, 8 experts, top-2, head_dim 32 != hidden / heads, layer 2 dense)."""
-    from transformers import AutoTokenizer, Qwen3MoeConfig
-
-    root = tmp_path_factory.mktemp("moe")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_models.build_tokenizer(str(root / "tok")))
-    qwen3 = Qwen3MoeConfig(
-        hidden_size=H,
-        intermediate_size=128,  # the dense layer's
-        moe_intermediate_size=INTER,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=TOP_K,
-        norm_topk_prob=False,
-        mlp_only_layers=[2],
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-    )
-    return {
-        "mixtral": _save_tiny(_mixtral_config(), tokenizer, str(root / "mixtral")),
-        "qwen3_moe": _save_tiny(qwen3, tokenizer, str(root / "qwen3_moe")),
-    }
+    """kind -> a tiny random checkpoint (tests/utils/tiny_moe.py): "mixtral" (4 layers, 4
+    experts, top-2) and "qwen3_moe" (4 layers, 8 experts, top-2, head_dim 32 != hidden /
+    heads, layer 2 dense)."""
+    return tiny_moe.moe_dirs(str(tmp_path_factory.mktemp("moe")))
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +63,7 @@ def _hf_block(kind: str, dtype: torch.dtype, norm_topk_prob: bool = False):
     if kind == "mixtral":
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-        config = _mixtral_config()
+        config = tiny_moe.mixtral_config()
         config._experts_implementation = "eager"
         hf = MixtralSparseMoeBlock(config)
         ours = SparseMoeBlock(H, INTER, EXPERTS, TOP_K, renormalize=True)
@@ -149,7 +83,7 @@ def _hf_block(kind: str, dtype: torch.dtype, norm_topk_prob: bool = False):
         ours = SparseMoeBlock(
             H, INTER, 8, 3, renormalize=norm_topk_prob, weights_in_input_dtype=True
         )
-    _randomise(hf, seed=1)
+    tiny_moe.randomise(hf, seed=1)
     with torch.no_grad():
         ours.gate.weight.copy_(hf.gate.weight)
         ours.experts.w13_weight.copy_(hf.experts.gate_up_proj)

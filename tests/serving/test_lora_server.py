@@ -1,7 +1,8 @@
 """The OpenAI server with LoRA adapters (vLLM's `--enable-lora --lora-modules`): two adapters
 and the base model served at once at PP = 2 (mp), each request's `model` picking its adapter;
 greedy text equals HF + PEFT, streamed and not; `/v1/models` lists the adapters with the base
-model as their parent; an unknown model is vLLM's 404; the flags parse in both of vLLM's forms.
+model as their parent; an unknown model is vLLM's 404; the runtime adapter routes are absent
+without VLLM_ALLOW_RUNTIME_LORA_UPDATING; the flags parse in both of vLLM's forms.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def server(tiny_model_dirs, adapters):
     loras = lora_requests(args.lora_modules)
     for lora in loras:
         engine.engine.add_lora(lora)
-    srv = ServerThread(engine, served_model_names=[BASE], lora_requests=loras)
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+        srv = ServerThread(engine, served_model_names=[BASE], lora_requests=loras)
     yield srv
     srv.stop()
 
@@ -115,6 +118,13 @@ def test_unknown_model_is_404(server, route) -> None:
     error = response.json()  # vLLM's (flat) ErrorResponse
     assert error["message"] == "The model `nope` does not exist."
     assert error["type"] == "NotFoundError"
+
+
+@pytest.mark.parametrize("route", ["load_lora_adapter", "unload_lora_adapter"])
+def test_runtime_routes_absent_by_default(server, adapters, route) -> None:
+    # vLLM's rule: only VLLM_ALLOW_RUNTIME_LORA_UPDATING adds them (test_lora_runtime.py).
+    body = {"lora_name": "c", "lora_path": adapters["a4"]}
+    assert httpx.post(f"{server.url}/v1/{route}", json=body, timeout=30).status_code == 404
 
 
 @pytest.mark.parametrize(

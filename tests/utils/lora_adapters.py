@@ -5,7 +5,9 @@ A and B (std 0.05 for B, 0.1 for A) so every adapter changes the greedy outputs.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,6 +22,23 @@ ADAPTERS: dict[str, tuple[int, int, list[str], bool, int]] = {
 }
 
 
+@contextlib.contextmanager
+def peft_targets_as_named() -> Iterator[None]:
+    """PEFT (on transformers 5) rewrites the targets of a Mixtral / Qwen-MoE adapter as if it
+    were written for transformers 4: `gate_proj` / `up_proj` / `down_proj` become the stacked
+    expert parameters, even where only a dense layer (Qwen3-MoE's `mlp_only_layers`) has
+    modules of those names. Inside this block PEFT targets the modules the adapter names, both
+    when it makes an adapter and when HF applies one (PeftModel)."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
+
+
 def make_adapter(
     model_dir: str,
     out_dir: str,
@@ -28,12 +47,16 @@ def make_adapter(
     targets: list[str],
     use_rslora: bool = False,
     seed: int = 0,
+    load: Callable[[str], Any] | None = None,
     **extra: Any,
 ) -> str:
-    """Save a PEFT LoRA adapter of `model_dir` with random non-zero A and B."""
+    """Save a PEFT LoRA adapter of `model_dir` (loaded by `load`, default tiny_models.load_hf)
+    with random non-zero A and B."""
     from peft import LoraConfig, get_peft_model
 
-    from tests.utils.tiny_models import load_hf
+    from tests.utils import tiny_models
+
+    load_hf = load or tiny_models.load_hf
 
     config = LoraConfig(
         r=rank,
@@ -69,17 +92,47 @@ def make_adapters(model_dir: str, root: str, names: Any = ADAPTERS) -> dict[str,
 
 
 def hf_lora_greedy(
-    model_dir: str, adapter_dir: str | None, prompts: list[str], max_new_tokens: int
+    model_dir: str,
+    adapter_dir: str | None,
+    prompts: list[str],
+    max_new_tokens: int,
+    load: Callable[[str], Any] | None = None,
 ) -> list[list[int]]:
     """HF transformers' greedy continuations with the adapter applied (PeftModel), or of the
-    base model when adapter_dir is None."""
+    base model when adapter_dir is None; `load` as in make_adapter (Gemma: eager attention)."""
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from tests.utils.tiny_models import hf_greedy_with, load_hf
+    from tests.utils import tiny_models
+    from tests.utils.tiny_models import hf_greedy_with
 
-    model = load_hf(model_dir)
+    model = (load or tiny_models.load_hf)(model_dir)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return hf_greedy_with(model, tokenizer, prompts, max_new_tokens)
+
+
+def write_adapter(
+    out_dir: str,
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+    targets: list[str],
+    alpha: int = 8,
+) -> str:
+    """Save an adapter in PEFT's layout from HF module names -> (A [r, in], B [out, r]): for
+    layouts PEFT no longer writes (a transformers 4 Mixtral's per-expert `w1`/`w2`/`w3`)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {}
+    for module, (a, b) in modules.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets}
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return out_dir

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 
 
@@ -17,6 +18,28 @@ class AdapterConfig:
     rank: int
     lora_alpha: float
     scaling: float
+
+
+# vLLM's wording (its LoRA model manager's warning for MoE models), said as an error here: an
+# adapter of the experts would otherwise be applied partly or not at all.
+EXPERT_LORA_UNSUPPORTED = (
+    "expert LoRA is not supported: for MoE models, vLLM currently does not support fused MoE "
+    "LoRA inference. Please ensure that the loaded LoRA model does not contain expert weights."
+)
+# Module names of MoE experts and routers, as PEFT names them: per-expert linears
+# (`experts.N.w1`, `experts.N.gate_proj`), stacked expert parameters (`experts`,
+# `experts.base_layer`), shared experts, and the router (`mlp.gate`, `block_sparse_moe.gate`).
+_EXPERT_RE = re.compile(
+    r"(^|\.)(experts|shared_experts?|shared_expert_gate)(\.|$)"
+    r"|(^|\.)(w1|w2|w3)$"
+    r"|(^|\.)(mlp|block_sparse_moe)\.(gate|router)$"
+)
+
+
+def is_expert_module(name: str) -> bool:
+    """Whether an HF module name (e.g. `model.layers.0.block_sparse_moe.experts.3.w1`) is an MoE
+    expert, shared expert or router."""
+    return _EXPERT_RE.search(name) is not None
 
 
 def adapter_weights_file(path: str) -> str:
@@ -40,14 +63,23 @@ def read_adapter_config(path: str) -> AdapterConfig:
     peft_type = config.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise ValueError(f"adapter {path}: peft_type {peft_type!r} is not supported (only LORA).")
+    if config.get("target_parameters"):
+        # PEFT's LoRA on raw parameters: on an MoE model, the stacked expert weights.
+        raise ValueError(
+            f"adapter {path}: target_parameters {config['target_parameters']} are not "
+            f"supported; {EXPERT_LORA_UNSUPPORTED}"
+        )
+    # vLLM's messages (its PEFTHelper's checks).
     if config.get("modules_to_save"):
         raise ValueError(
-            f"adapter {path}: modules_to_save {config['modules_to_save']} is not supported "
-            "(only low-rank updates of the linear layers are applied)."
+            f"adapter {path}: vLLM only supports modules_to_save being None (got "
+            f"{config['modules_to_save']}: only low-rank updates of the linear layers are "
+            "applied)."
         )
-    for key in ("use_dora", "lora_bias"):
-        if config.get(key):
-            raise ValueError(f"adapter {path}: {key}=True is not supported.")
+    if config.get("use_dora"):
+        raise ValueError(f"adapter {path}: vLLM does not yet support DoRA.")
+    if config.get("bias", "none") not in (None, "none") or config.get("lora_bias"):
+        raise ValueError(f"adapter {path}: Adapter bias cannot be used without bias_enabled.")
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise ValueError(f"adapter {path}: a per-module {key} is not supported.")

@@ -16,7 +16,12 @@ from typing import Any
 import torch
 
 from vllm.lora.layers import LoRALinear
-from vllm.lora.peft_config import adapter_weights_file, read_adapter_config
+from vllm.lora.peft_config import (
+    EXPERT_LORA_UNSUPPORTED,
+    adapter_weights_file,
+    is_expert_module,
+    read_adapter_config,
+)
 from vllm.lora.request import LoRARequest
 from vllm.model_executor.models.utils import Shard, StageLayout, localize_layer_name
 from vllm.model_executor.weight_utils import read_sharded
@@ -84,7 +89,9 @@ def load_lora_weights(
     dtype: torch.dtype,
 ) -> LoRAWeights:
     """Read `request`'s adapter: this stage's modules, this TP rank's shards, in `dtype`.
-    An adapter targeting a module the engine does not adapt is a ValueError (vLLM's)."""
+    An adapter targeting a module the engine does not adapt is a ValueError (vLLM's); one of
+    MoE experts or routers says so, on every stage (checked by name, whichever stage holds
+    the layer)."""
     path = request.lora_path
     config = read_adapter_config(path)
     lookup = module_lookup(layers)
@@ -92,6 +99,15 @@ def load_lora_weights(
     tensors = _read_tensors(adapter_weights_file(path))
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     unexpected: set[str] = set()
+    experts = sorted({m for m, _ in map(_parse_key, tensors) if m and is_expert_module(m)})
+    if experts:
+        shown = ", ".join(experts[:4]) + (
+            f" and {len(experts) - 4} more" if len(experts) > 4 else ""
+        )
+        raise ValueError(
+            f"While loading {path}, expected target modules in {sorted(supported)} but "
+            f"received MoE expert or router modules ({shown}): {EXPERT_LORA_UNSUPPORTED}"
+        )
     for key, tensor in tensors.items():
         module, part = _parse_key(key)
         if not module or module.rsplit(".", 1)[-1] not in supported:

@@ -4,8 +4,10 @@
     vllm serve MODEL [engine flags]
 
 Routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /version,
-/metrics, /tokenize, /detokenize, /v1/files and /v1/batches (batches.py). With `--api-key` (or
-VLLM_API_KEY) the /v1 routes need `Authorization: Bearer KEY`.
+/metrics, /tokenize, /detokenize, /v1/files and /v1/batches (batches.py); with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING, /v1/load_lora_adapter and /v1/unload_lora_adapter
+(serving_models.py). With `--api-key` (or VLLM_API_KEY) the /v1 routes need
+`Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from vllm.entrypoints.openai.serving_engine import (
     bad_request,
     error_response,
 )
+from vllm.entrypoints.openai.serving_models import OpenAIServingModels, attach_lora_routes
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm.executor.stage_supervisor import StageFailedError
 from vllm.logger import init_logger
@@ -74,19 +77,21 @@ def build_app(
     limits = limits or ServerLimits()
     scheduler_config = engine.engine.scheduler_config
     work = BoundedWork(engine.engine.get_tokenizer(), scheduler_config.max_model_len, limits)
+    # The served adapters, one map the handlers read and the runtime routes change.
+    models = OpenAIServingModels(engine, names, lora_requests)
     completion = OpenAIServingCompletion(
         engine,
         names,
         work=work,
         return_tokens_as_token_ids=return_tokens_as_token_ids,
-        lora_requests=lora_requests,
+        served_loras=models.lora_requests,
     )
     chat = OpenAIServingChat(
         engine,
         names,
         response_role=response_role,
         work=work,
-        lora_requests=lora_requests,
+        served_loras=models.lora_requests,
         chat_template=chat_template,
         enable_auto_tools=enable_auto_tool_choice,
         tool_parser=tool_call_parser,
@@ -94,11 +99,18 @@ def build_app(
         return_tokens_as_token_ids=return_tokens_as_token_ids,
     )
     chat_template = chat.chat_template  # read once (a path or the text)
-    responses = OpenAIServingResponses(engine, names, work=work, chat_template=chat_template)
+    responses = OpenAIServingResponses(
+        engine,
+        names,
+        work=work,
+        chat_template=chat_template,
+        served_loras=models.lora_requests,
+    )
     tokenizer = completion.tokenizer
     app = FastAPI()
     app.state.engine = engine
     app.state.work = work
+    app.state.models = models
     app.state.draining = False  # set at shutdown: new requests get 503
 
     @app.exception_handler(RequestValidationError)
@@ -194,6 +206,10 @@ def build_app(
             await engine.stop_profile()
             logger.info("Profiler stopped.")
             return Response(status_code=200)
+
+    if envs.get_bool("VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        # As in vLLM: the routes exist only when allowed (else 404).
+        attach_lora_routes(app, models)
 
     @app.get("/v1/models")
     async def show_models() -> JSONResponse:

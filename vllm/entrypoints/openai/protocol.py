@@ -123,6 +123,22 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """`POST /v1/load_lora_adapter` (vLLM's): serve the PEFT adapter at `lora_path` as the
+    model `lora_name` (`load_inplace`: replacing the adapter served under that name)."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """`POST /v1/unload_lora_adapter` (vLLM's): stop serving the adapter `lora_name`."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False

@@ -121,6 +121,7 @@ class OpenAIServing:
         request_logger: Any = None,
         return_tokens_as_token_ids: bool = False,
         lora_requests: list[LoRARequest] | None = None,
+        served_loras: dict[str, LoRARequest] | None = None,
     ) -> None:
         if isinstance(model_config, (list, tuple)):  # (engine, served_model_names, ...)
             model_config, served_model_names = None, list(model_config)
@@ -143,8 +144,14 @@ class OpenAIServing:
         self.served_model_names = served_model_names or [engine.engine.served_model_name]
         self.request_logger = request_logger
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
-        # --lora-modules: adapter name -> its request (the request's `model` picks it).
-        self.loras = {r.lora_name: r for r in lora_requests or []}
+        # Adapter name -> its request (the request's `model` picks it): --lora-modules, or
+        # `served_loras`, the server's live map (OpenAIServingModels), kept as is (not copied)
+        # so that adapters loaded and unloaded at run time are seen at once.
+        if served_loras is not None:
+            served_loras.update({r.lora_name: r for r in lora_requests})
+            self.loras = served_loras
+        else:
+            self.loras = {r.lora_name: r for r in lora_requests}
         self.max_model_len = engine.engine.scheduler_config.max_model_len
         # Longer prompts are ignored by the scheduler; the server refuses them with a 400.
         self.prompt_limit = engine.engine.scheduler.prompt_limit

@@ -72,7 +72,8 @@ class OpenAIServingResponses(OpenAIServing):
         response_id, item_id, created_at = new_ids()
         engine_input = {"prompt": prompt, "prompt_token_ids": token_ids}
         self.log_inputs(response_id, engine_input, params)
-        generator = self.engine.generate(engine_input, params, response_id)
+        lora = self.lora_request(request.model)
+        generator = self.engine.generate(engine_input, params, response_id, lora)
         firsts, error = await start_all(raw_request, [generator], self.prompt_limit, "input")
         if error is not None:
             return error
