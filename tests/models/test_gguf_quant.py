@@ -110,6 +110,29 @@ def test_gguf_linear_matches_dequantized(
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [(37, 576), (9, 1536), (16, 96)])
+def test_decode_kernel_sums_like_the_batch_kernel(
+    qtype: Q, shape: tuple[int, int], restore_isa
+) -> None:
+    """On each ISA the decode kernel (<= 4 tokens: AVX-512 intrinsics, or the generic tiles)
+    multiplies the same weights in the same order as the > 4-token kernel (rows decoded to
+    fp32 once): bit-identical results, so a request's logits do not depend on how many tokens
+    share its step (below the dequantize + GEMM crossover)."""
+    rows, cols = shape
+    raw = packed(random_blocks(qtype, rows, cols, seed=7), qtype)
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(3))
+    for isa in isas():
+        ops.set_cpu_isa(isa)
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            many = ops.gguf_linear(xd, raw, int(qtype))  # [9, rows]: the decoded-rows kernel
+            for tokens in (1, 2, 3, 4):
+                few = ops.gguf_linear(xd[:tokens], raw, int(qtype))
+                assert torch.equal(few, many[:tokens]), (isa, dtype, tokens)
+
+
+@needs_kernels
 def test_gguf_weight_parts_and_dense_path() -> None:
     """A fused weight of mixed types (kernel blocks + a dequantized F16-like part) and the
     many-token path (dequantize + GEMM) give x @ W^T of the whole weight."""
