@@ -41,10 +41,9 @@ struct LinearArgs {
   int64_t tokens, n, k, row_bytes, x_stride, out_stride;
 };
 
-// Rows [begin, end) of y = x W^T for a.tokens <= kDecodeTokens tokens, with AVX-512
-// (quant_gguf_avx512.cpp); only called when the CPU has it. The same products, summed in the
-// same order, as the generic Tile kernel of quant_gguf.cpp.
-constexpr int64_t kDecodeTokens = 4;
+// Rows [begin, end) of y = x W^T for all a.tokens, with AVX-512 (quant_gguf_avx512.cpp);
+// only called when the CPU has it. The same products, summed in the same order, as the
+// generic kernels of quant_gguf.cpp at W = 16.
 void decode_avx512(const LinearArgs& a, int64_t type, bool bf16, int64_t begin, int64_t end);
 
 }  // namespace vllm_pp::gguf

@@ -1,5 +1,6 @@
-// The GGUF matmul at decode (up to 4 tokens) with AVX-512: y[T, N] = x[T, K] @ W^T, W in the
-// kernels' row layout (quant_gguf.h). Written with intrinsics in functions carrying the
+// The GGUF matmul with AVX-512: y[T, N] = x[T, K] @ W^T, W in the kernels' row layout
+// (quant_gguf.h), in tiles of up to 4 tokens (more tokens re-decode a row chunk from L1 per
+// tile, still faster than quant_gguf.cpp's decode-to-fp32 DenseTile at 5-256 tokens). Written with intrinsics in functions carrying the
 // AVX-512 target attribute, because at one token the generic vector-extension kernel
 // (quant_gguf.cpp's Tile) is bound by instructions, not by memory: this one keeps every
 // accumulator in a register and decodes a block in a handful of instructions.
