@@ -38,14 +38,15 @@ KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # From this many tokens in one matmul on, dequantize + GEMM is used instead of the block kernel
 # (`dense_min_tokens`). Measured with `python -m benchmarks.gguf_quant` (one thread, AVX-512
-# decode kernel, ms of thread CPU time, kernel / dequantize + GEMM): SmolLM2's Q4_1 layers
-# break even at 48 tokens (gate/up 3072 x 576: 2.39 / 2.39), 32 (down 576 x 1536: 0.70 / 0.70)
-# and ~28 (o 576 x 576: 0.30 / 0.29 at 32), within 5% of each other from 32 to 64 -> 32. A Q8_0 layer of the gate/up's shape is still
-# 1.1x faster in the kernel at 64 tokens (3.34 / 3.72): its dequantization writes the same
-# floats from more bytes -> 64. Above DENSE_LARGE_WEIGHTS weights (the dense fp32 copy, 32 MiB,
-# no longer fits the last-level cache) dequantizing costs far more: the Q8_0 lm_head (49152 x
-# 576) runs the kernel faster up to 256 tokens (235 / 293 ms) and level at 384 (354 / 344),
-# a Q4_1 matrix of that size likewise (241 / 272 at 256) -> 384.
+# kernel, ms of thread CPU time, kernel / dequantize + GEMM): SmolLM2's Q4_1 layers break even
+# at ~48 tokens (gate/up 3072 x 576: 2.39 / 2.39), 32 (down 576 x 1536: 0.70 / 0.70) and ~28
+# (o 576 x 576: 0.30 / 0.29 at 32), within 5% of each other from 32 to 64 -> 32. A Q8_0 layer
+# of the gate/up's shape is still 1.1x faster in the kernel at 64 tokens (3.34 / 3.72): its
+# dequantization writes the same floats from more bytes -> 64. Above DENSE_LARGE_WEIGHTS
+# weights (the dense fp32 copy, 32 MiB, no longer fits the last-level cache) dequantizing
+# costs far more: the Q8_0 lm_head (49152 x 576) runs the kernel faster up to 256 tokens
+# (237 / 265 ms) and the GEMM wins at 384 (373 / 348); a Q4_1 matrix of that size likewise
+# (241 / 272 at 256) -> 384.
 DENSE_MIN_TOKENS = 32
 DENSE_MIN_TOKENS_Q8_0 = 64
 DENSE_MIN_TOKENS_LARGE = 384
