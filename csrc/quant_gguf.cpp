@@ -7,7 +7,8 @@
 //   Q8_0 (34 bytes): d, 32 int8                   w = d * q
 // where weight j < 16 of a 4-bit block is the low nibble of byte j, weight j >= 16 the high
 // nibble of byte j - 16. The kernels read each row with its bytes regrouped once at load
-// (`Layout` in quant_gguf.h): the scales of all its blocks first, so they widen a vector at a time.
+// (`Layout` in quant_gguf.h): the scales of all its blocks first, so they widen a vector at a
+// time.
 //
 // At decode (a few tokens per step) the matmul is bound by the bytes of weights it reads: each
 // weight row is read from memory once per step, its blocks widened to fp32 in registers and
@@ -17,7 +18,7 @@
 // over threads (at::parallel_for). The order of the sum: lane l of the accumulator adds the
 // products of weights l, l + W, l + 2W, ... in order, then the lanes are added (cpu_simd.h's
 // reduce_add), and every weight is d * q (+ m) as an FMA: the results are within fp32
-// summation error of the dequantized weights' dot product (tests/test_gguf_quant.py).
+// summation error of the dequantized weights' dot product (tests/models/test_gguf_quant.py).
 // With AVX-512 every call goes to the intrinsics kernel of quant_gguf_avx512.cpp instead
 // (same products, same order; ~2x faster at one token, ~1.4x at 5-32 tokens).
 //

@@ -1,9 +1,10 @@
 // The GGUF matmul with AVX-512: y[T, N] = x[T, K] @ W^T, W in the kernels' row layout
 // (quant_gguf.h), in tiles of up to 4 tokens (more tokens re-decode a row chunk from L1 per
-// tile, still faster than quant_gguf.cpp's decode-to-fp32 DenseTile at 5-256 tokens). Written with intrinsics in functions carrying the
-// AVX-512 target attribute, because at one token the generic vector-extension kernel
-// (quant_gguf.cpp's Tile) is bound by instructions, not by memory: this one keeps every
-// accumulator in a register and decodes a block in a handful of instructions.
+// tile, still faster than quant_gguf.cpp's decode-to-fp32 DenseTile at 5-256 tokens).
+// Written with intrinsics in functions carrying the AVX-512 target attribute, because the
+// generic vector-extension kernel (quant_gguf.cpp's Tile) left its accumulators on the stack
+// and ran at half this speed: this one keeps every accumulator in a register and decodes a
+// block in a handful of instructions (docs/PERFORMANCE.md, Quantized GGUF).
 //
 // Per block of 32 weights and row:
 //   Q4_0 / Q4_1: the 16 weights a nibble can stand for, table[q] = d * (q - 8) or d * q + m, in
@@ -18,8 +19,8 @@
 // Simd<16>::reduce_add), so both kernels give the same results.
 //
 // A tile of RT rows x TT tokens (8 x 1, 4 x 2, 2 x 4) keeps RT * TT accumulators; the x of a
-// block is loaded once for the RT rows. The rows of a tile are adjacent in memory, so the
-// tile reads one contiguous stream of RT rows.
+// block is loaded once for the RT rows. The rows of the next tile follow this tile's in
+// memory and are prefetched a slice per block while this one computes.
 
 #include "quant_gguf.h"
 
@@ -85,7 +86,8 @@ VLLM_PP_AVX512_INLINE void tile(const LinearArgs& a, int64_t row, int64_t tok) {
     for (int r = 0; r < RT; ++r) {
       const uint8_t* w_row = w + r * a.row_bytes;
       _mm512_store_ps(d[r], halves(w_row + 2 * b0, n));
-      if constexpr (Type == kQ4_1) _mm512_store_ps(m[r], halves(L::mins(w_row, blocks) + 2 * b0, n));
+      if constexpr (Type == kQ4_1)
+        _mm512_store_ps(m[r], halves(L::mins(w_row, blocks) + 2 * b0, n));
     }
     for (int64_t j = 0; j < n; ++j) {
       const int64_t b = b0 + j;
