@@ -5,8 +5,13 @@
 In one run, on --threads cores (default 1; the engine's stage gets the same):
 1. Memory bandwidth, STREAM-like: the best of several copies of a 256 MiB buffer (bytes read +
    bytes written per second), the physical limit of a decode step that reads every weight.
-2. The crossover of the quantized linear: the block kernel against dequantize + GEMM for one
-   of the model's matmuls (gate/up, 3072 x 576, Q4_1) from 1 to 256 tokens.
+2. The block kernel alone at one token on each of SmolLM2's matmul shapes (weights streamed
+   from memory: enough copies to overflow the last-level cache), as GB/s of weights read.
+   Then the crossover of the quantized linear: the block kernel against dequantize + GEMM for
+   gate/up (3072 x 576, Q4_1), down (576 x 1536, Q4_1) and the lm_head (49152 x 576, Q8_0)
+   over token counts (what `dense_min_tokens` in quantization/gguf.py is set from). Kernel
+   timings are the calling thread's CPU time when --threads is 1 (robust to a shared
+   machine), wall time otherwise.
 3. Decode tokens/s at each batch size for Q4_1 as shipped (fp32 activations), fp32 and bf16
    (both dequantized at load, --quantization none): the time of prompts + D tokens minus that
    of the prompts + 1 token, over batch x (D - 1) tokens. With the bytes of weights a step
@@ -25,6 +30,7 @@ import argparse
 import dataclasses
 import os
 import time
+from functools import partial
 from typing import Any
 
 from benchmarks.bf16_accuracy import agreement
@@ -53,35 +59,102 @@ def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / best
 
 
-def crossover(tokens: list[int]) -> list[list[Any]]:
-    """Per token count: ms of the block kernel and of dequantize + GEMM (gate/up, Q4_1)."""
+_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+# SmolLM2-135M's matmuls: (name, rows N, columns K, ggml type); q/k/v fused, gate/up fused.
+SHAPES = [
+    ("qkv", 960, 576, 3),
+    ("o", 576, 576, 3),
+    ("gate/up", 3072, 576, 3),
+    ("down", 576, 1536, 3),
+    ("lm_head", 49152, 576, 8),
+]
+
+
+def random_blocks(n: int, k: int, qtype: int) -> Any:
+    """n x k random weights as GGUF blocks of `qtype` (finite fp16 scales), in the kernels'
+    row layout."""
     import torch
+
+    from vllm.model_executor.layers.quantization.gguf import repack_gguf_rows
+
+    size, scale_bytes = _BLOCK_BYTES[qtype], 4 if qtype == 3 else 2
+    raw = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8)
+    scales = (torch.randn(n, k // 32, scale_bytes // 2) * 0.02).half()
+    raw[:, :, :scale_bytes] = scales.view(torch.uint8).view(n, k // 32, scale_bytes)
+    return repack_gguf_rows(raw.view(n, -1), qtype)
+
+
+def best_ms(fn: Any, clock: Any, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return min(times) * 1e3
+
+
+def kernel_bandwidth(clock: Any) -> list[list[Any]]:
+    """Per SmolLM2 shape: us of the kernel at one token and GB/s of weights read, rotating
+    over copies of the weight that together overflow the last-level cache."""
+    import torch
+
+    from vllm import _custom_ops as ops
+
+    rows = []
+    for name, n, k, qtype in SHAPES:
+        nbytes = n * k // 32 * _BLOCK_BYTES[qtype]
+        copies = max(2, (96 << 20) // nbytes)
+        weights = [random_blocks(n, k, qtype) for _ in range(copies)]
+        x = torch.randn(1, k)
+
+        def run(weights: list[Any] = weights, x: Any = x, qtype: int = qtype) -> None:
+            for w in weights:
+                ops.gguf_linear(x, w, qtype)
+
+        seconds = best_ms(run, clock, repeats=5) / 1e3 / copies
+        rows.append(
+            [
+                f"{name} {n} x {k} {_TYPE_NAMES[qtype]}",
+                f"{seconds * 1e6:.1f}",
+                f"{nbytes / seconds / 1e9:.1f}",
+            ]
+        )
+    return rows
+
+
+def dequantize_and_gemm(x: Any, raw: Any, qtype: int) -> Any:
+    """The many-token path: the weight dequantized to x's dtype, then the GEMM."""
     import torch.nn.functional as F
 
     from vllm import _custom_ops as ops
-    from vllm.model_executor.layers.quantization.gguf import repack_gguf_rows
 
-    n, k, qtype = 3072, 576, 3
-    raw = torch.randint(0, 256, (n, k // 32 * 20), dtype=torch.uint8)
-    scales = (torch.randn(n, k // 32, 2) * 0.02).half().view(torch.uint8)
-    raw.view(n, k // 32, 20)[:, :, :4] = scales.view(n, k // 32, 4)
-    raw = repack_gguf_rows(raw, qtype)
+    return F.linear(x, ops.gguf_dequantize(raw, qtype, x.shape[1], x.dtype))
 
-    def best(fn: Any) -> float:
-        fn()
-        times = []
-        for _ in range(7):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times) * 1e3
 
+def crossover(clock: Any) -> list[list[Any]]:
+    """Per shape and token count: ms of the block kernel and of dequantize + GEMM."""
+    import torch
+
+    from vllm import _custom_ops as ops
+
+    cases = [
+        ("gate/up", 3072, 576, 3, [1, 4, 16, 32, 48, 64]),
+        ("down", 576, 1536, 3, [1, 4, 16, 32, 48, 64]),
+        ("lm_head", 49152, 576, 8, [1, 64, 128, 256, 384]),
+    ]
     rows = []
-    for t in tokens:
-        x = torch.randn(t, k)
-        kernel = best(lambda x=x: ops.gguf_linear(x, raw, qtype))
-        dense = best(lambda x=x: F.linear(x, ops.gguf_dequantize(raw, qtype, k, x.dtype)))
-        rows.append([t, f"{kernel:.2f}", f"{dense:.2f}", "kernel" if kernel <= dense else "GEMM"])
+    for name, n, k, qtype, tokens in cases:
+        raw = random_blocks(n, k, qtype)
+        for t in tokens:
+            x = torch.randn(t, k)
+            kernel = best_ms(partial(ops.gguf_linear, x, raw, qtype), clock)
+            dense = best_ms(partial(dequantize_and_gemm, x, raw, qtype), clock)
+            faster = "kernel" if kernel <= dense else "GEMM"
+            rows.append(
+                [f"{name} {_TYPE_NAMES[qtype]}", t, f"{kernel:.2f}", f"{dense:.2f}", faster]
+            )
     return rows
 
 
@@ -199,10 +272,11 @@ def main() -> None:
         f"\nMemory bandwidth (copy, read + write, {args.threads} thread(s)): "
         f"{bandwidth / 1e9:.1f} GB/s"
     )
-    print("\nQuantized linear, gate/up 3072 x 576 Q4_1: block kernel vs dequantize + GEMM (ms)")
-    print_table(
-        ["tokens", "kernel", "dequant+GEMM", "faster"], crossover([1, 4, 16, 32, 64, 128, 256])
-    )
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    print("\nBlock kernel alone, one token, weights streamed from memory")
+    print_table(["matmul", "us", "GB/s"], kernel_bandwidth(clock))
+    print("\nQuantized linear: block kernel vs dequantize + GEMM (ms)")
+    print_table(["matmul", "tokens", "kernel", "dequant+GEMM", "faster"], crossover(clock))
 
     batches = [int(b) for b in args.batches.split(",")]
     rows = []

@@ -7,7 +7,8 @@
 //   Q8_0 (34 bytes): d, 32 int8                   w = d * q
 // where weight j < 16 of a 4-bit block is the low nibble of byte j, weight j >= 16 the high
 // nibble of byte j - 16. The kernels read each row with its bytes regrouped once at load
-// (`Layout` below): the scales of all its blocks first, so they widen a vector at a time.
+// (`Layout` in quant_gguf.h): the scales of all its blocks first, so they widen a vector at a
+// time.
 //
 // At decode (a few tokens per step) the matmul is bound by the bytes of weights it reads: each
 // weight row is read from memory once per step, its blocks widened to fp32 in registers and
@@ -17,7 +18,9 @@
 // over threads (at::parallel_for). The order of the sum: lane l of the accumulator adds the
 // products of weights l, l + W, l + 2W, ... in order, then the lanes are added (cpu_simd.h's
 // reduce_add), and every weight is d * q (+ m) as an FMA: the results are within fp32
-// summation error of the dequantized weights' dot product (tests/test_gguf_quant.py).
+// summation error of the dequantized weights' dot product (tests/models/test_gguf_quant.py).
+// With AVX-512 every call goes to the intrinsics kernel of quant_gguf_avx512.cpp instead
+// (same products, same order; ~2x faster at one token, ~1.4x at 5-32 tokens).
 //
 // More than 4 tokens: each tile of 8 rows is decoded once into an fp32 buffer and multiplied
 // with every token from there (DenseTile). For many tokens (prefill), gguf_dequantize expands
@@ -35,19 +38,18 @@
 #include "cpu_isa.h"
 #include "cpu_simd.h"
 #include "ops.h"
+#include "quant_gguf.h"
 
 namespace vllm_pp {
 namespace {
 
-// ggml's type ids (ggml.h: GGML_TYPE_*).
-constexpr int64_t kQ4_0 = 2;
-constexpr int64_t kQ4_1 = 3;
-constexpr int64_t kQ8_0 = 8;
-constexpr int64_t kBlock = 32;  // weights per block, all three types
-
-constexpr int64_t block_bytes(int64_t type) {
-  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 34;
-}
+using gguf::block_bytes;
+using gguf::kBlock;
+using gguf::kQ4_0;
+using gguf::kQ4_1;
+using gguf::kQ8_0;
+using gguf::Layout;
+using gguf::LinearArgs;
 
 // W bytes widened to W fp32 lanes: signed (Q8_0), or the low / high nibbles of 16 bytes
 // (W = 8: of their first or second half). GCC 12 turns a byte -> int vector conversion written
@@ -155,23 +157,6 @@ struct Halves {
   }
 };
 
-// The row layout the kernels read: the bytes of a GGUF row regrouped (repack_gguf_rows in
-// vllm/model_executor/layers/quantization/gguf.py does it once at load): first the fp16 scales
-// d of all its blocks, then (Q4_1) their minima m, then the blocks' quants one after the
-// other. Same bytes, so the same size; but the scales of a row are contiguous, and W of them
-// are widened to fp32 with a few vector ops instead of one block at a time.
-template <int64_t Type>
-struct Layout {
-  static constexpr int64_t kScaleBytes = Type == kQ4_1 ? 4 : 2;     // per block
-  static constexpr int64_t kQuantBytes = block_bytes(Type) - kScaleBytes;
-  static VLLM_PP_INLINE const uint8_t* mins(const uint8_t* row, int64_t blocks) {
-    return row + 2 * blocks;
-  }
-  static VLLM_PP_INLINE const uint8_t* quants(const uint8_t* row, int64_t blocks) {
-    return row + kScaleBytes * blocks;
-  }
-};
-
 // One block's 32 weights as 32 / W fp32 vectors, from its quants qs and its scale (and min).
 template <int W, int64_t Type>
 struct Block {
@@ -199,13 +184,6 @@ struct Block {
 
 // Blocks whose scales are widened at a time (per row of a tile: 2 x 64 floats on the stack).
 constexpr int64_t kChunk = 64;
-
-struct LinearArgs {
-  void* out;         // [T, N], row stride out_stride
-  const void* x;     // [T, K], row stride x_stride
-  const uint8_t* w;  // [N, row_bytes]
-  int64_t tokens, n, k, row_bytes, x_stride, out_stride;
-};
 
 template <int W, int64_t Type, typename scalar_t>
 struct Tile {
@@ -372,6 +350,12 @@ struct LinearKernel {
 
   static VLLM_PP_INLINE void run(const LinearArgs* a, int64_t type, bool bf16, int64_t begin,
                                  int64_t end) {
+#if defined(__x86_64__)
+    // AVX-512: the intrinsics kernel (quant_gguf_avx512.cpp), same sums, for every token
+    // count: its tiles of 4 tokens re-decode the blocks from L1, which still beats decoding
+    // the rows to an fp32 buffer (DenseTile) at every size measured (5-256 tokens).
+    if (W == 16) return gguf::decode_avx512(*a, type, bf16, begin, end);
+#endif
     if (bf16) {
       run(*a, type, begin, end, static_cast<c10::BFloat16*>(nullptr));
     } else {

@@ -110,6 +110,38 @@ def test_gguf_linear_matches_dequantized(
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [(37, 576), (9, 1536), (16, 96)])
+def test_decode_kernel_sums_like_the_batch_kernel(
+    qtype: Q, shape: tuple[int, int], restore_isa
+) -> None:
+    """On each ISA 1-4 tokens (tiles of 1, 2 or 4 tokens) give bit-identical results to the
+    same tokens inside a 9-token call (AVX-512: tiles of 4, 4 and 1; the other ISAs: rows
+    decoded to fp32 once), i.e. the same weights multiplied in the same order, so a request's
+    logits do not depend on how many tokens share its step (below the GEMM crossover)."""
+    rows, cols = shape
+    raw = packed(random_blocks(qtype, rows, cols, seed=7), qtype)
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(3))
+    for isa in isas():
+        ops.set_cpu_isa(isa)
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            many = ops.gguf_linear(xd, raw, int(qtype))  # [9, rows]: the decoded-rows kernel
+            for tokens in (1, 2, 3, 4):
+                few = ops.gguf_linear(xd[:tokens], raw, int(qtype))
+                assert torch.equal(few, many[:tokens]), (isa, dtype, tokens)
+
+
+def test_dense_min_tokens() -> None:
+    """The measured crossover: 32 tokens for Q4 layers, 64 for Q8_0, 384 past 8M weights."""
+    assert gguf_quant.dense_min_tokens(int(Q.Q4_1), 3072, 576) == 32
+    assert gguf_quant.dense_min_tokens(int(Q.Q4_0), 576, 1536) == 32
+    assert gguf_quant.dense_min_tokens(int(Q.Q8_0), 3072, 576) == 64
+    assert gguf_quant.dense_min_tokens(int(Q.Q8_0), 49152, 576) == 384
+    assert gguf_quant.dense_min_tokens(int(Q.Q4_1), 16384, 1536) == 384
+
+
+@needs_kernels
 def test_gguf_weight_parts_and_dense_path() -> None:
     """A fused weight of mixed types (kernel blocks + a dequantized F16-like part) and the
     many-token path (dequantize + GEMM) give x @ W^T of the whole weight."""
@@ -128,7 +160,9 @@ def test_gguf_weight_parts_and_dense_path() -> None:
         [numpy_weight(a, Q.Q4_1, cols), numpy_weight(b, Q.Q8_0, cols), dense.numpy()]
     ).astype(np.float64)
     bias = torch.randn(28)
-    for tokens in (3, gguf_quant.DENSE_MIN_TOKENS + 1):
+    many = max(gguf_quant.dense_min_tokens(q, 28, cols) for q in (Q.Q4_1, Q.Q8_0))
+    assert many == gguf_quant.DENSE_MIN_TOKENS_Q8_0
+    for tokens in (3, gguf_quant.DENSE_MIN_TOKENS + 1, many):
         x = torch.randn(tokens, cols)
         ref = x.double().numpy() @ full.T + bias.double().numpy()
         got = weight(x, bias).double().numpy()

@@ -11,9 +11,9 @@ scales together) and go to the C++ kernel (csrc/quant_gguf.cpp) with fp32 or bf1
 other types (the K-quants, F16), other activation dtypes, or a build without the kernels are
 dequantized at load to the activation dtype.
 
-At one or a few tokens per step the kernel reads each block once; from `DENSE_MIN_TOKENS`
+At one or a few tokens per step the kernel reads each block once; from `dense_min_tokens`
 tokens on (prefill), dequantizing the layer to a dense matrix and running the GEMM is faster
-(measured by benchmarks/gguf_quant.py).
+(the crossover measured by benchmarks/gguf_quant.py, docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -36,11 +36,21 @@ logger = logging.getLogger("vllm.quantization.gguf")
 KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 # Activation dtypes the kernel takes.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# From this many tokens in one matmul on, dequantize + GEMM is used instead of the block kernel:
-# measured with benchmarks/gguf_quant.py on SmolLM2's gate/up (3072 x 576, Q4_1), one thread,
-# AVX-512: the kernel is 2-4x faster at 1-4 tokens, 1.2x at 8, level with the GEMM from 16 to
-# 128 (its rows decoded once into fp32 for more than 4 tokens), and the GEMM 1.2x faster at 256.
-DENSE_MIN_TOKENS = 128
+# From this many tokens in one matmul on, dequantize + GEMM is used instead of the block kernel
+# (`dense_min_tokens`). Measured with `python -m benchmarks.gguf_quant` (one thread, AVX-512
+# kernel, ms of thread CPU time, kernel / dequantize + GEMM): SmolLM2's Q4_1 layers break even
+# at ~48 tokens (gate/up 3072 x 576: 2.39 / 2.39), 32 (down 576 x 1536: 0.70 / 0.70) and ~28
+# (o 576 x 576: 0.30 / 0.29 at 32), within 5% of each other from 32 to 64 -> 32. A Q8_0 layer
+# of the gate/up's shape is still 1.1x faster in the kernel at 64 tokens (3.34 / 3.72): its
+# dequantization writes the same floats from more bytes -> 64. Above DENSE_LARGE_WEIGHTS
+# weights (the dense fp32 copy, 32 MiB, no longer fits the last-level cache) dequantizing
+# costs far more: the Q8_0 lm_head (49152 x 576) runs the kernel faster up to 256 tokens
+# (237 / 265 ms) and the GEMM wins at 384 (373 / 348); a Q4_1 matrix of that size likewise
+# (241 / 272 at 256) -> 384.
+DENSE_MIN_TOKENS = 32
+DENSE_MIN_TOKENS_Q8_0 = 64
+DENSE_MIN_TOKENS_LARGE = 384
+DENSE_LARGE_WEIGHTS = 8 << 20
 
 
 # Bytes per block, and of its fp16 scale (+ Q4_1's fp16 minimum) at the block's start.
@@ -144,11 +154,19 @@ def kernel_runs(qtype: int, dtype: torch.dtype) -> bool:
     return qtype in KERNEL_TYPES and dtype in KERNEL_DTYPES and ops.is_available()
 
 
+def dense_min_tokens(qtype: int, rows: int, cols: int) -> int:
+    """Token count from which dequantize + GEMM beats the block kernel for a [rows, cols]
+    weight of ggml type `qtype` (the measured crossover above)."""
+    if rows * cols > DENSE_LARGE_WEIGHTS:
+        return DENSE_MIN_TOKENS_LARGE
+    return DENSE_MIN_TOKENS_Q8_0 if qtype == 8 else DENSE_MIN_TOKENS
+
+
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     """x [T, cols] (fp32/bf16, unit last stride) @ W^T, W the blocks raw [N, row_bytes] (in
-    the kernels' layout, `repack_gguf_rows`):
-    the block kernel for few tokens, dequantize + GEMM from DENSE_MIN_TOKENS on -> [T, N]."""
-    if x.shape[0] >= DENSE_MIN_TOKENS:
+    the kernels' layout, `repack_gguf_rows`): the block kernel for few tokens, dequantize +
+    GEMM from `dense_min_tokens` on -> [T, N]."""
+    if x.shape[0] >= dense_min_tokens(qtype, raw.shape[0], cols):
         return F.linear(x, ops.gguf_dequantize(raw, qtype, cols, x.dtype))
     return ops.gguf_linear(x, raw, qtype)
 

@@ -1,0 +1,49 @@
+// What quant_gguf.cpp (the ISA-generic GGUF kernels and the ops) shares with
+// quant_gguf_avx512.cpp (the AVX-512 decode kernel): the matmul's arguments, ggml's type ids
+// and the row layout.
+#pragma once
+
+#include <cstdint>
+
+namespace vllm_pp::gguf {
+
+// ggml's type ids (ggml.h: GGML_TYPE_*).
+constexpr int64_t kQ4_0 = 2;
+constexpr int64_t kQ4_1 = 3;
+constexpr int64_t kQ8_0 = 8;
+constexpr int64_t kBlock = 32;  // weights per block, all three types
+
+constexpr int64_t block_bytes(int64_t type) {
+  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 34;
+}
+
+// The row layout the kernels read: the bytes of a GGUF row regrouped (repack_gguf_rows in
+// vllm/model_executor/layers/quantization/gguf.py does it once at load): first the fp16 scales
+// d of all its blocks, then (Q4_1) their minima m, then the blocks' quants one after the
+// other. Same bytes, so the same size; but the scales of a row are contiguous, and W of them
+// are widened to fp32 with a few vector ops instead of one block at a time.
+template <int64_t Type>
+struct Layout {
+  static constexpr int64_t kScaleBytes = Type == kQ4_1 ? 4 : 2;  // per block
+  static constexpr int64_t kQuantBytes = block_bytes(Type) - kScaleBytes;
+  static inline const uint8_t* mins(const uint8_t* row, int64_t blocks) {
+    return row + 2 * blocks;
+  }
+  static inline const uint8_t* quants(const uint8_t* row, int64_t blocks) {
+    return row + kScaleBytes * blocks;
+  }
+};
+
+struct LinearArgs {
+  void* out;         // [T, N], row stride out_stride
+  const void* x;     // [T, K], row stride x_stride
+  const uint8_t* w;  // [N, row_bytes]
+  int64_t tokens, n, k, row_bytes, x_stride, out_stride;
+};
+
+// Rows [begin, end) of y = x W^T for all a.tokens, with AVX-512 (quant_gguf_avx512.cpp);
+// only called when the CPU has it. The same products, summed in the same order, as the
+// generic kernels of quant_gguf.cpp at W = 16.
+void decode_avx512(const LinearArgs& a, int64_t type, bool bf16, int64_t begin, int64_t end);
+
+}  // namespace vllm_pp::gguf

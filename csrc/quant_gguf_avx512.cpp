@@ -1,0 +1,190 @@
+// The GGUF matmul with AVX-512: y[T, N] = x[T, K] @ W^T, W in the kernels' row layout
+// (quant_gguf.h), in tiles of up to 4 tokens (more tokens re-decode a row chunk from L1 per
+// tile, still faster than quant_gguf.cpp's decode-to-fp32 DenseTile at 5-256 tokens).
+// Written with intrinsics in functions carrying the AVX-512 target attribute, because the
+// generic vector-extension kernel (quant_gguf.cpp's Tile) left its accumulators on the stack
+// and ran at half this speed: this one keeps every accumulator in a register and decodes a
+// block in a handful of instructions (docs/PERFORMANCE.md, Quantized GGUF).
+//
+// Per block of 32 weights and row:
+//   Q4_0 / Q4_1: the 16 weights a nibble can stand for, table[q] = d * (q - 8) or d * q + m, in
+//     one zmm (one multiply or FMA), then the block's 16 bytes zero-extended to 16 dwords: vpermps
+//     reads only an index's low 4 bits, so the dwords themselves index the low nibbles
+//     (weights 0-15) and the dwords shifted right by 4 the high ones (weights 16-31). No
+//     masking, no int -> float conversion.
+//   Q8_0: the 32 int8 sign-extended and converted (exact), times d.
+// Each weight is the value the dequantization gives (d * q is exact in fp32: an fp16 scale
+// times a small integer), and it is multiplied into the same accumulator lane in the same
+// order as the generic kernel (lane l: weights l, l + 16, l + 32, ... of the row, then
+// Simd<16>::reduce_add), so both kernels give the same results.
+//
+// A tile of RT rows x TT tokens (8 x 1, 4 x 2, 2 x 4) keeps RT * TT accumulators; the x of a
+// block is loaded once for the RT rows. The rows of the next tile follow this tile's in
+// memory and are prefetched a slice per block while this one computes.
+
+#include "quant_gguf.h"
+
+#if defined(__x86_64__)
+
+// GCC 12 reports the intrinsics headers' deliberately undefined pass-through operands
+// (_mm512_undefined_*) as "may be used uninitialized" once they are inlined here.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "cpu_isa.h"
+#include "cpu_simd.h"
+
+namespace vllm_pp::gguf {
+namespace {
+
+#define VLLM_PP_AVX512_INLINE VLLM_PP_AVX512 inline __attribute__((always_inline))
+
+VLLM_PP_AVX512_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// bfloat16 is the top half of a float32: zero-extend and shift (exact).
+VLLM_PP_AVX512_INLINE __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The first n <= 16 fp16 numbers at p as fp32 (exact); the masked load reads only those.
+VLLM_PP_AVX512_INLINE __m512 halves(const uint8_t* p, int64_t n) {
+  const auto mask = static_cast<__mmask16>((1u << n) - 1);
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+template <int64_t Type, int RT, int TT, typename scalar_t>
+VLLM_PP_AVX512_INLINE void tile(const LinearArgs& a, int64_t row, int64_t tok) {
+  using L = Layout<Type>;
+  const auto* x = static_cast<const scalar_t*>(a.x) + tok * a.x_stride;
+  const uint8_t* w = a.w + row * a.row_bytes;
+  const int64_t blocks = a.k / kBlock;
+  // The value each nibble stands for before scaling: q (Q4_1) or q - 8 (Q4_0), exact.
+  const __m512 base = _mm512_sub_ps(
+      _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_ps(Type == kQ4_0 ? 8.0f : 0.0f));
+  __m512 acc[RT][TT];
+#pragma GCC unroll 8
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  alignas(64) float d[RT][16];
+  alignas(64) float m[RT][16];
+  // The next tile's bytes (its rows follow this tile's), prefetched a slice per block so they
+  // arrive while this tile computes: the hardware prefetcher does not follow the 2 x RT
+  // streams (scales and quants of each row) a tile reads.
+  const char* next = reinterpret_cast<const char*>(w + RT * a.row_bytes);
+  const int64_t next_lines = (RT * a.row_bytes + 63) / 64;
+  const int64_t lines_per_block = (next_lines + blocks - 1) / blocks;
+  for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
+    const int64_t n = std::min<int64_t>(16, blocks - b0);
+#pragma GCC unroll 8
+    for (int r = 0; r < RT; ++r) {
+      const uint8_t* w_row = w + r * a.row_bytes;
+      _mm512_store_ps(d[r], halves(w_row + 2 * b0, n));
+      if constexpr (Type == kQ4_1)
+        _mm512_store_ps(m[r], halves(L::mins(w_row, blocks) + 2 * b0, n));
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t b = b0 + j;
+      for (int64_t l = b * lines_per_block; l < std::min(next_lines, (b + 1) * lines_per_block);
+           ++l)
+        _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+      __m512 x0[TT], x1[TT];  // the block's x: weights 0-15 and 16-31
+#pragma GCC unroll 4
+      for (int t = 0; t < TT; ++t) {
+        x0[t] = load16(x + t * a.x_stride + b * kBlock);
+        x1[t] = load16(x + t * a.x_stride + b * kBlock + 16);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < RT; ++r) {
+        const uint8_t* qs = L::quants(w + r * a.row_bytes, blocks) + b * L::kQuantBytes;
+        const __m512 dv = _mm512_set1_ps(d[r][j]);
+        __m512 w0, w1;
+        if constexpr (Type == kQ8_0) {
+          const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+          const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
+          w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), dv);
+          w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), dv);
+        } else {
+          const __m512i q =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+          __m512 table;
+          if constexpr (Type == kQ4_1) {
+            table = _mm512_fmadd_ps(base, dv, _mm512_set1_ps(m[r][j]));
+          } else {
+            table = _mm512_mul_ps(base, dv);
+          }
+          w0 = _mm512_permutexvar_ps(q, table);
+          w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; ++t) {
+          acc[r][t] = _mm512_fmadd_ps(w0, x0[t], acc[r][t]);
+          acc[r][t] = _mm512_fmadd_ps(w1, x1[t], acc[r][t]);
+        }
+      }
+    }
+  }
+  auto* out = static_cast<scalar_t*>(a.out);
+#pragma GCC unroll 8
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) {
+      const float sum = simd::Simd<16>::reduce_add((simd::Simd<16>::f32)acc[r][t]);
+      out[(tok + t) * a.out_stride + row + r] = static_cast<scalar_t>(sum);
+    }
+}
+
+// Rows [begin, end) for every token: tiles of 8 / TT rows, the remainder row by row.
+template <int64_t Type, int TT, typename scalar_t>
+VLLM_PP_AVX512_INLINE void token_tile(const LinearArgs& a, int64_t begin, int64_t end,
+                                      int64_t tok) {
+  constexpr int RT = 8 / TT;
+  int64_t row = begin;
+  for (; row + RT <= end; row += RT) tile<Type, RT, TT, scalar_t>(a, row, tok);
+  for (; row < end; ++row) tile<Type, 1, TT, scalar_t>(a, row, tok);
+}
+
+template <int64_t Type, typename scalar_t>
+VLLM_PP_AVX512_INLINE void rows(const LinearArgs& a, int64_t begin, int64_t end) {
+  // Row chunks of 64 so a chunk's weights stay in L1/L2 across the token tiles.
+  for (int64_t r0 = begin; r0 < end; r0 += 64) {
+    const int64_t r1 = std::min(end, r0 + 64);
+    int64_t tok = 0;
+    for (; tok + 4 <= a.tokens; tok += 4) token_tile<Type, 4, scalar_t>(a, r0, r1, tok);
+    for (; tok + 2 <= a.tokens; tok += 2) token_tile<Type, 2, scalar_t>(a, r0, r1, tok);
+    for (; tok < a.tokens; ++tok) token_tile<Type, 1, scalar_t>(a, r0, r1, tok);
+  }
+}
+
+template <typename scalar_t>
+VLLM_PP_AVX512_INLINE void typed(const LinearArgs& a, int64_t type, int64_t begin, int64_t end) {
+  switch (type) {
+    case kQ4_0:
+      return rows<kQ4_0, scalar_t>(a, begin, end);
+    case kQ4_1:
+      return rows<kQ4_1, scalar_t>(a, begin, end);
+    default:
+      return rows<kQ8_0, scalar_t>(a, begin, end);
+  }
+}
+
+}  // namespace
+
+VLLM_PP_AVX512 void decode_avx512(const LinearArgs& a, int64_t type, bool bf16, int64_t begin,
+                                  int64_t end) {
+  if (bf16) {
+    typed<c10::BFloat16>(a, type, begin, end);
+  } else {
+    typed<float>(a, type, begin, end);
+  }
+}
+
+}  // namespace vllm_pp::gguf
+
+#endif  // __x86_64__
