@@ -14,7 +14,7 @@ from vllm.config import EngineConfig
 from vllm.distributed.net_utils import get_file_init_method
 from vllm.executor.rank_calls import Calls, RankCalls
 from vllm.executor.stage_supervisor import StageFailedError, StageFailure, local_process_problem
-from vllm.executor.stage_watch import StageWatch
+from vllm.executor.stage_watch import HeartbeatStats, StageWatch
 from vllm.executor.step_future import StepFuture
 from vllm.sequence import SamplerOutput
 from vllm.step_delta import ExecuteModelRequest
@@ -222,6 +222,10 @@ class StageProcessExecutor(ExecutorBase):
         """The calls to the ranks, and the watch that marks a failed rank suspect in them."""
         self.calls = RankCalls(world_size)
         self.watch = StageWatch(world_size, self.calls.set_suspect)
+
+    def heartbeat_stats(self) -> list[HeartbeatStats]:
+        """Each rank's heartbeat round trips while serving (p50, p99, max)."""
+        return self.watch.stats()
 
     def _log_stages_and_init_cache(self) -> None:
         super()._log_stages_and_init_cache()

@@ -57,13 +57,14 @@ class _Rank:
     pending: deque[tuple[int, float]] = field(default_factory=deque)  # (seq, sent at)
     busy_s: float | None = None
     answered: int = 0
-    rtts: list[float] = field(default_factory=list)  # kept sorted: percentiles at any time
+    # Round trips while armed (what the timeout is measured against), kept sorted.
+    rtts: list[float] = field(default_factory=list)
     reported: str | None = None
 
 
 @dataclass
 class HeartbeatStats:
-    """One rank's heartbeat round trips since it was attached (seconds)."""
+    """One rank's heartbeat round trips while armed, since it was attached (seconds)."""
 
     rank: int
     answered: int
@@ -228,7 +229,7 @@ class StageWatch:
             with self._lock:
                 while entry.pending and entry.pending[0][0] <= seq:
                     sent_seq, sent = entry.pending.popleft()
-                    if sent_seq == seq:
+                    if sent_seq == seq and entry.armed:
                         bisect.insort(entry.rtts, now - sent)
                 entry.answered += 1
                 entry.busy_s = None if busy < 0 else busy
