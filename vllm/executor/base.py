@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, Literal, overload
@@ -231,6 +233,25 @@ class StageProcessExecutor(ExecutorBase):
         super()._log_stages_and_init_cache()
         # Set-up is over (torch imported, workers built): heartbeat silences count from now.
         self.watch.arm()
+
+    @contextlib.contextmanager
+    def _heartbeat_timeout_lifted(self) -> Iterator[None]:
+        """For calls that may hold a rank's GIL for long outside any step (the profiler
+        starting, or writing its trace): no heartbeat timeout meanwhile. Dead or stopped
+        processes are still found at once."""
+        self.watch.arm(armed=False)
+        try:
+            yield
+        finally:
+            self.watch.arm()
+
+    def start_profile(self, trace_dir: str) -> None:
+        with self._heartbeat_timeout_lifted():
+            super().start_profile(trace_dir)
+
+    def stop_profile(self) -> list[str]:
+        with self._heartbeat_timeout_lifted():
+            return super().stop_profile()
 
     def _close_calls(self) -> None:
         """Stop watching (first: the ranks are about to go) and close the connections."""
