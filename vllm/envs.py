@@ -70,11 +70,11 @@ _VARS = (
     ),
     EnvVar(
         "VLLM_PP_HEARTBEAT_TIMEOUT_S",
-        "1.0",
+        "1.5",
         float,
         "A stage that leaves a heartbeat unanswered this long (seconds) counts as frozen and "
         "is replaced, whatever the step's length (a thread of each stage process answers, not "
-        "its step; the worst round trip measured on a loaded 2-core machine was 0.15 s). "
+        "its step; the worst round trip measured on an overloaded 2-core machine was 0.63 s). "
         "Stopped or dead processes on the engine's node are found within "
         "VLLM_PP_HEARTBEAT_INTERVAL_S regardless.",
     ),

@@ -95,6 +95,8 @@ def test_a_silent_rank_is_reported_within_the_timeout_and_withdrawn_when_it_answ
     assert rank == 1 and "did not answer a heartbeat" in problem, problem
     assert TIMEOUT - INTERVAL <= at - silent_from <= TIMEOUT + 0.5
     assert w.problems() == {1: problem} and w.answers()[1] is None
+    time.sleep(4 * INTERVAL)
+    assert [e for e in reports.seen if e[2]] == [(at, rank, problem)]  # reported once
     ranks[1].answering.set()
     reports.wait(lambda e: e[1] == 1 and e[2] is None)
     assert w.problems() == {}

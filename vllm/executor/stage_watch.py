@@ -39,6 +39,7 @@ from vllm.executor.stage_supervisor import (
 )
 from vllm.worker.rank_server import HEARTBEAT_ANSWER, HEARTBEAT_PROBE
 
+_SILENT = "did not answer a heartbeat"
 # Probes waiting for an answer, at most (a silent rank is declared long before this many).
 _MAX_PENDING = 256
 
@@ -196,8 +197,16 @@ class StageWatch:
         while not self._closing:
             with self._lock:
                 conns = {e.conn: e for e in self._ranks if e and e.conn and not e.closed}
+                # Wake when the oldest unanswered probe runs out too, not only at the next
+                # tick: a silence is found within the timeout of its probe.
+                expiries = [
+                    e.pending[0][1] + self.timeout_s
+                    for e in conns.values()
+                    if e.armed and e.pending and e.reported is None
+                ]
+            wake_at = min([next_tick, *expiries])
             try:
-                ready = wait([*conns, self._wake_recv], max(0.0, next_tick - time.monotonic()))
+                ready = wait([*conns, self._wake_recv], max(0.0, wake_at - time.monotonic()))
             except OSError:  # a connection closed under us: look again
                 continue
             for obj in ready:
@@ -210,8 +219,10 @@ class StageWatch:
                     self._read_answers(conns[obj])  # type: ignore[index]
             now = time.monotonic()
             if now >= next_tick:
-                self._tick(conns)
+                self._judge(conns, probe=True)
                 next_tick = now + self.interval_s
+            elif now >= wake_at:
+                self._judge(conns, probe=False)
 
     def _read_answers(self, entry: _Rank) -> None:
         """Every answer waiting on `entry`'s connection."""
@@ -236,7 +247,8 @@ class StageWatch:
                 if len(entry.rtts) > 20000:  # bound the memory: keep the tails
                     del entry.rtts[1:-1:2]
 
-    def _tick(self, conns: dict[Connection, _Rank]) -> None:
+    def _judge(self, conns: dict[Connection, _Rank], probe: bool) -> None:
+        """Report what changed for every rank; with `probe`, send each its next probe."""
         # Answers already here first: a late tick must not blame a rank for its own delay.
         try:
             for conn in wait(list(conns), 0):
@@ -253,7 +265,8 @@ class StageWatch:
                     entry.reported = problem
                     # Under the lock: a rank detached meanwhile is never reported.
                     self._on_change(rank, problem)
-                self._probe(entry, now)
+                if probe:
+                    self._probe(entry, now)
 
     def _problem(self, entry: _Rank, now: float) -> str | None:
         problem = local_process_problem(entry.pid, entry.host, entry.start_time)
@@ -261,9 +274,11 @@ class StageWatch:
             return problem
         if entry.closed:
             return "its heartbeat connection closed (the process is gone?)"
-        if entry.armed and entry.pending and now - entry.pending[0][1] > self.timeout_s:
+        if entry.armed and entry.pending and now - entry.pending[0][1] >= self.timeout_s:
+            if entry.reported is not None and entry.reported.startswith(_SILENT):
+                return entry.reported  # the same silence: reported once
             silent = now - entry.pending[0][1]
-            return f"did not answer a heartbeat for {silent:.1f} s (frozen?)"
+            return f"{_SILENT} for {silent:.1f} s (frozen?)"
         return None
 
     def _probe(self, entry: _Rank, now: float) -> None:
