@@ -93,7 +93,7 @@ def test_a_silent_rank_is_reported_within_the_timeout_and_withdrawn_when_it_answ
     silent_from = time.monotonic()
     at, rank, problem = reports.wait(lambda e: e[2] is not None)
     assert rank == 1 and "did not answer a heartbeat" in problem, problem
-    assert TIMEOUT - INTERVAL <= at - silent_from <= TIMEOUT + 0.5
+    assert TIMEOUT - INTERVAL <= at - silent_from <= TIMEOUT + 1.5
     assert w.problems() == {1: problem} and w.answers()[1] is None
     time.sleep(4 * INTERVAL)
     assert [e for e in reports.seen if e[2]] == [(at, rank, problem)]  # reported once
@@ -118,27 +118,33 @@ def test_an_unarmed_rank_may_be_silent(watch):
     assert at - armed_at >= TIMEOUT - INTERVAL and "heartbeat" in problem
 
 
-def test_a_busy_step_keeps_the_heartbeat_answered(watch):
+def test_a_busy_step_keeps_the_heartbeat_answered():
     """The rank's heartbeat thread answers while another thread of its process computes
-    (pure Python here, the GIL's worst case: it is handed over every 5 ms)."""
-    w, reports = watch
-    engine_end, rank_end = multiprocessing.Pipe(duplex=True)
-    started = time.perf_counter()
-    threading.Thread(
-        target=answer_heartbeats,
-        args=(rank_end, lambda: time.perf_counter() - started),
-        daemon=True,
-    ).start()
-    w.attach(0, engine_end, None, None)
-    w.arm()
-    spin_until = time.monotonic() + 4 * TIMEOUT
-    while time.monotonic() < spin_until:
-        sum(range(1000))
-    assert not reports.seen
-    stats = w.stats()[0]
-    assert stats.answered >= 10 and stats.max_s < TIMEOUT, stats
-    answer = w.answers()[0]
-    assert answer is not None and answer.busy_s is not None and answer.busy_s > TIMEOUT
+    (pure Python here, the GIL's worst case: it is handed over every 5 ms), for twice the
+    default timeout, which applies here."""
+    reports = Reports()
+    w = StageWatch(1, reports, interval_s=0.25)
+    try:
+        engine_end, rank_end = multiprocessing.Pipe(duplex=True)
+        started = time.perf_counter()
+        threading.Thread(
+            target=answer_heartbeats,
+            args=(rank_end, lambda: time.perf_counter() - started),
+            daemon=True,
+        ).start()
+        w.attach(0, engine_end, None, None)
+        w.arm()
+        spin_until = time.monotonic() + 2 * w.timeout_s
+        while time.monotonic() < spin_until:
+            sum(range(1000))
+        assert not reports.seen
+        stats = w.stats()[0]
+        print(f"round trips while a thread computes: {stats}")
+        assert stats.answered >= 8 and stats.max_s < w.timeout_s, stats
+        answer = w.answers()[0]
+        assert answer is not None and answer.busy_s is not None and answer.busy_s > w.timeout_s
+    finally:
+        w.close()
 
 
 def test_process_states_from_proc(watch):

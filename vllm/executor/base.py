@@ -180,6 +180,10 @@ class ExecutorBase(ABC):
         process dead or stopped, its heartbeat silent), between steps as well as during
         them."""
 
+    def heartbeat_stats(self) -> list[HeartbeatStats]:
+        """Each rank's heartbeat round trips while serving (none in-process)."""
+        return []
+
     def discard_steps(self) -> None:  # noqa: B027  (optional hook: nothing to do in-process)
         """Forget the outputs of every submitted step (the engine will not collect them)."""
 
@@ -226,7 +230,7 @@ class StageProcessExecutor(ExecutorBase):
         self.watch = StageWatch(world_size, self.calls.set_suspect)
 
     def heartbeat_stats(self) -> list[HeartbeatStats]:
-        """Each rank's heartbeat round trips while serving (p50, p99, max)."""
+        """Each rank's heartbeat round trips while the timeout applied (p50, p99, max)."""
         return self.watch.stats()
 
     def _log_stages_and_init_cache(self) -> None:

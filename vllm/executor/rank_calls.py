@@ -3,7 +3,7 @@ the engine's end (the rank's end is `vllm.worker.rank_server`).
 
 Both backends use it: the `mp` backend over the pipe to each spawned process, Ray over a TCP
 connection the engine opens to each stage actor once it has started (Ray itself then only
-places, starts, pings and kills the actors). A call is `(call id, method, args)` one way and
+places, starts and kills the actors). A call is `(call id, method, args)` one way and
 `(call id, ok, result or error text)` back; a rank runs its calls one at a time, in the order
 sent (`serve_calls`). The engine's end (`RankCalls`) sends without waiting, so several
 micro-batches are inside the pipeline at once, and one reader thread drains every rank's
