@@ -32,10 +32,13 @@ class Reports:
 
     def __init__(self) -> None:
         self.seen: list[tuple[float, int, str | None]] = []
+        self.since: dict[int, float] = {}  # rank -> its last sign of life, as last reported
         self.cond = threading.Condition()
 
-    def __call__(self, rank: int, problem: str | None) -> None:
+    def __call__(self, rank: int, problem: str | None, since: float) -> None:
+        assert since <= time.monotonic()
         with self.cond:
+            self.since[rank] = since
             self.seen.append((time.monotonic(), rank, problem))
             self.cond.notify_all()
 
@@ -94,6 +97,8 @@ def test_a_silent_rank_is_reported_within_the_timeout_and_withdrawn_when_it_answ
     at, rank, problem = reports.wait(lambda e: e[2] is not None)
     assert rank == 1 and "did not answer a heartbeat" in problem, problem
     assert TIMEOUT - INTERVAL <= at - silent_from <= TIMEOUT + 1.5
+    # The fault's time as the engine will state it: within an interval of the silence.
+    assert abs(reports.since[1] - silent_from) <= INTERVAL + 0.3
     assert w.problems() == {1: problem} and w.answers()[1] is None
     time.sleep(4 * INTERVAL)
     assert [e for e in reports.seen if e[2]] == [(at, rank, problem)]  # reported once
@@ -161,6 +166,7 @@ def test_process_states_from_proc(watch):
         stopped = time.monotonic()
         at, _, problem = reports.wait(lambda e: e[2] is not None)
         assert problem == f"process {child.pid} is stopped (SIGSTOP?)"
+        assert stopped - INTERVAL - 0.3 <= reports.since[0] <= stopped
         assert at - stopped < 5 * INTERVAL + 0.3
         os.kill(child.pid, signal.SIGCONT)
         reports.wait(lambda e: e[2] is None)
@@ -187,4 +193,4 @@ def test_proc_reading():
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="VLLM_PP_HEARTBEAT_INTERVAL_S"):
-        StageWatch(1, lambda rank, problem: None, interval_s=1.0, timeout_s=0.5)
+        StageWatch(1, lambda rank, problem, since: None, interval_s=1.0, timeout_s=0.5)

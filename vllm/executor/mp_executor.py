@@ -194,7 +194,9 @@ class MultiprocessingExecutor(StageProcessExecutor):
             info.pid = self.procs[err.rank].pid
         name = f"{info.describe()} tp_rank {info.tp_rank}"
         failure = StageFailure(err.rank, name, err.problem)
-        return StageFailedError([failure], time.monotonic() - started, err.call_id)
+        # From the rank's last sign of life when the stage watch found it, else from the wait.
+        since = started if err.since is None else err.since
+        return StageFailedError([failure], time.monotonic() - since, err.call_id)
 
     @contextlib.contextmanager
     def _failures_named(self, timeout_problem: str) -> Iterator[None]:

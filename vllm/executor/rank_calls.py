@@ -42,13 +42,20 @@ class RankCallError(RuntimeError):
     """A rank reported an error for a call, or was lost (its process or connection gone)."""
 
     def __init__(
-        self, rank: int, problem: str, lost: bool = False, call_id: int | None = None
+        self,
+        rank: int,
+        problem: str,
+        lost: bool = False,
+        call_id: int | None = None,
+        since: float | None = None,
     ) -> None:
         self.rank = rank
         self.problem = problem
         self.lost = lost
         # The call the rank raised in (None for a lost rank or a missed deadline).
         self.call_id = call_id
+        # monotonic() of the rank's last sign of life, when the stage watch knows it.
+        self.since = since
         super().__init__(f"rank {rank}: {problem}")
 
 
@@ -116,8 +123,9 @@ class RankCalls:
         # rank -> call id -> (ok, value); filled by the reader thread.
         self._results: list[dict[int, tuple[bool, Any]]] = [{} for _ in range(world_size)]
         self._lost: dict[int, str] = {}
-        # rank -> what the stage watch sees wrong with it now (withdrawn if it clears).
-        self._suspect: dict[int, str] = {}
+        # rank -> what the stage watch sees wrong with it now (withdrawn if it clears), and
+        # since when (monotonic: its last sign of life).
+        self._suspect: dict[int, tuple[str, float]] = {}
         self._floor = 0
         self._closing = False
         # Wakes the reader when a connection is attached, so it watches the new one at once.
@@ -220,14 +228,15 @@ class RankCalls:
             if not self._recv_one(rank, conn):
                 return
 
-    def set_suspect(self, rank: int, problem: str | None) -> None:
-        """What the stage watch sees wrong with `rank` now (stopped, silent), or None when it
-        cleared: while set, every wait fails at once naming it and no call is sent to it."""
+    def set_suspect(self, rank: int, problem: str | None, since: float | None = None) -> None:
+        """What the stage watch sees wrong with `rank` now (stopped, silent; `since` its last
+        sign of life, monotonic), or None when it cleared: while set, every wait fails at once
+        naming it and no call is sent to it."""
         with self._cond:
             if problem is None:
                 self._suspect.pop(rank, None)
             else:
-                self._suspect[rank] = problem
+                self._suspect[rank] = (problem, time.monotonic() if since is None else since)
                 self._cond.notify_all()
 
     def _mark_lost(self, rank: int, proc: Any, problem: str) -> None:
@@ -269,7 +278,7 @@ class RankCalls:
     def _outbox(self, rank: int) -> _Outbox:
         """The sender queue of `rank`; RankCallError when the rank is lost or closed."""
         with self._cond:
-            lost = self._lost.get(rank) or self._suspect.get(rank)
+            lost = self._lost.get(rank) or self._suspect.get(rank, (None,))[0]
             outbox = self._outboxes[rank]
         if lost is not None:
             raise RankCallError(rank, lost, lost=True)
@@ -314,10 +323,13 @@ class RankCalls:
             for call_id, (ok, value) in results.items():
                 if not ok:
                     raise RankCallError(rank, f"raised {value}", call_id=call_id)
-        for gone in (self._lost, self._suspect):
-            if gone:
-                rank = min(gone)
-                raise RankCallError(rank, gone[rank], lost=True)
+        if self._lost:
+            rank = min(self._lost)
+            raise RankCallError(rank, self._lost[rank], lost=True)
+        if self._suspect:
+            rank = min(self._suspect)
+            problem, since = self._suspect[rank]
+            raise RankCallError(rank, problem, lost=True, since=since)
 
     def drop_through(self, call_id: int) -> None:
         """Drop the successful results of calls up to `call_id` (the other ranks' part of a

@@ -45,7 +45,10 @@ class StageFailedError(RuntimeError):
     """One or more pipeline stages died, froze or raised while running a step.
 
     `failures` names each stage (rank, layers, node, pid) and what was seen; `__cause__` is the
-    underlying error when there is one (Ray's ActorDiedError, a gloo error, a timeout)."""
+    underlying error when there is one (Ray's ActorDiedError, a gloo error, a timeout).
+    `detected_after_s`: from the stage's last sign of life (a heartbeat answered, a process
+    check that found it well) to now when the stage watch found it; else the failed wait's
+    length."""
 
     def __init__(
         self,

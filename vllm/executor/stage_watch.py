@@ -13,7 +13,9 @@ so a stage is found as soon as it goes wrong, not when a step's wait gives up:
   held up never blames a rank for its own delay. The timeout applies to armed ranks only
   (after their set-up: importing torch or building a worker may hold a rank's GIL for long).
 
-What it finds goes to `on_change(rank, problem or None)` at once (the executor marks the rank
+What it finds goes to `on_change(rank, problem or None, since)` at once (`since`: the
+monotonic time of the rank's last sign of life, so the engine can say how long after the
+fault it knew; the executor marks the rank
 suspect in `RankCalls`, which fails the waits on it); a problem that clears (SIGCONT before
 any step ran into it) is withdrawn the same way. Every answer's round trip is kept, the
 figures behind the timeout's default (`stats`, `benchmarks/heartbeat_jitter.py`).
@@ -61,6 +63,8 @@ class _Rank:
     # Round trips while armed (what the timeout is measured against), kept sorted.
     rtts: list[float] = field(default_factory=list)
     reported: str | None = None
+    # monotonic() when the rank was last seen well: an answer, or a check that found nothing.
+    last_ok: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -80,7 +84,7 @@ class StageWatch:
     def __init__(
         self,
         world_size: int,
-        on_change: Callable[[int, str | None], None],
+        on_change: Callable[[int, str | None, float], None],
         interval_s: float | None = None,
         timeout_s: float | None = None,
     ) -> None:
@@ -261,10 +265,15 @@ class StageWatch:
                 if entry is None:
                     continue
                 problem = self._problem(entry, now)
+                if problem is None:
+                    entry.last_ok = now
+                elif problem.startswith(_SILENT):
+                    # Silent since its oldest unanswered probe (answers would have come).
+                    entry.last_ok = min(entry.last_ok, entry.pending[0][1])
                 if problem != entry.reported:
                     entry.reported = problem
                     # Under the lock: a rank detached meanwhile is never reported.
-                    self._on_change(rank, problem)
+                    self._on_change(rank, problem, entry.last_ok)
                 if probe:
                     self._probe(entry, now)
 
