@@ -151,7 +151,7 @@ def test_a_frozen_stage_is_found_within_two_seconds_of_a_long_step(engine, tmp_p
     expected = "is stopped" if seen_by == "proc" else "did not answer a heartbeat"
     assert f"pid {pid}" in events[0].message and expected in events[0].message
     assert found_after < TARGET_S
-    # The engine's own figure (from the stage's last sign of life) says as much.
+    # The engine's own figure (from the start of the trouble, as its watch saw it) agrees.
     assert 0 < events[0].detected_after_s < TARGET_S
     assert events[0].recovery_s is not None
     assert token_ids(outputs) == reference

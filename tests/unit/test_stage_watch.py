@@ -32,7 +32,7 @@ class Reports:
 
     def __init__(self) -> None:
         self.seen: list[tuple[float, int, str | None]] = []
-        self.since: dict[int, float] = {}  # rank -> its last sign of life, as last reported
+        self.since: dict[int, float] = {}  # rank -> when its trouble began, as last reported
         self.cond = threading.Condition()
 
     def __call__(self, rank: int, problem: str | None, since: float) -> None:

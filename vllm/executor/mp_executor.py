@@ -194,7 +194,7 @@ class MultiprocessingExecutor(StageProcessExecutor):
             info.pid = self.procs[err.rank].pid
         name = f"{info.describe()} tp_rank {info.tp_rank}"
         failure = StageFailure(err.rank, name, err.problem)
-        # From the rank's last sign of life when the stage watch found it, else from the wait.
+        # From the start of the rank's trouble when the stage watch found it, else the wait.
         since = started if err.since is None else err.since
         return StageFailedError([failure], time.monotonic() - since, err.call_id)
 

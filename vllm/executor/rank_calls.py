@@ -54,7 +54,7 @@ class RankCallError(RuntimeError):
         self.lost = lost
         # The call the rank raised in (None for a lost rank or a missed deadline).
         self.call_id = call_id
-        # monotonic() of the rank's last sign of life, when the stage watch knows it.
+        # monotonic() when the rank's trouble began, when the stage watch found it.
         self.since = since
         super().__init__(f"rank {rank}: {problem}")
 
@@ -124,7 +124,7 @@ class RankCalls:
         self._results: list[dict[int, tuple[bool, Any]]] = [{} for _ in range(world_size)]
         self._lost: dict[int, str] = {}
         # rank -> what the stage watch sees wrong with it now (withdrawn if it clears), and
-        # since when (monotonic: its last sign of life).
+        # since when (monotonic).
         self._suspect: dict[int, tuple[str, float]] = {}
         self._floor = 0
         self._closing = False
@@ -229,9 +229,9 @@ class RankCalls:
                 return
 
     def set_suspect(self, rank: int, problem: str | None, since: float | None = None) -> None:
-        """What the stage watch sees wrong with `rank` now (stopped, silent; `since` its last
-        sign of life, monotonic), or None when it cleared: while set, every wait fails at once
-        naming it and no call is sent to it."""
+        """What the stage watch sees wrong with `rank` now (stopped, silent; `since` when that
+        began, monotonic), or None when it cleared: while set, every wait fails at once naming
+        it and no call is sent to it."""
         with self._cond:
             if problem is None:
                 self._suspect.pop(rank, None)

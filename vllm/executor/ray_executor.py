@@ -189,7 +189,7 @@ class RayExecutor(StageProcessExecutor):
         except RankCallTimeout:
             raise self._stage_failure(None, time.monotonic() - started, timeout_problem) from None
         except RankCallError as err:
-            # From the rank's last sign of life when the stage watch found it, else the wait.
+            # From the start of the rank's trouble when the stage watch found it, else the wait.
             since = started if err.since is None else err.since
             raise self._stage_failure(err, time.monotonic() - since, None, err.rank) from None
 

@@ -46,9 +46,9 @@ class StageFailedError(RuntimeError):
 
     `failures` names each stage (rank, layers, node, pid) and what was seen; `__cause__` is the
     underlying error when there is one (Ray's ActorDiedError, a gloo error, a timeout).
-    `detected_after_s`: from the stage's last sign of life (a heartbeat answered, a process
-    check that found it well) to now when the stage watch found it; else the failed wait's
-    length."""
+    `detected_after_s`: when the stage watch found it, from the start of the trouble as far
+    as the watch can tell (the last process check that found it well, or the first heartbeat
+    it left unanswered: within an interval of the fault); else the failed wait's length."""
 
     def __init__(
         self,

@@ -13,9 +13,10 @@ so a stage is found as soon as it goes wrong, not when a step's wait gives up:
   held up never blames a rank for its own delay. The timeout applies to armed ranks only
   (after their set-up: importing torch or building a worker may hold a rank's GIL for long).
 
-What it finds goes to `on_change(rank, problem or None, since)` at once (`since`: the
-monotonic time of the rank's last sign of life, so the engine can say how long after the
-fault it knew; the executor marks the rank
+What it finds goes to `on_change(rank, problem or None, since)` at once (`since`, monotonic:
+when the trouble began as far as the watch can tell -- the last check that found the process
+well, or the first probe left unanswered -- so the engine can say how long after the fault it
+knew, within an interval; the executor marks the rank
 suspect in `RankCalls`, which fails the waits on it); a problem that clears (SIGCONT before
 any step ran into it) is withdrawn the same way. Every answer's round trip is kept, the
 figures behind the timeout's default (`stats`, `benchmarks/heartbeat_jitter.py`).
@@ -63,7 +64,8 @@ class _Rank:
     # Round trips while armed (what the timeout is measured against), kept sorted.
     rtts: list[float] = field(default_factory=list)
     reported: str | None = None
-    # monotonic() when the rank was last seen well: an answer, or a check that found nothing.
+    # monotonic() when the rank was last seen well (a check that found nothing wrong), or
+    # once silent, when its first unanswered probe went out.
     last_ok: float = field(default_factory=time.monotonic)
 
 
