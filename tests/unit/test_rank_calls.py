@@ -99,13 +99,31 @@ def test_a_lost_rank_fails_waits_at_once(two_ranks):
     assert info.value.lost
 
 
-def test_deadline_and_slices(two_ranks):
+def test_deadline(two_ranks):
     calls, _ = two_ranks
     call_id = calls.submit({0: ("sleep", (3.0,), {})})
-    slices = []
+    started = time.monotonic()
     with pytest.raises(RankCallTimeout, match="missed the 1 s deadline"):
-        calls.wait_for(0, call_id, 1.0, on_slice=lambda: slices.append(time.monotonic()))
-    assert len(slices) >= 2  # called between waits of at most half a second
+        calls.wait_for(0, call_id, 1.0)
+    assert 0.9 < time.monotonic() - started < 2.5
+
+
+def test_a_suspect_rank_fails_waits_at_once_until_it_clears(two_ranks):
+    """What the stage watch reports (a stopped process, a silent heartbeat) fails the wait on
+    any rank at once and refuses calls to the rank; withdrawn, calls go on."""
+    calls, _ = two_ranks
+    slow = calls.submit({1: ("sleep", (5.0,), {})})
+    threading.Timer(0.3, calls.set_suspect, (0, "process 7 is stopped (SIGSTOP?)")).start()
+    started = time.monotonic()
+    with pytest.raises(RankCallError, match="process 7 is stopped") as info:
+        calls.wait_for(1, slow, 30.0)
+    assert info.value.rank == 0 and info.value.lost
+    assert time.monotonic() - started < 2.0
+    with pytest.raises(RankCallError, match="stopped"):
+        calls.submit({0: ("step", (1,), {})})
+    calls.set_suspect(0, None)
+    calls.forget()
+    assert calls.wait_for(0, calls.broadcast("step", [0], "on"), 10.0) == "on"
 
 
 def test_a_busy_rank_never_blocks_the_engine_on_a_send(two_ranks):

@@ -21,13 +21,13 @@ def _infos(n: int = 3) -> list[StageInfo]:
 
 def test_a_silent_stage_is_named_and_the_ones_waiting_on_it_are_not():
     answers = {0: PingAnswer(busy_s=9.0), 1: None, 2: PingAnswer(busy_s=9.0)}
-    problems = diagnose(_infos(), answers, waited_s=5.0, ping_timeout=3.0)
-    assert problems == {1: "did not answer a health check within 3 s (frozen?)"}
+    problems = diagnose(_infos(), answers, waited_s=5.0, heartbeat_timeout=3.0)
+    assert problems == {1: "did not answer a heartbeat within 3 s (frozen?)"}
 
 
 def test_a_dead_actor_is_named():
-    answers = {0: PingAnswer(), 1: PingAnswer(died="ActorDiedError"), 2: PingAnswer()}
-    assert diagnose(_infos(), answers, 1.0, 3.0) == {1: "actor died (ActorDiedError)"}
+    answers = {0: PingAnswer(), 1: PingAnswer(died="connection closed"), 2: PingAnswer()}
+    assert diagnose(_infos(), answers, 1.0, 3.0) == {1: "died (connection closed)"}
 
 
 def test_stuck_stages_only_when_nothing_is_dead_and_asked_for():

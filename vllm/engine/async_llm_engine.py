@@ -26,6 +26,7 @@ from typing import Any
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.engine.request_tracker import RequestTracker
+from vllm.executor.stage_supervisor import EngineDeadError, EngineHealth
 from vllm.inputs import PromptInputs, parse_prompt
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
@@ -190,8 +191,22 @@ class AsyncLLMEngine:
             raise self.dead_error
         if self._thread is None or not self._thread.is_alive():
             raise AsyncEngineDeadError("Background loop is not running.")
-        # A few psutil reads of this node's rank processes: no need to leave the event loop.
+        # A few /proc reads of this node's rank processes: no need to leave the event loop.
         self.engine.executor.check_health()
+
+    async def health(self) -> EngineHealth:
+        """What `/health` reports: healthy, or degraded while a failed stage is being
+        replaced (see LLMEngine.health). Raises AsyncEngineDeadError if the background loop
+        has died (or the engine is dead), StageFailedError if a failed stage cannot be
+        replaced."""
+        if self.errored:
+            raise self.dead_error
+        if self._thread is None or not self._thread.is_alive():
+            raise AsyncEngineDeadError("Background loop is not running.")
+        try:
+            return self.engine.health()
+        except EngineDeadError as exc:
+            raise AsyncEngineDeadError(str(exc)) from exc
 
     async def get_model_config(self) -> Any:
         return self.engine.model_config

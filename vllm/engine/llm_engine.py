@@ -33,7 +33,12 @@ from vllm.engine.batch_queue import BatchQueue
 from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.request_validation import check_sendable, validate_request
-from vllm.executor.stage_supervisor import EngineDeadError, FaultEvent, StageFailedError
+from vllm.executor.stage_supervisor import (
+    EngineDeadError,
+    EngineHealth,
+    FaultEvent,
+    StageFailedError,
+)
 from vllm.logger import init_logger
 from vllm.lora.registry import LoRARegistry
 from vllm.lora.request import LoRARequest
@@ -119,6 +124,8 @@ class LLMEngine:
         self.fault_events: list[FaultEvent] = []
         # When each counted stage replacement happened (time.monotonic()), for the rate limit.
         self._restart_times: list[float] = []
+        # The failure whose stages are being replaced right now (read by `health`).
+        self._recovering: StageFailedError | None = None
         # Requests that failed inside a stage (or could not be sent): their errors, until the
         # caller takes them.
         self._request_errors: dict[str, RequestFailedError] = {}
@@ -356,6 +363,34 @@ class LLMEngine:
         self._check_alive()
         self.executor.check_health()
 
+    def health(self) -> EngineHealth:
+        """What `/health` reports of this engine: healthy, or degraded while failed stages are
+        being replaced -- or found failed (a process stopped or gone, a heartbeat silent)
+        with a replacement still allowed, which the next step makes. Raises EngineDeadError
+        when the engine is dead, StageFailedError when a failed stage cannot be replaced.
+        Safe to call from another thread while the engine steps."""
+        self._check_alive()
+        recovering = self._recovering
+        if recovering is not None:
+            return EngineHealth(
+                "degraded", f"replacing failed stage(s): {recovering}", recovering.ranks
+            )
+        try:
+            self.executor.check_health()
+        except StageFailedError as error:
+            if not _can_replace_stages(self.executor) or self._restarts_in_window() >= (
+                self.parallel_config.max_stage_restarts
+            ):
+                raise
+            return EngineHealth("degraded", f"{error} (the next step replaces it)", error.ranks)
+        return EngineHealth()
+
+    def _restarts_in_window(self) -> int:
+        """Stage replacements counted against max_stage_restarts now (the budget is a rate)."""
+        window = envs.get_float("VLLM_STAGE_RESTART_WINDOW_S")
+        now = time.monotonic()
+        return sum(1 for t in self._restart_times if now - t < window)
+
     def get_stage_infos(self) -> list[StageInfo]:
         """Where each rank runs and what it holds (stage, layers, node, pid, threads,
         parameters), in rank order."""
@@ -485,6 +520,13 @@ class LLMEngine:
     def _recover(self, error: StageFailedError) -> list[RequestOutput]:
         """Replace the failed stages and recompute every request; or, when restarts are used
         up or replacing fails, abort everything, release the workers and raise."""
+        self._recovering = error
+        try:
+            return self._replace_and_requeue(error)
+        finally:
+            self._recovering = None
+
+    def _replace_and_requeue(self, error: StageFailedError) -> list[RequestOutput]:
         event = FaultEvent(error.ranks, str(error), error.detected_after_s)
         event.signature = error.raised_signature
         event.step_request_ids = self.batch_queue.request_ids_of_call(error.call_id)

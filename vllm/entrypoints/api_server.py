@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.async_llm_engine import AsyncLLMEngine
+from vllm.entrypoints.health import health_response
 from vllm.entrypoints.openai.serving_engine import ClientDisconnected, until_disconnected
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
@@ -43,10 +44,10 @@ def _uuid() -> str:
 
 @app.get("/health")
 async def health() -> Response:
-    """200 while the engine's loop runs."""
-    if engine is not None:
-        await engine.check_health()
-    return Response(status_code=200)
+    """200 while the engine serves (a JSON body when degraded), 503 once it is dead."""
+    if engine is None:
+        return Response(status_code=200)
+    return await health_response(engine)
 
 
 def _bad_request(message: str) -> JSONResponse:

@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
-import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any, Callable, Literal, overload
+from typing import Any, Literal, overload
 
 from vllm.config import EngineConfig
 from vllm.distributed.net_utils import get_file_init_method
-from vllm.executor.rank_calls import Calls, RankCallError, RankCalls
+from vllm.executor.rank_calls import Calls, RankCalls
 from vllm.executor.stage_supervisor import StageFailedError, StageFailure, local_process_problem
+from vllm.executor.stage_watch import HeartbeatStats, StageWatch
 from vllm.executor.step_future import StepFuture
 from vllm.sequence import SamplerOutput
 from vllm.step_delta import ExecuteModelRequest
 from vllm.worker.stage_report import StageInfo, StageStats
-
-# How often a step's wait checks the stage processes on this node (seconds).
-_LOCAL_CHECK_INTERVAL_S = 0.25
 
 logger = logging.getLogger("vllm.executor")
 
@@ -178,7 +177,12 @@ class ExecutorBase(ABC):
 
     def check_health(self) -> None:  # noqa: B027  (optional hook: nothing to check in-process)
         """Raise StageFailedError when a stage is known to be unable to run a step (its
-        process dead or stopped), between steps as well as during them."""
+        process dead or stopped, its heartbeat silent), between steps as well as during
+        them."""
+
+    def heartbeat_stats(self) -> list[HeartbeatStats]:
+        """Each rank's heartbeat round trips while serving (none in-process)."""
+        return []
 
     def discard_steps(self) -> None:  # noqa: B027  (optional hook: nothing to do in-process)
         """Forget the outputs of every submitted step (the engine will not collect them)."""
@@ -198,12 +202,15 @@ class StageProcessExecutor(ExecutorBase):
     are reached through one connection each (`self.calls`, `vllm.executor.rank_calls`).
 
     A step goes to every rank without waiting; `get_output` waits for the last stage's
-    output and fails as soon as any rank reports an error or is lost. Subclasses start the
-    processes, attach their connections, say how a failure is named (`_failures_named`) and
-    how long a set-up call may take (`_call_timeout_s`)."""
+    output and fails as soon as any rank reports an error or is lost, or the stage watch
+    (`self.watch`, `vllm.executor.stage_watch`: heartbeats and this node's processes, on a
+    thread of its own) finds one stopped, gone or silent. Subclasses start the processes,
+    attach their connections (calls and heartbeat), say how a failure is named
+    (`_failures_named`) and how long a set-up call may take (`_call_timeout_s`)."""
 
     _stages_in_own_processes = True
     calls: RankCalls
+    watch: StageWatch
     # The private directory of the FileStore rendezvous (ranks on one node), made on first use.
     _rendezvous_dir: str | None = None
     _rendezvous_count = 0
@@ -217,20 +224,47 @@ class StageProcessExecutor(ExecutorBase):
     def _call_timeout_s(self) -> float:
         """How long a set-up or stats call may take (0: no limit)."""
 
-    def _step_watch(self) -> Callable[[], None] | None:
-        """What to run between the slices of a step's wait: every rank process on this node
-        is checked (dead, or stopped by SIGSTOP), so a frozen stage is found within a second
-        whatever the step's length (Ray adds its pings, for stages on other nodes)."""
-        last_check = 0.0
+    def _start_calls(self, world_size: int) -> None:
+        """The calls to the ranks, and the watch that marks a failed rank suspect in them."""
+        self.calls = RankCalls(world_size)
+        self.watch = StageWatch(world_size, self.calls.set_suspect)
 
-        def on_slice() -> None:
-            nonlocal last_check
-            now = time.monotonic()
-            if now - last_check >= _LOCAL_CHECK_INTERVAL_S:
-                last_check = now
-                self._check_local_processes()
+    def heartbeat_stats(self) -> list[HeartbeatStats]:
+        """Each rank's heartbeat round trips while the timeout applied (p50, p99, max)."""
+        return self.watch.stats()
 
-        return on_slice
+    def _log_stages_and_init_cache(self) -> None:
+        super()._log_stages_and_init_cache()
+        # Set-up is over (torch imported, workers built): heartbeat silences count from now.
+        self.watch.arm()
+
+    @contextlib.contextmanager
+    def _heartbeat_timeout_lifted(self) -> Iterator[None]:
+        """For calls that may hold a rank's GIL for long outside any step (the profiler
+        starting, or writing its trace): no heartbeat timeout meanwhile. Dead or stopped
+        processes are still found at once."""
+        self.watch.arm(armed=False)
+        try:
+            yield
+        finally:
+            self.watch.arm()
+
+    def start_profile(self, trace_dir: str) -> None:
+        with self._heartbeat_timeout_lifted():
+            super().start_profile(trace_dir)
+
+    def stop_profile(self) -> list[str]:
+        with self._heartbeat_timeout_lifted():
+            return super().stop_profile()
+
+    def _close_calls(self) -> None:
+        """Stop watching (first: the ranks are about to go) and close the connections."""
+        watch: StageWatch | None = getattr(self, "watch", None)
+        if watch is not None:
+            watch.close()
+        calls: RankCalls | None = getattr(self, "calls", None)
+        if calls is not None:
+            calls.close()
 
     def _local_init_method(self) -> str:
         """A rendezvous for ranks that all run on this node: a new FileStore file in a
@@ -257,24 +291,18 @@ class StageProcessExecutor(ExecutorBase):
         for rank, info in zip(ranks, infos):
             self.stage_infos[rank].update_from(info)
             logger.info("Replaced %s", self.stage_infos[rank].describe())
+        self.watch.arm()  # the replacement is over (see replace_stages)
 
     def check_health(self) -> None:
-        """Every rank process on this node: a dead or stopped one fails the check at once,
-        naming its stage (`/health` reports it even while the engine is idle; ranks on other
-        nodes are left to the step's heartbeats)."""
+        """Every rank process on this node read now, and what the stage watch found (a
+        silent heartbeat, anywhere): a failed rank fails the check at once, naming its stage
+        (`/health` reports it even while the engine is idle)."""
+        problems = self.watch.problems()
         for rank, info in enumerate(self.stage_infos):
-            problem = local_process_problem(info.pid, info.host)
+            problem = local_process_problem(info.pid, info.host) or problems.get(rank)
             if problem is not None:
                 name = f"{info.describe()} tp_rank {info.tp_rank}"
                 raise StageFailedError([StageFailure(rank, name, problem)], 0.0)
-
-    def _check_local_processes(self) -> None:
-        """RankCallError (lost) for the first rank whose process on this node is gone or
-        stopped; ranks on other nodes are left to their heartbeats."""
-        for rank, info in enumerate(self.stage_infos):
-            problem = local_process_problem(info.pid, info.host)
-            if problem is not None:
-                raise RankCallError(rank, problem, lost=True)
 
     def _submit(self, calls: Calls) -> int:
         with self._failures_named("could not take a call"):
@@ -311,7 +339,7 @@ class StageProcessExecutor(ExecutorBase):
         # Any rank's error or loss fails this wait: a failed earlier stage would otherwise
         # leave the last one waiting forever.
         with self._failures_named(f"missed the {deadline_s:.0f} s step deadline"):
-            output = self.calls.wait_for(self.output_rank, call_id, deadline_s, self._step_watch())
+            output = self.calls.wait_for(self.output_rank, call_id, deadline_s)
         # The other ranks' part of this step, and outputs of discarded earlier steps (an
         # error among them was raised above).
         self.calls.drop_through(call_id)

@@ -1,7 +1,8 @@
 """Multiprocessing executor: one local process per rank, no Ray (vLLM's `mp` backend).
 
 Each rank is a `spawn`-ed process running `_rank_main`: it reads calls from its end of a pipe,
-runs them on its Worker and writes the results back, in order. The engine's side sends a step
+runs them on its Worker and writes the results back, in order; a thread of its own answers the
+engine's heartbeats on a second pipe (`vllm.executor.stage_watch`). The engine's side sends a step
 to every rank without waiting (the pipes keep the order, like Ray's per-actor call order), so
 several micro-batches can be inside the pipeline at once. The calls and their results go
 through `rank_calls` (shared with the Ray backend): `get_output` fails at once when any rank
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import socket
 import sys
 import threading
 import time
@@ -28,10 +30,10 @@ from typing import Any, Iterator
 
 from vllm import envs
 from vllm.executor.base import StageProcessExecutor
-from vllm.executor.rank_calls import Calls, RankCallError, RankCalls
+from vllm.executor.rank_calls import Calls, RankCallError
 from vllm.executor.stage_supervisor import StageFailedError, StageFailure
 from vllm.logger import init_logger
-from vllm.worker.rank_server import WorkerHost, serve_calls
+from vllm.worker.rank_server import WorkerHost, serve_calls, start_heartbeat_thread
 from vllm.worker.stage_report import StageInfo
 
 logger = init_logger("vllm.executor.mp_executor")
@@ -63,10 +65,13 @@ def _main_module_hidden() -> Iterator[None]:
             main.__dict__.update(saved)
 
 
-def _rank_main(conn: Connection, rank: int, num_threads: int) -> None:
-    """Body of one rank's process: serve calls from the engine until told to stop."""
+def _rank_main(conn: Connection, heartbeat: Connection, rank: int, num_threads: int) -> None:
+    """Body of one rank's process: answer heartbeats (on a thread, from the start) and serve
+    calls from the engine until told to stop."""
     import signal
 
+    host = WorkerHost()
+    start_heartbeat_thread(heartbeat, host.busy_s)
     os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
     # One node: the rank is the local rank, i.e. this process's GPU (cuda:rank) on CUDA.
     os.environ["LOCAL_RANK"] = str(rank)
@@ -85,7 +90,7 @@ def _rank_main(conn: Connection, rank: int, num_threads: int) -> None:
     from vllm.logger import configure_logging
 
     configure_logging()
-    serve_calls(conn, WorkerHost())
+    serve_calls(conn, host)
 
 
 class MultiprocessingExecutor(StageProcessExecutor):
@@ -103,7 +108,7 @@ class MultiprocessingExecutor(StageProcessExecutor):
         tp = pc.tensor_parallel_size
         # Replaced by the ranks' own get_stage_info once they are up (ExecutorBase).
         self.stage_infos = [StageInfo(r, r // tp, r % tp) for r in range(world)]
-        self.calls = RankCalls(world)
+        self._start_calls(world)
         self._threads = threads
         self.procs: list[Any] = [None] * world
         for rank in range(world):
@@ -116,19 +121,22 @@ class MultiprocessingExecutor(StageProcessExecutor):
         self._run_workers("load_model")
 
     def _spawn(self, rank: int) -> None:
-        """Start `rank`'s process and attach its pipe to the calls."""
+        """Start `rank`'s process and attach its pipes to the calls and the watch."""
         ctx = multiprocessing.get_context("spawn")
         parent_end, child_end = ctx.Pipe(duplex=True)
+        beat_parent, beat_child = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=_rank_main,
-            args=(child_end, rank, self._threads),
+            args=(child_end, beat_child, rank, self._threads),
             name=f"vllm-rank-{rank}",
             daemon=True,  # terminated by multiprocessing's exit hook if we never shut down
         )
         with _main_module_hidden():
             proc.start()
         child_end.close()
+        beat_child.close()
         self.calls.attach(rank, parent_end, process=proc)
+        self.watch.attach(rank, beat_parent, proc.pid, socket.gethostname())
         self.procs[rank] = proc
         self.stage_infos[rank].pid = proc.pid
         logger.info("Rank %d: local process (pid %d)", rank, proc.pid)
@@ -151,8 +159,12 @@ class MultiprocessingExecutor(StageProcessExecutor):
         requests, so no KV from before the failure is read."""
         started = time.monotonic()
         budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
+        # Re-forming the groups is set-up: heartbeat silences count again once it is over
+        # (dead or stopped processes are still found at once).
+        self.watch.arm(armed=False)
         for rank in ranks:
             proc = self.procs[rank]
+            self.watch.detach(rank)
             self.calls.detach(rank)
             if proc is not None and proc.is_alive():
                 proc.kill()  # a frozen (SIGSTOPped) process ignores anything milder
@@ -182,7 +194,9 @@ class MultiprocessingExecutor(StageProcessExecutor):
             info.pid = self.procs[err.rank].pid
         name = f"{info.describe()} tp_rank {info.tp_rank}"
         failure = StageFailure(err.rank, name, err.problem)
-        return StageFailedError([failure], time.monotonic() - started, err.call_id)
+        # From the start of the rank's trouble when the stage watch found it, else the wait.
+        since = started if err.since is None else err.since
+        return StageFailedError([failure], time.monotonic() - since, err.call_id)
 
     @contextlib.contextmanager
     def _failures_named(self, timeout_problem: str) -> Iterator[None]:
@@ -213,7 +227,7 @@ class MultiprocessingExecutor(StageProcessExecutor):
                 if err.rank in live and not err.lost:
                     logger.warning("rank %d did not shut down cleanly: %s", err.rank, err.problem)
         # A rank leaves when its connection closes.
-        self.calls.close()
+        self._close_calls()
         self._remove_rendezvous_dir()
         for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))

@@ -3,12 +3,13 @@ the engine's end (the rank's end is `vllm.worker.rank_server`).
 
 Both backends use it: the `mp` backend over the pipe to each spawned process, Ray over a TCP
 connection the engine opens to each stage actor once it has started (Ray itself then only
-places, starts, pings and kills the actors). A call is `(call id, method, args)` one way and
+places, starts and kills the actors). A call is `(call id, method, args)` one way and
 `(call id, ok, result or error text)` back; a rank runs its calls one at a time, in the order
 sent (`serve_calls`). The engine's end (`RankCalls`) sends without waiting, so several
 micro-batches are inside the pipeline at once, and one reader thread drains every rank's
 results as they come; `wait_for` waits for one call and fails at once when any rank reported
-an error or was lost.
+an error, was lost, or is suspect (the stage watch found its process stopped or its heartbeat
+silent: `set_suspect`).
 
 Why a connection and not one Ray actor call per step: Ray's task path costs each stage
 milliseconds between two steps on a busy machine, a pipe or socket a fraction of that
@@ -41,13 +42,20 @@ class RankCallError(RuntimeError):
     """A rank reported an error for a call, or was lost (its process or connection gone)."""
 
     def __init__(
-        self, rank: int, problem: str, lost: bool = False, call_id: int | None = None
+        self,
+        rank: int,
+        problem: str,
+        lost: bool = False,
+        call_id: int | None = None,
+        since: float | None = None,
     ) -> None:
         self.rank = rank
         self.problem = problem
         self.lost = lost
         # The call the rank raised in (None for a lost rank or a missed deadline).
         self.call_id = call_id
+        # monotonic() when the rank's trouble began, when the stage watch found it.
+        self.since = since
         super().__init__(f"rank {rank}: {problem}")
 
 
@@ -115,6 +123,9 @@ class RankCalls:
         # rank -> call id -> (ok, value); filled by the reader thread.
         self._results: list[dict[int, tuple[bool, Any]]] = [{} for _ in range(world_size)]
         self._lost: dict[int, str] = {}
+        # rank -> what the stage watch sees wrong with it now (withdrawn if it clears), and
+        # since when (monotonic).
+        self._suspect: dict[int, tuple[str, float]] = {}
         self._floor = 0
         self._closing = False
         # Wakes the reader when a connection is attached, so it watches the new one at once.
@@ -145,6 +156,7 @@ class RankCalls:
             self._procs[rank] = process
             self._results[rank].clear()
             self._lost.pop(rank, None)
+            self._suspect.pop(rank, None)
         if old_outbox is not None:
             old_outbox.stop()
         if old is not None:
@@ -216,6 +228,17 @@ class RankCalls:
             if not self._recv_one(rank, conn):
                 return
 
+    def set_suspect(self, rank: int, problem: str | None, since: float | None = None) -> None:
+        """What the stage watch sees wrong with `rank` now (stopped, silent; `since` when that
+        began, monotonic), or None when it cleared: while set, every wait fails at once naming
+        it and no call is sent to it."""
+        with self._cond:
+            if problem is None:
+                self._suspect.pop(rank, None)
+            else:
+                self._suspect[rank] = (problem, time.monotonic() if since is None else since)
+                self._cond.notify_all()
+
     def _mark_lost(self, rank: int, proc: Any, problem: str) -> None:
         with self._cond:
             if self._procs[rank] is proc:
@@ -255,7 +278,7 @@ class RankCalls:
     def _outbox(self, rank: int) -> _Outbox:
         """The sender queue of `rank`; RankCallError when the rank is lost or closed."""
         with self._cond:
-            lost = self._lost.get(rank)
+            lost = self._lost.get(rank) or self._suspect.get(rank, (None,))[0]
             outbox = self._outboxes[rank]
         if lost is not None:
             raise RankCallError(rank, lost, lost=True)
@@ -269,16 +292,9 @@ class RankCalls:
                 self._lost[rank] = problem
                 self._cond.notify_all()
 
-    def wait_for(
-        self,
-        rank: int,
-        call_id: int,
-        timeout: float,
-        on_slice: Callable[[], None] | None = None,
-    ) -> Any:
-        """One call's result. Fails at once when any rank reported an error or was lost, and
-        after `timeout` seconds (0: never). `on_slice` runs between waits of at most half a
-        second (the Ray executor pings its stages there during a long step)."""
+    def wait_for(self, rank: int, call_id: int, timeout: float) -> Any:
+        """One call's result. Fails at once when any rank reported an error, was lost or is
+        suspect, and after `timeout` seconds (0: never)."""
         deadline = time.monotonic() + timeout if timeout > 0 else None
         while True:
             with self._cond:
@@ -290,10 +306,7 @@ class RankCalls:
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     raise RankCallTimeout(rank, f"missed the {timeout:.0f} s deadline")
-                slice_s = _POLL_S if deadline is None else min(_POLL_S, deadline - now)
-                self._cond.wait(slice_s)
-            if on_slice is not None:
-                on_slice()
+                self._cond.wait(_POLL_S if deadline is None else min(_POLL_S, deadline - now))
 
     def wait_all(self, ranks: list[int], call_id: int, timeout: float) -> list[Any]:
         deadline = time.monotonic() + timeout if timeout > 0 else None
@@ -304,8 +317,8 @@ class RankCalls:
         return out
 
     def _raise_failure(self) -> None:
-        """Raise for the first rank that reported an error, else the first lost (under the
-        lock)."""
+        """Raise for the first rank that reported an error, else the first lost, else the first
+        suspect (under the lock)."""
         for rank, results in enumerate(self._results):
             for call_id, (ok, value) in results.items():
                 if not ok:
@@ -313,6 +326,10 @@ class RankCalls:
         if self._lost:
             rank = min(self._lost)
             raise RankCallError(rank, self._lost[rank], lost=True)
+        if self._suspect:
+            rank = min(self._suspect)
+            problem, since = self._suspect[rank]
+            raise RankCallError(rank, problem, lost=True, since=since)
 
     def drop_through(self, call_id: int) -> None:
         """Drop the successful results of calls up to `call_id` (the other ranks' part of a

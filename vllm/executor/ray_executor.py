@@ -1,15 +1,18 @@
 """Ray executor: one actor per rank inside a placement group; the engine process is the driver.
 
-Ray places, starts, pings and kills the actors. The engine's calls to them (set-up, every
-step, stats, shutdown) go over a TCP connection to each actor (`rank_calls`): a step is sent
+Ray places, starts and kills the actors. The engine's calls to them (set-up, every step,
+stats, shutdown) go over a TCP connection to each actor (`rank_calls`), and its heartbeats
+over another (`stage_watch`, answered by a thread of the actor's process): a step is sent
 to every stage without waiting, each stage runs its calls in order, and stages hand hidden
 states to each other over torch.distributed, so several submitted steps flow through the
 stages like a pipeline. (One Ray actor call per step costs each stage milliseconds between
 steps on a busy machine; the connection a fraction of that: docs/PERFORMANCE.md.)
 
-Every wait has a deadline. A stage that dies, freezes or raises is named (rank, layers, node,
-pid) in a StageFailedError; `replace_stages` then kills it, starts a new actor on the same
-placement-group bundle, loads its layers and re-forms the process groups with the survivors.
+Every wait has a deadline, and the stage watch fails it at once when a stage process is gone
+or stopped (on this node) or its heartbeat goes silent (anywhere). A stage that dies, freezes
+or raises is named (rank, layers, node, pid) in a StageFailedError; `replace_stages` then
+kills it, starts a new actor on the same placement-group bundle, loads its layers and
+re-forms the process groups with the survivors.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -27,13 +30,11 @@ from vllm.distributed.net_utils import get_distributed_init_method
 from vllm.executor.base import StageProcessExecutor
 from vllm.executor.rank_calls import (
     RankCallError,
-    RankCalls,
     RankCallTimeout,
     connect_to_rank,
 )
 from vllm.executor.ray_utils import (
     ACTOR_START_TIMEOUT_S,
-    HEALTH_GROUP,
     RayWorkerWrapper,
     caller_group_start_error,
     check_tp_groups_on_one_node,
@@ -42,13 +43,12 @@ from vllm.executor.ray_utils import (
     init_ray,
 )
 from vllm.executor.stage_supervisor import (
-    PingAnswer,
     StageFailedError,
     diagnose,
+    heartbeat_timeout_s,
     kill_local_process,
     local_problems,
     name_failures,
-    ping_timeout_s,
     wait_process_gone,
 )
 from vllm.logger import init_logger
@@ -58,8 +58,6 @@ logger = init_logger("vllm.executor.ray_executor")
 
 # Set-up calls (start, load, cache) get this long before the engine gives up on a stage.
 _SETUP_TIMEOUT_S = 600.0
-# A step that takes longer than this has its stages pinged (and pinged again each interval).
-HEARTBEAT_INTERVAL_S = 1.0
 
 
 def _threads_per_stage() -> int:
@@ -80,7 +78,7 @@ class RayExecutor(StageProcessExecutor):
         self.workers: list[Any] = [None] * world
         tp = self.parallel_config.tensor_parallel_size
         self.stage_infos = [StageInfo(r, r // tp, r % tp) for r in range(world)]
-        self.calls = RankCalls(world)
+        self._start_calls(world)
         # Proves to each actor that a connection to it comes from this engine.
         self._authkey = os.urandom(32)
         self._start_actors(range(world))
@@ -109,7 +107,6 @@ class RayExecutor(StageProcessExecutor):
         actor_cls = ray.remote(
             num_cpus=0 if self._use_gpu else 1,
             num_gpus=1 if self._use_gpu else 0,
-            concurrency_groups={HEALTH_GROUP: 1},
         )(RayWorkerWrapper)
         env = self._actor_env()
         ranks = list(ranks)
@@ -147,6 +144,12 @@ class RayExecutor(StageProcessExecutor):
         )
         for rank, address in zip(ranks, addresses):
             self.calls.attach(rank, connect_to_rank(tuple(address), self._authkey, timeout))
+        beats = self._wait_all(
+            [self.workers[r].open_heartbeat.remote(self._authkey) for r in ranks], timeout
+        )
+        for rank, (ip, port, pid, hostname) in zip(ranks, beats):
+            conn = connect_to_rank((ip, port), self._authkey, timeout)
+            self.watch.attach(rank, conn, pid, hostname)
 
     def _join(
         self, ranks: Iterable[int], survivors: list[int], timeout: float = _SETUP_TIMEOUT_S
@@ -186,7 +189,9 @@ class RayExecutor(StageProcessExecutor):
         except RankCallTimeout:
             raise self._stage_failure(None, time.monotonic() - started, timeout_problem) from None
         except RankCallError as err:
-            raise self._stage_failure(err, time.monotonic() - started, None, err.rank) from None
+            # From the start of the rank's trouble when the stage watch found it, else the wait.
+            since = started if err.since is None else err.since
+            raise self._stage_failure(err, time.monotonic() - since, None, err.rank) from None
 
     @staticmethod
     def _wait_all(refs: list[Any], timeout: float = _SETUP_TIMEOUT_S) -> list[Any]:
@@ -207,41 +212,6 @@ class RayExecutor(StageProcessExecutor):
 
     # -- steps -----------------------------------------------------------------------------
 
-    def _step_watch(self) -> Callable[[], None] | None:
-        """While a step is slow, every stage is pinged each interval: a frozen stage is found
-        in seconds, not at the step's deadline."""
-        started = time.monotonic()
-        heartbeat: tuple[list[Any], float] | None = None
-        next_beat = started + HEARTBEAT_INTERVAL_S
-        check_local = super()._step_watch()
-        assert check_local is not None
-
-        def on_slice() -> None:
-            nonlocal heartbeat, next_beat
-            check_local()  # stages on this node: dead or stopped, within a second
-            now = time.monotonic()
-            if now >= next_beat:
-                heartbeat = self._check_heartbeat(heartbeat, started)
-                next_beat = now + HEARTBEAT_INTERVAL_S
-
-        return on_slice
-
-    def _check_heartbeat(
-        self, heartbeat: tuple[list[Any], float] | None, started: float
-    ) -> tuple[list[Any], float] | None:
-        """Ping every stage (on its health thread) and fail when one has not answered within
-        VLLM_PP_HEARTBEAT_TIMEOUT_S: a frozen stage is found in seconds, not at the deadline."""
-        now = time.monotonic()
-        if heartbeat is None:
-            return [w.ping.remote() for w in self.workers], now
-        refs, sent = heartbeat
-        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        if len(answered) == len(refs):
-            return None  # all alive; ping again next round
-        if now - sent > ping_timeout_s():
-            raise self._stage_failure(None, now - started, "did not answer a heartbeat")
-        return heartbeat
-
     def _stage_failure(
         self,
         exc: RankCallError | None,
@@ -254,28 +224,12 @@ class RayExecutor(StageProcessExecutor):
         # A stage that raised is the cause; stages busy meanwhile (waiting on it) are not.
         include_stuck = exc is None or exc.lost
         problems = local_problems(self.stage_infos) or diagnose(
-            self.stage_infos, self._ping_all(), waited_s, ping_timeout_s(), include_stuck
+            self.stage_infos, self.watch.answers(), waited_s, heartbeat_timeout_s(), include_stuck
         )
         raised = None if exc is None else (raising_rank, exc.problem, exc.call_id)
         error = name_failures(self.stage_infos, problems, waited_s, raised, timeout_problem)
         logger.error("%s", error)
         return error
-
-    def _ping_all(self) -> dict[int, PingAnswer | None]:
-        """Every stage's health thread, asked at once and given the ping timeout."""
-        refs = {rank: w.ping.remote() for rank, w in enumerate(self.workers)}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=ping_timeout_s())
-        ready_set = set(ready)
-        answers: dict[int, PingAnswer | None] = {}
-        for rank, ref in refs.items():
-            if ref not in ready_set:
-                answers[rank] = None
-                continue
-            try:
-                answers[rank] = PingAnswer(busy_s=ray.get(ref)["busy_s"])
-            except Exception as exc:
-                answers[rank] = PingAnswer(died=type(exc).__name__)
-        return answers
 
     # -- recovery --------------------------------------------------------------------------
 
@@ -286,6 +240,9 @@ class RayExecutor(StageProcessExecutor):
         request is recomputed by the engine, so no KV from before the failure is read."""
         started = time.monotonic()
         budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
+        # Re-forming the groups is set-up: heartbeat silences count again once it is over
+        # (dead or stopped processes on this node are still found at once).
+        self.watch.arm(armed=False)
         self._kill_ranks(ranks)
         # The survivors still run (and fail) the steps sent before the failure, before they
         # rejoin: nobody wants those results or errors.
@@ -303,6 +260,7 @@ class RayExecutor(StageProcessExecutor):
         SIGKILL: Ray logs a SIGKILLed actor as one that "died unexpectedly"."""
         ranks = list(ranks)
         for rank in ranks:
+            self.watch.detach(rank)
             if self.workers[rank] is not None:
                 try:
                     ray.kill(self.workers[rank], no_restart=True)
@@ -332,9 +290,7 @@ class RayExecutor(StageProcessExecutor):
                 except RankCallError:  # a stuck or dead stage must not block the shutdown
                     logger.warning("a stage did not shut down cleanly; killing its actor")
             self._kill_ranks(alive, grace_s=2.0 if graceful else 0.0)
-        calls: RankCalls | None = getattr(self, "calls", None)
-        if calls is not None:
-            calls.close()
+        self._close_calls()
         self.workers = []
         self._remove_rendezvous_dir()
         if getattr(self, "placement_group", None) is not None and ray.is_initialized():

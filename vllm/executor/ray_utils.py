@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 from typing import Any
 
 import ray
@@ -20,18 +19,15 @@ _PLACEMENT_TIMEOUT_S = envs.get_float("VLLM_PP_PLACEMENT_TIMEOUT")
 ACTOR_START_TIMEOUT_S = envs.get_float("VLLM_PP_ACTOR_START_TIMEOUT")
 
 
-# Ray concurrency group whose thread answers health checks while a step runs.
-HEALTH_GROUP = "health"
-
-
 class RayWorkerWrapper:
     """The actor body: holds the rank's Worker (built by the first call) in the actor process.
 
-    Ray starts, places, pings and kills the actor; the engine's calls to the Worker -- set-up,
-    steps, stats, shutdown -- come over a connection of their own (`open_calls`,
-    `vllm.executor.rank_calls`), one at a time and in order, on a thread of their own. `ping`
-    runs on Ray's "health" concurrency group, so it answers while a step is running -- or is
-    stuck waiting on a neighbour -- and only a dead or frozen process leaves it unanswered."""
+    Ray starts, places and kills the actor; the engine's calls to the Worker -- set-up, steps,
+    stats, shutdown -- come over a connection of their own (`open_calls`,
+    `vllm.executor.rank_calls`), one at a time and in order, on a thread of their own. The
+    engine's heartbeats come over another (`open_heartbeat`), answered by a third thread, so
+    they are answered while a step runs -- or is stuck waiting on a neighbour -- and only a
+    dead or frozen process leaves them unanswered."""
 
     def __init__(self) -> None:
         from vllm.logger import configure_logging
@@ -59,12 +55,16 @@ class RayWorkerWrapper:
 
         return get_open_port()
 
-    @ray.method(concurrency_group=HEALTH_GROUP)
-    def ping(self) -> dict[str, Any]:
-        """Liveness: this process's pid and how long its current step has run (None if idle)."""
-        busy_since = getattr(self._host.worker, "busy_since", None)
-        busy_s = None if busy_since is None else time.perf_counter() - busy_since
-        return {"pid": os.getpid(), "busy_s": busy_s}
+    def open_heartbeat(self, authkey: bytes) -> tuple[str, int, int, str]:
+        """Listen for the engine's heartbeat connection: (ip, port, this process's pid, its
+        host name) -- the engine watches the process itself when it runs on its node."""
+        import socket
+
+        from vllm.worker.rank_server import listen_for_heartbeats
+
+        ip = self.get_node_ip()
+        port = listen_for_heartbeats(ip, authkey, self._host.busy_s)
+        return ip, port, os.getpid(), socket.gethostname()
 
     def gc_frozen_objects(self) -> int:
         """How many objects are frozen out of the cyclic GC in this actor (diagnostics)."""

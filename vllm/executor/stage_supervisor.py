@@ -1,12 +1,13 @@
-"""Stage liveness: the errors a failed stage raises, how a stage is named in them, and the
-diagnosis that tells a dead or frozen stage from one that is only waiting on its neighbour
-(`diagnose`, `name_failures`: the decisions; the executors only gather the facts -- pings on
-Ray, this node's processes everywhere).
+"""Stage liveness: the errors a failed stage raises, how a stage is named in them, the state
+of a stage process on this node (/proc), and the diagnosis that tells a dead or frozen stage
+from one that is only waiting on its neighbour (`diagnose`, `name_failures`: the decisions; the
+executors only gather the facts -- `stage_watch` keeps them: heartbeats answered by a thread of
+each rank process, and this node's processes read from /proc).
 
 A stage is a replaceable process: it holds weights (reloadable) and the KV cache of its layers
-(lost with it). The executor waits for every micro-batch against a deadline; when a wait fails
-or runs out it asks every stage to answer a ping on the actor's health thread (which answers
-even while a step is running) and checks the process itself where it runs on this node.
+(lost with it). The executor waits for every micro-batch against a deadline, and the stage
+watch fails the wait at once when a stage process is gone or stopped, or has left a heartbeat
+unanswered for VLLM_PP_HEARTBEAT_TIMEOUT_S (a step of any length keeps answering them).
 """
 
 from __future__ import annotations
@@ -21,9 +22,14 @@ from vllm import envs
 from vllm.worker.stage_report import StageInfo
 
 
-def ping_timeout_s() -> float:
-    """How long a stage may take to answer a ping before it counts as frozen (seconds)."""
+def heartbeat_timeout_s() -> float:
+    """How long a stage may leave a heartbeat unanswered before it counts as frozen (s)."""
     return envs.get_float("VLLM_PP_HEARTBEAT_TIMEOUT_S")
+
+
+def heartbeat_interval_s() -> float:
+    """How often the engine probes each stage's heartbeat thread and this node's processes."""
+    return envs.get_float("VLLM_PP_HEARTBEAT_INTERVAL_S")
 
 
 @dataclass
@@ -39,7 +45,10 @@ class StageFailedError(RuntimeError):
     """One or more pipeline stages died, froze or raised while running a step.
 
     `failures` names each stage (rank, layers, node, pid) and what was seen; `__cause__` is the
-    underlying error when there is one (Ray's ActorDiedError, a gloo error, a timeout)."""
+    underlying error when there is one (Ray's ActorDiedError, a gloo error, a timeout).
+    `detected_after_s`: when the stage watch found it, from the start of the trouble as far
+    as the watch can tell (the last process check that found it well, or the first heartbeat
+    it left unanswered: within an interval of the fault); else the failed wait's length."""
 
     def __init__(
         self,
@@ -75,6 +84,21 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
+class EngineHealth:
+    """What `/health` reports of a live engine: "healthy", or "degraded" while a failed stage
+    is being replaced (or was found failed and will be at the next step) -- requests are
+    accepted and finish once it is back. A dead engine raises instead (503)."""
+
+    status: str = "healthy"
+    message: str = ""
+    ranks: list[int] = field(default_factory=list)
+
+    @property
+    def degraded(self) -> bool:
+        return self.status == "degraded"
+
+
+@dataclass
 class FaultEvent:
     """One stage failure the engine survived (or not): for logs, masstest and tests."""
 
@@ -94,19 +118,58 @@ class FaultEvent:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def local_process_problem(pid: int | None, host: str | None) -> str | None:
-    """What is wrong with the stage's process, if it runs on this node and something is."""
-    if pid is None or host != socket.gethostname():
+def process_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time) of the process `pid` on this node, None once it is gone.
+
+    Read from /proc/<pid>/stat where it exists (one small read: exact and instant, so it can
+    run every quarter second): 'T' stopped (SIGSTOP), 't' stopped by a tracer, 'Z' exited
+    but not reaped, 'X' dead. The start time (clock ticks since boot) tells a reused pid from
+    the process first seen. Elsewhere psutil answers (start time 0: not compared)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            data = stat.read()
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            return None  # /proc exists and the process does not
+        return _psutil_state(pid)
+    except ProcessLookupError:
         return None
+    # The name field may hold spaces and parentheses: the fields after it follow its last ')'.
+    fields = data[data.rindex(b")") + 2 :].split()
+    return fields[0].decode(), int(fields[19])
+
+
+def _psutil_state(pid: int) -> tuple[str, int] | None:
     import psutil
 
+    letters = {psutil.STATUS_STOPPED: "T", psutil.STATUS_ZOMBIE: "Z", psutil.STATUS_DEAD: "X"}
     try:
-        status = psutil.Process(pid).status()
+        return letters.get(psutil.Process(pid).status(), "S"), 0
     except psutil.NoSuchProcess:
+        return None
+
+
+def is_local(host: str | None) -> bool:
+    """Whether a stage reported `host` runs on this node (its process can be looked at)."""
+    return host is not None and host == socket.gethostname()
+
+
+def local_process_problem(
+    pid: int | None, host: str | None, start_time: int | None = None
+) -> str | None:
+    """What is wrong with the stage's process, if it runs on this node and something is
+    (`start_time`: the one it had when first seen, to tell a reused pid)."""
+    if pid is None or not is_local(host):
+        return None
+    state = process_state(pid)
+    if state is None:
         return f"process {pid} exited (it no longer exists)"
-    if status == psutil.STATUS_STOPPED:
+    letter, started = state
+    if start_time and started and started != start_time:
+        return f"process {pid} exited (its pid now belongs to another process)"
+    if letter in ("T", "t"):
         return f"process {pid} is stopped (SIGSTOP?)"
-    if status == psutil.STATUS_ZOMBIE:
+    if letter in ("Z", "X"):
         return f"process {pid} exited (zombie)"
     return None
 
@@ -114,7 +177,7 @@ def local_process_problem(pid: int | None, host: str | None) -> str | None:
 def kill_local_process(pid: int | None, host: str | None) -> None:
     """SIGKILL the stage's process when it runs on this node (frozen ones ignore anything
     gentler); a no-op for processes elsewhere or already gone."""
-    if pid is None or host != socket.gethostname() or pid == os.getpid():
+    if pid is None or not is_local(host) or pid == os.getpid():
         return
     import signal
 
@@ -126,16 +189,12 @@ def kill_local_process(pid: int | None, host: str | None) -> None:
 
 def wait_process_gone(pid: int | None, host: str | None, timeout_s: float) -> bool:
     """True once the local process `pid` has exited (True at once for remote ones)."""
-    if pid is None or host != socket.gethostname():
+    if pid is None or not is_local(host):
         return True
-    import psutil
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
+        state = process_state(pid)
+        if state is None or state[0] in ("Z", "X"):
             return True
         time.sleep(0.05)
     return False
@@ -143,15 +202,15 @@ def wait_process_gone(pid: int | None, host: str | None, timeout_s: float) -> bo
 
 @dataclass
 class PingAnswer:
-    """What one stage's health thread said (None in `diagnose`: no answer in time)."""
+    """What one stage's heartbeat said last (None in `diagnose`: no answer in time)."""
 
-    died: str | None = None  # the actor is gone (the error's type), else None
+    died: str | None = None  # the stage is gone (what was seen), else None
     busy_s: float | None = None  # seconds in the step in progress, None between steps
 
 
 def local_problems(infos: list[StageInfo]) -> dict[int, str]:
     """rank -> what is wrong with its process, for the stages on this node (certain at once:
-    no ping needs to wait out a timeout on a frozen one)."""
+    no heartbeat needs to run out on a frozen one)."""
     return {
         rank: problem
         for rank, info in enumerate(infos)
@@ -163,7 +222,7 @@ def diagnose(
     infos: list[StageInfo],
     answers: dict[int, PingAnswer | None],
     waited_s: float,
-    ping_timeout: float,
+    heartbeat_timeout: float,
     include_stuck: bool = True,
 ) -> dict[int, str]:
     """rank -> problem for every stage that is dead or frozen (no answer, its actor gone, its
@@ -177,10 +236,10 @@ def diagnose(
         local = local_process_problem(info.pid, info.host)
         if answer is None:
             problems[rank] = local or (
-                f"did not answer a health check within {ping_timeout:g} s (frozen?)"
+                f"did not answer a heartbeat within {heartbeat_timeout:g} s (frozen?)"
             )
         elif answer.died is not None:
-            problems[rank] = local or f"actor died ({answer.died})"
+            problems[rank] = local or f"died ({answer.died})"
         elif local:
             problems[rank] = local
         elif answer.busy_s is not None and answer.busy_s >= waited_s > 0:

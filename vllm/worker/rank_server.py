@@ -3,6 +3,11 @@ from its connection one at a time, in the order sent, and writes back each resul
 error, with its traceback). The `mp` backend serves them on the pipe of a spawned process,
 Ray on a TCP connection a thread of the actor accepts (`CallsThread`); the engine's end is
 `vllm.executor.rank_calls`.
+
+Beside them, on a connection and a thread of their own, the rank answers the engine's
+heartbeats (`answer_heartbeats`; the engine's end is `vllm.executor.stage_watch`): a step of
+any length keeps answering them (torch ops and our kernels release the GIL while they run),
+so only a frozen or dead process goes silent.
 """
 
 from __future__ import annotations
@@ -13,13 +18,20 @@ import os
 import pickle
 import queue
 import socket
+import struct
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from vllm.distributed.net_utils import authenticated_connection
 from vllm.distributed.serialization import MessageNotSerializableError, dumps_message
+
+# A heartbeat probe (its sequence number) and its answer (the number, and the seconds the
+# rank has spent in its current step; negative between steps).
+HEARTBEAT_PROBE = struct.Struct("!Q")
+HEARTBEAT_ANSWER = struct.Struct("!Qd")
 
 
 class WorkerHost:
@@ -35,6 +47,12 @@ class WorkerHost:
         if own is not None and method != "call":
             return own(self, *args, **kwargs)
         return getattr(self.worker, method)(*args, **kwargs)
+
+    def busy_s(self) -> float | None:
+        """Seconds in the step in progress, None between steps (read by the heartbeat
+        thread while the step runs)."""
+        since = getattr(self.worker, "busy_since", None)
+        return None if since is None else time.perf_counter() - since
 
     def init_worker(self, *args: Any, **kwargs: Any) -> int:
         """Build the Worker (`Worker(engine_config, rank, ...)`); returns this process's pid."""
@@ -80,6 +98,75 @@ def serve_calls(conn: Connection, host: WorkerHost) -> None:
     conn.close()
 
 
+def answer_heartbeats(conn: Connection, busy_s: Callable[[], float | None]) -> None:
+    """A rank's heartbeat thread: answer each probe read from `conn` at once, with the time
+    spent in the current step, until the engine's end is gone. It runs beside the calls
+    thread, never behind a step, so a silent rank is a frozen or dead one."""
+    while True:
+        try:
+            (seq,) = HEARTBEAT_PROBE.unpack(conn.recv_bytes(HEARTBEAT_PROBE.size))
+            busy = busy_s()
+            conn.send_bytes(HEARTBEAT_ANSWER.pack(seq, -1.0 if busy is None else busy))
+        except (EOFError, OSError, struct.error):
+            break
+    conn.close()
+
+
+def start_heartbeat_thread(conn: Connection, busy_s: Callable[[], float | None]) -> None:
+    """Answer the engine's heartbeats on `conn` from a daemon thread of this process."""
+    threading.Thread(
+        target=answer_heartbeats, args=(conn, busy_s), daemon=True, name="vllm-heartbeat"
+    ).start()
+
+
+def listen_for_heartbeats(ip: str, authkey: bytes, busy_s: Callable[[], float | None]) -> int:
+    """Ray's rank end: listen on `ip` (the returned port) for the engine's heartbeat
+    connection, and answer it on a thread of its own once it has proved it holds the key."""
+    server = socket.create_server((ip, 0))
+
+    def run() -> None:
+        conn = accept_authenticated(server, authkey)
+        answer_heartbeats(conn, busy_s)
+
+    threading.Thread(target=run, daemon=True, name="vllm-heartbeat").start()
+    return server.getsockname()[1]
+
+
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+def accept_authenticated(server: socket.socket, authkey: bytes) -> Connection:
+    """The first connection to `server` that proves it holds `authkey` (then `server` is
+    closed). Each connection proves it on a thread of its own within HANDSHAKE_TIMEOUT_S, so
+    a stranger that connects and says nothing delays the engine's connection by nothing."""
+    accepted: queue.SimpleQueue[Connection] = queue.SimpleQueue()
+    with server:
+        server.settimeout(0.2)  # look for an authenticated connection this often
+        while accepted.empty():
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(
+                target=_handshake,
+                args=(sock, authkey, accepted),
+                daemon=True,
+                name="vllm-rank-handshake",
+            ).start()
+    return accepted.get()
+
+
+def _handshake(
+    sock: socket.socket, authkey: bytes, accepted: queue.SimpleQueue[Connection]
+) -> None:
+    try:
+        conn = authenticated_connection(sock, authkey, HANDSHAKE_TIMEOUT_S, server_side=True)
+    except (multiprocessing.AuthenticationError, EOFError, OSError):
+        sock.close()  # not our engine: the accept loop keeps waiting for it
+        return
+    accepted.put(conn)
+
+
 class CallsThread:
     """A rank's end over TCP (Ray actors): the thread that serves the engine's calls.
 
@@ -87,10 +174,7 @@ class CallsThread:
     torch's profiler client (Kineto) binds itself to the thread that loads torch and refuses
     (or crashes on `stop`) when another thread profiles, and this thread runs every step.
     `listen` then gives it a socket; it serves the first connection that proves it holds the
-    key. Each connection proves it on a thread of its own within `HANDSHAKE_TIMEOUT_S`, so a
-    stranger that connects and says nothing delays the engine's connection by nothing."""
-
-    HANDSHAKE_TIMEOUT_S = 5.0
+    key (`accept_authenticated`)."""
 
     def __init__(self, host: WorkerHost, first: Callable[[], None] | None = None) -> None:
         self._server: queue.SimpleQueue[tuple[socket.socket, bytes]] = queue.SimpleQueue()
@@ -115,30 +199,4 @@ class CallsThread:
         finally:
             ready.set()
         server, authkey = self._server.get()
-        accepted: queue.SimpleQueue[Connection] = queue.SimpleQueue()
-        with server:
-            server.settimeout(0.2)  # look for an authenticated connection this often
-            while accepted.empty():
-                try:
-                    sock, _ = server.accept()
-                except TimeoutError:
-                    continue
-                threading.Thread(
-                    target=self._handshake,
-                    args=(sock, authkey, accepted),
-                    daemon=True,
-                    name="vllm-rank-handshake",
-                ).start()
-        serve_calls(accepted.get(), host)
-
-    def _handshake(
-        self, sock: socket.socket, authkey: bytes, accepted: queue.SimpleQueue[Connection]
-    ) -> None:
-        try:
-            conn = authenticated_connection(
-                sock, authkey, self.HANDSHAKE_TIMEOUT_S, server_side=True
-            )
-        except (multiprocessing.AuthenticationError, EOFError, OSError):
-            sock.close()  # not our engine: the accept loop keeps waiting for it
-            return
-        accepted.put(conn)
+        serve_calls(accept_authenticated(server, authkey), host)

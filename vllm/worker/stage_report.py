@@ -80,7 +80,7 @@ class StageTimers:
 
     `begin` starts a step, `lap(phase)` charges the time since the previous mark to a phase,
     `end` closes the step (its end starts the idle time before the next). `busy_since` is read
-    from the Ray actor's health thread, so a stuck step can be told from an idle stage."""
+    by the rank's heartbeat thread, so a stuck step can be told from an idle stage."""
 
     def __init__(self, pp_rank: int = 0) -> None:
         self.pp_rank = pp_rank

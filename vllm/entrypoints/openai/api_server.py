@@ -27,6 +27,7 @@ import vllm
 from vllm import envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
+from vllm.entrypoints.health import health_response
 from vllm.entrypoints.openai.batch_lines import BatchLineRunner
 from vllm.entrypoints.openai.batches import add_batch_args, attach_batches
 from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
@@ -49,7 +50,6 @@ from vllm.entrypoints.openai.serving_engine import (
 )
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels, attach_lora_routes
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
-from vllm.executor.stage_supervisor import StageFailedError
 from vllm.logger import init_logger
 from vllm.lora.request import LoRARequest
 from vllm.request_failure import RequestFailedError
@@ -167,18 +167,8 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        try:
-            await engine.check_health()
-        except AsyncEngineDeadError as exc:
-            return error_response(
-                str(exc), err_type="InternalServerError", status=HTTPStatus.INTERNAL_SERVER_ERROR
-            )
-        except StageFailedError as exc:
-            # Alive, but a stage cannot run a step: requests wait for its replacement.
-            return error_response(
-                str(exc), err_type="ServiceUnavailableError", status=HTTPStatus.SERVICE_UNAVAILABLE
-            )
-        return Response(status_code=200)
+        # 200 healthy or degraded (a stage being replaced), 503 dead: entrypoints/health.py
+        return await health_response(engine)
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -1,0 +1,63 @@
+"""Our C++ kernels (torch.ops.vllm_pp.*) release the GIL while they run, as torch's own ops
+do: a stage's heartbeat thread keeps answering during a long step. One kernel call here runs
+for a good fraction of a second while another thread ticks every 5 ms; a kernel that held the
+GIL would leave a gap as long as the call."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm import _custom_ops as ops
+
+pytestmark = pytest.mark.skipif(not ops.is_available(), reason="vllm._C not built")
+
+
+def _worst_gap_during(call, repeats: int = 3) -> tuple[float, float]:
+    """(the longest single call, the longest gap between another thread's 5 ms ticks)."""
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    time.sleep(0.05)
+    longest = 0.0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        longest = max(longest, time.perf_counter() - started)
+    stop.set()
+    thread.join()
+    return longest, max(gaps)
+
+
+@pytest.mark.parametrize("kernel", ["rms_norm", "silu_and_mul"])
+def test_a_long_kernel_call_leaves_other_threads_running(kernel):
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one long call, as a stage with one thread runs it
+    try:
+        if kernel == "rms_norm":
+            x, w = torch.randn(8192, 4096), torch.randn(4096)
+            call = lambda: ops.rms_norm(x, w, 1e-6)  # noqa: E731
+        else:
+            x = torch.randn(4096, 2 * 8192)
+            call = lambda: ops.silu_and_mul(x)  # noqa: E731
+        longest, worst_gap = _worst_gap_during(call)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"{kernel}: longest call {longest * 1e3:.0f} ms, worst tick gap {worst_gap * 1e3:.0f} ms")
+    assert longest > 0.1, "the call is too short to tell"
+    # Held, the GIL would stall the ticker for a whole call.
+    assert worst_gap < 0.8 * longest
