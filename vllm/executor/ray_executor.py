@@ -45,7 +45,6 @@ from vllm.executor.ray_utils import (
 from vllm.executor.stage_supervisor import (
     StageFailedError,
     diagnose,
-    heartbeat_timeout_s,
     kill_local_process,
     local_problems,
     name_failures,
@@ -224,7 +223,7 @@ class RayExecutor(StageProcessExecutor):
         # A stage that raised is the cause; stages busy meanwhile (waiting on it) are not.
         include_stuck = exc is None or exc.lost
         problems = local_problems(self.stage_infos) or diagnose(
-            self.stage_infos, self.watch.answers(), waited_s, heartbeat_timeout_s(), include_stuck
+            self.stage_infos, self.watch.answers(), waited_s, self.watch.timeout_s, include_stuck
         )
         raised = None if exc is None else (raising_rank, exc.problem, exc.call_id)
         error = name_failures(self.stage_infos, problems, waited_s, raised, timeout_problem)
