@@ -11,17 +11,34 @@ namespace vllm_pp::gguf {
 constexpr int64_t kQ4_0 = 2;
 constexpr int64_t kQ4_1 = 3;
 constexpr int64_t kQ8_0 = 8;
-constexpr int64_t kBlock = 32;  // weights per block, all three types
+constexpr int64_t kQ4_K = 12;
+constexpr int64_t kQ5_K = 13;
+constexpr int64_t kQ6_K = 14;
+// Weights per group: the unit the kernels decode at a time and the span of one (Q4_0/Q4_1/Q8_0)
+// block; a K-quant super-block of 256 weights is 8 such groups, each with its own scale (and
+// min), or, for Q6_K, two scales (one per 16 weights).
+constexpr int64_t kBlock = 32;
+constexpr int64_t kSuper = 256;  // weights per K-quant super-block
 
+constexpr bool is_k_quant(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+
+// Weights per ggml block (32, or 256 for the K-quants) and bytes per block (ggml's block_q*).
+constexpr int64_t block_weights(int64_t type) { return is_k_quant(type) ? kSuper : kBlock; }
 constexpr int64_t block_bytes(int64_t type) {
-  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 34;
+  return type == kQ4_0   ? 18
+         : type == kQ4_1 ? 20
+         : type == kQ8_0 ? 34
+         : type == kQ4_K ? 144
+         : type == kQ5_K ? 176
+                         : 210;
 }
 
 // The row layout the kernels read: the bytes of a GGUF row regrouped (repack_gguf_rows in
 // vllm/model_executor/layers/quantization/gguf.py does it once at load): first the fp16 scales
 // d of all its blocks, then (Q4_1) their minima m, then the blocks' quants one after the
 // other. Same bytes, so the same size; but the scales of a row are contiguous, and W of them
-// are widened to fp32 with a few vector ops instead of one block at a time.
+// are widened to fp32 with a few vector ops instead of one block at a time. The K-quants keep
+// the file's layout (their scales are decoded once per 256 weights, not per 32).
 template <int64_t Type>
 struct Layout {
   static constexpr int64_t kScaleBytes = Type == kQ4_1 ? 4 : 2;  // per block

@@ -1,6 +1,8 @@
 """GGUF weight-only quantization (--quantization gguf): the block kernels against a numpy
 dequantization of the same blocks, the loader's block shards, the bundled SmolLM2 through the
-quantized path (PP = 1, PP = 2 and TP = 3 over mp) against the dequantized path, and the flag."""
+quantized path (PP = 1, PP = 2 and TP = 3 over mp) against the dequantized path, and the flag.
+The K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks) likewise, and a tiny llama written
+as a K-quant GGUF against its dequantize-at-load path."""
 
 from __future__ import annotations
 
@@ -16,8 +18,11 @@ from vllm import _custom_ops as ops
 from vllm.config import resolve_quantization
 from vllm.model_executor.layers.quantization import gguf as gguf_quant
 
+from tests.utils import kquants
+
 Q = gguf.GGMLQuantizationType
 KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # Bytes of each block's fp16 scale (and Q4_1's minimum) at its start.
 SCALE_BYTES = {Q.Q4_0: 2, Q.Q4_1: 4, Q.Q8_0: 2}
 
@@ -30,6 +35,8 @@ needs_smollm2 = pytest.mark.skipif(
 
 def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """rows x cols weights as random blocks: random quant bytes, finite fp16 scales."""
+    if qtype in K_TYPES:
+        return kquants.random_kblocks(int(qtype), rows, cols, seed)
     rng = np.random.default_rng(seed)
     block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // block, block_bytes), dtype=np.uint8)
@@ -37,6 +44,13 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     scales = (rng.standard_normal((rows, cols // block, n_scales)) * 0.02).astype(np.float16)
     raw[:, :, : 2 * n_scales] = scales.view(np.uint8).reshape(rows, cols // block, -1)
     return raw.reshape(rows, -1)
+
+
+def fit(qtype: Q, shape: tuple[int, int]) -> tuple[int, int]:
+    """The shape with its columns rounded up to whole blocks of `qtype` (256 for K-quants)."""
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    rows, cols = shape
+    return rows, -(-cols // block) * block
 
 
 def numpy_weight(raw: np.ndarray, qtype: Q, cols: int) -> np.ndarray:
@@ -61,11 +75,11 @@ def restore_isa():
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("shape", [(64, 96), (37, 576), (9, 1536)])
 def test_dequantize_is_exact(qtype: Q, shape: tuple[int, int], restore_isa) -> None:
     """The kernel's weights are ggml's values exactly (fp32), and their bf16 rounding."""
-    rows, cols = shape
+    rows, cols = fit(qtype, shape)
     raw = random_blocks(qtype, rows, cols)
     ref = torch.from_numpy(numpy_weight(raw, qtype, cols))
     for isa in isas():
@@ -77,7 +91,7 @@ def test_dequantize_is_exact(qtype: Q, shape: tuple[int, int], restore_isa) -> N
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("shape", [(64, 96), (37, 576), (9, 1536), (8, 32)])
 @pytest.mark.parametrize("tokens", [1, 4, 33])
 def test_gguf_linear_matches_dequantized(
@@ -90,7 +104,7 @@ def test_gguf_linear_matches_dequantized(
     the standard bound its error is at most (K / 4 + 4) * u * sum_i |w_i x_i|, u = 2^-24
     (twice that is allowed for the product roundings). A wrong scale, nibble or block offset
     moves the result by the size of a whole term, far beyond it."""
-    rows, cols = shape
+    rows, cols = fit(qtype, shape)
     raw = random_blocks(qtype, rows, cols, seed=rows + tokens)
     weight = numpy_weight(raw, qtype, cols).astype(np.float64)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
@@ -110,7 +124,7 @@ def test_gguf_linear_matches_dequantized(
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("shape", [(37, 576), (9, 1536), (16, 96)])
 def test_decode_kernel_sums_like_the_batch_kernel(
     qtype: Q, shape: tuple[int, int], restore_isa
@@ -119,7 +133,7 @@ def test_decode_kernel_sums_like_the_batch_kernel(
     same tokens inside a 9-token call (AVX-512: tiles of 4, 4 and 1; the other ISAs: rows
     decoded to fp32 once), i.e. the same weights multiplied in the same order, so a request's
     logits do not depend on how many tokens share its step (below the GEMM crossover)."""
-    rows, cols = shape
+    rows, cols = fit(qtype, shape)
     raw = packed(random_blocks(qtype, rows, cols, seed=7), qtype)
     x = torch.randn(9, cols, generator=torch.Generator().manual_seed(3))
     for isa in isas():
@@ -130,6 +144,40 @@ def test_decode_kernel_sums_like_the_batch_kernel(
             for tokens in (1, 2, 3, 4):
                 few = ops.gguf_linear(xd[:tokens], raw, int(qtype))
                 assert torch.equal(few, many[:tokens]), (isa, dtype, tokens)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES, ids=lambda q: q.name)
+def test_one_hot_tokens_give_the_weights_exactly(qtype: Q, restore_isa) -> None:
+    """The matmul itself, bit for bit: token t = the unit vector e_c picks column c of W, every
+    other product an exact zero, so y must be W[:, c] exactly as numpy dequantizes it, through
+    the 1-4 token tiles and the decoded-rows path (> 4 tokens), fp32 and bf16, on every ISA. A
+    weight landing in the wrong lane, group, nibble or scale shows up here as a wrong value."""
+    rows, cols = fit(qtype, (24, 512))
+    raw = random_blocks(qtype, rows, cols, seed=11)
+    ref = torch.from_numpy(numpy_weight(raw, qtype, cols)).t()  # [cols, rows]
+    eye = torch.eye(cols)
+    weight = packed(raw, qtype)
+    for isa in isas():
+        ops.set_cpu_isa(isa)
+        for dtype in (torch.float32, torch.bfloat16):
+            want = ref.to(dtype)
+            for tokens in (1, 3, 4, 9):
+                for first in range(0, cols, 97):
+                    x = eye[first : first + tokens].to(dtype)
+                    got = ops.gguf_linear(x, weight, int(qtype))
+                    assert torch.equal(got, want[first : first + x.shape[0]]), (isa, dtype, first)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_test_quantizer_is_ggml_s_layout(qtype: Q) -> None:
+    """tests/utils/kquants.quantize_k writes ggml's layout: gguf's own dequantization of its
+    blocks gives back the weights within the quantization step (a misplaced bit would not)."""
+    w = np.random.default_rng(0).standard_normal((6, 512)).astype(np.float32) * 0.08
+    back = numpy_weight(kquants.quantize_k(w, int(qtype)), qtype, 512)
+    # Half a step of each group: (max - min) / levels / 2 (+ the 6-bit scale rounding).
+    levels = {Q.Q4_K: 15, Q.Q5_K: 31, Q.Q6_K: 63}[qtype]
+    assert np.abs(back - w).max() < 0.7 * (w.max() - w.min()) / levels
 
 
 def test_dense_min_tokens() -> None:
@@ -335,9 +383,17 @@ def test_smollm2_quantized_pp2_mp(reference) -> None:
 
 def test_block_sizes_are_ggml_s() -> None:
     """The kernel's block layouts are ggml's (the sizes gguf-py knows)."""
-    sizes = {int(q): gguf.GGML_QUANT_SIZES[q] for q in KERNEL_TYPES}
-    assert sizes == {2: (32, 18), 3: (32, 20), 8: (32, 34)}
+    sizes = {int(q): gguf.GGML_QUANT_SIZES[q] for q in KERNEL_TYPES + K_TYPES}
+    assert sizes == {
+        2: (32, 18),
+        3: (32, 20),
+        8: (32, 34),
+        12: (256, 144),
+        13: (256, 176),
+        14: (256, 210),
+    }
     assert set(gguf_quant.KERNEL_TYPES) == set(sizes)
+    assert gguf_quant.K_QUANT_TYPES == {int(q) for q in K_TYPES}
     assert math.gcd(*[s[0] for s in sizes.values()]) == 32
 
 
