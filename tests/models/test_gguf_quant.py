@@ -409,3 +409,138 @@ def test_smollm2_quantized_tp3_mp(reference) -> None:
     assert all("GGUF blocks (122 layers" in i.linear_path for i in infos), infos
     agreement = check_against_reference(ids, reference)
     print(f"TP=3 quantized vs dequantized: {agreement:.1%} of tokens agree")
+
+
+# ---- a tiny llama written as a K-quant GGUF ---------------------------------------------
+
+# llama.cpp tensor kind -> its K-quant here: every type on a linear, Q6_K embedding / lm_head
+# (as a Q4_K_M file stores them).
+K_TYPE_OF = {
+    "attn_q": Q.Q4_K,
+    "attn_k": Q.Q5_K,
+    "attn_v": Q.Q6_K,
+    "attn_output": Q.Q4_K,
+    "ffn_gate": Q.Q5_K,
+    "ffn_up": Q.Q4_K,
+    "ffn_down": Q.Q6_K,
+    "token_embd": Q.Q6_K,
+    "output": Q.Q6_K,
+}
+K_LAYERS = 2
+K_MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def kquant_llama(tmp_path_factory) -> tuple[str, str]:
+    """(GGUF path, HF directory with the tokenizer) of a tiny random llama (hidden 256,
+    intermediate 512: every linear's K is whole super-blocks) stored as K-quants."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from tests.utils import family_models, tiny_models
+
+    root = tmp_path_factory.mktemp("kquant")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.build_tokenizer(str(root / "tok")))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=K_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model_dir = tiny_models.save_random_model(config, str(root / "hf"), tokenizer)
+
+    def quantize(name: str, array: np.ndarray) -> tuple[np.ndarray, int] | None:
+        qtype = K_TYPE_OF.get(name.split(".")[-2])
+        if qtype is None or array.ndim != 2:
+            return None
+        return kquants.quantize_k(array, int(qtype)), int(qtype)
+
+    path = family_models.write_gguf(model_dir, str(root / "tiny-k.gguf"), "llama3", None, quantize)
+    return path, model_dir
+
+
+def kquant_generate(path: str, tokenizer: str, **kwargs) -> tuple[list, list, object]:
+    from tests.utils import tiny_models
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(path, tokenizer=tokenizer, kv_cache_space=0.05, swap_space=0.01, **kwargs)
+    try:
+        outs = llm.generate(
+            tiny_models.PROMPTS,
+            SamplingParams(temperature=0, max_tokens=K_MAX_TOKENS),
+            use_tqdm=False,
+        )
+        infos = llm.llm_engine.get_stage_infos()
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs], infos
+
+
+@pytest.fixture(scope="module")
+def kquant_dequantized(kquant_llama) -> tuple[list, list]:
+    """Greedy ids and text of the dequantize-at-load path (quantization='none')."""
+    path, model_dir = kquant_llama
+    ids, texts, infos = kquant_generate(path, model_dir, quantization="none")
+    assert "GGUF" not in infos[0].linear_path
+    return ids, texts
+
+
+def test_kquant_file_holds_k_quants(kquant_llama) -> None:
+    path, _ = kquant_llama
+    types = {t.name: Q(t.tensor_type) for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_k.weight"] == Q.Q5_K and types["output.weight"] == Q.Q6_K
+    assert types["blk.1.ffn_up.weight"] == Q.Q4_K and types["blk.0.attn_norm.weight"] == Q.F32
+
+
+@needs_kernels
+def test_kquant_llama_matches_dequantized(kquant_llama, kquant_dequantized) -> None:
+    """Run as shipped, the K-quant llama gives the dequantize-at-load path's greedy tokens and
+    text, with every linear, the lm_head and the embedding on the blocks."""
+    path, model_dir = kquant_llama
+    ids, texts, infos = kquant_generate(path, model_dir)  # quantization="gguf": the default
+    # 2 layers x (qkv, o, gate_up, down) + lm_head + embedding
+    assert f"GGUF blocks ({4 * K_LAYERS + 2} layers" in infos[0].linear_path, infos[0]
+    assert (ids, texts) == kquant_dequantized
+
+
+@needs_kernels
+def test_kquant_llama_tp2_falls_back_per_layer(kquant_llama, kquant_dequantized) -> None:
+    """TP = 2 splits o_proj's 256 columns into 128 per rank (not whole 256-weight blocks):
+    that layer is dequantized at load; down_proj's 512 give 256 per rank and stay blocks. The
+    tokens are the same."""
+    path, model_dir = kquant_llama
+    ids, texts, infos = kquant_generate(
+        path, model_dir, tensor_parallel_size=2, distributed_executor_backend="mp"
+    )
+    assert all(f"GGUF blocks ({3 * K_LAYERS + 2} layers" in i.linear_path for i in infos), infos
+    assert (ids, texts) == kquant_dequantized
+
+
+def test_kquant_shards_not_on_blocks_are_dequantized(kquant_llama, caplog) -> None:
+    """The loader keeps a K-quant column shard as blocks only when it holds whole super-blocks
+    and otherwise dequantizes that shard, with a warning naming the layer."""
+    from vllm.model_executor.gguf_loader import iter_gguf_weights
+    from vllm.model_executor.models.utils import Shard
+
+    path, _ = kquant_llama
+    wanted = {
+        "model.layers.0.self_attn.o_proj.weight": Shard(1, 128, 128),  # half a super-block
+        "model.layers.0.mlp.down_proj.weight": Shard(1, 256, 256),  # one whole super-block
+    }
+    dense = dict(iter_gguf_weights(path, wanted.__contains__, wanted.get))
+    with caplog.at_level("WARNING", logger="vllm.gguf_loader"):
+        kept = dict(iter_gguf_weights(path, wanted.__contains__, wanted.get, keep_quantized=True))
+    o_proj, down = kept["model.layers.0.self_attn.o_proj.weight"], kept[
+        "model.layers.0.mlp.down_proj.weight"
+    ]
+    assert isinstance(o_proj, torch.Tensor) and o_proj.shape == (256, 128)
+    assert torch.equal(o_proj, dense["model.layers.0.self_attn.o_proj.weight"])
+    assert isinstance(down, gguf_quant.GGUFBlocks) and down.qtype == int(Q.Q6_K)
+    assert torch.equal(down.dequantize(), dense["model.layers.0.mlp.down_proj.weight"])
+    assert "o_proj" in caplog.text and "256-weight blocks" in caplog.text
+    assert "down_proj" not in caplog.text
