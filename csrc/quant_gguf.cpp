@@ -212,22 +212,6 @@ struct Block {
   }
 };
 
-// The half at p as a float, as Halves<W>::widen does it (a K-quant's d and dmin).
-VLLM_PP_INLINE float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  const uint32_t magnitude_bits = static_cast<uint32_t>(h & 0x7fffu) << 13;
-  float magnitude;
-  std::memcpy(&magnitude, &magnitude_bits, 4);
-  magnitude *= 0x1p112f;
-  uint32_t bits;
-  std::memcpy(&bits, &magnitude, 4);
-  bits |= static_cast<uint32_t>(h & 0x8000u) << 16;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
-
 // A K-quant super-block's 8 groups of 32 weights.
 template <int W, int64_t Type>
 struct KQuant {
@@ -235,26 +219,9 @@ struct KQuant {
   using f32 = typename S::f32;
   static constexpr int kVecs = kBlock / W;
 
-  // The groups' two floats: Q4_K / Q5_K s = d * sc, t = -(dmin * m) (so w = q * s + t, one
-  // rounding as numpy's d * q - dm); Q6_K s, t = d * sc of the group's first / last 16.
+  // The groups' two floats (quant_gguf.h).
   static VLLM_PP_INLINE void prepare(const uint8_t* sb, float* s, float* t) {
-    if constexpr (Type == kQ6_K) {
-      const float d = half_at(sb + 208);
-      const auto* sc = reinterpret_cast<const int8_t*>(sb + 192);
-      for (int j = 0; j < 8; ++j) {
-        s[j] = d * static_cast<float>(sc[2 * j]);
-        t[j] = d * static_cast<float>(sc[2 * j + 1]);
-      }
-    } else {
-      const float d = half_at(sb), dmin = half_at(sb + 2);
-      const uint8_t* q = sb + 4;  // ggml's get_scale_min_k4
-      for (int j = 0; j < 8; ++j) {
-        const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        const int m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        s[j] = d * static_cast<float>(sc);
-        t[j] = -(dmin * static_cast<float>(m));
-      }
-    }
+    gguf::k_group_scales(sb, Type, s, t);
   }
 
   // Group j's 32 weights (vector v: weights v * W .. v * W + W - 1 of the group).
@@ -492,8 +459,10 @@ struct LinearKernel {
     // AVX-512: the intrinsics kernel (quant_gguf_avx512.cpp), same sums, for every token
     // count: its tiles of 4 tokens re-decode the blocks from L1, which still beats decoding
     // the rows to an fp32 buffer (DenseTile) at every size measured (5-256 tokens).
-    // The K-quants have no intrinsics kernel yet: the generic one at W = 16.
-    if (W == 16 && !is_k_quant(type)) return gguf::decode_avx512(*a, type, bf16, begin, end);
+    // K-quants from 5 tokens on: the rows decoded once (DenseTile) beat re-decoding a
+    // super-block per 4-token tile (1.2-2x at 8-64 tokens, docs/PERFORMANCE.md); same sums.
+    if (W == 16 && !(is_k_quant(type) && a->tokens > 4))
+      return gguf::decode_avx512(*a, type, bf16, begin, end);
 #endif
     if (bf16) {
       run(*a, type, begin, end, static_cast<c10::BFloat16*>(nullptr));

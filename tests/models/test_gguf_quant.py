@@ -181,12 +181,16 @@ def test_test_quantizer_is_ggml_s_layout(qtype: Q) -> None:
 
 
 def test_dense_min_tokens() -> None:
-    """The measured crossover: 32 tokens for Q4 layers, 64 for Q8_0, 384 past 8M weights."""
+    """The measured crossover: 32 tokens for Q4 layers, 64 for Q8_0, 48 for the K-quants, 384
+    past 8M weights."""
     assert gguf_quant.dense_min_tokens(int(Q.Q4_1), 3072, 576) == 32
     assert gguf_quant.dense_min_tokens(int(Q.Q4_0), 576, 1536) == 32
     assert gguf_quant.dense_min_tokens(int(Q.Q8_0), 3072, 576) == 64
     assert gguf_quant.dense_min_tokens(int(Q.Q8_0), 49152, 576) == 384
     assert gguf_quant.dense_min_tokens(int(Q.Q4_1), 16384, 1536) == 384
+    for qtype in K_TYPES:
+        assert gguf_quant.dense_min_tokens(int(qtype), 3072, 1536) == 48
+        assert gguf_quant.dense_min_tokens(int(qtype), 49152, 576) == 384
 
 
 @needs_kernels
@@ -483,10 +487,22 @@ def kquant_generate(path: str, tokenizer: str, **kwargs) -> tuple[list, list, ob
 
 @pytest.fixture(scope="module")
 def kquant_dequantized(kquant_llama) -> tuple[list, list]:
-    """Greedy ids and text of the dequantize-at-load path (quantization='none')."""
+    """Greedy ids and text of the dequantize-at-load path (quantization='none'), checked
+    equal to HF transformers loading the same GGUF (it dequantizes it to fp32 too)."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.utils import tiny_models
+
     path, model_dir = kquant_llama
     ids, texts, infos = kquant_generate(path, model_dir, quantization="none")
     assert "GGUF" not in infos[0].linear_path
+    hf = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert ids == tiny_models.hf_greedy_with(hf, tokenizer, tiny_models.PROMPTS, K_MAX_TOKENS)
     return ids, texts
 
 
