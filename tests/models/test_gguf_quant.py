@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.utils import kquants
 from vllm import _custom_ops as ops
 from vllm.config import resolve_quantization
 from vllm.model_executor.layers.quantization import gguf as gguf_quant
-
-from tests.utils import kquants
 
 Q = gguf.GGMLQuantizationType
 KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
@@ -551,9 +550,10 @@ def test_kquant_shards_not_on_blocks_are_dequantized(kquant_llama, caplog) -> No
     dense = dict(iter_gguf_weights(path, wanted.__contains__, wanted.get))
     with caplog.at_level("WARNING", logger="vllm.gguf_loader"):
         kept = dict(iter_gguf_weights(path, wanted.__contains__, wanted.get, keep_quantized=True))
-    o_proj, down = kept["model.layers.0.self_attn.o_proj.weight"], kept[
-        "model.layers.0.mlp.down_proj.weight"
-    ]
+    o_proj, down = (
+        kept["model.layers.0.self_attn.o_proj.weight"],
+        kept["model.layers.0.mlp.down_proj.weight"],
+    )
     assert isinstance(o_proj, torch.Tensor) and o_proj.shape == (256, 128)
     assert torch.equal(o_proj, dense["model.layers.0.self_attn.o_proj.weight"])
     assert isinstance(down, gguf_quant.GGUFBlocks) and down.qtype == int(Q.Q6_K)

@@ -306,6 +306,7 @@ def write_gguf(
         "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
     }
+
     def add(gguf_name: str, array: Any) -> None:
         blocks = quantize(gguf_name, array) if quantize is not None else None
         if blocks is None:

@@ -90,7 +90,12 @@ def _quantize_q6k(x: np.ndarray) -> np.ndarray:
         ql[:, :, 32 * (i & 1) : 32 * (i & 1) + 32] |= (q[:, :, i] & 0xF) << (4 * (i >= 2))
         qh |= (q[:, :, i] >> 4) << (2 * i)
     return np.concatenate(
-        [ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8), d.view(np.uint8).reshape(nb, 2)],
+        [
+            ql.reshape(nb, 128),
+            qh.reshape(nb, 64),
+            sc.view(np.uint8),
+            d.view(np.uint8).reshape(nb, 2),
+        ],
         axis=1,
     )
 

@@ -50,9 +50,10 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # costs far more: the Q8_0 lm_head (49152 x 576) runs the kernel faster up to 256 tokens
 # (237 / 265 ms) and the GEMM wins at 384 (373 / 348); a Q4_1 matrix of that size likewise
 # (241 / 272 at 256) -> 384. K-quants (kernel: AVX-512 to 4 tokens, the rows decoded once
-# from 5 on), 3072 x 1536 of each of Q4_K / Q5_K / Q6_K and 1536 x 3072 (the K-quant rows
-# of benchmarks.gguf_quant's crossover table): the kernel is faster at 32 tokens in all six (e.g. Q4_K 4.72 / 6.10,
-# Q6_K 5.12 / 5.48), the GEMM at 64 in four of six (Q6_K 10.05 / 8.53, Q4_K 8.53 / 9.71) -> 48.
+# from 5 on), 3072 x 1536 and 1536 x 3072 of each of Q4_K / Q5_K / Q6_K (3072 x 1536: the
+# K-quant rows of benchmarks.gguf_quant's crossover table): the kernel is faster at 32 tokens
+# in all six (e.g. Q4_K 4.72 / 6.10, Q6_K 5.12 / 5.48), the GEMM at 64 in four of the six
+# (Q6_K 10.05 / 8.53; Q4_K 3072 x 1536 still 8.53 / 9.71) -> 48.
 DENSE_MIN_TOKENS = 32
 DENSE_MIN_TOKENS_Q8_0 = 64
 DENSE_MIN_TOKENS_K = 48
