@@ -14,7 +14,7 @@
 //     masking, no int -> float conversion.
 //   Q8_0: the 32 int8 sign-extended and converted (exact), times d.
 //   Q4_K / Q5_K / Q6_K (ktile): per super-block of 256 weights and row, the 8 groups' floats
-//     (k_group_scales, quant_gguf.h), then per group of 32: Q4_K as Q4_1 above with the table
+//     (k_scales16: the values of quant_gguf.h's k_group_scales, 16 at a time), then per group of 32: Q4_K as Q4_1 above with the table
 //     q * s + t (the odd groups' quants are the high nibbles: the dwords shifted right by 4);
 //     Q5_K / Q6_K the quants built from their low nibbles and high bits as dwords, converted
 //     (exact) and scaled: q * s + t, or (q - 32) * s (first 16) and * t (last 16).
@@ -39,6 +39,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "cpu_isa.h"
 #include "cpu_simd.h"
@@ -202,6 +203,34 @@ VLLM_PP_AVX512_INLINE void k_group(const uint8_t* sb, int64_t j, float s, float 
   }
 }
 
+// A super-block's group floats as k_group_scales (quant_gguf.h) gives them, in 16 lanes:
+// Q4_K / Q5_K s_j = f[j], t_j = f[8 + j]; Q6_K s_j = f[2j], t_j = f[2j + 1]. The 6-bit scales
+// and mins unpacked with 32-bit masks (llama.cpp's kmask trick), all 16 converted and scaled
+// by d (or -dmin: the negation is exact) in one multiply; the products are exact as there.
+template <int64_t Type>
+VLLM_PP_AVX512_INLINE void k_scales16(const uint8_t* sb, float* f) {
+  __m128i bytes;
+  __m512 mult;
+  if constexpr (Type == kQ6_K) {
+    bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192));
+    _mm512_store_ps(f, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)),
+                                     _mm512_set1_ps(half_at(sb + 208))));
+    return;
+  } else {
+    uint32_t u[3], out[4];
+    std::memcpy(u, sb + 4, 12);
+    constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+    out[0] = u[0] & k6;                                    // sc 0-3
+    out[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);      // sc 4-7
+    out[2] = u[1] & k6;                                    // m 0-3
+    out[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);  // m 4-7
+    std::memcpy(&bytes, out, 16);
+    mult = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_at(sb)),
+                                _mm512_set1_ps(-half_at(sb + 2)));
+    _mm512_store_ps(f, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), mult));
+  }
+}
+
 // tile() for the K-quants: RT rows x TT tokens, a super-block at a time.
 template <int64_t Type, int RT, int TT, typename scalar_t>
 VLLM_PP_AVX512_INLINE void ktile(const LinearArgs& a, int64_t row, int64_t tok) {
@@ -214,8 +243,8 @@ VLLM_PP_AVX512_INLINE void ktile(const LinearArgs& a, int64_t row, int64_t tok) 
   for (int r = 0; r < RT; ++r)
 #pragma GCC unroll 4
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
-  alignas(64) float s[RT][8];
-  alignas(64) float m[RT][8];
+  alignas(64) float f[RT][16];  // k_scales16 per row
+  constexpr bool kQ6 = Type == kQ6_K;
   // The next tile's rows, prefetched a slice per group as in tile().
   const char* next = reinterpret_cast<const char*>(w + RT * a.row_bytes);
   const int64_t next_lines = (RT * a.row_bytes + 63) / 64;
@@ -223,7 +252,7 @@ VLLM_PP_AVX512_INLINE void ktile(const LinearArgs& a, int64_t row, int64_t tok) 
   const int64_t lines_per_group = (next_lines + groups - 1) / groups;
   for (int64_t sb = 0; sb < supers; ++sb) {
 #pragma GCC unroll 8
-    for (int r = 0; r < RT; ++r) k_group_scales(w + r * a.row_bytes + sb * kBytes, Type, s[r], m[r]);
+    for (int r = 0; r < RT; ++r) k_scales16<Type>(w + r * a.row_bytes + sb * kBytes, f[r]);
     for (int64_t j = 0; j < 8; ++j) {
       const int64_t g = sb * 8 + j;
       for (int64_t l = g * lines_per_group; l < std::min(next_lines, (g + 1) * lines_per_group);
@@ -238,7 +267,8 @@ VLLM_PP_AVX512_INLINE void ktile(const LinearArgs& a, int64_t row, int64_t tok) 
 #pragma GCC unroll 8
       for (int r = 0; r < RT; ++r) {
         __m512 w0, w1;
-        k_group<Type>(w + r * a.row_bytes + sb * kBytes, j, s[r][j], m[r][j], w0, w1);
+        k_group<Type>(w + r * a.row_bytes + sb * kBytes, j, f[r][kQ6 ? 2 * j : j],
+                      f[r][kQ6 ? 2 * j + 1 : 8 + j], w0, w1);
 #pragma GCC unroll 4
         for (int t = 0; t < TT; ++t) {
           acc[r][t] = _mm512_fmadd_ps(w0, x0[t], acc[r][t]);
