@@ -15,9 +15,10 @@
 //   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of 2-bit highs, int8 scales sc[16] (one per
 //     16 weights), then d                                          w = (d * sc) * (q - 32)
 // Every product but the last subtraction is exact in fp32, so a weight is the same float as
-// numpy's whichever way it is contracted into an FMA. The kernels read each row with its bytes regrouped once at load
-// (`Layout` in quant_gguf.h): the scales of all its blocks first, so they widen a vector at a
-// time.
+// numpy's whichever way it is contracted into an FMA. The kernels read each Q4_0/Q4_1/Q8_0
+// row with its bytes regrouped once at load (`Layout` in quant_gguf.h): the scales of all its
+// blocks first, so they widen a vector at a time; K-quant rows are read as stored, their
+// scales decoded once per super-block (`Groups`).
 //
 // At decode (a few tokens per step) the matmul is bound by the bytes of weights it reads: each
 // weight row is read from memory once per step, its blocks widened to fp32 in registers and
@@ -28,8 +29,9 @@
 // products of weights l, l + W, l + 2W, ... in order, then the lanes are added (cpu_simd.h's
 // reduce_add), and every weight is d * q (+ m) as an FMA: the results are within fp32
 // summation error of the dequantized weights' dot product (tests/models/test_gguf_quant.py).
-// With AVX-512 every call goes to the intrinsics kernel of quant_gguf_avx512.cpp instead
-// (same products, same order; ~2x faster at one token, ~1.4x at 5-32 tokens).
+// With AVX-512 every call (K-quants: 1-4 tokens) goes to the intrinsics kernel of
+// quant_gguf_avx512.cpp instead (same products, same order; ~2x faster at one token, ~1.4x at
+// 5-32 tokens).
 //
 // More than 4 tokens: each tile of 8 rows is decoded once into an fp32 buffer and multiplied
 // with every token from there (DenseTile). For many tokens (prefill), gguf_dequantize expands
@@ -283,7 +285,8 @@ struct Groups {
     }
   }
 
-  // t of a chunk's group, defined for every type (unused by Q4_0 / Q8_0).
+  // Whether a group has a second float t (Q4_1's minimum, the K-quants' t); Q4_0 / Q8_0
+  // leave it unset and get 0.
   static constexpr bool kHasT = Type == kQ4_1 || is_k_quant(Type);
 };
 
