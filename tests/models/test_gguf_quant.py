@@ -168,6 +168,17 @@ def test_one_hot_tokens_give_the_weights_exactly(qtype: Q, restore_isa) -> None:
                     assert torch.equal(got, want[first : first + x.shape[0]]), (isa, dtype, first)
 
 
+@needs_kernels
+def test_k_quant_rows_must_be_whole_super_blocks() -> None:
+    """The op refuses a K that is not whole 256-weight super-blocks, or rows of the wrong size,
+    naming the type's block (a shard cut through super-blocks never reaches the kernel)."""
+    raw = torch.from_numpy(kquants.random_kblocks(int(Q.Q4_K), 4, 256))
+    with pytest.raises(RuntimeError, match="must be a multiple of 256"):
+        ops.gguf_linear(torch.randn(1, 128), raw[:, :72].contiguous(), int(Q.Q4_K))
+    with pytest.raises(RuntimeError, match="hold 144 bytes, expected 210 for K = 256"):
+        ops.gguf_linear(torch.randn(1, 256), raw, int(Q.Q6_K))
+
+
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
 def test_test_quantizer_is_ggml_s_layout(qtype: Q) -> None:
     """tests/utils/kquants.quantize_k writes ggml's layout: gguf's own dequantization of its
