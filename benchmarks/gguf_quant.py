@@ -9,7 +9,8 @@ In one run, on --threads cores (default 1; the engine's stage gets the same):
    from memory: enough copies to overflow the last-level cache), as GB/s of weights read.
    Then the crossover of the quantized linear: the block kernel against dequantize + GEMM for
    gate/up (3072 x 576, Q4_1), down (576 x 1536, Q4_1) and the lm_head (49152 x 576, Q8_0)
-   over token counts (what `dense_min_tokens` in quantization/gguf.py is set from). Kernel
+   over token counts, and the same for the K-quants Q4_K / Q5_K / Q6_K on 3072 x 1536 (what
+   `dense_min_tokens` in quantization/gguf.py is set from). Kernel
    timings are the calling thread's CPU time when --threads is 1 (robust to a shared
    machine), wall time otherwise.
 3. Decode tokens/s at each batch size for Q4_1 as shipped (fp32 activations), fp32 and bf16
@@ -60,7 +61,10 @@ def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
 
 
 _BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
-_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# K-quants: bytes per 256-weight super-block, and where its fp16 d (and dmin) sit.
+_K_BLOCK_BYTES = {12: 144, 13: 176, 14: 210}
+_K_SCALE_AT = {12: 0, 13: 0, 14: 208}
 # SmolLM2-135M's matmuls: (name, rows N, columns K, ggml type); q/k/v fused, gate/up fused.
 SHAPES = [
     ("qkv", 960, 576, 3),
@@ -77,6 +81,13 @@ def random_blocks(n: int, k: int, qtype: int) -> Any:
     import torch
 
     from vllm.model_executor.layers.quantization.gguf import repack_gguf_rows
+
+    if qtype in _K_BLOCK_BYTES:  # random bytes, finite fp16 d (and dmin): valid super-blocks
+        raw = torch.randint(0, 256, (n, k // 256, _K_BLOCK_BYTES[qtype]), dtype=torch.uint8)
+        at, count = _K_SCALE_AT[qtype], 1 if qtype == 14 else 2
+        halves = (torch.randn(n, k // 256, count).abs() * 0.002).half()
+        raw[:, :, at : at + 2 * count] = halves.view(torch.uint8).view(n, k // 256, 2 * count)
+        return raw.view(n, -1)
 
     size, scale_bytes = _BLOCK_BYTES[qtype], 4 if qtype == 3 else 2
     raw = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8)
@@ -143,6 +154,7 @@ def crossover(clock: Any) -> list[list[Any]]:
         ("gate/up", 3072, 576, 3, [1, 4, 16, 32, 48, 64]),
         ("down", 576, 1536, 3, [1, 4, 16, 32, 48, 64]),
         ("lm_head", 49152, 576, 8, [1, 64, 128, 256, 384]),
+        *[("3072 x 1536", 3072, 1536, q, [1, 4, 16, 32, 48, 64]) for q in (12, 13, 14)],
     ]
     rows = []
     for name, n, k, qtype, tokens in cases:

@@ -6,9 +6,19 @@
 //   Q4_1 (20 bytes): d, m, 16 bytes of nibbles    w = d * q + m
 //   Q8_0 (34 bytes): d, 32 int8                   w = d * q
 // where weight j < 16 of a 4-bit block is the low nibble of byte j, weight j >= 16 the high
-// nibble of byte j - 16. The kernels read each row with its bytes regrouped once at load
-// (`Layout` in quant_gguf.h): the scales of all its blocks first, so they widen a vector at a
-// time.
+// nibble of byte j - 16. The K-quants: super-blocks of 256 weights in 8 groups of 32, decoded
+// as ggml's dequantize_row_q*_K (and gguf-py's numpy) does:
+//   Q4_K (144 bytes): d, dmin, 12 bytes of 6-bit scales sc[8] / mins m[8], 128 bytes of nibbles
+//     (group 2i: low nibbles of bytes 32i..32i+31, group 2i + 1: their high nibbles)
+//     w = (d * sc) * q - dmin * m
+//   Q5_K (176 bytes): the same with a fifth bit per weight (32 bytes qh: group g's bit g)
+//   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of 2-bit highs, int8 scales sc[16] (one per
+//     16 weights), then d                                          w = (d * sc) * (q - 32)
+// Every product but the last subtraction is exact in fp32, so a weight is the same float as
+// numpy's whichever way it is contracted into an FMA. The kernels read each Q4_0/Q4_1/Q8_0
+// row with its bytes regrouped once at load (`Layout` in quant_gguf.h): the scales of all its
+// blocks first, so they widen a vector at a time; K-quant rows are read as stored, their
+// scales decoded once per super-block (`Groups`).
 //
 // At decode (a few tokens per step) the matmul is bound by the bytes of weights it reads: each
 // weight row is read from memory once per step, its blocks widened to fp32 in registers and
@@ -19,8 +29,9 @@
 // products of weights l, l + W, l + 2W, ... in order, then the lanes are added (cpu_simd.h's
 // reduce_add), and every weight is d * q (+ m) as an FMA: the results are within fp32
 // summation error of the dequantized weights' dot product (tests/models/test_gguf_quant.py).
-// With AVX-512 every call goes to the intrinsics kernel of quant_gguf_avx512.cpp instead
-// (same products, same order; ~2x faster at one token, ~1.4x at 5-32 tokens).
+// With AVX-512 every call (K-quants: 1-4 tokens) goes to the intrinsics kernel of
+// quant_gguf_avx512.cpp instead (same products, same order; ~2x faster at one token, ~1.4x at
+// 5-32 tokens).
 //
 // More than 4 tokens: each tile of 8 rows is decoded once into an fp32 buffer and multiplied
 // with every token from there (DenseTile). For many tokens (prefill), gguf_dequantize expands
@@ -44,9 +55,14 @@ namespace vllm_pp {
 namespace {
 
 using gguf::block_bytes;
+using gguf::block_weights;
+using gguf::is_k_quant;
 using gguf::kBlock;
 using gguf::kQ4_0;
 using gguf::kQ4_1;
+using gguf::kQ4_K;
+using gguf::kQ5_K;
+using gguf::kQ6_K;
 using gguf::kQ8_0;
 using gguf::Layout;
 using gguf::LinearArgs;
@@ -78,6 +94,12 @@ struct Widen<4> {
     for (int i = 0; i < 4; ++i) v[i] = static_cast<int8_t>(p[i]);
     return v;
   }
+  // W bytes zero-extended to ints (the K-quants' high bits).
+  static VLLM_PP_INLINE simd::Simd<4>::i32 u8(const uint8_t* p) {
+    simd::Simd<4>::i32 v;
+    for (int i = 0; i < 4; ++i) v[i] = p[i];
+    return v;
+  }
   // Lanes from byte `first` of the 16 (a multiple of 4).
   static VLLM_PP_INLINE f32 nibbles(const uint8_t* p, int first, bool high) {
     f32 v;
@@ -95,6 +117,11 @@ struct Widen<8> {
     i32 v;
     asm("vpmovsxbd %1, %0" : "=v"(v) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p)));
     return __builtin_convertvector(v, f32);
+  }
+  static VLLM_PP_INLINE i32 u8(const uint8_t* p) {
+    i32 v;
+    asm("vpmovzxbd %1, %0" : "=v"(v) : "m"(*reinterpret_cast<const uint8_t(*)[8]>(p)));
+    return v;
   }
   static VLLM_PP_INLINE f32 nibbles(const uint8_t* p, int first, bool high) {
     Bytes16 q = nibbles16(p, high);
@@ -114,6 +141,11 @@ struct Widen<16> {
     i32 v;
     asm("vpmovsxbd %1, %0" : "=v"(v) : "m"(*reinterpret_cast<const uint8_t(*)[16]>(p)));
     return __builtin_convertvector(v, f32);
+  }
+  static VLLM_PP_INLINE i32 u8(const uint8_t* p) {
+    i32 v;
+    asm("vpmovzxbd %1, %0" : "=v"(v) : "m"(*reinterpret_cast<const uint8_t(*)[16]>(p)));
+    return v;
   }
   static VLLM_PP_INLINE f32 nibbles(const uint8_t* p, int, bool high) {
     i32 v;
@@ -182,8 +214,81 @@ struct Block {
   }
 };
 
-// Blocks whose scales are widened at a time (per row of a tile: 2 x 64 floats on the stack).
-constexpr int64_t kChunk = 64;
+// A K-quant super-block's 8 groups of 32 weights.
+template <int W, int64_t Type>
+struct KQuant {
+  using S = simd::Simd<W>;
+  using f32 = typename S::f32;
+  static constexpr int kVecs = kBlock / W;
+
+  // The groups' two floats (quant_gguf.h).
+  static VLLM_PP_INLINE void prepare(const uint8_t* sb, float* s, float* t) {
+    gguf::k_group_scales(sb, Type, s, t);
+  }
+
+  // Group j's 32 weights (vector v: weights v * W .. v * W + W - 1 of the group).
+  static VLLM_PP_INLINE void decode(const uint8_t* sb, int64_t j, float s, float t,
+                                    f32 (&w)[kVecs]) {
+    if constexpr (Type == kQ6_K) {
+      const int64_t i = j % 4;  // each half of 128: groups of ql[0:32], ql[32:64], then highs
+      const uint8_t* ql = sb + 64 * (j / 4) + 32 * (i & 1);
+      const uint8_t* qh = sb + 128 + 32 * (j / 4);
+      const int shift = static_cast<int>(2 * i);
+      for (int v = 0; v < kVecs; ++v) {
+        const f32 low = Widen<W>::nibbles(ql + v * W / 16 * 16, (v * W) % 16, i >= 2);
+        const auto high = ((Widen<W>::u8(qh + v * W) >> shift) & 3) << 4;
+        const f32 q = low + __builtin_convertvector(high, f32) - 32.0f;  // exact
+        w[v] = q * S::splat(v * W < 16 ? s : t);
+      }
+    } else {
+      const uint8_t* ql = sb + (Type == kQ4_K ? 16 : 48) + 32 * (j / 2);
+      const f32 d = S::splat(s), m = S::splat(t);
+      for (int v = 0; v < kVecs; ++v) {
+        f32 q = Widen<W>::nibbles(ql + v * W / 16 * 16, (v * W) % 16, j & 1);
+        if constexpr (Type == kQ5_K) {
+          const auto high = ((Widen<W>::u8(sb + 16 + v * W) >> static_cast<int>(j)) & 1) << 4;
+          q += __builtin_convertvector(high, f32);
+        }
+        w[v] = q * d + m;
+      }
+    }
+  }
+};
+
+// A row as groups of 32 weights for the kernels: the floats each group's decoding needs,
+// prepared kChunk groups at a time (Q4_0/Q4_1/Q8_0: 64 blocks' scales (and minima) widened
+// together; K-quants: one super-block's 8 groups), then the group's weights.
+template <int W, int64_t Type>
+struct Groups {
+  using f32 = typename simd::Simd<W>::f32;
+  using L = Layout<Type>;
+  static constexpr int64_t kChunk = is_k_quant(Type) ? gguf::kSuper / kBlock : 64;
+  static constexpr int kVecs = kBlock / W;
+
+  // Groups [g0, g0 + n) of a row of `groups`; g0 is a multiple of kChunk.
+  static VLLM_PP_INLINE void prepare(const uint8_t* row, int64_t groups, int64_t g0, int64_t n,
+                                     float* s, float* t) {
+    if constexpr (is_k_quant(Type)) {
+      KQuant<W, Type>::prepare(row + g0 / 8 * block_bytes(Type), s, t);
+    } else {
+      Halves<W>::convert(row + 2 * g0, s, n);
+      if constexpr (Type == kQ4_1) Halves<W>::convert(L::mins(row, groups) + 2 * g0, t, n);
+    }
+  }
+
+  static VLLM_PP_INLINE void decode(const uint8_t* row, int64_t groups, int64_t g, float s,
+                                    float t, f32 (&w)[kVecs]) {
+    if constexpr (is_k_quant(Type)) {
+      KQuant<W, Type>::decode(row + g / 8 * block_bytes(Type), g % 8, s, t, w);
+    } else {
+      Block<W, Type>::decode(L::quants(row, groups) + g * L::kQuantBytes, s, t, w);
+    }
+  }
+
+  // Whether a group has a second float t (Q4_1's minimum, the K-quants' t); Q4_0 / Q8_0
+  // leave it unset and get 0.
+  static constexpr bool kHasT = Type == kQ4_1 || is_k_quant(Type);
+};
 
 template <int W, int64_t Type, typename scalar_t>
 struct Tile {
@@ -196,27 +301,25 @@ struct Tile {
   // and multiplied with the TT tokens' matching x.
   template <int RT, int TT>
   static VLLM_PP_INLINE void run(const LinearArgs& a, int64_t row, int64_t tok) {
-    using L = Layout<Type>;
+    using G = Groups<W, Type>;
+    constexpr int64_t kChunk = G::kChunk;
     const auto* x = static_cast<const scalar_t*>(a.x) + tok * a.x_stride;
     const uint8_t* w = a.w + row * a.row_bytes;
-    const int64_t blocks = a.k / kBlock;
+    const int64_t blocks = a.k / kBlock;  // groups of 32 weights
     f32 acc[RT][TT];
     for (int r = 0; r < RT; ++r)
       for (int t = 0; t < TT; ++t) acc[r][t] = f32{};
     float scales[RT][kChunk], mins[RT][kChunk];
     for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
       const int64_t n = std::min(kChunk, blocks - b0);
-      for (int r = 0; r < RT; ++r) {
-        const uint8_t* row_r = w + r * a.row_bytes;
-        Halves<W>::convert(row_r + 2 * b0, scales[r], n);
-        if constexpr (Type == kQ4_1) Halves<W>::convert(L::mins(row_r, blocks) + 2 * b0, mins[r], n);
-      }
+      for (int r = 0; r < RT; ++r)
+        G::prepare(w + r * a.row_bytes, blocks, b0, n, scales[r], mins[r]);
       for (int64_t j = 0; j < n; ++j) {
         const int64_t b = b0 + j;
         for (int r = 0; r < RT; ++r) {
           typename S::f32 wv[B::kVecs];
-          const uint8_t* qs = L::quants(w + r * a.row_bytes, blocks) + b * L::kQuantBytes;
-          B::decode(qs, scales[r][j], Type == kQ4_1 ? mins[r][j] : 0.0f, wv);
+          G::decode(w + r * a.row_bytes, blocks, b, scales[r][j], G::kHasT ? mins[r][j] : 0.0f,
+                    wv);
           for (int v = 0; v < B::kVecs; ++v)
             for (int t = 0; t < TT; ++t)
               acc[r][t] += wv[v] * S::load(x + t * a.x_stride + b * kBlock + v * W);
@@ -248,20 +351,19 @@ VLLM_PP_INLINE void decode_rows(const uint8_t* w, int64_t row_bytes, int64_t k, 
                                 scalar_t* out) {
   using S = simd::Simd<W>;
   using B = Block<W, Type>;
-  using L = Layout<Type>;
-  const int64_t blocks = k / kBlock;
+  using G = Groups<W, Type>;
+  constexpr int64_t kChunk = G::kChunk;
+  const int64_t blocks = k / kBlock;  // groups of 32 weights
   float scales[kChunk], mins[kChunk];
   for (int64_t row = 0; row < rows; ++row) {
     const uint8_t* w_row = w + row * row_bytes;
     for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
       const int64_t n = std::min(kChunk, blocks - b0);
-      Halves<W>::convert(w_row + 2 * b0, scales, n);
-      if constexpr (Type == kQ4_1) Halves<W>::convert(L::mins(w_row, blocks) + 2 * b0, mins, n);
+      G::prepare(w_row, blocks, b0, n, scales, mins);
       for (int64_t j = 0; j < n; ++j) {
         typename S::f32 wv[B::kVecs];
         const int64_t b = b0 + j;
-        B::decode(L::quants(w_row, blocks) + b * L::kQuantBytes, scales[j],
-                  Type == kQ4_1 ? mins[j] : 0.0f, wv);
+        G::decode(w_row, blocks, b, scales[j], G::kHasT ? mins[j] : 0.0f, wv);
         for (int v = 0; v < B::kVecs; ++v) S::store(out + row * k + b * kBlock + v * W, wv[v]);
       }
     }
@@ -343,6 +445,12 @@ struct LinearKernel {
         return typed<kQ4_0, scalar_t>(a, begin, end);
       case kQ4_1:
         return typed<kQ4_1, scalar_t>(a, begin, end);
+      case kQ4_K:
+        return typed<kQ4_K, scalar_t>(a, begin, end);
+      case kQ5_K:
+        return typed<kQ5_K, scalar_t>(a, begin, end);
+      case kQ6_K:
+        return typed<kQ6_K, scalar_t>(a, begin, end);
       default:
         return typed<kQ8_0, scalar_t>(a, begin, end);
     }
@@ -354,7 +462,10 @@ struct LinearKernel {
     // AVX-512: the intrinsics kernel (quant_gguf_avx512.cpp), same sums, for every token
     // count: its tiles of 4 tokens re-decode the blocks from L1, which still beats decoding
     // the rows to an fp32 buffer (DenseTile) at every size measured (5-256 tokens).
-    if (W == 16) return gguf::decode_avx512(*a, type, bf16, begin, end);
+    // K-quants from 5 tokens on: the rows decoded once (DenseTile) beat re-decoding a
+    // super-block per 4-token tile (1.2-2x at 8-64 tokens, docs/PERFORMANCE.md); same sums.
+    if (W == 16 && !(is_k_quant(type) && a->tokens > 4))
+      return gguf::decode_avx512(*a, type, bf16, begin, end);
 #endif
     if (bf16) {
       run(*a, type, begin, end, static_cast<c10::BFloat16*>(nullptr));
@@ -385,20 +496,25 @@ struct DequantKernel {
     VLLM_PP_DEQUANT_CASE(kQ4_0)
     VLLM_PP_DEQUANT_CASE(kQ4_1)
     VLLM_PP_DEQUANT_CASE(kQ8_0)
+    VLLM_PP_DEQUANT_CASE(kQ4_K)
+    VLLM_PP_DEQUANT_CASE(kQ5_K)
+    VLLM_PP_DEQUANT_CASE(kQ6_K)
 #undef VLLM_PP_DEQUANT_CASE
   }
 };
 
 void check_blocks(const char* op, const at::Tensor& weight, int64_t type, int64_t k) {
-  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0, op, ": ggml type ", type,
-              " is not supported (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || is_k_quant(type), op,
+              ": ggml type ", type,
+              " is not supported (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte, op,
               ": weight must be a CPU uint8 tensor of GGUF blocks");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), op,
               ": weight must be contiguous [N, row_bytes], got ", weight.sizes());
-  TORCH_CHECK(k > 0 && k % kBlock == 0, op, ": K (", k, ") must be a multiple of ", kBlock);
-  TORCH_CHECK(weight.size(1) == k / kBlock * block_bytes(type), op, ": weight rows hold ",
-              weight.size(1), " bytes, expected ", k / kBlock * block_bytes(type), " for K = ", k);
+  const int64_t bw = block_weights(type);
+  TORCH_CHECK(k > 0 && k % bw == 0, op, ": K (", k, ") must be a multiple of ", bw);
+  TORCH_CHECK(weight.size(1) == k / bw * block_bytes(type), op, ": weight rows hold ",
+              weight.size(1), " bytes, expected ", k / bw * block_bytes(type), " for K = ", k);
 }
 
 // Rows per task: enough weight bytes (>= 256 KiB) that a thread's share outweighs waking it.

@@ -13,6 +13,11 @@
 //     (weights 0-15) and the dwords shifted right by 4 the high ones (weights 16-31). No
 //     masking, no int -> float conversion.
 //   Q8_0: the 32 int8 sign-extended and converted (exact), times d.
+//   Q4_K / Q5_K / Q6_K (ktile): per super-block of 256 weights and row, the 8 groups' floats
+//     (k_scales16: the values of quant_gguf.h's k_group_scales, 16 at a time), then per group of 32: Q4_K as Q4_1 above with the table
+//     q * s + t (the odd groups' quants are the high nibbles: the dwords shifted right by 4);
+//     Q5_K / Q6_K the quants built from their low nibbles and high bits as dwords, converted
+//     (exact) and scaled: q * s + t, or (q - 32) * s (first 16) and * t (last 16).
 // Each weight is the value the dequantization gives (d * q is exact in fp32: an fp16 scale
 // times a small integer), and it is multiplied into the same accumulator lane in the same
 // order as the generic kernel (lane l: weights l, l + 16, l + 32, ... of the row, then
@@ -34,6 +39,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "cpu_isa.h"
 #include "cpu_simd.h"
@@ -140,14 +146,160 @@ VLLM_PP_AVX512_INLINE void tile(const LinearArgs& a, int64_t row, int64_t tok) {
     }
 }
 
+// 16 bytes at p zero-extended to dwords.
+VLLM_PP_AVX512_INLINE __m512i bytes16(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// A K-quant group's 32 weights (w0: 0-15, w1: 16-31) from super-block sb, group j, with its
+// two floats s, t; the values of quant_gguf.cpp's KQuant<16>::decode.
+template <int64_t Type>
+VLLM_PP_AVX512_INLINE void k_group(const uint8_t* sb, int64_t j, float s, float t, __m512& w0,
+                                   __m512& w1) {
+  const __m512i low4 = _mm512_set1_epi32(0xF);
+  if constexpr (Type == kQ4_K) {
+    const uint8_t* ql = sb + 16 + 32 * (j / 2);
+    // table[q] = q * s + t; vpermps reads an index's low 4 bits only (no masking needed).
+    const __m512 table = _mm512_fmadd_ps(
+        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_ps(s), _mm512_set1_ps(t));
+    __m512i q0 = bytes16(ql), q1 = bytes16(ql + 16);
+    if (j & 1) {
+      q0 = _mm512_srli_epi32(q0, 4);
+      q1 = _mm512_srli_epi32(q1, 4);
+    }
+    w0 = _mm512_permutexvar_ps(q0, table);
+    w1 = _mm512_permutexvar_ps(q1, table);
+  } else if constexpr (Type == kQ5_K) {
+    const uint8_t* ql = sb + 48 + 32 * (j / 2);
+    const int nib = (j & 1) ? 4 : 0;
+    const int bit = static_cast<int>(j);
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i q[2];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(bytes16(ql + 16 * h), nib), low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(bytes16(sb + 16 + 16 * h), bit), one);
+      q[h] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
+    }
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[0]), _mm512_set1_ps(s), _mm512_set1_ps(t));
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[1]), _mm512_set1_ps(s), _mm512_set1_ps(t));
+  } else {  // Q6_K
+    const int64_t i = j % 4;
+    const uint8_t* ql = sb + 64 * (j / 4) + 32 * (i & 1);
+    const uint8_t* qh = sb + 128 + 32 * (j / 4);
+    const int nib = i >= 2 ? 4 : 0;
+    const int shift = static_cast<int>(2 * i);
+    const __m512i three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+    __m512i q[2];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(bytes16(ql + 16 * h), nib), low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(bytes16(qh + 16 * h), shift), three);
+      q[h] = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), bias);
+    }
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(q[0]), _mm512_set1_ps(s));
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(q[1]), _mm512_set1_ps(t));
+  }
+}
+
+// A super-block's group floats as k_group_scales (quant_gguf.h) gives them, in 16 lanes:
+// Q4_K / Q5_K s_j = f[j], t_j = f[8 + j]; Q6_K s_j = f[2j], t_j = f[2j + 1]. The 6-bit scales
+// and mins unpacked with 32-bit masks (llama.cpp's kmask trick), all 16 converted and scaled
+// by d (or -dmin: the negation is exact) in one multiply; the products are exact as there.
+template <int64_t Type>
+VLLM_PP_AVX512_INLINE void k_scales16(const uint8_t* sb, float* f) {
+  __m128i bytes;
+  __m512 mult;
+  if constexpr (Type == kQ6_K) {
+    bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192));
+    _mm512_store_ps(f, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)),
+                                     _mm512_set1_ps(half_at(sb + 208))));
+    return;
+  } else {
+    uint32_t u[3], out[4];
+    std::memcpy(u, sb + 4, 12);
+    constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+    out[0] = u[0] & k6;                                    // sc 0-3
+    out[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);      // sc 4-7
+    out[2] = u[1] & k6;                                    // m 0-3
+    out[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);  // m 4-7
+    std::memcpy(&bytes, out, 16);
+    mult = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_at(sb)),
+                                _mm512_set1_ps(-half_at(sb + 2)));
+    _mm512_store_ps(f, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), mult));
+  }
+}
+
+// tile() for the K-quants: RT rows x TT tokens, a super-block at a time.
+template <int64_t Type, int RT, int TT, typename scalar_t>
+VLLM_PP_AVX512_INLINE void ktile(const LinearArgs& a, int64_t row, int64_t tok) {
+  const auto* x = static_cast<const scalar_t*>(a.x) + tok * a.x_stride;
+  const uint8_t* w = a.w + row * a.row_bytes;
+  const int64_t supers = a.k / kSuper;
+  constexpr int64_t kBytes = block_bytes(Type);
+  __m512 acc[RT][TT];
+#pragma GCC unroll 8
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  alignas(64) float f[RT][16];  // k_scales16 per row
+  constexpr bool kQ6 = Type == kQ6_K;
+  // The next tile's rows, prefetched a slice per group as in tile().
+  const char* next = reinterpret_cast<const char*>(w + RT * a.row_bytes);
+  const int64_t next_lines = (RT * a.row_bytes + 63) / 64;
+  const int64_t groups = supers * 8;
+  const int64_t lines_per_group = (next_lines + groups - 1) / groups;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+#pragma GCC unroll 8
+    for (int r = 0; r < RT; ++r) k_scales16<Type>(w + r * a.row_bytes + sb * kBytes, f[r]);
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t g = sb * 8 + j;
+      for (int64_t l = g * lines_per_group; l < std::min(next_lines, (g + 1) * lines_per_group);
+           ++l)
+        _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+      __m512 x0[TT], x1[TT];
+#pragma GCC unroll 4
+      for (int t = 0; t < TT; ++t) {
+        x0[t] = load16(x + t * a.x_stride + g * kBlock);
+        x1[t] = load16(x + t * a.x_stride + g * kBlock + 16);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < RT; ++r) {
+        __m512 w0, w1;
+        k_group<Type>(w + r * a.row_bytes + sb * kBytes, j, f[r][kQ6 ? 2 * j : j],
+                      f[r][kQ6 ? 2 * j + 1 : 8 + j], w0, w1);
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; ++t) {
+          acc[r][t] = _mm512_fmadd_ps(w0, x0[t], acc[r][t]);
+          acc[r][t] = _mm512_fmadd_ps(w1, x1[t], acc[r][t]);
+        }
+      }
+    }
+  }
+  auto* out = static_cast<scalar_t*>(a.out);
+#pragma GCC unroll 8
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) {
+      const float sum = simd::Simd<16>::reduce_add((simd::Simd<16>::f32)acc[r][t]);
+      out[(tok + t) * a.out_stride + row + r] = static_cast<scalar_t>(sum);
+    }
+}
+
 // Rows [begin, end) for every token: tiles of 8 / TT rows, the remainder row by row.
 template <int64_t Type, int TT, typename scalar_t>
 VLLM_PP_AVX512_INLINE void token_tile(const LinearArgs& a, int64_t begin, int64_t end,
                                       int64_t tok) {
   constexpr int RT = 8 / TT;
   int64_t row = begin;
-  for (; row + RT <= end; row += RT) tile<Type, RT, TT, scalar_t>(a, row, tok);
-  for (; row < end; ++row) tile<Type, 1, TT, scalar_t>(a, row, tok);
+  if constexpr (is_k_quant(Type)) {
+    for (; row + RT <= end; row += RT) ktile<Type, RT, TT, scalar_t>(a, row, tok);
+    for (; row < end; ++row) ktile<Type, 1, TT, scalar_t>(a, row, tok);
+  } else {
+    for (; row + RT <= end; row += RT) tile<Type, RT, TT, scalar_t>(a, row, tok);
+    for (; row < end; ++row) tile<Type, 1, TT, scalar_t>(a, row, tok);
+  }
 }
 
 template <int64_t Type, typename scalar_t>
@@ -169,6 +321,12 @@ VLLM_PP_AVX512_INLINE void typed(const LinearArgs& a, int64_t type, int64_t begi
       return rows<kQ4_0, scalar_t>(a, begin, end);
     case kQ4_1:
       return rows<kQ4_1, scalar_t>(a, begin, end);
+    case kQ4_K:
+      return rows<kQ4_K, scalar_t>(a, begin, end);
+    case kQ5_K:
+      return rows<kQ5_K, scalar_t>(a, begin, end);
+    case kQ6_K:
+      return rows<kQ6_K, scalar_t>(a, begin, end);
     default:
       return rows<kQ8_0, scalar_t>(a, begin, end);
   }

@@ -260,9 +260,9 @@ def set_cpu_isa(isa: str) -> None:
 
 def gguf_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:
     """x [T, K] (float32/bfloat16, unit last stride) @ W^T -> [T, N] in x's dtype, W [N, K]
-    held as GGUF blocks weight [N, K / 32 * block bytes] uint8 of ggml type `qtype` (Q4_0 = 2,
-    Q4_1 = 3, Q8_0 = 8), rows regrouped by quantization.gguf.repack_gguf_rows; see
-    csrc/quant_gguf.cpp."""
+    held as GGUF blocks weight [N, K / block weights * block bytes] uint8 of ggml type `qtype`
+    (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8: 32-weight blocks; Q4_K = 12, Q5_K = 13, Q6_K = 14: 256),
+    rows regrouped by quantization.gguf.repack_gguf_rows; see csrc/quant_gguf.cpp."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     torch.ops.vllm_pp.gguf_linear.default(out, x, weight, qtype)
     return out

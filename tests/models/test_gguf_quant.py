@@ -1,6 +1,8 @@
 """GGUF weight-only quantization (--quantization gguf): the block kernels against a numpy
 dequantization of the same blocks, the loader's block shards, the bundled SmolLM2 through the
-quantized path (PP = 1, PP = 2 and TP = 3 over mp) against the dequantized path, and the flag."""
+quantized path (PP = 1, PP = 2 and TP = 3 over mp) against the dequantized path, and the flag.
+The K-quants (Q4_K, Q5_K, Q6_K: 256-weight super-blocks) likewise, and a tiny llama written
+as a K-quant GGUF against its dequantize-at-load path."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 
+from tests.utils import kquants
 from vllm import _custom_ops as ops
 from vllm.config import resolve_quantization
 from vllm.model_executor.layers.quantization import gguf as gguf_quant
 
 Q = gguf.GGMLQuantizationType
 KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # Bytes of each block's fp16 scale (and Q4_1's minimum) at its start.
 SCALE_BYTES = {Q.Q4_0: 2, Q.Q4_1: 4, Q.Q8_0: 2}
 
@@ -30,6 +34,8 @@ needs_smollm2 = pytest.mark.skipif(
 
 def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """rows x cols weights as random blocks: random quant bytes, finite fp16 scales."""
+    if qtype in K_TYPES:
+        return kquants.random_kblocks(int(qtype), rows, cols, seed)
     rng = np.random.default_rng(seed)
     block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // block, block_bytes), dtype=np.uint8)
@@ -37,6 +43,13 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     scales = (rng.standard_normal((rows, cols // block, n_scales)) * 0.02).astype(np.float16)
     raw[:, :, : 2 * n_scales] = scales.view(np.uint8).reshape(rows, cols // block, -1)
     return raw.reshape(rows, -1)
+
+
+def fit(qtype: Q, shape: tuple[int, int]) -> tuple[int, int]:
+    """The shape with its columns rounded up to whole blocks of `qtype` (256 for K-quants)."""
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    rows, cols = shape
+    return rows, -(-cols // block) * block
 
 
 def numpy_weight(raw: np.ndarray, qtype: Q, cols: int) -> np.ndarray:
@@ -61,11 +74,11 @@ def restore_isa():
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("shape", [(64, 96), (37, 576), (9, 1536)])
 def test_dequantize_is_exact(qtype: Q, shape: tuple[int, int], restore_isa) -> None:
     """The kernel's weights are ggml's values exactly (fp32), and their bf16 rounding."""
-    rows, cols = shape
+    rows, cols = fit(qtype, shape)
     raw = random_blocks(qtype, rows, cols)
     ref = torch.from_numpy(numpy_weight(raw, qtype, cols))
     for isa in isas():
@@ -77,7 +90,7 @@ def test_dequantize_is_exact(qtype: Q, shape: tuple[int, int], restore_isa) -> N
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("shape", [(64, 96), (37, 576), (9, 1536), (8, 32)])
 @pytest.mark.parametrize("tokens", [1, 4, 33])
 def test_gguf_linear_matches_dequantized(
@@ -90,7 +103,7 @@ def test_gguf_linear_matches_dequantized(
     the standard bound its error is at most (K / 4 + 4) * u * sum_i |w_i x_i|, u = 2^-24
     (twice that is allowed for the product roundings). A wrong scale, nibble or block offset
     moves the result by the size of a whole term, far beyond it."""
-    rows, cols = shape
+    rows, cols = fit(qtype, shape)
     raw = random_blocks(qtype, rows, cols, seed=rows + tokens)
     weight = numpy_weight(raw, qtype, cols).astype(np.float64)
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
@@ -110,7 +123,7 @@ def test_gguf_linear_matches_dequantized(
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("shape", [(37, 576), (9, 1536), (16, 96)])
 def test_decode_kernel_sums_like_the_batch_kernel(
     qtype: Q, shape: tuple[int, int], restore_isa
@@ -119,7 +132,7 @@ def test_decode_kernel_sums_like_the_batch_kernel(
     same tokens inside a 9-token call (AVX-512: tiles of 4, 4 and 1; the other ISAs: rows
     decoded to fp32 once), i.e. the same weights multiplied in the same order, so a request's
     logits do not depend on how many tokens share its step (below the GEMM crossover)."""
-    rows, cols = shape
+    rows, cols = fit(qtype, shape)
     raw = packed(random_blocks(qtype, rows, cols, seed=7), qtype)
     x = torch.randn(9, cols, generator=torch.Generator().manual_seed(3))
     for isa in isas():
@@ -132,13 +145,62 @@ def test_decode_kernel_sums_like_the_batch_kernel(
                 assert torch.equal(few, many[:tokens]), (isa, dtype, tokens)
 
 
+@needs_kernels
+@pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES, ids=lambda q: q.name)
+def test_one_hot_tokens_give_the_weights_exactly(qtype: Q, restore_isa) -> None:
+    """The matmul itself, bit for bit: token t = the unit vector e_c picks column c of W, every
+    other product an exact zero, so y must be W[:, c] exactly as numpy dequantizes it, through
+    the 1-4 token tiles and the decoded-rows path (> 4 tokens), fp32 and bf16, on every ISA. A
+    weight landing in the wrong lane, group, nibble or scale shows up here as a wrong value."""
+    rows, cols = fit(qtype, (24, 512))
+    raw = random_blocks(qtype, rows, cols, seed=11)
+    ref = torch.from_numpy(numpy_weight(raw, qtype, cols)).t()  # [cols, rows]
+    eye = torch.eye(cols)
+    weight = packed(raw, qtype)
+    for isa in isas():
+        ops.set_cpu_isa(isa)
+        for dtype in (torch.float32, torch.bfloat16):
+            want = ref.to(dtype)
+            for tokens in (1, 3, 4, 9):
+                for first in range(0, cols, 97):
+                    x = eye[first : first + tokens].to(dtype)
+                    got = ops.gguf_linear(x, weight, int(qtype))
+                    assert torch.equal(got, want[first : first + x.shape[0]]), (isa, dtype, first)
+
+
+@needs_kernels
+def test_k_quant_rows_must_be_whole_super_blocks() -> None:
+    """The op refuses a K that is not whole 256-weight super-blocks, or rows of the wrong size,
+    naming the type's block (a shard cut through super-blocks never reaches the kernel)."""
+    raw = torch.from_numpy(kquants.random_kblocks(int(Q.Q4_K), 4, 256))
+    with pytest.raises(RuntimeError, match="must be a multiple of 256"):
+        ops.gguf_linear(torch.randn(1, 128), raw[:, :72].contiguous(), int(Q.Q4_K))
+    with pytest.raises(RuntimeError, match="hold 144 bytes, expected 210 for K = 256"):
+        ops.gguf_linear(torch.randn(1, 256), raw, int(Q.Q6_K))
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_test_quantizer_is_ggml_s_layout(qtype: Q) -> None:
+    """tests/utils/kquants.quantize_k writes ggml's layout: gguf's own dequantization of its
+    blocks gives back the weights within the quantization step (a misplaced bit would not)."""
+    w = np.random.default_rng(0).standard_normal((6, 512)).astype(np.float32) * 0.08
+    back = numpy_weight(kquants.quantize_k(w, int(qtype)), qtype, 512)
+    # Half a step of each group: (max - min) / levels / 2 (+ the 6-bit scale rounding).
+    levels = {Q.Q4_K: 15, Q.Q5_K: 31, Q.Q6_K: 63}[qtype]
+    assert np.abs(back - w).max() < 0.7 * (w.max() - w.min()) / levels
+
+
 def test_dense_min_tokens() -> None:
-    """The measured crossover: 32 tokens for Q4 layers, 64 for Q8_0, 384 past 8M weights."""
+    """The measured crossover: 32 tokens for Q4 layers, 64 for Q8_0, 48 for the K-quants, 384
+    past 8M weights."""
     assert gguf_quant.dense_min_tokens(int(Q.Q4_1), 3072, 576) == 32
     assert gguf_quant.dense_min_tokens(int(Q.Q4_0), 576, 1536) == 32
     assert gguf_quant.dense_min_tokens(int(Q.Q8_0), 3072, 576) == 64
     assert gguf_quant.dense_min_tokens(int(Q.Q8_0), 49152, 576) == 384
     assert gguf_quant.dense_min_tokens(int(Q.Q4_1), 16384, 1536) == 384
+    for qtype in K_TYPES:
+        assert gguf_quant.dense_min_tokens(int(qtype), 3072, 1536) == 48
+        assert gguf_quant.dense_min_tokens(int(qtype), 49152, 576) == 384
 
 
 @needs_kernels
@@ -335,9 +397,17 @@ def test_smollm2_quantized_pp2_mp(reference) -> None:
 
 def test_block_sizes_are_ggml_s() -> None:
     """The kernel's block layouts are ggml's (the sizes gguf-py knows)."""
-    sizes = {int(q): gguf.GGML_QUANT_SIZES[q] for q in KERNEL_TYPES}
-    assert sizes == {2: (32, 18), 3: (32, 20), 8: (32, 34)}
+    sizes = {int(q): gguf.GGML_QUANT_SIZES[q] for q in KERNEL_TYPES + K_TYPES}
+    assert sizes == {
+        2: (32, 18),
+        3: (32, 20),
+        8: (32, 34),
+        12: (256, 144),
+        13: (256, 176),
+        14: (256, 210),
+    }
     assert set(gguf_quant.KERNEL_TYPES) == set(sizes)
+    assert gguf_quant.K_QUANT_TYPES == {int(q) for q in K_TYPES}
     assert math.gcd(*[s[0] for s in sizes.values()]) == 32
 
 
@@ -353,3 +423,151 @@ def test_smollm2_quantized_tp3_mp(reference) -> None:
     assert all("GGUF blocks (122 layers" in i.linear_path for i in infos), infos
     agreement = check_against_reference(ids, reference)
     print(f"TP=3 quantized vs dequantized: {agreement:.1%} of tokens agree")
+
+
+# ---- a tiny llama written as a K-quant GGUF ---------------------------------------------
+
+# llama.cpp tensor kind -> its K-quant here: every type on a linear, Q6_K embedding / lm_head
+# (as a Q4_K_M file stores them).
+K_TYPE_OF = {
+    "attn_q": Q.Q4_K,
+    "attn_k": Q.Q5_K,
+    "attn_v": Q.Q6_K,
+    "attn_output": Q.Q4_K,
+    "ffn_gate": Q.Q5_K,
+    "ffn_up": Q.Q4_K,
+    "ffn_down": Q.Q6_K,
+    "token_embd": Q.Q6_K,
+    "output": Q.Q6_K,
+}
+K_LAYERS = 2
+K_MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def kquant_llama(tmp_path_factory) -> tuple[str, str]:
+    """(GGUF path, HF directory with the tokenizer) of a tiny random llama (hidden 256,
+    intermediate 512: every linear's K is whole super-blocks) stored as K-quants."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from tests.utils import family_models, tiny_models
+
+    root = tmp_path_factory.mktemp("kquant")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.build_tokenizer(str(root / "tok")))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=K_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model_dir = tiny_models.save_random_model(config, str(root / "hf"), tokenizer)
+
+    def quantize(name: str, array: np.ndarray) -> tuple[np.ndarray, int] | None:
+        qtype = K_TYPE_OF.get(name.split(".")[-2])
+        if qtype is None or array.ndim != 2:
+            return None
+        return kquants.quantize_k(array, int(qtype)), int(qtype)
+
+    path = family_models.write_gguf(model_dir, str(root / "tiny-k.gguf"), "llama3", None, quantize)
+    return path, model_dir
+
+
+def kquant_generate(path: str, tokenizer: str, **kwargs) -> tuple[list, list, object]:
+    from tests.utils import tiny_models
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(path, tokenizer=tokenizer, kv_cache_space=0.05, swap_space=0.01, **kwargs)
+    try:
+        outs = llm.generate(
+            tiny_models.PROMPTS,
+            SamplingParams(temperature=0, max_tokens=K_MAX_TOKENS),
+            use_tqdm=False,
+        )
+        infos = llm.llm_engine.get_stage_infos()
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs], infos
+
+
+@pytest.fixture(scope="module")
+def kquant_dequantized(kquant_llama) -> tuple[list, list]:
+    """Greedy ids and text of the dequantize-at-load path (quantization='none'), checked
+    equal to HF transformers loading the same GGUF (it dequantizes it to fp32 too)."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.utils import tiny_models
+
+    path, model_dir = kquant_llama
+    ids, texts, infos = kquant_generate(path, model_dir, quantization="none")
+    assert "GGUF" not in infos[0].linear_path
+    hf = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert ids == tiny_models.hf_greedy_with(hf, tokenizer, tiny_models.PROMPTS, K_MAX_TOKENS)
+    return ids, texts
+
+
+def test_kquant_file_holds_k_quants(kquant_llama) -> None:
+    path, _ = kquant_llama
+    types = {t.name: Q(t.tensor_type) for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_k.weight"] == Q.Q5_K and types["output.weight"] == Q.Q6_K
+    assert types["blk.1.ffn_up.weight"] == Q.Q4_K and types["blk.0.attn_norm.weight"] == Q.F32
+
+
+@needs_kernels
+def test_kquant_llama_matches_dequantized(kquant_llama, kquant_dequantized) -> None:
+    """Run as shipped, the K-quant llama gives the dequantize-at-load path's greedy tokens and
+    text, with every linear, the lm_head and the embedding on the blocks."""
+    path, model_dir = kquant_llama
+    ids, texts, infos = kquant_generate(path, model_dir)  # quantization="gguf": the default
+    # 2 layers x (qkv, o, gate_up, down) + lm_head + embedding
+    assert f"GGUF blocks ({4 * K_LAYERS + 2} layers" in infos[0].linear_path, infos[0]
+    assert (ids, texts) == kquant_dequantized
+
+
+@needs_kernels
+def test_kquant_llama_tp2_falls_back_per_layer(kquant_llama, kquant_dequantized) -> None:
+    """TP = 2 splits o_proj's 256 columns into 128 per rank (not whole 256-weight blocks):
+    that layer is dequantized at load; down_proj's 512 give 256 per rank and stay blocks. The
+    tokens are the same."""
+    path, model_dir = kquant_llama
+    ids, texts, infos = kquant_generate(
+        path, model_dir, tensor_parallel_size=2, distributed_executor_backend="mp"
+    )
+    assert all(f"GGUF blocks ({3 * K_LAYERS + 2} layers" in i.linear_path for i in infos), infos
+    assert (ids, texts) == kquant_dequantized
+
+
+def test_kquant_shards_not_on_blocks_are_dequantized(kquant_llama, caplog) -> None:
+    """The loader keeps a K-quant column shard as blocks only when it holds whole super-blocks
+    and otherwise dequantizes that shard, with a warning naming the layer."""
+    from vllm.model_executor.gguf_loader import iter_gguf_weights
+    from vllm.model_executor.models.utils import Shard
+
+    path, _ = kquant_llama
+    wanted = {
+        "model.layers.0.self_attn.o_proj.weight": Shard(1, 128, 128),  # half a super-block
+        "model.layers.0.mlp.down_proj.weight": Shard(1, 256, 256),  # one whole super-block
+    }
+    dense = dict(iter_gguf_weights(path, wanted.__contains__, wanted.get))
+    with caplog.at_level("WARNING", logger="vllm.gguf_loader"):
+        kept = dict(iter_gguf_weights(path, wanted.__contains__, wanted.get, keep_quantized=True))
+    o_proj, down = (
+        kept["model.layers.0.self_attn.o_proj.weight"],
+        kept["model.layers.0.mlp.down_proj.weight"],
+    )
+    assert isinstance(o_proj, torch.Tensor) and o_proj.shape == (256, 128)
+    assert torch.equal(o_proj, dense["model.layers.0.self_attn.o_proj.weight"])
+    assert isinstance(down, gguf_quant.GGUFBlocks) and down.qtype == int(Q.Q6_K)
+    assert torch.equal(down.dequantize(), dense["model.layers.0.mlp.down_proj.weight"])
+    assert "o_proj" in caplog.text and "256-weight blocks" in caplog.text
+    assert "down_proj" not in caplog.text

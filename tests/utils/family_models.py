@@ -253,12 +253,18 @@ def _write_tokenizer(writer: Any, fields: dict[str, Any], chat_template: str) ->
 
 
 def write_gguf(
-    model_dir: str, out_path: str, kind: str, tokenizer_fields: dict[str, Any] | None = None
+    model_dir: str,
+    out_path: str,
+    kind: str,
+    tokenizer_fields: dict[str, Any] | None = None,
+    quantize: Any = None,
 ) -> str:
     """Write a saved tiny family model as an F32 GGUF file the way llama.cpp's converter
     names it (llama for Mistral, with permuted Q/K rows; Phi-3's longrope factors as tensors).
     With `tokenizer_fields` (`gguf_tokenizer_fields`) the file also holds the tokenizer and
-    the family's chat template; else pass the HF directory as `tokenizer`."""
+    the family's chat template; else pass the HF directory as `tokenizer`. `quantize(gguf
+    name, float array)` may return (block bytes [rows, row bytes] uint8, ggml type id) to
+    store a tensor quantized, or None to keep it F32."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -300,17 +306,25 @@ def write_gguf(
         "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
     }
+
+    def add(gguf_name: str, array: Any) -> None:
+        blocks = quantize(gguf_name, array) if quantize is not None else None
+        if blocks is None:
+            writer.add_tensor(gguf_name, array)
+        else:
+            writer.add_tensor(gguf_name, blocks[0], raw_dtype=gguf.GGMLQuantizationType(blocks[1]))
+
     for name, tensor in state.items():
         array = tensor.float().numpy()
         if name in globals_:
-            writer.add_tensor(globals_[name], array)
+            add(globals_[name], array)
             continue
         _, _, layer, rest = name.split(".", 3)
         module, kind_ = rest.rsplit(".", 1)
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
             array = _llama_cpp_permute(array, heads)
-        writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind_}", array)
+        add(f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind_}", array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -9,6 +9,7 @@ parsing its header, the config and the tokenizer live in the torch-free
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -20,6 +21,8 @@ import torch
 
 from vllm.model_executor.layers.quantization.gguf import GGUFBlocks
 from vllm.transformers_utils.gguf_config import TensorInfo, gguf_config_dict, read_header
+
+logger = logging.getLogger("vllm.gguf_loader")
 
 # HF names of the linear layers' weights: kept as blocks under --quantization gguf.
 _LINEAR_WEIGHT = re.compile(r"\.(self_attn|mlp)\.[a-z_]*proj\.weight$")
@@ -193,7 +196,8 @@ def iter_gguf_weights(
 
     With `keep_quantized` (--quantization gguf), the block-quantized weights of the linear
     layers come as `GGUFBlocks`, the file's bytes (rows un-permuted alike), unless a column
-    shard cuts through blocks.
+    shard cuts through blocks (a K-quant row-parallel shard not a multiple of 256 columns):
+    that layer is dequantized at load, with a warning.
     """
     header = read_header(path)
     config = gguf_config_dict(header, path)
@@ -209,6 +213,18 @@ def iter_gguf_weights(
         tensor: torch.Tensor | GGUFBlocks | None = None
         if keep_quantized and _LINEAR_WEIGHT.search(name):
             tensor = _kept_blocks(blob, info, shard)
+            if tensor is None and info.ggml_type not in _DENSE_TYPES and len(info.shape) == 2:
+                # A TP column shard cutting through blocks (e.g. a K-quant's 256 weights):
+                # this layer is dequantized at load rather than refused.
+                block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)][0]
+                logger.warning(
+                    "%s (%s): this rank's shard %s does not hold whole %d-weight blocks; "
+                    "dequantized at load.",
+                    name,
+                    gguf.GGMLQuantizationType(info.ggml_type).name,
+                    shard,
+                    block,
+                )
         if tensor is None and isinstance(shard, (list, tuple)):  # parts of a fused tensor
             parts = [_dequantize(blob, info, one) for one in shard]
             tensor = torch.cat(parts, dim=shard[0].dim)

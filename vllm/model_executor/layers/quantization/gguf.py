@@ -7,9 +7,10 @@ built while `quantized_linears()` is active has a meta (memory-less) weight whos
 `gguf_sink` collects those rows at their offsets (q, k and v into one fused qkv, ...); after
 loading, `finalize_quantized(model)` turns each sink into a `GGUFWeight` the layer multiplies
 with. Q4_0, Q4_1 and Q8_0 rows are regrouped once (`repack_gguf_rows`: the same bytes, a row's
-scales together) and go to the C++ kernel (csrc/quant_gguf.cpp) with fp32 or bf16 activations;
-other types (the K-quants, F16), other activation dtypes, or a build without the kernels are
-dequantized at load to the activation dtype.
+scales together), the K-quants Q4_K, Q5_K and Q6_K kept as in the file (256-weight
+super-blocks), and all go to the C++ kernel (csrc/quant_gguf.cpp) with fp32 or bf16
+activations; other types (F16, other quantizations), other activation dtypes, or a build
+without the kernels are dequantized at load to the activation dtype.
 
 At one or a few tokens per step the kernel reads each block once; from `dense_min_tokens`
 tokens on (prefill), dequantizing the layer to a dense matrix and running the GEMM is faster
@@ -32,8 +33,10 @@ from vllm import _custom_ops as ops
 
 logger = logging.getLogger("vllm.quantization.gguf")
 
-# ggml type ids the kernel runs (ggml.h): Q4_0, Q4_1, Q8_0.
-KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+# ggml type ids the kernel runs (ggml.h): Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K.
+KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# The K-quants: blocks (super-blocks) of 256 weights, kept in the file's layout.
+K_QUANT_TYPES = frozenset({12, 13, 14})
 # Activation dtypes the kernel takes.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # From this many tokens in one matmul on, dequantize + GEMM is used instead of the block kernel
@@ -46,9 +49,14 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # weights (the dense fp32 copy, 32 MiB, no longer fits the last-level cache) dequantizing
 # costs far more: the Q8_0 lm_head (49152 x 576) runs the kernel faster up to 256 tokens
 # (237 / 265 ms) and the GEMM wins at 384 (373 / 348); a Q4_1 matrix of that size likewise
-# (241 / 272 at 256) -> 384.
+# (241 / 272 at 256) -> 384. K-quants (kernel: AVX-512 to 4 tokens, the rows decoded once
+# from 5 on), 3072 x 1536 and 1536 x 3072 of each of Q4_K / Q5_K / Q6_K (3072 x 1536: the
+# K-quant rows of benchmarks.gguf_quant's crossover table): the kernel is faster at 32 tokens
+# in all six (e.g. Q4_K 4.72 / 6.10, Q6_K 5.12 / 5.48), the GEMM at 64 in four of the six
+# (Q6_K 10.05 / 8.53; Q4_K 3072 x 1536 still 8.53 / 9.71) -> 48.
 DENSE_MIN_TOKENS = 32
 DENSE_MIN_TOKENS_Q8_0 = 64
+DENSE_MIN_TOKENS_K = 48
 DENSE_MIN_TOKENS_LARGE = 384
 DENSE_LARGE_WEIGHTS = 8 << 20
 
@@ -62,7 +70,10 @@ def repack_gguf_rows(raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """GGUF rows [N, row_bytes] (blocks one after the other: scale(s), then quants) -> the
     kernels' layout of the same bytes [N, row_bytes]: each row's fp16 scales d of all blocks,
     then (Q4_1) their minima m, then the blocks' quants, so a row's scales are contiguous and
-    widened to fp32 a vector at a time (csrc/quant_gguf.cpp)."""
+    widened to fp32 a vector at a time (csrc/quant_gguf.cpp). K-quant rows are kept as they
+    are (their scales are decoded once per 256 weights)."""
+    if qtype in K_QUANT_TYPES:
+        return raw.contiguous()
     n, row_bytes = raw.shape
     blocks = raw.reshape(n, row_bytes // _BLOCK_BYTES[qtype], _BLOCK_BYTES[qtype])
     pieces = [blocks[:, :, 0:2].reshape(n, -1)]
@@ -159,6 +170,8 @@ def dense_min_tokens(qtype: int, rows: int, cols: int) -> int:
     weight of ggml type `qtype` (the measured crossover above)."""
     if rows * cols > DENSE_LARGE_WEIGHTS:
         return DENSE_MIN_TOKENS_LARGE
+    if qtype in K_QUANT_TYPES:
+        return DENSE_MIN_TOKENS_K
     return DENSE_MIN_TOKENS_Q8_0 if qtype == 8 else DENSE_MIN_TOKENS
 
 
