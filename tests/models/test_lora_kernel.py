@@ -155,6 +155,24 @@ def test_torch_path_equals_per_token_loop(
     torch.testing.assert_close(got, reference(layer, weights, x, slots), **tolerance(dtype))
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_fused_module_adapter(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phi-3's checkpoints fuse q/k/v: its adapter is one A and a B over all three slices."""
+    if not kernel:
+        monkeypatch.setenv(ops.DISABLE_ENV, "1")
+    layer, context, weights = make_layer("qkv", torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    fused = {0: (torch.randn(6, IN, generator=gen), torch.randn(sum(QKV), 6, generator=gen))}
+    layer.set_slot(1, fused, SCALING[1])
+    weights[1] = fused
+    slots = PATTERNS["mixed"]
+    x = torch.randn(len(slots), IN, generator=gen)
+    expected = reference(layer, weights, x, slots)
+    torch.testing.assert_close(run(layer, context, x, slots), expected, **tolerance(x.dtype))
+    with pytest.raises(ValueError, match="more than the 16 outputs"):
+        layer.set_slot(1, {1: fused[0]}, 1.0)
+
+
 def test_no_adapter_in_the_step_is_the_base_layer() -> None:
     layer, context, _ = make_layer("qkv", torch.float32)
     x = torch.randn(5, IN)

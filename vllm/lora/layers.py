@@ -193,15 +193,27 @@ class LoRALinear(nn.Module):
         scaling: float,
     ) -> None:
         """Put an adapter in `slot`: weights[slice] = (A [r, in_local], B [out_slice, r]);
-        slices the adapter does not target stay zero."""
+        slices the adapter does not target stay zero. A checkpoint's own fused module (Phi-3's
+        qkv_proj, gate_up_proj) comes as slice 0 with B's rows over all the slices: each slice
+        gets the same A and its own rows of B (every output column's sum is unchanged)."""
         self.clear_slot(slot)
         for index, (a, b) in weights.items():
             rank = a.shape[0]
-            cols = slice(index * self.max_rank, index * self.max_rank + rank)
-            rows = slice(self.slice_offsets[index], self.slice_offsets[index] + b.shape[0])
-            self.lora_a[slot, cols].copy_(a)
-            self.lora_b_t[slot, cols, rows].copy_(b.t())
-            self.ranks[slot, index] = rank
+            if b.shape[0] > self.slice_bounds[-1] - self.slice_offsets[index]:
+                raise ValueError(
+                    f"LoRA B of {self.slice_names[index]} has {b.shape[0]} rows, more than "
+                    f"the {self.slice_bounds[-1] - self.slice_offsets[index]} outputs from "
+                    "that slice on"
+                )
+            row, i = 0, index
+            while row < b.shape[0]:
+                size = min(self.slice_sizes[i], b.shape[0] - row)
+                cols = slice(i * self.max_rank, i * self.max_rank + rank)
+                outs = slice(self.slice_offsets[i], self.slice_offsets[i] + size)
+                self.lora_a[slot, cols].copy_(a)
+                self.lora_b_t[slot, cols, outs].copy_(b[row : row + size].t())
+                self.ranks[slot, i] = rank
+                row, i = row + size, i + 1
         self.scaling[slot] = scaling
         self.scale[slot] = scaling
 
