@@ -12,7 +12,10 @@ spread round-robin over the 4 adapters (`--max-loras 4`: all of them active in e
 Both engines stay up and the configurations take turns, --repeats rounds after one untimed
 round: other processes' load moves every run's time, and interleaving spreads its drift over
 all three. The figures are the median of the rounds; "vs LoRA off" is the median of each
-round's ratio to the LoRA-off run of the same round.
+round's ratio to the LoRA-off run of the same round. The CPU columns count this process's CPU
+seconds (PP=1 only: the stages of PP>1 are other processes): on a machine others load, wall
+time mostly measures their load, CPU time the work done, cleanly with one thread per stage
+(`VLLM_CPU_THREADS_PER_STAGE=1`; with more, threads waiting at a barrier count as busy).
 """
 
 from __future__ import annotations
@@ -100,12 +103,18 @@ def engine(args: argparse.Namespace, lora: bool) -> Any:
 
 
 def timed(llm: Any, prompts: list[str], params: Any, per_request: list[Any] | None) -> dict:
-    """One generate call: wall seconds and generated tokens."""
-    start = time.perf_counter()
+    """One generate call: wall and CPU seconds (this process) and generated tokens."""
+    start, cpu_start = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, lora_request=per_request, use_tqdm=False)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"wall_s": wall, "generated_tokens": generated, "tok_s": generated / wall}
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "generated_tokens": generated,
+        "tok_s": generated / wall,
+        "cpu_tok_s": generated / cpu,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,20 +157,25 @@ def main(argv: list[str] | None = None) -> int:
     off = runs["lora off"]
     results = {}
     for name in names:
-        ratios = [r["tok_s"] / o["tok_s"] for r, o in zip(runs[name], off)]
+        rounds = runs[name]
         results[name] = {
-            "wall_s": statistics.median(r["wall_s"] for r in runs[name]),
-            "tok_s": statistics.median(r["tok_s"] for r in runs[name]),
-            "vs_lora_off": statistics.median(ratios),
-            "rounds": runs[name],
+            key: statistics.median(r[key] for r in rounds)
+            for key in ("wall_s", "cpu_s", "tok_s", "cpu_tok_s")
         }
+        results[name]["vs_lora_off"] = statistics.median(
+            r["tok_s"] / o["tok_s"] for r, o in zip(rounds, off)
+        )
+        results[name]["cpu_vs_lora_off"] = statistics.median(
+            r["cpu_tok_s"] / o["cpu_tok_s"] for r, o in zip(rounds, off)
+        )
+        results[name]["rounds"] = rounds
     print(
         f"\n=== LoRA: {args.num_prompts} prompts x {args.output_len} tokens, rank {args.rank}, "
         f"model {args.model}, PP={args.pipeline_parallel_size}, {os.cpu_count()} CPUs, load "
         f"{os.getloadavg()[0]:.1f}, median of {args.repeats} interleaved rounds ==="
     )
     print_table(
-        ["run", "total s", "generated tok/s", "vs LoRA off", "per round"],
+        ["run", "total s", "tok/s", "vs LoRA off", "per round", "CPU s", "CPU tok/s", "vs off"],
         [
             [
                 name,
@@ -169,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['tok_s']:.1f}",
                 f"{r['vs_lora_off']:.2f}x",
                 " ".join(f"{x['tok_s']:.0f}" for x in r["rounds"]),
+                f"{r['cpu_s']:.2f}",
+                f"{r['cpu_tok_s']:.1f}",
+                f"{r['cpu_vs_lora_off']:.2f}x",
             ]
             for name, r in results.items()
         ],

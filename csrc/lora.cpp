@@ -179,9 +179,11 @@ struct LoRAOfDtype {
   using At = LoRAKernel<W, scalar_t>;
 };
 
-// Multiply-adds a parallel task gets at least: below that the fork/join of a parallel region
-// (a barrier on a busy machine) costs more than the work it splits.
-constexpr int64_t kMinTaskMacs = 1 << 18;
+// Multiply-adds a parallel task gets at least (~50 us of work): below that the fork/join of a
+// parallel region, a barrier that waits for the slowest thread on a machine other processes
+// load, costs more than the split saves. A decode step (16 tokens of a rank-8 SmolLM2 layer:
+// 0.2-0.6 M) stays on the calling thread; a prefill splits.
+constexpr int64_t kMinTaskMacs = 1 << 20;
 
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "lora_apply: CPU tensors only (", name, " is on ",
