@@ -5,11 +5,17 @@ workload, measured in one run (the cost of the grouped low-rank updates).
     python -m benchmarks.lora --num-prompts 16 --output-len 32 -pp 2
 
 Adapters are written here in PEFT's layout (adapter_config.json + adapter_model.safetensors),
-random rank-`--rank` updates of q/k/v/o/gate/up/down on every layer. Three runs of the same
-prompts (greedy, exactly --output-len tokens each, `ignore_eos`; the workload once untimed,
-then the best of --repeats timed runs): an engine without LoRA; the
-LoRA engine with every request on the base model; the LoRA engine with the requests spread
-round-robin over the 4 adapters (`--max-loras 4`: all of them active in each step).
+random rank-`--rank` updates of q/k/v/o/gate/up/down on every layer. Three configurations of
+the same prompts (greedy, exactly --output-len tokens each, `ignore_eos`): an engine without
+LoRA; the LoRA engine with every request on the base model; the LoRA engine with the requests
+spread round-robin over the 4 adapters (`--max-loras 4`: all of them active in each step).
+Both engines stay up and the configurations take turns, --repeats rounds after one untimed
+round: other processes' load moves every run's time, and interleaving spreads its drift over
+all three. The figures are the median of the rounds; "vs LoRA off" is the median of each
+round's ratio to the LoRA-off run of the same round. The CPU columns count this process's CPU
+seconds (PP=1 only: the stages of PP>1 are other processes): on a machine others load, wall
+time mostly measures their load, CPU time the work done, cleanly with one thread per stage
+(`VLLM_CPU_THREADS_PER_STAGE=1`; with more, threads waiting at a barrier count as busy).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -40,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=64, help="Requests per run.")
     p.add_argument("--output-len", type=int, default=64, help="New tokens per request.")
     p.add_argument("--rank", type=int, default=8, help="Rank of the adapters.")
-    p.add_argument("--repeats", type=int, default=2, help="Timed runs per engine (best kept).")
+    p.add_argument("--repeats", type=int, default=3, help="Timed rounds (median kept; default 3).")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="Stages.")
     p.add_argument("--kv-cache-space", type=float, default=1.0, help="KV GiB per stage (CPU).")
     p.add_argument("--output-json", default=None, help="Write every figure to this file.")
@@ -80,65 +87,106 @@ def write_adapter(config: Any, path: str, rank: int, seed: int) -> str:
     return path
 
 
-def run(args: argparse.Namespace, prompts: list[str], loras: list[Any] | None) -> dict:
-    """One engine; `loras` None: LoRA off; []: LoRA on, base model; else round-robin."""
-    from vllm import LLM, SamplingParams
+def engine(args: argparse.Namespace, lora: bool) -> Any:
+    """The LLM of one configuration: without LoRA, or with 4 slots of --rank."""
+    from vllm import LLM
 
     lora_args: dict[str, Any] = {}
-    if loras is not None:
+    if lora:
         lora_args = dict(enable_lora=True, max_loras=4, max_lora_rank=max(8, args.rank))
-    llm = LLM(
+    return LLM(
         model=args.model,
         pipeline_parallel_size=args.pipeline_parallel_size,
         kv_cache_space=args.kv_cache_space,
         **lora_args,
     )
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-        per_request = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
-        for lora in loras or []:
-            llm.llm_engine.add_lora(lora)  # loaded before the clock starts
-        # The workload once untimed: oneDNN builds a kernel per new batch shape on first use,
-        # which only the first engine of the process would otherwise pay. Then the best of
-        # --repeats timed runs (this machine's load moves the figures run to run).
-        llm.generate(prompts, params, lora_request=per_request, use_tqdm=False)
-        wall = float("inf")
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, lora_request=per_request, use_tqdm=False)
-            wall = min(wall, time.perf_counter() - start)
-    finally:
-        llm.shutdown()
+
+
+def timed(llm: Any, prompts: list[str], params: Any, per_request: list[Any] | None) -> dict:
+    """One generate call: wall and CPU seconds (this process) and generated tokens."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    outs = llm.generate(prompts, params, lora_request=per_request, use_tqdm=False)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"wall_s": wall, "generated_tokens": generated, "tok_s": generated / wall}
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "generated_tokens": generated,
+        "tok_s": generated / wall,
+        "cpu_tok_s": generated / cpu,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
     args = parse_args(argv)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     prompts = take_prompts(load_prompts(), args.num_prompts)
     hf_config = resolve(args.model).hf_config
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    names = ["lora off", "lora on, base model", "lora on, 4 adapters mixed"]
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as root:
         loras = [
             LoRARequest(f"bench{i}", i + 1, write_adapter(hf_config, f"{root}/a{i}", args.rank, i))
             for i in range(4)
         ]
-        results = {
-            "lora off": run(args, prompts, None),
-            "lora on, base model": run(args, prompts, []),
-            "lora on, 4 adapters mixed": run(args, prompts, loras),
+        mixed = [loras[i % len(loras)] for i in range(len(prompts))]
+        plain, with_lora = engine(args, lora=False), engine(args, lora=True)
+        try:
+            for lora in loras:
+                with_lora.llm_engine.add_lora(lora)  # loaded before the clock starts
+            configs = {
+                "lora off": (plain, None),
+                "lora on, base model": (with_lora, None),
+                "lora on, 4 adapters mixed": (with_lora, mixed),
+            }
+            # Round 0 untimed: oneDNN builds a kernel per new batch shape on first use, which
+            # only the first engine of the process would otherwise pay.
+            for round_ in range(args.repeats + 1):
+                for name, (llm, per_request) in configs.items():
+                    result = timed(llm, prompts, params, per_request)
+                    if round_ > 0:
+                        runs[name].append(result)
+        finally:
+            plain.shutdown()
+            with_lora.shutdown()
+    off = runs["lora off"]
+    results = {}
+    for name in names:
+        rounds = runs[name]
+        results[name] = {
+            key: statistics.median(r[key] for r in rounds)
+            for key in ("wall_s", "cpu_s", "tok_s", "cpu_tok_s")
         }
+        results[name]["vs_lora_off"] = statistics.median(
+            r["tok_s"] / o["tok_s"] for r, o in zip(rounds, off)
+        )
+        results[name]["cpu_vs_lora_off"] = statistics.median(
+            r["cpu_tok_s"] / o["cpu_tok_s"] for r, o in zip(rounds, off)
+        )
+        results[name]["rounds"] = rounds
     print(
         f"\n=== LoRA: {args.num_prompts} prompts x {args.output_len} tokens, rank {args.rank}, "
         f"model {args.model}, PP={args.pipeline_parallel_size}, {os.cpu_count()} CPUs, load "
-        f"{os.getloadavg()[0]:.1f} ==="
+        f"{os.getloadavg()[0]:.1f}, median of {args.repeats} interleaved rounds ==="
     )
-    base = results["lora off"]["tok_s"]
     print_table(
-        ["run", "total s", "generated tok/s", "vs LoRA off"],
+        ["run", "total s", "tok/s", "vs LoRA off", "per round", "CPU s", "CPU tok/s", "vs off"],
         [
-            [name, f"{r['wall_s']:.2f}", f"{r['tok_s']:.1f}", f"{r['tok_s'] / base:.2f}x"]
+            [
+                name,
+                f"{r['wall_s']:.2f}",
+                f"{r['tok_s']:.1f}",
+                f"{r['vs_lora_off']:.2f}x",
+                " ".join(f"{x['tok_s']:.0f}" for x in r["rounds"]),
+                f"{r['cpu_s']:.2f}",
+                f"{r['cpu_tok_s']:.1f}",
+                f"{r['cpu_vs_lora_off']:.2f}x",
+            ]
             for name, r in results.items()
         ],
     )

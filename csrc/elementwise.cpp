@@ -34,84 +34,30 @@
 
 #include "cpu_isa.h"
 #include "cpu_simd.h"
-
-// For the lambdas passed to Vec::chunks. A lambda is a function of its own: it does not
-// inherit the caller's target attribute, so unless it is inlined it is compiled for baseline
-// x86-64, where 16-lane vectors are emulated through the stack (cpu_simd.h).
-#define VLLM_PP_LAMBDA_INLINE __attribute__((always_inline))
+#include "cpu_vec.h"
 
 namespace vllm_pp {
 namespace {
 
-// Vector access to rows of scalar_t for width W, computing in fp32.
+// sum of x[i]^2 over a row, in fp32 (two accumulators, so the adds do not wait on each other).
 template <int W, typename scalar_t>
-struct Vec {
-  using S = simd::Simd<W>;
-  using f32 = typename S::f32;
-  using u32 = typename S::u32;
-  static constexpr bool kBF16 = std::is_same_v<scalar_t, c10::BFloat16>;
-
-  // n <= W elements from p; the lanes past n are 0. The tail of a row goes through the same
-  // vector code as the rest, so every element is computed alike.
-  template <typename T>
-  static VLLM_PP_INLINE f32 load(const T* p, int64_t n) {
-    if (n == W) return S::load(p);
-    T buf[W] = {};
-    std::copy(p, p + n, buf);
-    return S::load(buf);
+VLLM_PP_INLINE float sum_squares(const scalar_t* x, int64_t len) {
+  using V = Vec<W, scalar_t>;
+  using S = typename V::S;
+  using f32 = typename V::f32;
+  f32 acc0{}, acc1{};
+  int64_t d = 0;
+  for (; d + 2 * W <= len; d += 2 * W) {
+    const f32 a = S::load(x + d), b = S::load(x + d + W);
+    acc0 += a * a;
+    acc1 += b * b;
   }
-
-  // The first n <= W lanes of v to p, rounded to scalar_t.
-  static VLLM_PP_INLINE void store(scalar_t* p, f32 v, int64_t n) {
-    if (n == W) return S::store(p, v);
-    scalar_t buf[W];
-    S::store(buf, v);
-    std::copy(buf, buf + n, p);
+  for (; d < len; d += W) {
+    const f32 a = V::load(x + d, std::min<int64_t>(W, len - d));
+    acc0 += a * a;
   }
-
-  // v as torch would hold it in a scalar_t tensor: rounded to bf16, or in fp32 materialised as
-  // an fp32 value. The empty asm claims to modify v, so the compiler cannot fuse the operation
-  // that produced v with the one that consumes it (an FMA would skip this rounding).
-  static VLLM_PP_INLINE f32 round(f32 v) {
-    if constexpr (kBF16) {
-      return S::round_bf16(v);
-    } else {
-#if defined(__x86_64__) || defined(__i386__)
-      asm("" : "+v"(v));  // any SSE/AVX register
-#elif defined(__aarch64__)
-      asm("" : "+w"(v));  // any SIMD register
-#else
-      asm("" : "+m"(v));
-#endif
-      return v;
-    }
-  }
-
-  // f(d, n) for the chunks [d, d + n) of [0, len): n == W but for a shorter last chunk. Once f
-  // is inlined, the main loop sees n == W as a constant and keeps no tail branches.
-  template <typename F>
-  static VLLM_PP_INLINE void chunks(int64_t len, F&& f) {
-    int64_t d = 0;
-    for (; d + W <= len; d += W) f(d, int64_t{W});
-    if (d < len) f(d, len - d);
-  }
-
-  // sum of x[i]^2 over a row, in fp32 (two accumulators, so the adds do not wait on each other).
-  static VLLM_PP_INLINE float sum_squares(const scalar_t* x, int64_t len) {
-    f32 acc0{}, acc1{};
-    int64_t d = 0;
-    for (; d + 2 * W <= len; d += 2 * W) {
-      const f32 a = S::load(x + d), b = S::load(x + d + W);
-      acc0 += a * a;
-      acc1 += b * b;
-    }
-    for (; d < len; d += W) {
-      const f32 a = load(x + d, std::min<int64_t>(W, len - d));
-      acc0 += a * a;
-    }
-    return S::reduce_add(acc0 + acc1);
-  }
-};
+  return S::reduce_add(acc0 + acc1);
+}
 
 // 1 / sqrt(mean + eps) exactly as torch evaluates HF's `torch.rsqrt(h.pow(2).mean(-1) + eps)`:
 // the CPU mean divides the fp32 sum by the count, eps is added in fp32 (a Python float meets an
@@ -153,7 +99,7 @@ struct RmsNormKernel {
       const scalar_t* x = static_cast<const scalar_t*>(a.x) + t * a.x_stride;
       scalar_t* out = static_cast<scalar_t*>(a.out) + t * a.out_stride;
       // Reads the whole row before writing any of it, so out may be x itself.
-      const float r = inv_rms(V::sum_squares(x, a.hidden), a.hidden, a.eps);
+      const float r = inv_rms(sum_squares<W, scalar_t>(x, a.hidden), a.hidden, a.eps);
       normalize(out, x, weight, a.hidden, r);
     }
   }
@@ -176,7 +122,7 @@ struct FusedAddRmsNormKernel {
       V::chunks(a.hidden, [&](int64_t d, int64_t n) VLLM_PP_LAMBDA_INLINE {
         V::store(res + d, V::load(x + d, n) + V::load(res + d, n), n);
       });
-      const float r = inv_rms(V::sum_squares(res, a.hidden), a.hidden, a.eps);
+      const float r = inv_rms(sum_squares<W, scalar_t>(res, a.hidden), a.hidden, a.eps);
       RmsNormKernel<W, scalar_t>::normalize(x, res, weight, a.hidden, r);
     }
   }

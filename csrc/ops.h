@@ -50,6 +50,18 @@ void sample_from_logits(const at::Tensor& logits, const at::Tensor& draw_rows,
 void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t type);
 void gguf_dequantize(at::Tensor& out, const at::Tensor& weight, int64_t type);
 
+// The batched LoRA update of one layer (lora.cpp), float32 or bfloat16: for each adapted token
+// tokens[j] (sorted by slot) of slot slots[j], and each output slice i ([slice_offsets[i],
+// slice_offsets[i + 1]) of out's columns) with ranks[s, i] > 0,
+// out[t, slice i] += (x[t] @ lora_a[s, i*R : i*R+rank]^T) @ lora_b_t[s, i*R : i*R+rank, slice i]
+// * scale[s], with R = lora_a.size(1) / number of slices. x [T, in] and out [T, out_width] with
+// unit last strides; lora_a [S, n*R, in] and lora_b_t [S, n*R, out_width] contiguous; tokens,
+// slots int64 [N]; scale float32 [S]; ranks int64 [S, n].
+void lora_apply(at::Tensor& out, const at::Tensor& x, const at::Tensor& lora_a,
+                const at::Tensor& lora_b_t, const at::Tensor& tokens, const at::Tensor& slots,
+                const at::Tensor& scale, const at::Tensor& ranks,
+                c10::IntArrayRef slice_offsets);
+
 // The instruction set the attention kernel runs with ("avx512", "avx2" or "generic"), and a
 // way to lower it so tests can check every variant on one machine.
 std::string cpu_isa();

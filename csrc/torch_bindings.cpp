@@ -26,6 +26,9 @@ TORCH_LIBRARY(vllm_pp, m) {
       "Tensor(b!) argmax, Tensor(c!) lse) -> ()");
   m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor weight, int type) -> ()");
   m.def("gguf_dequantize(Tensor(a!) out, Tensor weight, int type) -> ()");
+  m.def(
+      "lora_apply(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b_t, Tensor tokens, "
+      "Tensor slots, Tensor scale, Tensor ranks, int[] slice_offsets) -> ()");
   // No tensor arguments, so these cannot dispatch on a device: register them for all.
   m.def("cpu_isa() -> str", &vllm_pp::cpu_isa);
   m.def("set_cpu_isa(str isa) -> ()", &vllm_pp::set_cpu_isa);
@@ -41,6 +44,7 @@ TORCH_LIBRARY_IMPL(vllm_pp, CPU, m) {
   m.impl("sample_from_logits", &vllm_pp::sample_from_logits);
   m.impl("gguf_linear", &vllm_pp::gguf_linear);
   m.impl("gguf_dequantize", &vllm_pp::gguf_dequantize);
+  m.impl("lora_apply", &vllm_pp::lora_apply);
 }
 
 // An empty module: everything is reached through torch.ops.vllm_pp.

@@ -21,6 +21,8 @@ DISABLE_ENV = "VLLM_PP_DISABLE_KERNELS"
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 # dtypes the fused elementwise kernels (RMSNorm, RoPE, SwiGLU; csrc/elementwise.cpp) implement.
 ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)
+# dtypes the batched LoRA update (csrc/lora.cpp) implements.
+LORA_DTYPES = (torch.float32, torch.bfloat16)
 
 try:
     import vllm._C  # noqa: F401  (registers torch.ops.vllm_pp)
@@ -277,3 +279,26 @@ def gguf_dequantize(
     out = torch.empty(weight.shape[0], cols, dtype=dtype)
     torch.ops.vllm_pp.gguf_dequantize.default(out, weight, qtype)
     return out
+
+
+def lora_apply(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b_t: torch.Tensor,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    scale: torch.Tensor,
+    ranks: torch.Tensor,
+    slice_offsets: list[int],
+) -> None:
+    """In place, one layer's batched LoRA update; see csrc/lora.cpp. For each adapted token
+    tokens[j] (int64 [N], sorted by slot) of slot slots[j], and each output slice i (columns
+    slice_offsets[i]..slice_offsets[i+1] of out) with rank ranks[s, i] > 0:
+    out[t, slice] += (x[t] @ A_i^T) @ B_i^T * scale[s], A_i the slice's `rank` rows of
+    lora_a [S, n*R, in] and B_i^T those of lora_b_t [S, n*R, out_width]. x [T, in] and out
+    [T, out_width] float32/bfloat16 with a unit last stride; scale float32 [S]; ranks int64
+    [S, n]."""
+    torch.ops.vllm_pp.lora_apply.default(
+        out, x, lora_a, lora_b_t, tokens, slots, scale, ranks, slice_offsets
+    )

@@ -117,16 +117,16 @@ class StageLoRAManager:
         return slot
 
     def activate(self, token_lora_ids: torch.Tensor) -> None:
-        """token_lora_ids [T] (0: base model): load the step's adapters into slots and group
-        the step's tokens by slot for the wrapped layers."""
-        ids = {int(i) for i in torch.unique(token_lora_ids).tolist()} - {0}
-        if not ids:
-            self.context.clear()
+        """token_lora_ids [T] (0: base model): load the step's adapters into slots and give
+        the wrapped layers each token's slot (once per step; the layers share it)."""
+        ids = token_lora_ids.tolist()
+        step_ids = set(ids) - {0}
+        if not step_ids:
+            self.context.clear()  # the base model alone: the layers skip the update
             return
-        token_slots = torch.full_like(token_lora_ids, -1)  # [T]
-        for lora_id in sorted(ids):
-            token_slots[token_lora_ids == lora_id] = self._slot_for(lora_id, ids)
-        self.context.set_tokens(token_slots)
+        slot_of = {lora_id: self._slot_for(lora_id, step_ids) for lora_id in sorted(step_ids)}
+        slot_of[0] = -1
+        self.context.set_slots([slot_of[i] for i in ids], token_lora_ids.device)
 
     def clear(self) -> None:
         self.context.clear()
