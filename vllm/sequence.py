@@ -1,4 +1,4 @@
-"""Sequences, sequence groups and the small records that travel between engine and workers.
+"""Sequences, sequence groups, the rows a stage runs and the outputs it returns.
 
 Imports no torch: the scheduler, the block manager and the engine's bookkeeping are tested with
 fake sequences in milliseconds, and every record here pickles cheaply to Ray workers.
@@ -448,7 +448,8 @@ class SequenceGroup:
 
 @dataclass
 class SequenceGroupMetadata:
-    """What a worker needs to run one group for one step (pickled to the stage workers).
+    """What the model runner reads of one group for one step: a row the first or last stage's
+    request table rebuilds from the step records (`vllm.worker.request_table`); never sent.
 
     `is_prompt` groups feed `token_chunk_size` tokens after the ones already computed
     (`SequenceData.get_num_computed_tokens`): the whole prompt, one chunk of it (chunked

@@ -6,8 +6,10 @@ runs either new prompts (whole) or decodes (`vllm.core.classic_policy`); with
 `enable_chunked_prefill` a step takes the running decodes first, then prefill chunks
 (`vllm.core.chunked_policy`). How large one batch may be is the engine's `MicroBatchBudget`.
 A group that can never fit the cache (a prompt, or a swapped group that can never be swapped
-back in) is finished as FINISHED_IGNORED with a warning instead of waiting forever. Imports
-no torch.
+back in) is finished as FINISHED_IGNORED with a warning instead of waiting forever. Each
+step is written once, as records for the first and last stages (`vllm.core.step_writer`:
+a request in full when they do not hold it, else what changed), committed by `commit_step`
+once the executor accepted it. Imports no torch.
 
 In flight: with pipeline parallelism the engine keeps several batches inside the pipeline at
 once; a group in flight has not produced its next token yet, so it is not scheduled, preempted
