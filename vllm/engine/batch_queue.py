@@ -153,10 +153,10 @@ class BatchQueue:
         size = message_bytes(message)
         self.stats.step_bytes += size
         self.stats.per_step_bytes.append(size)
+        running = SequenceStatus.RUNNING
         full = [
-            (group.request_id, group.sampling_params, [seq.data for seq in running])
+            (group.request_id, group.sampling_params, [s.data for s in group.get_seqs(running)])
             for group in scheduler_outputs.scheduled_seq_groups
-            for running in [group.get_seqs(status=SequenceStatus.RUNNING)]
         ]
         self.stats.full_bytes += message_bytes(full)
 
