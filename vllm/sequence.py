@@ -1,4 +1,4 @@
-"""Sequences, sequence groups and the small records that travel between engine and workers.
+"""Sequences, sequence groups, the rows a stage runs and the outputs it returns.
 
 Imports no torch: the scheduler, the block manager and the engine's bookkeeping are tested with
 fake sequences in milliseconds, and every record here pickles cheaply to Ray workers.
@@ -187,6 +187,9 @@ class Sequence:
         self.read_offset = 0
         # (characters of text, output tokens) already returned under output_kind=DELTA.
         self.delta_offsets = (0, 0)
+        # What the first and last stages hold of this sequence (None: nothing), written by
+        # the scheduler's step writer once the executor accepted the step that told them.
+        self.held: HeldBySequence | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -235,6 +238,7 @@ class Sequence:
     def fork(self, new_seq_id: int) -> Sequence:
         new_seq = copy.deepcopy(self)
         new_seq.seq_id = new_seq_id
+        new_seq.held = None  # the stages know the parent, not the child
         return new_seq
 
     def fork_light(self, new_seq_id: int) -> Sequence:
@@ -246,6 +250,7 @@ class Sequence:
         are appended, so sharing them is safe."""
         new_seq = copy.copy(self)
         new_seq.seq_id = new_seq_id
+        new_seq.held = None  # the stages know the parent, not the child
         new_seq.data = SequenceData(
             self.data.prompt_token_ids,
             list(self.data.output_token_ids),
@@ -278,6 +283,19 @@ class Sequence:
         return (
             f"Sequence(seq_id={self.seq_id}, status={self.status.name}, num_blocks={self.n_blocks})"
         )
+
+
+class HeldBySequence(NamedTuple):
+    """What the first and last stages hold of one sequence (vLLM V1 keeps such facts on its
+    `Request`): the step records send only what lies beyond it."""
+
+    # Token ids the stages hold (the engine's tokens plus any they append themselves for a
+    # decode scheduled ahead).
+    num_tokens: int
+    # Leading block-table entries the stages hold, and the block manager's table epoch they
+    # belong to (`BlockSpaceManager.table_epoch`: it changes when an entry is rewritten).
+    num_blocks: int
+    table_epoch: int
 
 
 class Flight(NamedTuple):
@@ -326,6 +344,10 @@ class SequenceGroup:
         # Sequences that finished while a step was in flight (one scheduled ahead): their
         # blocks are freed when that step returns.
         self.deferred_free: list[Sequence] = []
+        # The stages' generation (`StepWriter.generation`) in which the first and last stages
+        # were sent this request in full; any other value: they do not hold it (never sent,
+        # preempted since, or the stages forgot every request).
+        self.held_generation = -1
 
     def is_in_flight(self) -> bool:
         """Whether a step of this group is inside the pipeline."""
@@ -426,7 +448,8 @@ class SequenceGroup:
 
 @dataclass
 class SequenceGroupMetadata:
-    """What a worker needs to run one group for one step (pickled to the stage workers).
+    """What the model runner reads of one group for one step: a row the first or last stage's
+    request table rebuilds from the step records (`vllm.worker.request_table`); never sent.
 
     `is_prompt` groups feed `token_chunk_size` tokens after the ones already computed
     (`SequenceData.get_num_computed_tokens`): the whole prompt, one chunk of it (chunked

@@ -89,7 +89,7 @@ def test_greedy_equals_hf_with_steps_ahead(async_llm, hf_reference):
     stats = queue.reset_stats()
     # Most decode micro-batches went ahead of their previous output.
     assert stats.ahead_groups > 0.5 * len(MANY) * 30
-    # Deltas: far fewer bytes than full histories (new requests are sent once).
+    # Step records: far fewer bytes than full histories (new requests are sent once).
     assert stats.step_bytes * 3 < stats.full_bytes, stats
     engine = async_llm.llm_engine
     assert not engine.scheduler.in_flight and not engine.has_unfinished_requests()

@@ -1,6 +1,6 @@
-"""The batch queue, the step deltas and scheduling ahead, with a fake pipeline (torch-free).
+"""The batch queue, the step records and scheduling ahead, with a fake pipeline (torch-free).
 
-The fake pipeline applies each step message to a `StageRequestState` exactly as the first and
+The fake pipeline applies each step message to a `RequestTable` exactly as the first and
 last stages do, and "samples" a token that is a fixed function of the sequence's tokens as the
 stage holds them. A stale or missing token anywhere (a wrong delta, a decode scheduled ahead
 that fed the wrong token) changes every later token, so the final outputs are compared with
@@ -8,8 +8,6 @@ a plain sequential generation of the same function.
 """
 
 from __future__ import annotations
-
-import pickle
 
 import pytest
 
@@ -28,7 +26,8 @@ from vllm.sequence import (
     SequenceOutput,
     SequenceStatus,
 )
-from vllm.step_delta import ExecuteModelRequest, StageRequestState, StepEncoder
+from vllm.step_delta import CachedSeqData, ExecuteModelRequest
+from vllm.worker.request_table import RequestTable
 
 pytestmark = pytest.mark.fast
 
@@ -55,7 +54,7 @@ class FakePipeline:
 
     def __init__(self, pp: int, fail_step: int = -1) -> None:
         self.pp = pp
-        self.state = StageRequestState()
+        self.state = RequestTable()
         self.submitted: list[ExecuteModelRequest] = []
         self.outputs: dict[int, list[SequenceGroupOutput]] = {}
         self.fail_step = fail_step
@@ -73,13 +72,16 @@ class FakePipeline:
         request = self.submitted[index]
         step = request.step
         assert step is not None
-        if step.groups and any(d.num_pending for g in step.groups for d in g.seqs):
+        pending = [
+            s for g in step.groups for s in g.seqs if isinstance(s, CachedSeqData) and s.num_pending
+        ]
+        if pending:
             # The first stage would wait for these ids: they must come from an older step.
             gap = step.step_no - step.recv_sampled_through
             assert gap >= 1
             self.max_wait_gap = gap if self.max_wait_gap is None else min(self.max_wait_gap, gap)
         self.state.drop(request.finished_request_ids)
-        metadata = self.state.apply(step)
+        metadata = self.state.apply(step).groups
         outputs, pairs = [], []
         for meta in metadata:
             samples = []
@@ -129,11 +131,12 @@ class MiniEngine:
     def step(self) -> None:
         sched = self.scheduler
         while not self.queue.is_full():
-            metadata, out = sched.schedule(self.queue.next_step_no)
+            records, out = sched.schedule(self.queue.next_step_no)
             if out.is_empty():
                 break
             finished, self.finished_ids = self.finished_ids, []
-            self.queue.submit(out, metadata, finished, 0)
+            self.queue.submit(out, records, finished, 0)
+            sched.commit_step(out)  # as the engine: once the executor accepted the step
         if not len(self.queue):
             return
         out, output = self.queue.collect_oldest()
@@ -267,36 +270,3 @@ def test_error_keeps_batch_then_discard_resets_stages():
     engine.run()
     for i, prompt in enumerate(_prompts(6)):
         assert engine.groups[f"r{i}"].get_seqs()[0].get_output_token_ids() == sequential(prompt, 20)
-
-
-def test_deltas_are_small_and_checked():
-    encoder, state = StepEncoder(), StageRequestState()
-    seqs = [Sequence(next(_seq_ids), "p", list(range(200)), block_size=4) for _ in range(16)]
-    groups = [SequenceGroup(f"g{i}", [s], FakeParams(), 0.0) for i, s in enumerate(seqs)]
-    tables = {s.seq_id: list(range(50)) for s in seqs}
-
-    def metadata(is_prompt):
-        from vllm.sequence import SequenceGroupMetadata
-
-        return [
-            SequenceGroupMetadata(g.request_id, is_prompt, {s.seq_id: s.data},
-                                  g.sampling_params, {s.seq_id: tables[s.seq_id]})
-            for g, s in zip(groups, seqs)
-        ]  # fmt: skip
-
-    state.apply(encoder.encode(metadata(True)))
-    for s in seqs:
-        s.append_token_id(9, {9: Logprob(-0.5)})
-        tables[s.seq_id].append(99)
-    full = metadata(False)
-    message = encoder.encode(full)
-    held = state.apply(message)
-    assert [m.seq_data[s.seq_id].get_token_ids() for m, s in zip(held, seqs)] == [
-        s.get_token_ids() for s in seqs
-    ]
-    assert held[0].block_tables[seqs[0].seq_id] == list(range(50)) + [99]
-    assert len(pickle.dumps(message)) * 10 < len(pickle.dumps(full))
-    # A stage that lost track fails loudly, naming the request.
-    state.drop(["g3"])
-    with pytest.raises(RuntimeError, match="g3"):
-        state.apply(encoder.encode(metadata(False)))

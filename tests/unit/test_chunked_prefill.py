@@ -10,6 +10,7 @@ import pytest
 
 from tests.utils.fake_requests import FakeParams as _Params
 from tests.utils.fake_requests import seq_ids as _seq_ids
+from tests.utils.stage_view import schedule_rows
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler
@@ -42,18 +43,20 @@ def _add(sched: Scheduler, rid: str, prompt_len: int, arrival: float = 0.0) -> S
 
 def _return(sched: Scheduler, metadata) -> None:
     """The engine's side when a batch returns: out of flight, a token for sampled groups."""
+    groups = [sched.in_flight[m.request_id] for m in metadata]
     sched.finish_in_flight([m.request_id for m in metadata])
-    for meta in metadata:
+    for meta, group in zip(metadata, groups):
         if meta.do_sample:
-            for data in meta.seq_data.values():
-                data.append_token_id(7, 0.0)
+            # The engine's sequences (the rows are the stage's copies).
+            for seq_id in meta.seq_data:
+                group.find(seq_id).data.append_token_id(7, 0.0)
 
 
 def test_long_prompt_is_prefilled_in_chunks_next_to_decodes() -> None:
     sched = _scheduler(budget=8)
     short = _add(sched, "short", 3, arrival=0.0)
     long = _add(sched, "long", 20, arrival=1.0)
-    metadata, out = sched.schedule()
+    metadata, out = schedule_rows(sched)
     # Budget 8: short's prompt (3) and the first 5 tokens of long.
     assert [(m.request_id, m.token_chunk_size, m.do_sample) for m in metadata] == [
         ("short", 3, True),
@@ -61,26 +64,26 @@ def test_long_prompt_is_prefilled_in_chunks_next_to_decodes() -> None:
     ]
     assert out.num_batched_tokens == 8 and out.prompt_run
     assert set(sched.in_flight) == {"short", "long"}
-    _, empty = sched.schedule()  # both in flight: the next chunk waits for this one
+    _, empty = schedule_rows(sched)  # both in flight: the next chunk waits for this one
     assert empty.is_empty()
     _return(sched, metadata)
     seq_long = long.get_seqs()[0]
     assert seq_long.data.get_num_computed_tokens() == 5 and long.is_prefill()
     assert not short.is_prefill()
-    metadata, out = sched.schedule()
+    metadata, out = schedule_rows(sched)
     # Decodes first (1 token), then 7 more prompt tokens.
     assert [(m.request_id, m.is_prompt, m.token_chunk_size) for m in metadata] == [
         ("long", True, 7),
         ("short", False, 1),
     ]
     _return(sched, metadata)
-    metadata, _ = sched.schedule()
+    metadata, _ = schedule_rows(sched)
     assert [(m.request_id, m.token_chunk_size, m.do_sample) for m in metadata] == [
         ("long", 7, False),
         ("short", 1, True),
     ]
     _return(sched, metadata)
-    metadata, _ = sched.schedule()
+    metadata, _ = schedule_rows(sched)
     assert [(m.request_id, m.token_chunk_size, m.do_sample) for m in metadata] == [
         ("long", 1, True),
         ("short", 1, True),
@@ -88,7 +91,7 @@ def test_long_prompt_is_prefilled_in_chunks_next_to_decodes() -> None:
     _return(sched, metadata)
     assert not long.is_prefill() and seq_long.get_output_len() == 1
     assert seq_long.data.get_num_computed_tokens() == 20
-    metadata, _ = sched.schedule()
+    metadata, _ = schedule_rows(sched)
     assert all(not m.is_prompt for m in metadata)
 
 
@@ -96,13 +99,13 @@ def test_recompute_preemption_restarts_a_partial_prefill() -> None:
     sched = _scheduler(budget=8, gpu=5)
     a = _add(sched, "a", 4, arrival=0.0)
     b = _add(sched, "b", 16, arrival=1.0)  # 1 + 4 blocks: the cache is full
-    metadata, _ = sched.schedule()
+    metadata, _ = schedule_rows(sched)
     assert [m.token_chunk_size for m in metadata] == [4, 4]
     _return(sched, metadata)
     seq_b = b.get_seqs()[0]
     assert seq_b.data.get_num_computed_tokens() == 4
     # a's fifth token needs a block: b (later, half prefilled) is the victim.
-    metadata, out = sched.schedule()
+    metadata, out = schedule_rows(sched)
     assert out.num_preempted == 1 and [g.request_id for g in sched.waiting] == ["b"]
     assert [m.request_id for m in metadata] == ["a"]
     assert seq_b.status == SequenceStatus.WAITING and seq_b.data.get_num_computed_tokens() == 0
@@ -113,15 +116,15 @@ def test_pipeline_micro_batches_are_balanced_by_tokens() -> None:
     sched = _scheduler(budget=64, gpu=256, pp=2)
     decoders = [_add(sched, f"d{i}", 2, arrival=float(i)) for i in range(8)]
     while any(g.is_prefill() for g in decoders):
-        metadata, _ = sched.schedule()
+        metadata, _ = schedule_rows(sched)
         _return(sched, metadata)
     assert all(not g.is_prefill() for g in decoders)
     _add(sched, "long", 100, arrival=100.0)
     # One round through two stages: 8 decode tokens + up to 64 prompt tokens; each
     # micro-batch takes half of the decodes and half of that prefill work.
     assert sched.budget.max_batch_seqs(sched.num_active_seqs()) == 5
-    first, out1 = sched.schedule()
-    second, out2 = sched.schedule()
+    first, out1 = schedule_rows(sched)
+    second, out2 = schedule_rows(sched)
     assert [(m.request_id, m.token_chunk_size) for m in first] == [
         ("long", 32),
         ("d0", 1),
@@ -135,7 +138,7 @@ def test_pipeline_micro_batches_are_balanced_by_tokens() -> None:
     # Without pipelining a step takes every decode and fills the budget with the prompt.
     sched.budget = MicroBatchBudget.from_config(sched.scheduler_config)
     _return(sched, first + second)
-    third, out3 = sched.schedule()
+    third, out3 = schedule_rows(sched)
     assert third[0].request_id == "long" and third[0].token_chunk_size == 56
     assert out3.num_batched_tokens == 64
 
@@ -184,7 +187,7 @@ def test_diverged_recompute_group_too_big_for_a_step_is_ignored_not_hung() -> No
     small[1].append_token_id(9, {9: Logprob(0.0)})
     fits = SequenceGroup("fits", small, _Params(n=2, best_of=2), arrival_time=1.0)
     sched.add_seq_group(fits)
-    metadata, out = sched.schedule()
+    metadata, out = schedule_rows(sched)
     assert out.ignored_seq_groups == [group]
     assert [(m.request_id, len(m.seq_data), m.do_sample) for m in metadata] == [("fits", 2, True)]
     assert out.num_batched_tokens == 7
@@ -212,13 +215,13 @@ def test_vllm_pp_micro_batches_sizes_every_micro_batch_alike(
     step = 0
     while any(g.is_prefill() for g in decoders):
         step += 1
-        metadata, _ = sched.schedule(step)
+        metadata, _ = schedule_rows(sched, step)
         _return(sched, metadata)
     _add(sched, "long", 100, arrival=100.0)
     # 9 active sequences over 4 cohorts: at most 3 per micro-batch. Tokens: a quarter of
     # the 8 decodes (2) and a quarter of the 64 prompt tokens a round may take (16).
     assert budget.max_batch_seqs(sched.num_active_seqs()) == 3
-    first, out = sched.schedule(step + 1)
+    first, out = schedule_rows(sched, step + 1)
     assert [(m.request_id, m.token_chunk_size) for m in first] == [
         ("long", 16),
         ("d0", 1),

@@ -10,6 +10,7 @@ import pytest
 
 from tests.utils.fake_requests import FakeParams as _Params
 from tests.utils.fake_requests import seq_ids as _seq_ids
+from tests.utils.stage_view import schedule_rows
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.block_manager import AllocStatus, BlockSpaceManager
 from vllm.core.scheduler import Scheduler
@@ -178,16 +179,16 @@ def test_scheduler_prefix_hit_waits_for_in_flight_prefix_and_skips_computed_toke
     prompt = list(range(50, 61))  # 11 tokens, 2 full blocks
     a = _group("a", prompt)
     sched.add_seq_group(a)
-    metadata, out = sched.schedule()
+    metadata, out = schedule_rows(sched)
     assert metadata[0].token_chunk_size == 11 and metadata[0].do_sample
     b = _group("b", prompt)
     sched.add_seq_group(b)
     # a is still in flight: its blocks are not computed yet, so b waits to reuse them
     # instead of computing the same prefix a second time.
-    _, out = sched.schedule()
+    _, out = schedule_rows(sched)
     assert out.is_empty() and list(sched.waiting) == [b]
     sched.finish_in_flight(["a"])
-    metadata, out = sched.schedule()
+    metadata, out = schedule_rows(sched)
     assert [m.request_id for m in metadata] == ["b"]
     assert metadata[0].is_prompt and metadata[0].token_chunk_size == 3
     assert out.num_batched_tokens == 3
@@ -197,7 +198,7 @@ def test_scheduler_prefix_hit_waits_for_in_flight_prefix_and_skips_computed_toke
     # A prompt logprobs request computes everything and does not wait.
     c = _group("c", prompt, _Params(prompt_logprobs=1))
     sched.add_seq_group(c)
-    metadata, out = sched.schedule()
+    metadata, out = schedule_rows(sched)
     assert [m.request_id for m in metadata] == ["c"] and out.num_batched_tokens == 11
     assert sched.get_stats()["gpu_prefix_cache_hit_rate"] == pytest.approx(2 / 4)
 
@@ -208,7 +209,7 @@ def test_infeasible_swapped_beam_group_is_ignored_not_hung(caplog) -> None:
     sched = _scheduler(4, 16, preemption_mode="swap")
     group = _group("beam", list(range(4)), _Params(n=4, best_of=4, use_beam_search=True))
     sched.add_seq_group(group)
-    sched.schedule()
+    schedule_rows(sched)
     sched.finish_in_flight(["beam"])
     parent = group.get_seqs()[0]
     parent.append_token_id(1, {1: Logprob(0.0)})
@@ -216,11 +217,11 @@ def test_infeasible_swapped_beam_group_is_ignored_not_hung(caplog) -> None:
         child = parent.fork(next(_seq_ids))
         group.add(child)
         sched.fork_seq(parent, child)
-    _, out = sched.schedule()  # 4 beams need 4 new blocks, 3 are free: swapped out
+    _, out = schedule_rows(sched)  # 4 beams need 4 new blocks, 3 are free: swapped out
     assert out.num_preempted == 1 and list(sched.swapped) == [group]
     assert sched.block_manager.get_num_free_gpu_blocks() == 4
     with caplog.at_level(logging.WARNING, logger="vllm.core.scheduler"):
-        _, out = sched.schedule()  # 1 block + 4 new > 4 blocks: can never be swapped in
+        _, out = schedule_rows(sched)  # 1 block + 4 new > 4 blocks: can never be swapped in
     assert out.ignored_seq_groups == [group]
     assert "Failing the request beam because there's not enough kv cache blocks" in caplog.text
     assert all(s.status == SequenceStatus.FINISHED_IGNORED for s in group.get_seqs())

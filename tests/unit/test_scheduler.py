@@ -11,6 +11,7 @@ import pytest
 
 from tests.utils.fake_requests import FakeParams as _Params
 from tests.utils.fake_requests import seq_ids as _seq_ids
+from tests.utils.stage_view import schedule_rows
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.budget import NO_CAP, MicroBatchBudget
 from vllm.core.scheduler import PreemptionMode, Scheduler
@@ -82,7 +83,7 @@ def test_no_torch_imported() -> None:
 def test_token_budget_fcfs_and_metadata() -> None:
     sched = _scheduler(max_tokens=16, max_model_len=16)
     a, b, c = (_add(sched, rid, 6) for rid in "abc")
-    metadata, out = sched.schedule()
+    metadata, out = schedule_rows(sched)
     assert out.prompt_run and _ids(out.scheduled_seq_groups) == ["a", "b"]  # 18 > 16 for c
     assert out.num_batched_tokens == 12
     assert [m.request_id for m in metadata] == ["a", "b"]
@@ -95,13 +96,13 @@ def test_token_budget_fcfs_and_metadata() -> None:
     assert set(sched.in_flight) == {"a", "b"}
 
     # While a and b are in the pipeline, the next batch gets the other request.
-    _, out = sched.schedule()
+    _, out = schedule_rows(sched)
     assert out.prompt_run and _ids(out.scheduled_seq_groups) == ["c"]
-    _, out = sched.schedule()
+    _, out = schedule_rows(sched)
     assert out.is_empty() and not out.prompt_run
 
     _complete(sched, [a, b, c])
-    metadata, out = sched.schedule()
+    metadata, out = schedule_rows(sched)
     assert not out.prompt_run and _ids(out.scheduled_seq_groups) == ["a", "b", "c"]
     assert out.num_batched_tokens == 3
     assert not metadata[0].is_prompt
@@ -113,10 +114,10 @@ def test_seq_budget_counts_running_and_best_of() -> None:
     _add(sched, "a", 4, best_of=2)
     _add(sched, "b", 4, best_of=2)
     _add(sched, "c", 4)
-    _, out = sched.schedule()
+    _, out = schedule_rows(sched)
     assert _ids(out.scheduled_seq_groups) == ["a"]  # a would fork into 2, 2 + 2 > 3
     # FCFS: c fits the budget but must not overtake b.
-    _, out = sched.schedule()
+    _, out = schedule_rows(sched)
     assert out.is_empty()
     assert _ids(sched.waiting) == ["b", "c"]
     assert sched.get_num_unfinished_seq_groups() == 3
@@ -128,7 +129,7 @@ def test_ignored_long_prompt_alongside_normal(caplog: pytest.LogCaptureFixture) 
     huge = _add(sched, "huge", 12)  # 3 blocks: more than the whole cache
     ok = _add(sched, "ok", 5)
     with caplog.at_level(logging.WARNING, logger="vllm.core.scheduler"):
-        metadata, out = sched.schedule()
+        metadata, out = schedule_rows(sched)
     assert out.prompt_run
     assert _ids(out.ignored_seq_groups) == ["long", "huge"]
     assert _ids(out.scheduled_seq_groups) == ["ok"] == [m.request_id for m in metadata]
@@ -143,12 +144,12 @@ def test_ignored_long_prompt_alongside_normal(caplog: pytest.LogCaptureFixture) 
 def test_recompute_preemption_victim_is_last_and_reprefills() -> None:
     sched = _scheduler(gpu=3, max_num_seqs=4)
     a, b, c = (_add(sched, rid, 4) for rid in "abc")
-    _, out = sched.schedule()
+    _, out = schedule_rows(sched)
     assert _ids(out.scheduled_seq_groups) == ["a", "b", "c"]
     _complete(sched, [a, b, c])  # each now has 5 tokens: needs a second block, none is free
     _add(sched, "d", 8)  # 2 blocks: LATER, so this step decodes
 
-    _, out = sched.schedule()
+    _, out = schedule_rows(sched)
     assert not out.prompt_run
     assert _ids(out.scheduled_seq_groups) == ["a"]
     # a evicts the last group (c); b then finds nothing left to evict and preempts itself.
@@ -161,7 +162,7 @@ def test_recompute_preemption_victim_is_last_and_reprefills() -> None:
 
     _complete(sched, [a])
     _finish(sched, a)
-    metadata, out = sched.schedule()
+    metadata, out = schedule_rows(sched)
     assert out.prompt_run and _ids(out.scheduled_seq_groups) == ["b"]  # c (2 blocks) waits
     assert out.num_batched_tokens == 5  # prompt plus the token generated before preemption
     assert metadata[0].seq_data[b.get_seqs()[0].seq_id].get_len() == 5
@@ -172,9 +173,9 @@ def test_recompute_preemption_victim_is_last_and_reprefills() -> None:
 def test_forced_swap_preemption_then_swap_in() -> None:
     sched = _scheduler(gpu=4, cpu=4, max_num_seqs=4, preemption_mode="swap")
     a, b, c = (_add(sched, rid, 4) for rid in "abc")
-    _, out = sched.schedule()
+    _, out = schedule_rows(sched)
     _complete(sched, [a, b, c])
-    _, out = sched.schedule()
+    _, out = schedule_rows(sched)
     assert _ids(out.scheduled_seq_groups) == ["a", "b"]
     assert out.blocks_to_swap_out == {2: 0}
     assert _ids(sched.swapped) == ["c"]
@@ -185,7 +186,7 @@ def test_forced_swap_preemption_then_swap_in() -> None:
     _finish(sched, a)  # releases gpu blocks 0 and 3
     # Swapped groups block new prompts, like vLLM V0.
     _add(sched, "e", 4)
-    metadata, out = sched.schedule()
+    metadata, out = schedule_rows(sched)
     assert not out.prompt_run
     assert _ids(out.scheduled_seq_groups) == ["b", "c"]
     assert out.blocks_to_swap_in == {0: 0}
@@ -200,17 +201,17 @@ def test_no_swap_in_during_a_step_that_preempted() -> None:
     a = _add(sched, "a", 4, arrival=0.0)
     s = _add(sched, "s", 4, arrival=1.0)
     big = _add(sched, "big", 16, arrival=2.0)
-    sched.schedule()  # a [0], s [1], big [2, 3, 4, 5]
+    schedule_rows(sched)  # a [0], s [1], big [2, 3, 4, 5]
     _complete(sched, [a, s])  # big stays in flight, so s is the only possible victim
-    _, out = sched.schedule()
+    _, out = schedule_rows(sched)
     assert _ids(out.scheduled_seq_groups) == ["a"] and out.blocks_to_swap_out == {1: 0}
     _complete(sched, [a, big])
-    _, out = sched.schedule()  # a must evict big; 4 blocks free up, yet s stays out
+    _, out = schedule_rows(sched)  # a must evict big; 4 blocks free up, yet s stays out
     assert _ids(out.scheduled_seq_groups) == ["a"] and out.num_preempted == 1
     assert out.blocks_to_swap_out == {2: 1, 3: 2, 4: 3, 5: 4} and not out.blocks_to_swap_in
     assert _ids(sched.swapped) == ["s", "big"]
     _complete(sched, [a])
-    _, out = sched.schedule()
+    _, out = schedule_rows(sched)
     assert _ids(out.scheduled_seq_groups) == ["a", "s"] and out.blocks_to_swap_in == {0: 2}
     assert sched.block_manager.get_block_table(s.get_seqs()[0]) == [2, 3]
     assert _ids(sched.swapped) == ["big"]  # 4 blocks + 1 > 2 free
@@ -219,10 +220,10 @@ def test_no_swap_in_during_a_step_that_preempted() -> None:
 def test_lack_of_swap_space_raises() -> None:
     sched = _scheduler(gpu=4, cpu=0, preemption_mode="swap")
     groups = [_add(sched, rid, 4) for rid in "abc"]
-    sched.schedule()
+    schedule_rows(sched)
     _complete(sched, groups)
     with pytest.raises(RuntimeError, match="Aborted due to the lack of CPU swap space"):
-        sched.schedule()
+        schedule_rows(sched)
 
 
 def test_default_preemption_mode_rule() -> None:
@@ -236,13 +237,13 @@ def test_default_preemption_mode_rule() -> None:
 def test_copy_on_write_pairs_reach_blocks_to_copy() -> None:
     sched = _scheduler(gpu=8)
     group = _add(sched, "a", 3, best_of=2)
-    sched.schedule()
+    schedule_rows(sched)
     _complete(sched, [group])  # 4 tokens: block 0 is full, then shared by the fork
     parent = group.get_seqs()[0]
     child = parent.fork(next(_seq_ids))
     group.add(child)
     sched.fork_seq(parent, child)
-    metadata, out = sched.schedule()
+    metadata, out = schedule_rows(sched)
     assert out.blocks_to_copy == {0: [1]}
     assert metadata[0].block_tables == {parent.seq_id: [1], child.seq_id: [0]}
     assert out.num_batched_tokens == 2
@@ -252,10 +253,10 @@ def test_in_flight_group_is_never_preempted() -> None:
     sched = _scheduler(gpu=6, max_tokens=16, max_model_len=16)
     a = _add(sched, "a", 12)  # 3 blocks each; 12 + 12 tokens exceed one batch
     b = _add(sched, "b", 12)
-    assert _ids(sched.schedule()[1].scheduled_seq_groups) == ["a"]
-    assert _ids(sched.schedule()[1].scheduled_seq_groups) == ["b"]
+    assert _ids(schedule_rows(sched)[1].scheduled_seq_groups) == ["a"]
+    assert _ids(schedule_rows(sched)[1].scheduled_seq_groups) == ["b"]
     _complete(sched, [a])
-    _, out = sched.schedule()  # a needs a 4th block, none is free, b is in flight
+    _, out = schedule_rows(sched)  # a needs a 4th block, none is free, b is in flight
     assert out.scheduled_seq_groups == [] and out.num_preempted == 1
     assert _ids(sched.waiting) == ["a"] and _ids(sched.running) == ["b"]
     assert a.num_preemptions == 1 and b.num_preemptions == 0
@@ -264,7 +265,7 @@ def test_in_flight_group_is_never_preempted() -> None:
     assert set(sched.in_flight) == {"b"}
 
     _complete(sched, [b])
-    _, out = sched.schedule()  # a (13 tokens) waits for 4 blocks; b decodes into block 0
+    _, out = schedule_rows(sched)  # a (13 tokens) waits for 4 blocks; b decodes into block 0
     assert not out.prompt_run and _ids(out.scheduled_seq_groups) == ["b"]
     assert sched.block_manager.get_block_table(b.get_seqs()[0]) == [3, 4, 5, 0]
     assert _ids(sched.waiting) == ["a"]
@@ -273,7 +274,7 @@ def test_in_flight_group_is_never_preempted() -> None:
 def test_abort_waiting_running_and_in_flight() -> None:
     sched = _scheduler(gpu=8, max_num_seqs=2)
     a, b, c = (_add(sched, rid, 4) for rid in "abc")
-    _, out = sched.schedule()
+    _, out = schedule_rows(sched)
     assert _ids(out.scheduled_seq_groups) == ["a", "b"]
     _complete(sched, [b])
     assert sched.block_manager.get_num_free_gpu_blocks() == 6
@@ -293,13 +294,13 @@ def test_abort_waiting_running_and_in_flight() -> None:
     assert sched.block_manager.get_num_free_gpu_blocks() == 8
     assert not sched.in_flight
     sched.abort_seq_group("a")  # already gone: no-op
-    assert sched.schedule()[1].is_empty()
+    assert schedule_rows(sched)[1].is_empty()
 
 
 def test_free_finished_seq_groups_keeps_unfinished() -> None:
     sched = _scheduler()
     a, b = _add(sched, "a", 4), _add(sched, "b", 4)
-    sched.schedule()
+    schedule_rows(sched)
     _complete(sched, [a, b])
     _finish(sched, a)
     assert _ids(sched.running) == ["b"]
@@ -313,17 +314,17 @@ def test_micro_batch_cap_splits_prompts_and_decodes() -> None:
         _add(sched, f"r{i}", 4, arrival=float(i))
     assert sched.num_active_seqs() == 6
     # Three cohorts: each micro-batch takes at most a third of the active sequences.
-    batches = [sched.schedule()[1] for _ in range(3)]
+    batches = [schedule_rows(sched)[1] for _ in range(3)]
     assert [_ids(b.scheduled_seq_groups) for b in batches] == [
         ["r0", "r1"],
         ["r2", "r3"],
         ["r4", "r5"],
     ]
-    assert sched.schedule()[1].is_empty()  # everything is in flight
+    assert schedule_rows(sched)[1].is_empty()  # everything is in flight
     _complete(sched, batches[0].scheduled_seq_groups + batches[1].scheduled_seq_groups)
-    _, decode = sched.schedule()
+    _, decode = schedule_rows(sched)
     assert not decode.prompt_run and _ids(decode.scheduled_seq_groups) == ["r0", "r1"]
-    _, decode = sched.schedule()
+    _, decode = schedule_rows(sched)
     assert _ids(decode.scheduled_seq_groups) == ["r2", "r3"]
 
 
@@ -333,9 +334,9 @@ def test_a_group_larger_than_the_cap_runs_alone() -> None:
     _add(sched, "small", 4, arrival=1.0)
     # 2 active sequences over 4 cohorts: a cap of 1, yet the first group always fits.
     assert sched.budget.max_batch_seqs(sched.num_active_seqs()) == 1
-    _, first = sched.schedule()
+    _, first = schedule_rows(sched)
     assert _ids(first.scheduled_seq_groups) == ["big"]
-    _, second = sched.schedule()
+    _, second = schedule_rows(sched)
     assert _ids(second.scheduled_seq_groups) == ["small"]
 
 
@@ -361,14 +362,14 @@ def test_kv_blocks_bound_covers_every_admitted_sequence_at_its_longest():
     _add(sched, "b", 30)  # 30 + 16 capped at 40 -> 10 blocks
     group = _add(sched, "c", 3, best_of=2)  # forks into 2 sequences of 3 + 16 -> 2 x 5
     group.sampling_params.max_tokens = None  # up to max_model_len: 2 x 10 blocks
-    sched.schedule()
+    schedule_rows(sched)
     assert sched.kv_blocks_bound() == 6 + 10 + 20
     # Decode steps do not move it; it never exceeds the cache.
     for g in sched.running:
         sched.finish_in_flight([g.request_id])
-    sched.schedule()
+    schedule_rows(sched)
     assert sched.kv_blocks_bound() == 36
     small = _scheduler(gpu=8)
     _add(small, "x", 20)
-    small.schedule()
+    schedule_rows(small)
     assert small.kv_blocks_bound() == 8

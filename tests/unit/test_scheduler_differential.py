@@ -11,6 +11,13 @@ apply them with the engine's real `OutputProcessor` (forks, stop checks, frees).
 `SchedulerOutputs`, every metadata record), and so must the queues, the in-flight groups, the
 block manager's free blocks and the KV bound. Torch-free: milliseconds per workload.
 
+The live scheduler writes records (new requests in full, then what changed), not metadata: the
+live side commits each submitted step and applies its records to a stage's `RequestTable`, as
+the engine and the first and last stages do, and the rows that table hands the model runner
+must equal the reference's metadata. A decode scheduled ahead carries the token its step in
+flight will sample (the fake sampler's, fed to the table as the last stage would); it is
+stripped before comparing, as the reference's metadata does not have it yet.
+
 Two differences are intended and mapped here, nowhere else:
 - The reference numbers its own non-empty batches and names the batch a decode scheduled
   ahead depends on by that number (the batch queue then searched for its step); the live
@@ -41,12 +48,15 @@ from vllm.sampling_params import SamplingParams
 from vllm.sequence import (
     Logprob,
     Sequence,
+    SequenceData,
     SequenceGroup,
     SequenceGroupOutput,
     SequenceOutput,
     SequenceStatus,
 )
+from vllm.step_delta import CachedSeqData, StepMessage
 from vllm.utils import ceil_div
+from vllm.worker.request_table import RequestTable
 
 pytestmark = pytest.mark.fast
 
@@ -233,6 +243,8 @@ class Side:
         self.step_no = 0
         # Reference only: its batch numbers -> the step numbers they were submitted as.
         self.batch_steps: dict[int, int] = {}
+        # Live only: what the first and last stages hold, built from the step records.
+        self.table = RequestTable()
 
     def add(self, request: Request) -> None:
         seq = Sequence(
@@ -252,8 +264,32 @@ class Side:
             if not out.is_empty():
                 self.batch_steps[out.batch_no] = self.step_no + 1
         else:
-            metadata, out = schedule_live(self.scheduler, self.step_no + 1)
+            records, out = schedule_live(self.scheduler, self.step_no + 1)
+            metadata = self.stage_rows(records, out)
         return metadata, out
+
+    def stage_rows(self, records: list[Any], out: Any) -> list[Any]:
+        """Live: commit the step (it is submitted unless empty) and apply its records to the
+        stage's table; the rows, with the tokens fed for steps in flight stripped."""
+        if out.is_empty():
+            return []
+        self.scheduler.commit_step(out)
+        pending: dict[int, int] = {}
+        for record in records:
+            group = self.scheduler.in_flight[record.request_id]
+            for seq in record.seqs:
+                if isinstance(seq, CachedSeqData) and seq.num_pending:
+                    # What the step in flight samples for it (as the last stage would record).
+                    token = next_tokens(group.find(seq.seq_id), 1, self.w.vocab)[0]
+                    self.table.record_sampled([(seq.seq_id, token)])
+                    pending[seq.seq_id] = seq.num_pending
+        rows = self.table.apply(StepMessage(records, out.step_no, reset=out.written.reset))
+        for meta in rows.groups:
+            meta.seq_data = {
+                seq_id: _strip(data, pending.get(seq_id, 0))
+                for seq_id, data in meta.seq_data.items()
+            }
+        return rows.groups
 
     def submit(self, out: Any, metadata: list[Any]) -> None:
         self.step_no += 1
@@ -310,13 +346,25 @@ def _group_state(group: SequenceGroup, tokens: bool) -> list[tuple[Any, ...]]:
     ]
 
 
+def _strip(data: SequenceData, num_pending: int) -> SequenceData:
+    """A copy of the stage's sequence without the last `num_pending` tokens."""
+    outputs = data.output_token_ids[: len(data.output_token_ids) - num_pending]
+    return SequenceData(
+        list(data.prompt_token_ids), outputs, data.cumulative_logprob, data.eos_token_id,
+        data.get_num_computed_tokens(), data.stage, data.sample_index,
+    )  # fmt: skip
+
+
 def _metadata_state(meta: Any) -> dict[str, Any]:
     """Every field of a metadata record (SequenceData and SamplingParams compare by value)."""
     return {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
 
 
 # SchedulerOutputs fields compared after mapping (group lists by request id, batch numbers).
-_MAPPED = {"scheduled_seq_groups", "ignored_seq_groups", "ahead", "batch_no", "step_no"}
+# `written` (the live step records) is compared through the stage's rows.
+_MAPPED = {
+    "scheduled_seq_groups", "ignored_seq_groups", "ahead", "batch_no", "step_no", "written",
+}  # fmt: skip
 
 
 def compare(ref: Side, live: Side, ref_result: Any, live_result: Any, where: str) -> None:

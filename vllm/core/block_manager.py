@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import enum
 import heapq
+import itertools
 import math
 from typing import TYPE_CHECKING, Callable
 
@@ -139,6 +140,11 @@ class BlockSpaceManager:
         self.enable_caching = enable_caching
         # Kept free on admission so running sequences can still grow without instant preemption.
         self.watermark_blocks = int(watermark * num_gpu_blocks)
+        # Table epochs: a table gets a fresh number whenever an entry is written other than
+        # by appending (allocate, fork, copy-on-write, swap), so the step writer knows when
+        # the stages need a whole table rather than its new tail. Never restarts (not even
+        # on reset), so an old number never names a new table.
+        self._epochs = itertools.count(1)
         self.reset()
 
     def reset(self) -> None:
@@ -147,6 +153,7 @@ class BlockSpaceManager:
         self._cpu = _BlockAllocator("cpu", self.num_total_cpu_blocks)
         self._gpu_tables: dict[int, list[int]] = {}
         self._cpu_tables: dict[int, list[int]] = {}
+        self._table_epochs: dict[int, int] = {}
         self._hash_to_block: dict[int, int] = {}
         self._block_to_hash: dict[int, int] = {}
         self._computed: set[int] = set()
@@ -328,6 +335,7 @@ class BlockSpaceManager:
                     self._gpu.incref(block)
             for seq in seqs:
                 self._gpu_tables[seq.seq_id] = list(table)
+                self._table_epochs[seq.seq_id] = next(self._epochs)
         return len(hits) * self.block_size
 
     # -- decode growth ---------------------------------------------------------------------
@@ -355,6 +363,7 @@ class BlockSpaceManager:
         # The last block is shared with a forked sibling: write into a private copy.
         new_block = self._gpu.allocate()
         table[-1] = new_block
+        self._table_epochs[seq.seq_id] = next(self._epochs)
         self._gpu.free(last)
         return [(last, new_block)]
 
@@ -364,6 +373,7 @@ class BlockSpaceManager:
         for block in table:
             self._gpu.incref(block)
         self._gpu_tables[child_seq.seq_id] = list(table)
+        self._table_epochs[child_seq.seq_id] = next(self._epochs)
 
     # -- swapping --------------------------------------------------------------------------
 
@@ -419,6 +429,7 @@ class BlockSpaceManager:
                 new_table.append(mapping[block])
                 src.free(block)
             dst_tables[seq.seq_id] = new_table
+            self._table_epochs[seq.seq_id] = next(self._epochs)
         return mapping
 
     # -- release and queries ---------------------------------------------------------------
@@ -426,6 +437,7 @@ class BlockSpaceManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references to its blocks (no-op if it holds none)."""
         for tables, allocator in ((self._gpu_tables, self._gpu), (self._cpu_tables, self._cpu)):
+            self._table_epochs.pop(seq.seq_id, None)
             table = tables.pop(seq.seq_id, None)
             if table is not None:
                 # Last block first: the LRU evictor then reuses the deepest blocks of a
@@ -439,6 +451,11 @@ class BlockSpaceManager:
         if table is None:
             table = self._cpu_tables[seq.seq_id]
         return list(table)
+
+    def table_epoch(self, seq: Sequence) -> int:
+        """The epoch of the sequence's table: the same number as long as the table only grew
+        by appending since (0: it has no table)."""
+        return self._table_epochs.get(seq.seq_id, 0)
 
     def get_num_free_gpu_blocks(self) -> int:
         """Free device (GPU, or the CPU KV cache on CPU runs) blocks."""

@@ -6,8 +6,10 @@ runs either new prompts (whole) or decodes (`vllm.core.classic_policy`); with
 `enable_chunked_prefill` a step takes the running decodes first, then prefill chunks
 (`vllm.core.chunked_policy`). How large one batch may be is the engine's `MicroBatchBudget`.
 A group that can never fit the cache (a prompt, or a swapped group that can never be swapped
-back in) is finished as FINISHED_IGNORED with a warning instead of waiting forever. Imports
-no torch.
+back in) is finished as FINISHED_IGNORED with a warning instead of waiting forever. Each
+step is written once, as records for the first and last stages (`vllm.core.step_writer`:
+a request in full when they do not hold it, else what changed), committed by `commit_step`
+once the executor accepted it. Imports no torch.
 
 In flight: with pipeline parallelism the engine keeps several batches inside the pipeline at
 once; a group in flight has not produced its next token yet, so it is not scheduled, preempted
@@ -38,7 +40,9 @@ from vllm.core.budget import NO_CAP, MicroBatchBudget
 from vllm.core.chunked_policy import ChunkedPolicy
 from vllm.core.classic_policy import ClassicPolicy
 from vllm.core.lora_admission import LoRAAdmission
-from vllm.sequence import Flight, Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
+from vllm.core.step_writer import StepRecords, StepWriter
+from vllm.sequence import Flight, Sequence, SequenceGroup, SequenceStatus
+from vllm.step_delta import RequestRecord
 from vllm.utils import ceil_div
 
 __all__ = ["PreemptionMode", "Scheduler", "SchedulerOutputs"]
@@ -72,6 +76,8 @@ class SchedulerOutputs:
     ahead: dict[str, int] = field(default_factory=dict)
     # The step number this batch was scheduled as (0 when it is empty).
     step_no: int = 0
+    # The step's records as written, for `Scheduler.commit_step`.
+    written: StepRecords | None = None
 
     def is_empty(self) -> bool:
         """True when there is nothing to run and no block to move or copy."""
@@ -118,6 +124,8 @@ class Scheduler:
             cache_config.num_cpu_blocks,
             enable_caching=cache_config.enable_prefix_caching,
         )
+        # Writes each step's records from what the stages hold (facts kept on the requests).
+        self.step_writer = StepWriter(self.block_manager)
         self.waiting: collections.deque[SequenceGroup] = collections.deque()
         self.running: collections.deque[SequenceGroup] = collections.deque()
         self.swapped: collections.deque[SequenceGroup] = collections.deque()
@@ -236,6 +244,7 @@ class Scheduler:
         stage): the KV it wrote may be partial, so the group re-prefills all its tokens,
         keeping the ones it already generated. Groups aborted while in flight are released.
         Returns the re-queued request ids."""
+        self.step_writer.forget_all()  # the stages forget every request too
         groups = list(self.in_flight.values())
         for group in groups:
             if group.abort_pending:
@@ -255,6 +264,7 @@ class Scheduler:
         Every running, in-flight or swapped group goes back to the waiting queue with the
         tokens it generated; all blocks (device and swap) are free afterwards. Returns the
         re-queued request ids."""
+        self.step_writer.forget_all()  # new stages hold nothing
         self._clear_flights()
         groups = [g for g in (*self.running, *self.swapped) if not g.is_finished()]
         self.running.clear()
@@ -292,9 +302,12 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------
 
-    def schedule(self, step_no: int = 0) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
+    def schedule(self, step_no: int = 0) -> tuple[list[RequestRecord], SchedulerOutputs]:
         """Pick the next batch, to be submitted as step `step_no` (`BatchQueue.next_step_no`;
-        needed to schedule ahead); its groups stay in flight until `finish_in_flight`."""
+        needed to schedule ahead); its groups stay in flight until `finish_in_flight`.
+
+        Returns the step's records, one per scheduled group (written once, see
+        `vllm.core.step_writer`), and the decisions; `commit_step` once it was sent."""
         if self.schedule_ahead and step_no < 1:
             raise ValueError(f"step_no must be >= 1 to schedule ahead, got {step_no}.")
         self._admitted = False
@@ -307,35 +320,22 @@ class Scheduler:
             self._kv_blocks_bound = self._bound_running_blocks()
         if not out.is_empty():
             out.step_no = step_no
-        metadata = []
         now = time.time()
         for seq_group in out.scheduled_seq_groups:
             seq_group.maybe_set_first_scheduled_time(now)
-            seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
-            is_prompt = seq_group.is_prefill()
             chunk = out.token_chunk_sizes[seq_group.request_id]
-            do_sample = True
-            if is_prompt:
-                data = seqs[0].data
-                # A chunk that stops before the end of the prompt samples nothing.
-                do_sample = data.get_num_computed_tokens() + chunk >= data.get_len()
-            metadata.append(
-                SequenceGroupMetadata(
-                    request_id=seq_group.request_id,
-                    is_prompt=is_prompt,
-                    seq_data={seq.seq_id: seq.data for seq in seqs},
-                    sampling_params=seq_group.sampling_params,
-                    block_tables={
-                        seq.seq_id: self.block_manager.get_block_table(seq) for seq in seqs
-                    },
-                    token_chunk_size=chunk if is_prompt else 1,
-                    do_sample=do_sample,
-                    lora_int_id=seq_group.lora_int_id,
-                )
-            )
-            seq_group.flights.append(Flight(chunk if is_prompt else 1, step_no))
+            seq_group.flights.append(Flight(chunk if seq_group.is_prefill() else 1, step_no))
             self.in_flight[seq_group.request_id] = seq_group
-        return metadata, out
+        out.written = self.step_writer.write(
+            out.scheduled_seq_groups, out.token_chunk_sizes, out.ahead
+        )
+        return out.written.records, out
+
+    def commit_step(self, out: SchedulerOutputs) -> None:
+        """The executor accepted the step `out` was scheduled for: what it told the stages is
+        what they hold now (see `StepWriter.commit`)."""
+        if out.written is not None:
+            self.step_writer.commit(out.written)
 
     # -- scheduling ahead (both policies) ---------------------------------------------------
 
@@ -532,6 +532,8 @@ class Scheduler:
             for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq_group)
+        # Resumed, it is sent to the stages in full (its table and tokens start over).
+        StepWriter.forget(seq_group)
         out.num_preempted += 1
         self.num_cumulative_preemption += 1
         seq_group.num_preemptions += 1

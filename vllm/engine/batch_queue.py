@@ -1,7 +1,7 @@
 """The micro-batches inside the pipeline: one owner, in submission order (torch-free).
 
-The engine schedules a batch, the queue turns it into a step message (deltas against what the
-first and last stages hold, `StepEncoder`) and submits it to the executor, which returns the
+The engine schedules a batch (the scheduler writes its records once: `vllm.core.step_writer`),
+the queue wraps them in a step message and submits it to the executor, which returns the
 step's future at once. Up to `max_concurrent_batches` batches are in flight: the pipeline depth, or
 twice it when decodes are scheduled ahead of their previous step's output (the asynchronous
 pipeline: the last stage then sends its sampled ids straight to the first stage, and the
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from vllm.core.scheduler import SchedulerOutputs
 from vllm.distributed.serialization import MessageNotSerializableError, message_bytes
 from vllm.executor.step_future import StepFuture
-from vllm.sequence import SamplerOutput, SequenceGroupMetadata
-from vllm.step_delta import ExecuteModelRequest, StepEncoder
+from vllm.sequence import SamplerOutput, SequenceStatus
+from vllm.step_delta import ExecuteModelRequest, RequestRecord, StepMessage
 
 
 class StepExecutor(Protocol):
@@ -45,7 +45,8 @@ class InFlightBatch:
 @dataclass
 class BatchQueueStats:
     """Counters since the last reset. Bytes are counted only with `count_bytes` on: the
-    pickled step message, and what the same step would take as full histories."""
+    pickled step message, and what the same step would take with every request in full
+    (token histories and sampling params)."""
 
     steps: int = 0
     step_bytes: int = 0
@@ -62,7 +63,6 @@ class BatchQueue:
         self.executor = executor
         self.async_pipeline = async_pipeline
         self.max_concurrent_batches = pipeline_depth * (2 if async_pipeline else 1)
-        self.encoder = StepEncoder()
         self._batches: deque[InFlightBatch] = deque()
         # The one numbering of steps: the scheduler's flights and scheduling ahead, and the
         # channel of sampled ids (restarts at 0 with new groups).
@@ -89,30 +89,25 @@ class BatchQueue:
     def submit(
         self,
         scheduler_outputs: SchedulerOutputs,
-        metadata_list: list[SequenceGroupMetadata],
+        records: list[RequestRecord],
         finished_request_ids: list[str],
         kv_blocks_bound: int,
     ) -> None:
-        """Encode and submit one scheduled batch.
+        """Submit one scheduled batch (its records, as the scheduler wrote them).
 
         A step that cannot be serialised for the stages (MessageNotSerializableError from the
-        executor, raised before anything is sent) leaves the queue, its step numbers and the
-        encoder's mirror as they were, and is re-raised for the engine to handle."""
-        self.encoder.forget(finished_request_ids)
-        checkpoint = self.encoder.checkpoint([meta.request_id for meta in metadata_list])
-        pending = {
-            seq_id: 1
-            for meta in metadata_list
-            if meta.request_id in scheduler_outputs.ahead
-            for seq_id in meta.seq_data
-        }
-        message = self.encoder.encode(metadata_list, pending)
+        executor, raised before anything is sent) leaves the queue and its step numbers as
+        they were, and is re-raised for the engine to handle; the scheduler commits what the
+        records told the stages only once this returns (`Scheduler.commit_step`)."""
         if scheduler_outputs.step_no != self.next_step_no:
             raise RuntimeError(
                 f"batch scheduled as step {scheduler_outputs.step_no}, submitted as step "
                 f"{self.next_step_no}"
             )
-        self._step_no = message.step_no = scheduler_outputs.step_no
+        written = scheduler_outputs.written
+        message = StepMessage(
+            records, scheduler_outputs.step_no, reset=written is not None and written.reset
+        )
         if self.async_pipeline:
             message.send_sampled = True
             # The first stage drains the sampled ids of every step collected so far (they
@@ -130,18 +125,19 @@ class BatchQueue:
             finished_request_ids=finished_request_ids,
             kv_blocks_bound=kv_blocks_bound,
         )
+        # Counted before it is sent: a step that failed half-way still numbers the channel.
+        self._step_no = scheduler_outputs.step_no
         try:
             future = self.executor.execute_model(
                 request, non_block=True, num_tokens=scheduler_outputs.num_batched_tokens
             )
         except MessageNotSerializableError:
-            self.encoder.rollback(checkpoint)
-            self._step_no -= 1
+            self._step_no -= 1  # nothing was sent
             raise
         if self.count_bytes:
-            self._count(message, metadata_list)
+            self._count(message, scheduler_outputs)
         self.stats.steps += 1
-        self.stats.groups += len(metadata_list)
+        self.stats.groups += len(records)
         self.stats.ahead_groups += len(scheduler_outputs.ahead)
         self._batches.append(InFlightBatch(future, scheduler_outputs, self._step_no))
 
@@ -153,11 +149,16 @@ class BatchQueue:
                 return [g.request_id for g in batch.scheduler_outputs.scheduled_seq_groups]
         return []
 
-    def _count(self, message: Any, metadata_list: list[SequenceGroupMetadata]) -> None:
+    def _count(self, message: StepMessage, scheduler_outputs: SchedulerOutputs) -> None:
         size = message_bytes(message)
         self.stats.step_bytes += size
         self.stats.per_step_bytes.append(size)
-        self.stats.full_bytes += message_bytes(metadata_list)
+        running = SequenceStatus.RUNNING
+        full = [
+            (group.request_id, group.sampling_params, [s.data for s in group.get_seqs(running)])
+            for group in scheduler_outputs.scheduled_seq_groups
+        ]
+        self.stats.full_bytes += message_bytes(full)
 
     def collect_oldest(self) -> tuple[SchedulerOutputs, SamplerOutput]:
         """Wait for the oldest batch; it leaves the queue only once its output is here (a
@@ -170,18 +171,17 @@ class BatchQueue:
 
     def discard(self) -> None:
         """An interrupt: forget the batches in flight. The stages still run them, in order,
-        before anything later; the next step makes them forget every request (and the first
-        stage drain the abandoned steps' sampled ids first)."""
+        before anything later; the first stage drains the abandoned steps' sampled ids first
+        (the scheduler's re-queue makes the next step tell the stages to forget every
+        request: `StepWriter.forget_all`)."""
         self._batches.clear()
         self.executor.discard_steps()
-        self.encoder.reset()
         self._drain_through = self._step_no
 
     def reset(self) -> None:
         """A stage was replaced and the groups re-formed: nothing is in flight, the stages
         hold no request, and the sampled-id channel starts again."""
         self._batches.clear()
-        self.encoder.reset()
         self._step_no = self._collected_through = self._drain_through = 0
 
     def reset_stats(self) -> BatchQueueStats:

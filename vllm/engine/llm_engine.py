@@ -46,6 +46,7 @@ from vllm.outputs import RequestOutput
 from vllm.request_failure import RequestFailedError
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
+from vllm.step_delta import RequestRecord
 from vllm.worker.stage_report import StageInfo, StageStats
 
 logger = init_logger("vllm.engine.llm_engine")
@@ -407,15 +408,18 @@ class LLMEngine:
         if self._dead is not None:
             raise EngineDeadError(str(self._dead)) from self._dead.__cause__
 
-    def _submit(self, scheduler_outputs: SchedulerOutputs, metadata_list: list[Any]) -> None:
+    def _submit(self, scheduler_outputs: SchedulerOutputs, records: list[RequestRecord]) -> None:
         finished, self._finished_request_ids = self._finished_request_ids, []
         try:
             self.batch_queue.submit(
-                scheduler_outputs, metadata_list, finished, self.scheduler.kv_blocks_bound()
+                scheduler_outputs, records, finished, self.scheduler.kv_blocks_bound()
             )
         except MessageNotSerializableError as error:
+            # Nothing was sent: the stages hold what they held (nothing is committed).
             self._finished_request_ids[:0] = finished  # not told to the stages yet
             self._refuse_unsendable(scheduler_outputs, error)
+            return
+        self.scheduler.commit_step(scheduler_outputs)
 
     def _refuse_unsendable(
         self, scheduler_outputs: SchedulerOutputs, error: MessageNotSerializableError
@@ -460,7 +464,7 @@ class LLMEngine:
         ignored_groups: list[SequenceGroup] = []
         while not self.batch_queue.is_full():
             with sigint_deferred():
-                metadata_list, sched_out = self.scheduler.schedule(self.batch_queue.next_step_no)
+                records, sched_out = self.scheduler.schedule(self.batch_queue.next_step_no)
                 for group in sched_out.ignored_seq_groups:
                     group.metrics.finished_time = time.time()
                     self._pending_outputs.append(RequestOutput.from_seq_group(group))
@@ -469,7 +473,7 @@ class LLMEngine:
                     self._finished_request_ids.append(group.request_id)
             if sched_out.is_empty():
                 break
-            self._submit(sched_out, metadata_list)
+            self._submit(sched_out, records)
         if not self.batch_queue:
             if self.stats is not None and ignored_groups:
                 self.stats.after_batch(None, None, [], ignored_groups)

@@ -133,17 +133,17 @@ class StageLoRAManager:
 
 
 def token_lora_ids(
-    metadata_list: list[SequenceGroupMetadata], prefill_lens: list[int], device: Any
+    layout: list[SequenceGroupMetadata], prefill_lens: list[int], device: Any
 ) -> torch.Tensor:
-    """Each input token's adapter id [T] (0: none), in `prepare_inputs`' order: the prompt
-    tokens of every prefilling sequence (`prefill_lens` of each), then one per decode."""
+    """Each input token's adapter id [T] (0: none), in `prepare_inputs`' order (`layout`:
+    prefills first): the prompt tokens of every prefilling sequence (`prefill_lens` of
+    each), then one per decode."""
     ids: list[int] = []
     lens = iter(prefill_lens)
-    for meta in metadata_list:
+    for meta in layout:
         if meta.is_prompt:
             for _ in meta.seq_data:
                 ids.extend([meta.lora_int_id] * next(lens))
-    for meta in metadata_list:
-        if not meta.is_prompt:
+        else:
             ids.extend([meta.lora_int_id] * len(meta.seq_data))
     return torch.tensor(ids, dtype=torch.long, device=device)

@@ -75,11 +75,14 @@ def sample_seed(seed: int, sample_index: int, step: int) -> int:
 
 
 def build_sampling_metadata(
-    metadata_list: list[SequenceGroupMetadata],
+    layout: list[SequenceGroupMetadata],
+    order: list[int],
     generators: dict[str, torch.Generator],
     device: torch.device,
 ) -> SamplingMetadata:
-    """Map groups to rows. Layout matches the model runner: prefills first, then decodes.
+    """Map groups to rows, walking `layout` (the model runner's token layout: prefills first,
+    then decodes); the result lists the groups in the scheduler's order, `order[i]` being the
+    position in `layout` of the scheduler's i-th group (`StepRows`).
 
     `generators` holds one seeded generator per request, re-seeded at every draw from
     (seed, sample index, number of tokens generated so far): a sample's draws depend only on
@@ -87,12 +90,10 @@ def build_sampling_metadata(
     interrupt, or the loss of a stage with its generators) draws exactly what the first
     attempt drew.
     """
-    prefills = [m for m in metadata_list if m.is_prompt]
-    decodes = [m for m in metadata_list if not m.is_prompt]
     selected: list[int] = []
     groups: list[SeqGroupRows] = []
     offset = 0
-    for meta in prefills + decodes:
+    for meta in layout:
         seq_ids = list(meta.seq_data)
         params = meta.sampling_params
         gen = None
@@ -157,8 +158,7 @@ def build_sampling_metadata(
                 step,
             )
         )
-    # Put groups back in the scheduler's order: outputs are matched to groups positionally.
-    order = {id(meta): i for i, meta in enumerate(prefills + decodes)}
-    groups = [groups[order[id(meta)]] for meta in metadata_list]
+    # Back in the scheduler's order: outputs are matched to groups positionally.
+    groups = [groups[position] for position in order]
     indices = torch.tensor(selected, dtype=torch.long, device=device)
     return SamplingMetadata(indices, groups)

@@ -2,7 +2,7 @@
 driver) to the logits of each constrained sequence before sampling.
 
 Where the matcher lives, and why: one xgrammar matcher per *sequence*, held by the rank that
-samples, keyed by seq id, and kept in step with the token ids that rank's `StageRequestState`
+samples, keyed by seq id, and kept in step with the token ids that rank's `RequestTable`
 holds for the sequence. Before each mask the matcher consumes the output tokens it has not seen
 yet. Those are exactly the tokens this rank sampled itself, already appended by the step
 message even for decodes scheduled ahead of their previous output (asynchronous scheduling), so

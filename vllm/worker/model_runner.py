@@ -21,12 +21,14 @@ from vllm.model_executor.sampling_metadata import build_sampling_metadata
 from vllm.sequence import SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput
 from vllm.structured_output.compiler import compile_cache_for
 from vllm.structured_output.matcher import StructuredOutputState
+from vllm.worker.request_table import StepRows
 
 
 def prepare_inputs(
-    metadata_list: list[SequenceGroupMetadata], block_size: int, device: torch.device
+    layout: list[SequenceGroupMetadata], block_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, InputMetadata]:
-    """Flatten a step's groups into input_ids [T], positions [T] and the attention metadata."""
+    """Flatten a step's groups, in the batch layout (`StepRows.layout`: prefills first, then
+    decodes), into input_ids [T], positions [T] and the attention metadata."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -36,8 +38,16 @@ def prepare_inputs(
     prefill_tables: list[list[int]] = []
     context_lens: list[int] = []
     tables: list[list[int]] = []
-    for meta in metadata_list:
+    for meta in layout:  # prefills first, so one pass puts their tokens ahead of decodes
         if not meta.is_prompt:
+            for seq_id, data in meta.seq_data.items():
+                pos = data.get_len() - 1
+                table = meta.block_tables[seq_id]
+                input_ids.append(data.get_last_token_id())
+                positions.append(pos)
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+                context_lens.append(pos + 1)
+                tables.append(table)
             continue
         for seq_id, data in meta.seq_data.items():
             # A prompt (or a recompute-preempted sequence) feeds its tokens after the ones
@@ -58,17 +68,6 @@ def prepare_inputs(
             prefill_contexts.append(start)
             total_lens.append(data.get_len())
             prefill_tables.append(table)
-    for meta in metadata_list:
-        if meta.is_prompt:
-            continue
-        for seq_id, data in meta.seq_data.items():
-            pos = data.get_len() - 1
-            table = meta.block_tables[seq_id]
-            input_ids.append(data.get_last_token_id())
-            positions.append(pos)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-            context_lens.append(pos + 1)
-            tables.append(table)
 
     def long_tensor(values: Any) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
@@ -117,8 +116,6 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        # Per-request seeded generators live across steps on the last stage.
-        self.generators: dict[str, torch.Generator] = {}
         # Grammars and matchers of structured outputs, on the sampling rank; built on the
         # first constrained request (see vllm/structured_output/matcher.py for why here).
         self._structured: StructuredOutputState | None = None
@@ -126,8 +123,7 @@ class ModelRunner:
         self.lora_manager: StageLoRAManager | None = None
 
     def drop_requests(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.generators.pop(request_id, None)
+        """Finished requests: forget their structured-output state."""
         if self._structured is not None:
             self._structured.drop(request_ids)
 
@@ -149,22 +145,24 @@ class ModelRunner:
     def execute_stage(
         self,
         kv_caches: list[KVCache],
-        metadata_list: list[SequenceGroupMetadata] | None,
+        rows: StepRows | None,
         received: dict[str, Any] | None,
+        generators: dict[str, torch.Generator] | None = None,
     ) -> tuple[dict[str, Any] | None, SamplerOutput | None]:
         """Run this stage. Returns (what to send to the next stage, sampler output if last).
 
-        The first stage builds inputs from `metadata_list`; later stages take the hidden
-        states and metadata in `received` (from the previous stage)."""
+        The first stage builds inputs from `rows` (its `RequestTable`'s); later stages take
+        the hidden states and metadata in `received` (from the previous stage). The last
+        stage samples with the seeded `generators` (per request, kept by its table)."""
         structured = None
-        if self.layout.is_last and metadata_list is not None:
-            structured = self._structured_state(metadata_list)
+        if self.layout.is_last and rows is not None:
+            structured = self._structured_state(rows.groups)
         lora_ids: torch.Tensor | None = None  # [T] each token's adapter (LoRA enabled)
         if self.layout.is_first:
-            assert metadata_list is not None
-            input_ids, positions, md = prepare_inputs(metadata_list, self.block_size, self.device)
+            assert rows is not None
+            input_ids, positions, md = prepare_inputs(rows.layout, self.block_size, self.device)
             if self.lora_manager is not None:
-                lora_ids = token_lora_ids(metadata_list, md._prefill_lens_list or [], self.device)
+                lora_ids = token_lora_ids(rows.layout, md._prefill_lens_list or [], self.device)
                 self.lora_manager.activate(lora_ids)
             hidden = self.model(input_ids, positions, kv_caches, md)
         else:
@@ -181,15 +179,17 @@ class ModelRunner:
             if lora_ids is not None:
                 to_send["lora_ids"] = lora_ids
             return to_send, None
-        assert metadata_list is not None
-        sampling_md = build_sampling_metadata(metadata_list, self.generators, self.device)
+        assert rows is not None
+        sampling_md = build_sampling_metadata(
+            rows.layout, rows.order, generators if generators is not None else {}, self.device
+        )
         if sampling_md.num_rows == 0:
             # Only prefill chunks that end before their prompts do: nothing to sample. Only the
             # TP driver answers, as when there are rows: a non-driver rank that returned an
             # output would act as the driver and send the step's sampled ids itself.
             if ps.get_tensor_model_parallel_rank() != 0:
                 return None, None
-            return None, [SequenceGroupOutput([]) for _ in metadata_list]
+            return None, [SequenceGroupOutput([]) for _ in rows.groups]
         logits = self.model.compute_logits(
             hidden.index_select(0, sampling_md.selected_token_indices)
         )

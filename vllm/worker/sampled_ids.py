@@ -4,7 +4,7 @@ A decode scheduled ahead of its previous step's output feeds a token the engine 
 yet: the last stage sends the ids each step sampled straight to the first stage's ranks (and to
 its own other TP ranks, whose sampler returns nothing), and the first stage takes them in step
 order when a later step names them (`StepMessage.recv_sampled_through`, set by the engine's
-`BatchQueue`). Both ends record the ids in their `StageRequestState`.
+`BatchQueue`). Both ends record the ids in their `RequestTable`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 from vllm.config import ParallelConfig
 from vllm.distributed.communication import recv_tensor_dict, release_when_sent, send_tensor_dict
 from vllm.sequence import SamplerOutput
-from vllm.step_delta import StageRequestState, StepMessage
+from vllm.step_delta import StepMessage
+from vllm.worker.request_table import RequestTable
 
 
 class SampledIdChannel:
@@ -27,7 +28,7 @@ class SampledIdChannel:
         """New process groups start a new channel, numbered from 0 by the engine."""
         self.received_through = 0
 
-    def receive(self, through: int, state: StageRequestState) -> None:
+    def receive(self, through: int, state: RequestTable) -> None:
         """First stage: take the sampled-id messages up to step `through` (the decodes
         scheduled ahead in this step feed those tokens)."""
         src = self.parallel_config.last_stage_driver_rank
@@ -41,9 +42,7 @@ class SampledIdChannel:
             state.record_sampled(message["pairs"])
             self.received_through = message["step_no"]
 
-    def share(
-        self, step: StepMessage, output: SamplerOutput | None, state: StageRequestState
-    ) -> None:
+    def share(self, step: StepMessage, output: SamplerOutput | None, state: RequestTable) -> None:
         """Last stage: keep the ids this step sampled (for decodes scheduled ahead) and, with
         the asynchronous pipeline, send them to the first stage's ranks and this stage's other
         TP ranks (which take them here, from the driver)."""

@@ -22,11 +22,12 @@ from vllm.lora.worker_manager import StageLoRAManager
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import SamplerOutput
-from vllm.step_delta import ExecuteModelRequest, StageRequestState
+from vllm.step_delta import ExecuteModelRequest
 from vllm.worker.cache_engine import CacheEngine, layers_block_bytes
 from vllm.worker.cpu_memory import release_memory, tune_malloc
 from vllm.worker.model_runner import ModelRunner
 from vllm.worker.profiler import StageProfiler
+from vllm.worker.request_table import RequestTable, StepRows
 from vllm.worker.sampled_ids import SampledIdChannel
 from vllm.worker.stage_report import StageInfo, StageStats, StageTimers
 
@@ -56,9 +57,10 @@ class Worker:
         self.num_threads = num_threads
         self.cache_engine: CacheEngine | None = None
         self._pending_send: Any = None
-        # First and last stage: the requests of the step messages (deltas), and the
-        # channel of sampled ids from the last stage to the first (asynchronous pipeline).
-        self.request_state = StageRequestState()
+        # First and last stage: the requests the step records told this stage (with their
+        # seeded generators), and the channel of sampled ids from the last stage to the
+        # first (asynchronous pipeline).
+        self.request_table = RequestTable()
         self.sampled_ids = SampledIdChannel(rank, self.parallel_config)
         self.timers = StageTimers()
 
@@ -113,14 +115,15 @@ class Worker:
         # The previous send's peer may be gone: never wait on it.
         self._pending_send = None
         self.sampled_ids.reset()
-        self.request_state.clear()
+        seeded = list(self.request_table.generators)
+        self.request_table.clear()
         try:
             ps.destroy_model_parallel()
         except Exception as exc:  # a group with a dead peer may not close cleanly
             logger.warning("rank %d: leaving the old process groups: %s", self.rank, exc)
         self.distributed_init_method = distributed_init_method
         self._join_process_groups()
-        self.model_runner.drop_requests(list(self.model_runner.generators))
+        self.model_runner.drop_requests(seeded)
         self.timers.abort()
 
     def load_model(self) -> None:
@@ -343,17 +346,17 @@ class Worker:
         cache.swap_out(request.blocks_to_swap_out)
         cache.copy(request.blocks_to_copy)
         self.model_runner.drop_requests(request.finished_request_ids)
-        metadata_list = None
+        rows: StepRows | None = None
         if step is not None:
-            self.request_state.drop(request.finished_request_ids)
+            self.request_table.drop(request.finished_request_ids)
             if layout.is_first and not layout.is_last:
                 # Decodes scheduled ahead feed the ids the last stage sampled for them.
                 timers.lap("cache_s")
-                self.sampled_ids.receive(step.recv_sampled_through, self.request_state)
+                self.sampled_ids.receive(step.recv_sampled_through, self.request_table)
                 timers.lap("tokens_wait_s")
-            metadata_list = self.request_state.apply(step)
+            rows = self.request_table.apply(step)
             if layout.is_first and self.parallel_config.world_size > 1:
-                # What the engine sent this stage for the step (deltas): ~20 us to count.
+                # What the engine sent this stage for the step (records): ~20 us to count.
                 # In-process (one rank) nothing was pickled, and a request's logits processor
                 # need not be picklable at all.
                 timers.stats.step_bytes += message_bytes(step)
@@ -362,9 +365,11 @@ class Worker:
         received = None if layout.is_first else self._receive_hidden()
         timers.lap("recv_s")
         cpu_started = time.thread_time()
-        to_send, output = self.model_runner.execute_stage(cache.gpu_cache, metadata_list, received)
+        to_send, output = self.model_runner.execute_stage(
+            cache.gpu_cache, rows, received, self.request_table.generators
+        )
         if layout.is_last and step is not None and not layout.is_first:
-            self.sampled_ids.share(step, output, self.request_state)
+            self.sampled_ids.share(step, output, self.request_table)
         timers.lap("compute_s")
         timers.stats.compute_cpu_s += time.thread_time() - cpu_started
         if to_send is not None:
