@@ -67,7 +67,7 @@ class Worker:
     @property
     def busy_since(self) -> float | None:
         """perf_counter() when the step in progress started; None between steps (read by the
-        Ray actor's health thread)."""
+        rank's heartbeat thread, `rank_server.answer_heartbeats`)."""
         return self.timers.busy_since
 
     def init_device(self) -> None:
@@ -320,7 +320,7 @@ class Worker:
         try:
             return self._execute_model(request)
         except BaseException as exc:
-            self.timers.abort()  # the step is over: a ping must not call it stuck
+            self.timers.abort()  # the step is over: a heartbeat must not report it busy
             if self.parallel_config.world_size > 1:
                 logger.warning(
                     "rank %d: step failed (%s: %s); leaving the process groups",
