@@ -15,6 +15,8 @@ from vllm import _custom_ops as ops
 
 pytestmark = pytest.mark.skipif(not ops.is_available(), reason="vllm._C not built")
 
+MIN_CALL_S = 0.2
+
 
 def _worst_gap_during(call, repeats: int = 3) -> tuple[float, float]:
     """(the longest single call, the longest gap between another thread's 5 ms ticks)."""
@@ -48,12 +50,21 @@ def test_a_long_kernel_call_leaves_other_threads_running(kernel):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one long call, as a stage with one thread runs it
     try:
-        if kernel == "rms_norm":
-            x, w = torch.randn(8192, 4096), torch.randn(4096)
-            call = lambda: ops.rms_norm(x, w, 1e-6)  # noqa: E731
-        else:
-            x = torch.randn(4096, 2 * 8192)
-            call = lambda: ops.silu_and_mul(x)  # noqa: E731
+        # A quiet fast machine runs the base size in ~70 ms: grow the rows until one call
+        # lasts MIN_CALL_S, so the held-GIL gap it would leave stands far above tick jitter.
+        rows = 4096
+        while True:
+            if kernel == "rms_norm":
+                x, w = torch.randn(2 * rows, 4096), torch.randn(4096)
+                call = lambda x=x, w=w: ops.rms_norm(x, w, 1e-6)  # noqa: E731
+            else:
+                x = torch.randn(rows, 2 * 8192)
+                call = lambda x=x: ops.silu_and_mul(x)  # noqa: E731
+            started = time.perf_counter()
+            call()
+            if time.perf_counter() - started >= MIN_CALL_S or rows >= 8 * 4096:
+                break
+            rows *= 2
         longest, worst_gap = _worst_gap_during(call)
     finally:
         torch.set_num_threads(threads)
