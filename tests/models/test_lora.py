@@ -1,10 +1,11 @@
 """Multi-LoRA (vLLM's API): PEFT adapters made here on tiny random-weight models; greedy ids and
 text with each adapter equal HF transformers + PEFT (`PeftModel`) at PP 1, 2 (mp), 3 (mp) and
-TP 2 (mp, and Ray at TP 2 x PP 2); a batch mixing three adapters and the base model gives each
-request what it gets alone; `max_loras=1` with three adapters swaps slots and finishes
-everything (and `max_cpu_loras=1` reloads evicted adapters from disk); OPT, Qwen2 and Phi-3
-(whose checkpoints fuse q/k/v and gate/up, so its adapters do too); prefix caching never
-shares blocks across adapters; vLLM's errors for bad adapters and bad requests.
+TP 2 (mp, and Ray at TP 2 x PP 2), and equal the merged model (`merge_and_unload`); a batch
+mixing three adapters and the base model gives each request what it gets alone; `max_loras=1`
+with three adapters swaps slots and finishes everything (and `max_cpu_loras=1` reloads evicted
+adapters from disk); OPT, Qwen2 and Phi-3 (whose checkpoints fuse q/k/v and gate/up, so its
+adapters do too); prefix caching never shares blocks across adapters; vLLM's errors for bad
+adapters and bad requests.
 """
 
 from __future__ import annotations
@@ -106,6 +107,17 @@ def llm1(tiny_model_dirs):
 def test_each_adapter_equals_hf_peft(llm1, requests_, hf, name) -> None:
     outs = llm1.generate(PROMPTS, GREEDY, lora_request=requests_[name], use_tqdm=False)
     check(llm1, outs, hf(name), f"adapter {name}")
+
+
+@pytest.mark.parametrize("name", ["a4", "c8"])
+def test_each_adapter_equals_the_merged_model(llm1, requests_, tiny_model_dirs, adapters, name):
+    # The adapter folded into the base weights (W + s * B A, PEFT's merge_and_unload) gives the
+    # same greedy tokens as the unmerged update the engine applies.
+    merged = lora_adapters.hf_lora_greedy(
+        tiny_model_dirs[KIND], adapters[name], PROMPTS, MAX_TOKENS, merged=True
+    )
+    outs = llm1.generate(PROMPTS, GREEDY, lora_request=requests_[name], use_tqdm=False)
+    check(llm1, outs, merged, f"adapter {name} against the merged model")
 
 
 def test_adapters_change_the_outputs(hf) -> None:

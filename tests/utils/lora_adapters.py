@@ -97,9 +97,11 @@ def hf_lora_greedy(
     prompts: list[str],
     max_new_tokens: int,
     load: Callable[[str], Any] | None = None,
+    merged: bool = False,
 ) -> list[list[int]]:
-    """HF transformers' greedy continuations with the adapter applied (PeftModel), or of the
-    base model when adapter_dir is None; `load` as in make_adapter (Gemma: eager attention)."""
+    """HF transformers' greedy continuations with the adapter applied (PeftModel; with `merged`,
+    folded into the base weights by `merge_and_unload`), or of the base model when adapter_dir
+    is None; `load` as in make_adapter (Gemma: eager attention)."""
     from peft import PeftModel
     from transformers import AutoTokenizer
 
@@ -109,6 +111,8 @@ def hf_lora_greedy(
     model = (load or tiny_models.load_hf)(model_dir)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir).eval()
+        if merged:
+            model = model.merge_and_unload().eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return hf_greedy_with(model, tokenizer, prompts, max_new_tokens)
 
