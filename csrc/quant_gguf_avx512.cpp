@@ -63,6 +63,20 @@ VLLM_PP_AVX512_INLINE __m512 halves(const uint8_t* p, int64_t n) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
 }
 
+// Each accumulator's 16 lanes summed into out[tok + t, row + r] (the tile kernels' last step).
+template <int RT, int TT, typename scalar_t>
+VLLM_PP_AVX512_INLINE void store_tile(const LinearArgs& a, const __m512 (&acc)[RT][TT],
+                                      int64_t row, int64_t tok) {
+  auto* out = static_cast<scalar_t*>(a.out);
+#pragma GCC unroll 8
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) {
+      const float sum = simd::Simd<16>::reduce_add((simd::Simd<16>::f32)acc[r][t]);
+      out[(tok + t) * a.out_stride + row + r] = static_cast<scalar_t>(sum);
+    }
+}
+
 template <int64_t Type, int RT, int TT, typename scalar_t>
 VLLM_PP_AVX512_INLINE void tile(const LinearArgs& a, int64_t row, int64_t tok) {
   using L = Layout<Type>;
@@ -136,14 +150,7 @@ VLLM_PP_AVX512_INLINE void tile(const LinearArgs& a, int64_t row, int64_t tok) {
       }
     }
   }
-  auto* out = static_cast<scalar_t*>(a.out);
-#pragma GCC unroll 8
-  for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 4
-    for (int t = 0; t < TT; ++t) {
-      const float sum = simd::Simd<16>::reduce_add((simd::Simd<16>::f32)acc[r][t]);
-      out[(tok + t) * a.out_stride + row + r] = static_cast<scalar_t>(sum);
-    }
+  store_tile<RT, TT, scalar_t>(a, acc, row, tok);
 }
 
 // 16 bytes at p zero-extended to dwords.
@@ -277,14 +284,7 @@ VLLM_PP_AVX512_INLINE void ktile(const LinearArgs& a, int64_t row, int64_t tok) 
       }
     }
   }
-  auto* out = static_cast<scalar_t*>(a.out);
-#pragma GCC unroll 8
-  for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 4
-    for (int t = 0; t < TT; ++t) {
-      const float sum = simd::Simd<16>::reduce_add((simd::Simd<16>::f32)acc[r][t]);
-      out[(tok + t) * a.out_stride + row + r] = static_cast<scalar_t>(sum);
-    }
+  store_tile<RT, TT, scalar_t>(a, acc, row, tok);
 }
 
 // Rows [begin, end) for every token: tiles of 8 / TT rows, the remainder row by row.
