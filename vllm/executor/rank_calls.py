@@ -169,7 +169,7 @@ class RankCalls:
             with self._cond:
                 conns = {id(c): (r, c) for r, c in enumerate(self._conns) if c is not None}
                 sentinels = {
-                    p.sentinel: r
+                    p.sentinel: (r, p)
                     for r, p in enumerate(self._procs)
                     if p is not None and r not in self._lost
                 }
@@ -186,12 +186,15 @@ class RankCalls:
                     except (EOFError, OSError):
                         return
                 elif isinstance(obj, int):
-                    rank = sentinels[obj]
+                    rank, ended = sentinels[obj]
+                    if self._procs[rank] is not ended:
+                        # The process this sentinel watched was replaced meanwhile (a stage
+                        # replacement killed it): its successor is watched from the next round.
+                        continue
                     # Results it wrote before exiting are still in the pipe: read them first.
                     self._drain(rank)
-                    proc = self._procs[rank]
-                    code = proc.exitcode if proc is not None else None
-                    self._mark_lost(rank, proc, f"the process died (exit code {code})")
+                    code = ended.exitcode
+                    self._mark_lost(rank, ended, f"the process died (exit code {code})")
                 else:
                     rank, conn = conns[id(obj)]
                     self._recv_one(rank, conn)
