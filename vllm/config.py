@@ -356,6 +356,9 @@ class ParallelConfig:
     pp_layer_partition: str | None = None
     # A failed stage is replaced up to this many times per engine; 0 = fail-stop (vLLM).
     max_stage_restarts: int = 3
+    # After a stage replacement: "local" rebuilds only the lost stages' KV from the boundary
+    # caches (`boundary_cache_enabled`), "full" re-prefills every request through every stage.
+    stage_recovery: str = "local"
     # Base deadline of one micro-batch (VLLM_PP_STEP_TIMEOUT_S when None); see step_deadline_s.
     step_timeout_s: float = None  # type: ignore[assignment]
 
@@ -387,6 +390,10 @@ class ParallelConfig:
             raise ValueError(
                 f"max_stage_restarts must be an integer >= 0, got {self.max_stage_restarts!r}."
             )
+        if self.stage_recovery not in ("local", "full"):
+            raise ValueError(
+                f"stage_recovery must be 'local' or 'full', got {self.stage_recovery!r}."
+            )
         if self.step_timeout_s is None:
             self.step_timeout_s = envs.get_float("VLLM_PP_STEP_TIMEOUT_S")
         if not self.step_timeout_s > 0:
@@ -395,6 +402,17 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
+    def boundary_cache_enabled(self) -> bool:
+        """Whether every non-last stage keeps the rows it sent downstream per KV slot (the
+        boundary cache a stage-local rebuild replays from): stage_recovery "local", PP > 1
+        and stages that may be replaced."""
+        return (
+            self.stage_recovery == "local"
+            and self.pipeline_parallel_size > 1
+            and self.max_stage_restarts > 0
+        )
 
     @property
     def last_stage_driver_rank(self) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from vllm.sequence import SequenceData
+from vllm.sequence import SequenceData, SequenceGroupMetadata
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
@@ -115,4 +115,21 @@ class ExecuteModelRequest:
     # Requests finished since the last step: the stages drop them (and their generators).
     finished_request_ids: list[str] = field(default_factory=list)
     # Scheduler.kv_blocks_bound(): how far into its cache a stage should have memory mapped.
+    kv_blocks_bound: int = 0
+
+
+@dataclass
+class ReplayRequest:
+    """One replay step of a stage-local KV rebuild, sent to every rank after failed stages
+    were replaced (see `vllm.engine.stage_replay`).
+
+    `groups` are prefill chunks of tokens whose KV was committed before the failure (one
+    sequence each: `num_computed_tokens` is the chunk's start, `token_chunk_size` its
+    length). A stage in `rebuild_stages` (PP ranks, ascending) runs its layers on them; a
+    kept stage whose next stage is rebuilt sends its boundary rows for those slots; every
+    rank applies `blocks_to_swap_in` first (swapped groups brought back with the replay)."""
+
+    rebuild_stages: list[int]
+    groups: list[SequenceGroupMetadata] = field(default_factory=list)
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
     kv_blocks_bound: int = 0

@@ -263,6 +263,11 @@ class BlockSpaceManager:
         self._block_to_hash.clear()
         self._computed.clear()
 
+    def drop_free_cached_blocks(self) -> None:
+        """Unreferenced cached blocks become plain free blocks, their prefixes forgotten (a
+        replaced stage holds garbage in them); blocks in use stay cached and shareable."""
+        self._gpu.drop_evictor()
+
     def get_num_cached_free_blocks(self) -> int:
         """Unreferenced blocks that still hold cached KV (counted as free)."""
         return len(self._gpu.evictor)

@@ -48,6 +48,7 @@ class EngineArgs:
     device: str = "auto"
     disable_log_stats: bool = False
     max_stage_restarts: int = 3
+    stage_recovery: str = "local"
     step_timeout_s: float | None = None
     # Accepted for vLLM compatibility: there are no CUDA graphs to skip on this engine.
     enforce_eager: bool = False
@@ -252,6 +253,16 @@ class EngineArgs:
             "the engine gives up; 0 = fail-stop, like vLLM.",
         )
         add(
+            "--stage-recovery",
+            type=str,
+            default=d.stage_recovery,
+            choices=["local", "full"],
+            help="How a replaced stage gets its KV back: 'local' re-prefills only the lost "
+            "stage(s) from the token ids and the previous stage's boundary cache (the rows "
+            "each stage sent downstream, kept per KV slot when PP > 1 and "
+            "--max-stage-restarts > 0); 'full' re-prefills every request through all stages.",
+        )
+        add(
             "--step-timeout-s",
             type=float,
             default=d.step_timeout_s,
@@ -311,6 +322,7 @@ class EngineArgs:
             backend,
             self.pp_layer_partition,
             max_stage_restarts=self.max_stage_restarts,
+            stage_recovery=self.stage_recovery,
             step_timeout_s=self.step_timeout_s,  # type: ignore[arg-type]  # None: derived
         )
         cache_config = CacheConfig(

@@ -73,6 +73,8 @@ class BatchQueue:
         self._drain_through = 0
         self.count_bytes = False
         self.stats = BatchQueueStats()
+        # Batches whose submission raised half-way (see lost_block_ids).
+        self._failed_submits: list[SchedulerOutputs] = []
 
     def __len__(self) -> int:
         return len(self._batches)
@@ -134,6 +136,10 @@ class BatchQueue:
         except MessageNotSerializableError:
             self._step_no -= 1  # nothing was sent
             raise
+        except BaseException:
+            # Perhaps sent to some ranks: its block operations count as lost ones.
+            self._failed_submits.append(scheduler_outputs)
+            raise
         if self.count_bytes:
             self._count(message, scheduler_outputs)
         self.stats.steps += 1
@@ -175,13 +181,32 @@ class BatchQueue:
         (the scheduler's re-queue makes the next step tell the stages to forget every
         request: `StepWriter.forget_all`)."""
         self._batches.clear()
+        self._failed_submits.clear()
         self.executor.discard_steps()
         self._drain_through = self._step_no
+
+    def lost_block_ids(self) -> tuple[set[int], set[int]]:
+        """(device blocks, host blocks) named by a block operation (swap in / out, copy) of a
+        batch never collected: submitted and still in the queue, or whose submission raised.
+        After a stage failure, survivors may not all have applied those operations."""
+        gpu: set[int] = set()
+        cpu: set[int] = set()
+        outputs = [b.scheduler_outputs for b in self._batches] + self._failed_submits
+        for out in outputs:
+            cpu.update(out.blocks_to_swap_in)
+            gpu.update(out.blocks_to_swap_in.values())
+            gpu.update(out.blocks_to_swap_out)
+            cpu.update(out.blocks_to_swap_out.values())
+            for src, dsts in out.blocks_to_copy.items():
+                gpu.add(src)
+                gpu.update(dsts)
+        return gpu, cpu
 
     def reset(self) -> None:
         """A stage was replaced and the groups re-formed: nothing is in flight, the stages
         hold no request, and the sampled-id channel starts again."""
         self._batches.clear()
+        self._failed_submits.clear()
         self._step_no = self._collected_through = self._drain_through = 0
 
     def reset_stats(self) -> BatchQueueStats:

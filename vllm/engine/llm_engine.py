@@ -9,10 +9,11 @@ Failures: an exception escaping `step` (a KeyboardInterrupt included) re-queues 
 flight for recompute, so the engine stays usable. A request whose own sampling work raised in
 the last stage (its logits processor...) comes back marked failed: it ends as aborted, with a
 RequestFailedError kept for its caller (`pop_request_error`), and the stage and the other
-requests go on. A failed stage (StageFailedError) is replaced and every request recomputed
-with the tokens it already has, up to `max_stage_restarts` replacements within
-VLLM_STAGE_RESTART_WINDOW_S (a rate, so a long-lived server is not worn out by rare faults);
-past that the engine aborts everything, releases its workers and raises EngineDeadError.
+requests go on. A failed stage (StageFailedError) is replaced and its KV rebuilt, by the
+replaced stages alone or by recomputing every request (`vllm.engine.recovery`), up to
+`max_stage_restarts` replacements within VLLM_STAGE_RESTART_WINDOW_S (a rate, so a long-lived
+server is not worn out by rare faults); past that the engine aborts everything, releases its
+workers and raises EngineDeadError.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from vllm.distributed.serialization import MessageNotSerializableError
 from vllm.engine.batch_queue import BatchQueue
 from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
+from vllm.engine.recovery import StageRecovery, can_replace_stages
 from vllm.engine.request_validation import check_sendable, validate_request
 from vllm.executor.stage_supervisor import (
     EngineDeadError,
@@ -121,12 +123,8 @@ class LLMEngine:
         # even if the step fails after making them.
         self._pending_outputs: list[RequestOutput] = []
         self.num_steps = 0
-        # Stage failures seen, each with its detection and recovery times.
-        self.fault_events: list[FaultEvent] = []
-        # When each counted stage replacement happened (time.monotonic()), for the rate limit.
-        self._restart_times: list[float] = []
-        # The failure whose stages are being replaced right now (read by `health`).
-        self._recovering: StageFailedError | None = None
+        # Stage failures: their events, the restart budget and how each is recovered.
+        self.recovery = StageRecovery(self)
         # Requests that failed inside a stage (or could not be sent): their errors, until the
         # caller takes them.
         self._request_errors: dict[str, RequestFailedError] = {}
@@ -371,7 +369,7 @@ class LLMEngine:
         when the engine is dead, StageFailedError when a failed stage cannot be replaced.
         Safe to call from another thread while the engine steps."""
         self._check_alive()
-        recovering = self._recovering
+        recovering = self.recovery.recovering
         if recovering is not None:
             return EngineHealth(
                 "degraded", f"replacing failed stage(s): {recovering}", recovering.ranks
@@ -379,18 +377,12 @@ class LLMEngine:
         try:
             self.executor.check_health()
         except StageFailedError as error:
-            if not _can_replace_stages(self.executor) or self._restarts_in_window() >= (
+            if not can_replace_stages(self.executor) or self.recovery.restarts_in_window() >= (
                 self.parallel_config.max_stage_restarts
             ):
                 raise
             return EngineHealth("degraded", f"{error} (the next step replaces it)", error.ranks)
         return EngineHealth()
-
-    def _restarts_in_window(self) -> int:
-        """Stage replacements counted against max_stage_restarts now (the budget is a rate)."""
-        window = envs.get_float("VLLM_STAGE_RESTART_WINDOW_S")
-        now = time.monotonic()
-        return sum(1 for t in self._restart_times if now - t < window)
 
     def get_stage_infos(self) -> list[StageInfo]:
         """Where each rank runs and what it holds (stage, layers, node, pid, threads,
@@ -522,93 +514,17 @@ class LLMEngine:
             )
 
     def _recover(self, error: StageFailedError) -> list[RequestOutput]:
-        """Replace the failed stages and recompute every request; or, when restarts are used
-        up or replacing fails, abort everything, release the workers and raise."""
-        self._recovering = error
-        try:
-            return self._replace_and_requeue(error)
-        finally:
-            self._recovering = None
-
-    def _replace_and_requeue(self, error: StageFailedError) -> list[RequestOutput]:
-        event = FaultEvent(error.ranks, str(error), error.detected_after_s)
-        event.signature = error.raised_signature
-        event.step_request_ids = self.batch_queue.request_ids_of_call(error.call_id)
-        previous = self.fault_events[-1] if self.fault_events else None
-        self.fault_events.append(event)
-        self.batch_queue.reset()
-        requeued = self.scheduler.requeue_all()
-        event.requeued_requests = len(requeued)
-        if (
-            previous is not None
-            and previous.recovery_s is not None
-            and event.signature is not None
-            and event.signature == previous.signature
-        ):
-            self._fail_recurring(event, previous, error)
-        if not _can_replace_stages(self.executor):
-            # Said before any "Replacing..." line: the in-process backend cannot replace one.
-            self._fail(error, f"the {type(self.executor).__name__} cannot replace a stage")
-        limit = self.parallel_config.max_stage_restarts
-        window = envs.get_float("VLLM_STAGE_RESTART_WINDOW_S")
-        now = time.monotonic()
-        self._restart_times = [t for t in self._restart_times if now - t < window]
-        restarts = len(self._restart_times)
-        if restarts >= limit and not event.recurring:
-            self._fail(error, f"max_stage_restarts={limit} restarts within {window:g} s used up")
-        logger.warning(
-            "Replacing failed stage(s) %s (%s); %d requests will be recomputed with the tokens "
-            "they have",
-            error.ranks,
-            "not counted as a restart" if event.recurring else f"restart {restarts + 1} of {limit}",
-            event.requeued_requests - len(event.extra.get("failed_requests", [])),
-        )
-        if not event.recurring:
-            self._restart_times.append(now)
-        try:
-            event.recovery_s = self.executor.replace_stages(error.ranks)
-            self.loras.resync()  # the new stage processes load the registered adapters
-        except Exception as exc:
-            logger.error("Replacing stage(s) %s failed: %s", error.ranks, exc)
-            self._fail(error, f"replacing the stage failed ({type(exc).__name__}: {exc})")
-        logger.info(
-            "Pipeline serving again %.1f s after the failure was detected (detection took %.1f s)",
-            event.recovery_s,
-            event.detected_after_s,
-        )
-        if self.stats is not None:
-            # Every unfinished request re-prefills all the tokens it has (prompt + output).
-            recomputed = sum(
-                seq.get_len() for g in self.scheduler.waiting for seq in g.get_unfinished_seqs()
-            )
-            event.extra["recomputed_tokens"] = recomputed
-            self.stats.log_fault(event, recomputed)
+        """Replace the failed stages and bring their KV back (`vllm.engine.recovery`); or,
+        when restarts are used up or replacing fails, abort everything, release the workers
+        and raise."""
+        self.recovery.recover(error)
         return self._take_pending_outputs()
 
-    def _fail_recurring(
-        self, event: FaultEvent, previous: FaultEvent, error: StageFailedError
-    ) -> None:
-        """A replaced stage raised the same error on a step of the same requests: replaying
-        them would only fail again. Those requests end (aborted, the stage's error logged) and
-        this replacement is not counted against max_stage_restarts; the others go on."""
-        poisoned = [r for r in event.step_request_ids if r in set(previous.step_request_ids)]
-        if not poisoned:
-            return
-        event.recurring = True
-        event.extra["failed_requests"] = poisoned
-        logger.error(
-            "Stage(s) %s failed again the same way on a step of the same request(s) after a "
-            "replacement; failing request(s) %s instead of replaying them: %s",
-            error.ranks,
-            poisoned,
-            error,
-        )
-        wanted = set(poisoned)
-        queues = (self.scheduler.waiting, self.scheduler.running, self.scheduler.swapped)
-        self._end_as_failed(
-            [g for q in queues for g in q if g.request_id in wanted],
-            f"its step failed the same way again after a stage replacement: {error}",
-        )
+    @property
+    def fault_events(self) -> list[FaultEvent]:
+        """Stage failures seen, each with its detection and recovery times and the work its
+        recovery recomputed (`FaultEvent.extra`)."""
+        return self.recovery.events
 
     def _end_as_failed(self, groups: list[SequenceGroup], why: str) -> None:
         """Abort `groups` (their error already logged) and return their final outputs
@@ -654,15 +570,6 @@ class LLMEngine:
             self.shutdown()
         except Exception:  # interpreter teardown: nothing left to clean up with
             pass
-
-
-def _can_replace_stages(executor: Any) -> bool:
-    from vllm.executor.base import ExecutorBase
-
-    replace = getattr(executor, "replace_stages", None)
-    return replace is not None and getattr(replace, "__func__", replace) is not (
-        ExecutorBase.replace_stages
-    )
 
 
 def _first_name(name: Any) -> str | None:

@@ -195,6 +195,13 @@ class PrometheusMetrics:
             "Number of tokens re-prefilled because a stage lost its KV cache.",
             label,
         )
+        self.recomputed_token_stages = Counter(
+            "vllm:recomputed_token_stages",
+            "Recovery work in token-stages: tokens re-prefilled times the stages that ran "
+            "them (a full recompute: x pipeline_parallel_size; a stage-local rebuild: x the "
+            "stages rebuilt).",
+            label,
+        )
 
     # vLLM 0.5's attribute names (`stat_loggers["prometheus"].metrics.counter_prompt_tokens`).
     gauge_scheduler_running = property(lambda self: self.num_requests_running)
@@ -331,6 +338,8 @@ class StatLogger(StatLoggerBase):
             m.stage_recoveries.labels(*labels).inc()
             m.stage_recovery.labels(*labels).observe(event.recovery_s)
             m.recomputed_tokens.labels(*labels).inc(recomputed_tokens)
+            token_stages = event.extra.get("recomputed_token_stages", 0)
+            m.recomputed_token_stages.labels(*labels).inc(token_stages)
 
     def log(self, stats: Stats) -> None:
         """Record one Stats; the average throughput gauges every interval."""

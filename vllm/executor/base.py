@@ -19,7 +19,7 @@ from vllm.executor.stage_supervisor import StageFailedError, StageFailure, local
 from vllm.executor.stage_watch import HeartbeatStats, StageWatch
 from vllm.executor.step_future import StepFuture
 from vllm.sequence import SamplerOutput
-from vllm.step_delta import ExecuteModelRequest
+from vllm.step_delta import ExecuteModelRequest, ReplayRequest
 from vllm.worker.stage_report import StageInfo, StageStats
 
 logger = logging.getLogger("vllm.executor")
@@ -192,6 +192,12 @@ class ExecutorBase(ABC):
         returns the seconds it took. Executors without separate stage processes cannot."""
         raise NotImplementedError(f"{type(self).__name__} cannot replace a stage")
 
+    def replay(self, request: ReplayRequest, timeout_s: float) -> None:
+        """Run one replay step of a stage-local KV rebuild on every rank (see
+        `ReplayRequest`), waiting at most `timeout_s`; raises StageFailedError when a rank
+        fails it. Executors that cannot replace a stage have nothing to rebuild."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rebuild a stage")
+
     @abstractmethod
     def shutdown(self, graceful: bool = True) -> None:
         """Release the workers; `graceful=False` kills them without waiting on them."""
@@ -326,6 +332,14 @@ class StageProcessExecutor(ExecutorBase):
     def _run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         ranks = list(range(self.parallel_config.world_size))
         return self._wait_calls(ranks, self._submit({r: (method, args, kwargs) for r in ranks}))
+
+    def replay(self, request: ReplayRequest, timeout_s: float) -> None:
+        self._run_workers_within("replay_stages", timeout_s, request)
+
+    def _run_workers_within(self, method: str, timeout_s: float, *args: Any) -> list[Any]:
+        ranks = list(range(self.parallel_config.world_size))
+        call_id = self._submit({r: (method, args, {}) for r in ranks})
+        return self._wait_calls(ranks, call_id, timeout_s)
 
     def _submit_step(self, request: ExecuteModelRequest, num_tokens: int) -> StepFuture:
         requests = self._requests_per_rank(request)

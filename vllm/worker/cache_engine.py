@@ -1,5 +1,9 @@
 """This stage's paged KV cache (its own layers only) plus the host swap space, and the block
-operations the scheduler asks for: swap in, swap out, copy (copy-on-write)."""
+operations the scheduler asks for: swap in, swap out, copy (copy-on-write).
+
+With stage-local recovery on, a non-last stage also keeps its boundary cache: per KV slot, the
+row it sent downstream for that token (its TP slice), paged with the KV blocks and moved by the
+same block operations, so a replaced next stage can be rebuilt from it."""
 
 from __future__ import annotations
 
@@ -53,9 +57,11 @@ class CacheEngine:
         dtype: torch.dtype,
         device: torch.device,
         layer_shapes: list[tuple[int, int]] | None = None,
+        boundary_width: int = 0,
     ) -> None:
         """`layer_shapes`: (KV heads, head size) of each layer, when they differ between
-        layers; else every layer has `num_kv_heads` x `head_size`."""
+        layers; else every layer has `num_kv_heads` x `head_size`. `boundary_width`: the
+        width of the row this stage sends downstream per token (0: no boundary cache)."""
         self.device = device
         self.num_gpu_blocks = num_gpu_blocks
         # Blocks [0, reserved_blocks) of the device cache are mapped (all of them off CPU).
@@ -86,38 +92,66 @@ class CacheEngine:
                     torch.empty(host, dtype=dtype, pin_memory=pin),
                 )
             )
+        # The boundary cache: [num_blocks, block_size, W] on the device and the host.
+        self.gpu_boundary: torch.Tensor | None = None
+        self.cpu_boundary: torch.Tensor | None = None
+        if boundary_width > 0:
+            self.gpu_boundary = device_tensor((num_gpu_blocks, block_size, boundary_width))
+            self.cpu_boundary = torch.empty(
+                (num_cpu_blocks, block_size, boundary_width), dtype=dtype, pin_memory=pin
+            )
+
+    def _device_tensors(self) -> list[torch.Tensor]:
+        """Every paged device tensor: each layer's keys and values, then the boundary."""
+        tensors = [t for pair in self.gpu_cache for t in pair]
+        return tensors + ([self.gpu_boundary] if self.gpu_boundary is not None else [])
+
+    def _host_tensors(self) -> list[torch.Tensor]:
+        """The host counterparts of `_device_tensors`, in the same order."""
+        tensors = [t for pair in self.cpu_cache for t in pair]
+        return tensors + ([self.cpu_boundary] if self.cpu_boundary is not None else [])
+
+    def write_boundary(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Keep `rows` [T, W] (what this stage sent downstream) at KV `slots` [T]."""
+        assert self.gpu_boundary is not None, "no boundary cache on this stage"
+        flat = self.gpu_boundary.view(-1, self.gpu_boundary.shape[-1])  # [blocks*bs, W]
+        flat.index_copy_(0, slots.to(flat.device), rows.to(flat.dtype))
+
+    def read_boundary(self, slots: torch.Tensor) -> torch.Tensor:
+        """The rows [T, W] kept at KV `slots` [T]."""
+        assert self.gpu_boundary is not None, "no boundary cache on this stage"
+        flat = self.gpu_boundary.view(-1, self.gpu_boundary.shape[-1])  # [blocks*bs, W]
+        return flat.index_select(0, slots.to(flat.device))
 
     def reserve(self, num_blocks: int) -> None:
         """Map (by zeroing) the device blocks below `num_blocks` not mapped yet (CPU only)."""
         end = min(num_blocks, self.num_gpu_blocks)
         if end <= self.reserved_blocks:
             return
-        for key_cache, value_cache in self.gpu_cache:
-            key_cache[self.reserved_blocks : end].zero_()
-            value_cache[self.reserved_blocks : end].zero_()
+        for tensor in self._device_tensors():
+            tensor[self.reserved_blocks : end].zero_()
         self.reserved_blocks = end
 
     @staticmethod
     def _copy_blocks(
-        src: list[KVCache], dst: list[KVCache], mapping: dict[int, int], device: torch.device
+        src: list[torch.Tensor], dst: list[torch.Tensor], mapping: dict[int, int]
     ) -> None:
         if not mapping:
             return
         src_idx = torch.tensor(list(mapping.keys()), dtype=torch.long)
         dst_idx = torch.tensor(list(mapping.values()), dtype=torch.long)
-        for (src_k, src_v), (dst_k, dst_v) in zip(src, dst):
-            s = src_idx.to(src_k.device)
-            d = dst_idx.to(dst_k.device)
-            dst_k.index_copy_(0, d, src_k.index_select(0, s).to(dst_k.device, non_blocking=True))
-            dst_v.index_copy_(0, d, src_v.index_select(0, s).to(dst_v.device, non_blocking=True))
+        for src_t, dst_t in zip(src, dst, strict=True):
+            s = src_idx.to(src_t.device)
+            d = dst_idx.to(dst_t.device)
+            dst_t.index_copy_(0, d, src_t.index_select(0, s).to(dst_t.device, non_blocking=True))
 
     def swap_in(self, mapping: dict[int, int]) -> None:
         """Host blocks -> device blocks (mapping: cpu block -> gpu block)."""
-        self._copy_blocks(self.cpu_cache, self.gpu_cache, mapping, self.device)
+        self._copy_blocks(self._host_tensors(), self._device_tensors(), mapping)
 
     def swap_out(self, mapping: dict[int, int]) -> None:
         """Device blocks -> host blocks (mapping: gpu block -> cpu block)."""
-        self._copy_blocks(self.gpu_cache, self.cpu_cache, mapping, self.device)
+        self._copy_blocks(self._device_tensors(), self._host_tensors(), mapping)
 
     def copy(self, mapping: dict[int, list[int]]) -> None:
         """Copy-on-write within the device cache (mapping: src block -> [dst blocks])."""
@@ -126,6 +160,5 @@ class CacheEngine:
             return
         src_idx = torch.tensor(list(pairs.values()), dtype=torch.long, device=self.device)
         dst_idx = torch.tensor(list(pairs.keys()), dtype=torch.long, device=self.device)
-        for key_cache, value_cache in self.gpu_cache:
-            key_cache.index_copy_(0, dst_idx, key_cache.index_select(0, src_idx))
-            value_cache.index_copy_(0, dst_idx, value_cache.index_select(0, src_idx))
+        for tensor in self._device_tensors():
+            tensor.index_copy_(0, dst_idx, tensor.index_select(0, src_idx))

@@ -157,27 +157,8 @@ class ModelRunner:
         structured = None
         if self.layout.is_last and rows is not None:
             structured = self._structured_state(rows.groups)
-        lora_ids: torch.Tensor | None = None  # [T] each token's adapter (LoRA enabled)
-        if self.layout.is_first:
-            assert rows is not None
-            input_ids, positions, md = prepare_inputs(rows.layout, self.block_size, self.device)
-            if self.lora_manager is not None:
-                lora_ids = token_lora_ids(rows.layout, md._prefill_lens_list or [], self.device)
-                self.lora_manager.activate(lora_ids)
-            hidden = self.model(input_ids, positions, kv_caches, md)
-        else:
-            assert received is not None
-            positions = received["positions"]
-            md = InputMetadata.from_dict(received)
-            if self.lora_manager is not None:
-                # The first stage's mapping travels with the hidden states.
-                lora_ids = received["lora_ids"]
-                self.lora_manager.activate(lora_ids)
-            hidden = self.model(None, positions, kv_caches, md, hidden_states=received["hidden"])
-        if not self.layout.is_last:
-            to_send = {"hidden": hidden, "positions": positions, **md.to_dict()}
-            if lora_ids is not None:
-                to_send["lora_ids"] = lora_ids
+        hidden, to_send = self._forward(kv_caches, rows, received)
+        if to_send is not None:
             return to_send, None
         assert rows is not None
         sampling_md = build_sampling_metadata(
@@ -199,3 +180,55 @@ class ModelRunner:
             logits = logits.float()  # [S, V]; the mask kernel takes fp32
             structured.apply(logits, sampling_md)
         return None, self.sampler(logits, sampling_md)
+
+    def _forward(
+        self,
+        kv_caches: list[KVCache],
+        rows: StepRows | None,
+        received: dict[str, Any] | None,
+    ) -> tuple[torch.Tensor, dict[str, Any] | None]:
+        """This stage's layers: (hidden states [T, H], what to send on; None on the last
+        stage). The first stage builds its inputs from `rows`, later ones take `received`."""
+        lora_ids: torch.Tensor | None = None  # [T] each token's adapter (LoRA enabled)
+        if self.layout.is_first:
+            assert rows is not None
+            input_ids, positions, md = prepare_inputs(rows.layout, self.block_size, self.device)
+            if self.lora_manager is not None:
+                lora_ids = token_lora_ids(rows.layout, md._prefill_lens_list or [], self.device)
+                self.lora_manager.activate(lora_ids)
+            hidden = self.model(input_ids, positions, kv_caches, md)
+        else:
+            assert received is not None
+            positions = received["positions"]
+            md = InputMetadata.from_dict(received)
+            if self.lora_manager is not None:
+                # The first stage's mapping travels with the hidden states.
+                lora_ids = received["lora_ids"]
+                self.lora_manager.activate(lora_ids)
+            hidden = self.model(None, positions, kv_caches, md, hidden_states=received["hidden"])
+        if self.layout.is_last:
+            return hidden, None
+        to_send = {"hidden": hidden, "positions": positions, **md.to_dict()}
+        if lora_ids is not None:
+            to_send["lora_ids"] = lora_ids
+        return hidden, to_send
+
+    def replay_stage(
+        self, kv_caches: list[KVCache], rows: StepRows, received: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """A replay step of a rebuilt stage: its layers on prefill chunks of committed tokens
+        (their KV is written at their slots), nothing sampled. Returns what a next stage
+        would get (None on the last stage)."""
+        with torch.inference_mode():
+            return self._forward(kv_caches, rows, received)[1]
+
+    def replay_inputs(self, rows: StepRows) -> dict[str, Any]:
+        """The positions, metadata (and LoRA mapping) of a replay step, without the hidden
+        states: a kept stage sends them with its boundary rows to a rebuilt next stage."""
+        _, positions, md = prepare_inputs(rows.layout, self.block_size, self.device)
+        to_send: dict[str, Any] = {"positions": positions, **md.to_dict()}
+        if self.lora_manager is not None:
+            to_send["lora_ids"] = token_lora_ids(
+                rows.layout, md._prefill_lens_list or [], self.device
+            )
+        return to_send

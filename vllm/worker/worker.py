@@ -22,7 +22,7 @@ from vllm.lora.worker_manager import StageLoRAManager
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import SamplerOutput
-from vllm.step_delta import ExecuteModelRequest
+from vllm.step_delta import ExecuteModelRequest, ReplayRequest
 from vllm.worker.cache_engine import CacheEngine, layers_block_bytes
 from vllm.worker.cpu_memory import release_memory, tune_malloc
 from vllm.worker.model_runner import ModelRunner
@@ -222,13 +222,24 @@ class Worker:
         shape = (self._num_kv_heads(), self.model_config.get_head_size())
         return [shape] * self.layout.num_layers
 
+    def _boundary_width(self) -> int:
+        """Width of the row this rank keeps per KV slot in its boundary cache: what it sends
+        downstream (its 1/tp slice, see `tpu.slice_for_next_stage`); 0 when it keeps none
+        (the last stage, or stage-local recovery off)."""
+        if not self.parallel_config.boundary_cache_enabled or self.layout.is_last:
+            return 0
+        hidden = self.model_config.get_hidden_size()
+        tp = self.parallel_config.tensor_parallel_size
+        return hidden // tp if tp > 1 and hidden % tp == 0 else hidden
+
     def get_cache_block_size_bytes(self) -> int:
-        """Bytes of one KV block across this stage's layers, each with its own KV shape."""
-        return layers_block_bytes(
-            self.cache_config.block_size,
-            self._layer_kv_shapes(),
-            get_torch_dtype(self.model_config.dtype),
-        )
+        """Bytes of one KV block across this stage's layers, each with its own KV shape, plus
+        the block's boundary-cache rows (counted so KV sizing stays honest)."""
+        dtype = get_torch_dtype(self.model_config.dtype)
+        block_size = self.cache_config.block_size
+        element_size = torch.tensor([], dtype=dtype).element_size()
+        boundary = block_size * self._boundary_width() * element_size
+        return layers_block_bytes(block_size, self._layer_kv_shapes(), dtype) + boundary
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, host swap blocks) this stage can hold within its own budget.
@@ -301,6 +312,7 @@ class Worker:
             get_torch_dtype(mc.dtype),
             self.device,
             layer_shapes=self._layer_kv_shapes(),
+            boundary_width=self._boundary_width(),
         )
 
     def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput | None:
@@ -320,20 +332,24 @@ class Worker:
         try:
             return self._execute_model(request)
         except BaseException as exc:
-            self.timers.abort()  # the step is over: a heartbeat must not report it busy
-            if self.parallel_config.world_size > 1:
-                logger.warning(
-                    "rank %d: step failed (%s: %s); leaving the process groups",
-                    self.rank,
-                    type(exc).__name__,
-                    str(exc).strip()[-200:],
-                )
-                self._pending_send = None
-                try:
-                    ps.destroy_model_parallel()
-                except Exception as close_exc:  # a group with a dead peer may not close cleanly
-                    logger.warning("rank %d: closing the groups: %s", self.rank, close_exc)
+            self._leave_groups_after(exc)
             raise
+
+    def _leave_groups_after(self, exc: BaseException) -> None:
+        """A step or replay failed: close this rank's process groups (see execute_model)."""
+        self.timers.abort()  # the step is over: a heartbeat must not report it busy
+        if self.parallel_config.world_size > 1:
+            logger.warning(
+                "rank %d: step failed (%s: %s); leaving the process groups",
+                self.rank,
+                type(exc).__name__,
+                str(exc).strip()[-200:],
+            )
+            self._pending_send = None
+            try:
+                ps.destroy_model_parallel()
+            except Exception as close_exc:  # a group with a dead peer may not close cleanly
+                logger.warning("rank %d: closing the groups: %s", self.rank, close_exc)
 
     def _execute_model(self, request: ExecuteModelRequest) -> SamplerOutput | None:
         assert self.cache_engine is not None, "initialize_cache() first"
@@ -385,18 +401,75 @@ class Worker:
             received["hidden"] = tpu.all_gather_last_dim(received["hidden"])
         return received
 
-    def _send_hidden(self, to_send: dict[str, Any]) -> None:
+    def _send_hidden(self, to_send: dict[str, Any], send: bool = True) -> None:
         """Send to the next stage without waiting for it (the next stage overlaps with this
-        one), after the previous step's send finished (keeps order and bounds memory)."""
+        one), after the previous step's send finished (keeps order and bounds memory). The
+        rows sent are kept in the boundary cache at the step's slots; with `send=False`
+        (a replay whose next stage kept its KV) they are only kept."""
         if self._pending_send is not None:
             self._pending_send.wait()
         # TP: each rank sends its 1/tp slice; the next stage's ranks all-gather them.
         to_send["hidden"], sliced = tpu.slice_for_next_stage(to_send["hidden"])
         if sliced:
             to_send["hidden_tp_sliced"] = True
+        cache = self.cache_engine
+        if cache is not None and cache.gpu_boundary is not None:
+            cache.write_boundary(to_send["md.slot_mapping"], to_send["hidden"])
+        if send:
+            self._send_to_next(to_send)
+
+    def _send_to_next(self, to_send: dict[str, Any]) -> None:
         self._pending_send = send_tensor_dict(
             to_send, ps.get_pipeline_model_parallel_next_rank(), async_op=True
         )
+
+    def replay_stages(self, request: ReplayRequest) -> None:
+        """One replay step of a stage-local rebuild (see `ReplayRequest`): a rebuilt stage
+        runs its layers on the committed tokens (writing their KV and its own boundary
+        rows) and passes them on to a rebuilt next stage; a kept stage whose next stage is
+        rebuilt sends the rows its boundary cache holds for those slots; others only apply
+        the swap-ins. Nothing is sampled."""
+        assert self.cache_engine is not None, "initialize_cache() first"
+        cache = self.cache_engine
+        cache.reserve(request.kv_blocks_bound)
+        cache.swap_in(request.blocks_to_swap_in)
+        if not request.groups:
+            return
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        rebuilt = set(request.rebuild_stages)
+        next_rebuilt = pp_rank + 1 in rebuilt and not self.layout.is_last
+        rows = StepRows.of(request.groups)
+        try:
+            self._replay(rows, pp_rank in rebuilt, next_rebuilt)
+        except BaseException as exc:
+            self._leave_groups_after(exc)
+            raise
+
+    @torch.inference_mode()
+    def _replay(self, rows: StepRows, rebuilt: bool, next_rebuilt: bool) -> None:
+        cache = self.cache_engine
+        assert cache is not None
+        try:
+            if rebuilt:
+                received = None if self.layout.is_first else self._receive_hidden()
+                to_send = self.model_runner.replay_stage(cache.gpu_cache, rows, received)
+                if to_send is not None:
+                    self._send_hidden(to_send, send=next_rebuilt)
+            elif next_rebuilt:
+                to_send = self.model_runner.replay_inputs(rows)
+                to_send["hidden"] = cache.read_boundary(to_send["md.slot_mapping"])
+                if self.parallel_config.tensor_parallel_size > 1:
+                    # Kept as sent: this rank's slice (see `_boundary_width`).
+                    sliced = to_send["hidden"].shape[-1] < self.model_config.get_hidden_size()
+                    if sliced:
+                        to_send["hidden_tp_sliced"] = True
+                if self._pending_send is not None:
+                    self._pending_send.wait()
+                self._send_to_next(to_send)
+            if self._pending_send is not None:
+                self._pending_send.wait()
+        finally:
+            self._pending_send = None
 
     def get_stage_stats(self, reset: bool = True) -> StageStats:
         """Where this stage's time went since the last reset (`StageStats`)."""

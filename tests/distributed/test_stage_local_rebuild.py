@@ -1,0 +1,148 @@
+"""Stage-local KV rebuild: a replaced stage re-prefills only its own layers (from the token ids
+or the previous stage's boundary cache) while the other stages keep their KV and swap copies.
+
+A stage is SIGKILLed mid-generation (the first, a middle and the last one) with chunked
+prefill, prefix caching, a small cache that swaps, and parallel (n=2) seeded sampling: greedy
+and seeded outputs equal the fault-free run of the same engine, the log says stage-local, and
+the recovery's work in token-stages is at most 1/PP of a full recompute's for the same state.
+`stage_recovery="full"` still recovers with equal outputs."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.utils import tiny_models
+from tests.utils.faults import after_steps, gone, kill_stage_pid
+from vllm import LLM, SamplingParams
+
+PROMPTS = tiny_models.PROMPTS * 2
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    if i % 3 == 0
+    else SamplingParams(temperature=1.0, seed=i, max_tokens=40, n=2 if i % 3 == 2 else 1)
+    for i in range(len(PROMPTS))
+]
+# Small blocks and cache: n=2 groups are swapped out (preempted) around the fault.
+ENGINE_KW = dict(
+    enable_chunked_prefill=True,
+    max_num_batched_tokens=32,
+    max_num_seqs=16,
+    enable_prefix_caching=True,
+    block_size=4,
+    num_gpu_blocks_override=64,
+    swap_space=0.01,
+    max_model_len=128,
+    disable_log_stats=True,
+)
+
+
+def outputs_of(outputs) -> list[list[list[int]]]:
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+def start_engine(backend: str, pp: int, tp: int = 1, **kwargs) -> LLM:
+    return LLM(
+        tiny_models_dir(),
+        pipeline_parallel_size=pp,
+        tensor_parallel_size=tp,
+        distributed_executor_backend=backend,
+        **{**ENGINE_KW, **kwargs},
+    )
+
+
+_DIRS: dict[str, str] = {}
+
+
+def tiny_models_dir() -> str:
+    return _DIRS["llama"]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "mp-pp2",
+        "mp-pp3",
+        pytest.param("ray-pp2", marks=pytest.mark.ray),
+        pytest.param("ray-pp3", marks=pytest.mark.ray),
+    ],
+)
+def engine(request, tiny_model_dirs):
+    """An engine (stage-local recovery: the default) and its fault-free outputs."""
+    backend, pp = request.param.split("-")
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+    _DIRS["llama"] = tiny_model_dirs["llama-gqa-untied"]
+    llm = start_engine(backend, int(pp[2:]))
+    reference = outputs_of(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    yield llm, reference
+    llm.shutdown()
+
+
+def run_with_kill(llm: LLM, rank: int, caplog) -> tuple[list, object]:
+    """Generate while SIGKILLing `rank` after a few steps; (outputs, the fault event)."""
+    engine = llm.llm_engine
+    events_before = len(engine.fault_events)
+    victim: list[int] = []
+    thread = after_steps(llm, 6, lambda: victim.append(kill_stage_pid(llm, rank, signal.SIGKILL)))
+    with caplog.at_level("INFO", logger="vllm"):
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    thread.join(timeout=60)
+    assert victim, "the stage was never killed"
+    assert gone(victim[0])
+    events = engine.fault_events[events_before:]
+    assert len(events) == 1, events
+    scheduler = engine.scheduler
+    assert not scheduler.in_flight and not scheduler.has_unfinished_seqs()
+    bm = scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
+    assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
+    return outputs, events[0]
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_killed_stage_is_rebuilt_alone(engine, where, caplog):
+    llm, reference = engine
+    pp = llm.llm_engine.parallel_config.pipeline_parallel_size
+    if where == "middle" and pp < 3:
+        pytest.skip("no middle stage at PP=2")
+    rank = {"first": 0, "middle": pp // 2, "last": pp - 1}[where]
+    outputs, event = run_with_kill(llm, rank, caplog)
+    assert outputs_of(outputs) == reference
+    extra = event.extra
+    assert extra["stage_recovery"] == "local", extra
+    assert extra["rebuilt_stages"] == [rank]
+    assert extra["replayed_tokens"] > 0
+    assert extra["recomputed_token_stages"] * pp <= extra["full_path_token_stages"], extra
+    logged = caplog.text
+    assert "rebuilt stage-locally" in logged and "Stage-local rebuild of stage(s)" in logged
+
+
+def test_stage_recovery_full_still_recovers(tiny_model_dirs, caplog):
+    _DIRS["llama"] = tiny_model_dirs["llama-gqa-untied"]
+    llm = start_engine("mp", 2, stage_recovery="full")
+    try:
+        reference = outputs_of(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+        outputs, event = run_with_kill(llm, 1, caplog)
+        assert outputs_of(outputs) == reference
+        assert event.extra["stage_recovery"] == "full"
+        assert event.extra["recomputed_token_stages"] == event.extra["full_path_token_stages"]
+        assert "recomputed with the tokens they have" in caplog.text
+    finally:
+        llm.shutdown()
+
+
+def test_tp2_pp2_rebuilds_both_ranks_of_a_stage(tiny_model_dirs, caplog):
+    """TP=2 x PP=2 on mp: one TP rank of the first stage dies; the boundary rows are each
+    rank's slice."""
+    _DIRS["llama"] = tiny_model_dirs["llama-gqa-untied"]
+    llm = start_engine("mp", 2, tp=2)
+    try:
+        reference = outputs_of(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+        outputs, event = run_with_kill(llm, 1, caplog)
+        assert outputs_of(outputs) == reference
+        assert event.extra["stage_recovery"] == "local"
+        assert event.extra["rebuilt_stages"] == [0]
+    finally:
+        llm.shutdown()

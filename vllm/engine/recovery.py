@@ -1,0 +1,238 @@
+"""Recovery from a failed stage: the fault events, the restart budget (a rate) and the choice
+between a stage-local KV rebuild and a full recompute.
+
+A failed stage (StageFailedError) is replaced, up to `max_stage_restarts` replacements within
+VLLM_STAGE_RESTART_WINDOW_S; past that the engine aborts everything, releases its workers and
+raises EngineDeadError. Then its KV comes back one of two ways:
+- **local** (`stage_recovery="local"`, PP > 1, restarts allowed: the stages keep boundary
+  caches): the steps in flight are lost, so their groups roll back to their committed state
+  keeping their blocks (`vllm.core.stage_rollback`); only the replaced stages re-prefill the
+  committed tokens, in chunks (`vllm.engine.stage_replay`), from the token ids (first stage)
+  or the previous stage's boundary cache, while every other stage keeps its KV and swap
+  copies. Work: tokens x stages rebuilt.
+- **full**: every unfinished request goes back to the waiting queue and re-prefills all its
+  tokens through all stages. Work: tokens x pipeline_parallel_size. Also the fallback for a
+  group the local path cannot trust (said in the log) and when a replay step fails.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm import envs
+from vllm.core.stage_rollback import RollbackPlan, roll_back_for_replay
+from vllm.engine.stage_replay import replay_steps, replay_tokens
+from vllm.executor.stage_supervisor import FaultEvent, StageFailedError
+from vllm.logger import init_logger
+from vllm.step_delta import ReplayRequest
+
+if TYPE_CHECKING:
+    from vllm.engine.llm_engine import LLMEngine
+
+logger = init_logger("vllm.engine.recovery")
+
+
+class StageRecovery:
+    """Owns the engine's fault events, its restart window and how each failure is
+    recovered (see the module docstring)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        # Stage failures seen, each with its detection and recovery times and work figures.
+        self.events: list[FaultEvent] = []
+        # When each counted stage replacement happened (time.monotonic()), for the rate limit.
+        self.restart_times: list[float] = []
+        # The failure whose stages are being replaced right now (read by `health`).
+        self.recovering: StageFailedError | None = None
+
+    def restarts_in_window(self) -> int:
+        """Stage replacements counted against max_stage_restarts now (the budget is a rate)."""
+        window = envs.get_float("VLLM_STAGE_RESTART_WINDOW_S")
+        now = time.monotonic()
+        return sum(1 for t in self.restart_times if now - t < window)
+
+    def local_rebuild_enabled(self) -> bool:
+        """Whether the stages keep boundary caches, so a replaced stage can be rebuilt alone."""
+        return self.engine.parallel_config.boundary_cache_enabled
+
+    def recover(self, error: StageFailedError) -> None:
+        """Replace the failed stages and bring their KV back (locally or in full); or, when
+        restarts are used up or replacing fails, abort everything, release the workers and
+        raise EngineDeadError."""
+        self.recovering = error
+        try:
+            self._replace_and_rebuild(error)
+        finally:
+            self.recovering = None
+
+    def _replace_and_rebuild(self, error: StageFailedError) -> None:
+        engine = self.engine
+        sched = engine.scheduler
+        pp = engine.parallel_config.pipeline_parallel_size
+        event = FaultEvent(error.ranks, str(error), error.detected_after_s)
+        event.signature = error.raised_signature
+        event.step_request_ids = engine.batch_queue.request_ids_of_call(error.call_id)
+        previous = self.events[-1] if self.events else None
+        self.events.append(event)
+        lost_gpu, lost_cpu = engine.batch_queue.lost_block_ids()
+        engine.batch_queue.reset()
+        # What a full recompute of this state costs: every unfinished token, every stage.
+        full_tokens = _unfinished_tokens([*sched.running, *sched.swapped])
+        event.extra["full_path_token_stages"] = full_tokens * pp
+        plan: RollbackPlan | None = None
+        if self.local_rebuild_enabled():
+            plan = roll_back_for_replay(sched, lost_gpu, lost_cpu)
+            event.requeued_requests = len(plan.replayed) + len(plan.recomputed)
+        else:
+            event.requeued_requests = len(sched.requeue_all())
+        if (
+            previous is not None
+            and previous.recovery_s is not None
+            and event.signature is not None
+            and event.signature == previous.signature
+        ):
+            self._fail_recurring(event, previous, error)
+        if not can_replace_stages(engine.executor):
+            # Said before any "Replacing..." line: the in-process backend cannot replace one.
+            engine._fail(error, f"the {type(engine.executor).__name__} cannot replace a stage")
+        limit = engine.parallel_config.max_stage_restarts
+        window = envs.get_float("VLLM_STAGE_RESTART_WINDOW_S")
+        now = time.monotonic()
+        self.restart_times = [t for t in self.restart_times if now - t < window]
+        restarts = len(self.restart_times)
+        if restarts >= limit and not event.recurring:
+            engine._fail(error, f"max_stage_restarts={limit} restarts within {window:g} s used up")
+        logger.warning(
+            "Replacing failed stage(s) %s (%s); %d requests will be %s",
+            error.ranks,
+            "not counted as a restart" if event.recurring else f"restart {restarts + 1} of {limit}",
+            event.requeued_requests - len(event.extra.get("failed_requests", [])),
+            "rebuilt stage-locally (only the replaced stages re-prefill their tokens)"
+            if plan is not None
+            else "recomputed with the tokens they have",
+        )
+        if not event.recurring:
+            self.restart_times.append(now)
+        try:
+            event.recovery_s = engine.executor.replace_stages(error.ranks)
+            engine.loras.resync()  # the new stage processes load the registered adapters
+        except Exception as exc:
+            logger.error("Replacing stage(s) %s failed: %s", error.ranks, exc)
+            engine._fail(error, f"replacing the stage failed ({type(exc).__name__}: {exc})")
+        assert event.recovery_s is not None
+        tp = engine.parallel_config.tensor_parallel_size
+        stages = sorted({rank // tp for rank in error.ranks})
+        if plan is not None:
+            replay_started = time.perf_counter()
+            self._rebuild(plan, stages, event)
+            event.extra["replay_s"] = time.perf_counter() - replay_started
+            event.recovery_s += event.extra["replay_s"]
+        else:
+            # Every request that held KV re-prefills all the tokens it has (prompt + output).
+            event.extra["stage_recovery"] = "full"
+            event.extra["recomputed_tokens"] = full_tokens
+            event.extra["recomputed_token_stages"] = full_tokens * pp
+        logger.info(
+            "Pipeline serving again %.1f s after the failure was detected (detection took "
+            "%.1f s; %s recovery: %d token-stages recomputed, a full recompute: %d)",
+            event.recovery_s,
+            event.detected_after_s,
+            event.extra["stage_recovery"],
+            event.extra["recomputed_token_stages"],
+            event.extra["full_path_token_stages"],
+        )
+        if engine.stats is not None:
+            engine.stats.log_fault(event, event.extra["recomputed_tokens"])
+
+    def _rebuild(self, plan: RollbackPlan, stages: list[int], event: FaultEvent) -> None:
+        """Replay the kept groups' committed tokens through the replaced `stages`; a failed
+        replay step falls back to a full recompute."""
+        engine = self.engine
+        sched = engine.scheduler
+        pp = engine.parallel_config.pipeline_parallel_size
+        for request_id, why in plan.recomputed.items():
+            logger.warning("Request %s: recomputed in full (%s)", request_id, why)
+        groups = [g for g in plan.replayed if not g.is_finished()]
+        max_tokens = sched.budget.max_num_batched_tokens
+        steps = replay_steps(groups, sched.block_manager, max_tokens)
+        replayed = replay_tokens(steps)
+        requeued = [g for g in sched.waiting if g.request_id in plan.recomputed]
+        recomputed_full = _unfinished_tokens(requeued)
+        logger.info(
+            "Stage-local rebuild of stage(s) %s: %d requests, %d tokens in %d replay step(s) "
+            "(%d swapped requests swapped in with it); %d requests recomputed in full",
+            stages, len(groups), replayed, len(steps), len(plan.swapped_in),
+            len(plan.recomputed),
+        )  # fmt: skip
+        try:
+            for index, step in enumerate(steps or [[]]):
+                request = ReplayRequest(
+                    stages,
+                    step,
+                    plan.blocks_to_swap_in if index == 0 else {},
+                    sched.kv_blocks_bound(),
+                )
+                num_tokens = sum(meta.token_chunk_size or 0 for meta in step)
+                deadline = engine.parallel_config.step_deadline_s(num_tokens)
+                engine.executor.replay(request, deadline)
+        except Exception as exc:
+            logger.error(
+                "Stage-local rebuild failed (%s: %s); recomputing every request in full",
+                type(exc).__name__,
+                exc,
+            )
+            full = _unfinished_tokens([*sched.running, *sched.swapped])
+            sched.requeue_all()
+            event.extra["stage_recovery"] = "full (the replay failed)"
+            event.extra["replayed_tokens"] = 0
+            event.extra["recomputed_tokens"] = full + recomputed_full
+            event.extra["recomputed_token_stages"] = (full + recomputed_full) * pp
+            return
+        event.extra["stage_recovery"] = "local"
+        event.extra["rebuilt_stages"] = stages
+        event.extra["replayed_tokens"] = replayed
+        event.extra["recomputed_requests"] = dict(plan.recomputed)
+        event.extra["recomputed_tokens"] = replayed + recomputed_full
+        event.extra["recomputed_token_stages"] = replayed * len(stages) + recomputed_full * pp
+
+    def _fail_recurring(
+        self, event: FaultEvent, previous: FaultEvent, error: StageFailedError
+    ) -> None:
+        """A replaced stage raised the same error on a step of the same requests: replaying
+        them would only fail again. Those requests end (aborted, the stage's error logged) and
+        this replacement is not counted against max_stage_restarts; the others go on."""
+        poisoned = [r for r in event.step_request_ids if r in set(previous.step_request_ids)]
+        if not poisoned:
+            return
+        event.recurring = True
+        event.extra["failed_requests"] = poisoned
+        logger.error(
+            "Stage(s) %s failed again the same way on a step of the same request(s) after a "
+            "replacement; failing request(s) %s instead of replaying them: %s",
+            error.ranks,
+            poisoned,
+            error,
+        )
+        wanted = set(poisoned)
+        sched = self.engine.scheduler
+        queues = (sched.waiting, sched.running, sched.swapped)
+        self.engine._end_as_failed(
+            [g for q in queues for g in q if g.request_id in wanted],
+            f"its step failed the same way again after a stage replacement: {error}",
+        )
+
+
+def _unfinished_tokens(groups: Any) -> int:
+    """Tokens (prompt + output) of the groups' unfinished sequences."""
+    return sum(seq.get_len() for g in groups for seq in g.get_unfinished_seqs())
+
+
+def can_replace_stages(executor: Any) -> bool:
+    """Whether `executor` can replace a failed stage (the in-process one cannot)."""
+    from vllm.executor.base import ExecutorBase
+
+    replace = getattr(executor, "replace_stages", None)
+    return replace is not None and getattr(replace, "__func__", replace) is not (
+        ExecutorBase.replace_stages
+    )
