@@ -154,6 +154,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "engine must replace it and lose nothing.",
     )
     p.add_argument(
+        "--stage-recovery",
+        "--stage_recovery",
+        dest="stage_recovery",
+        default="local",
+        choices=["local", "full", "both"],
+        help="How a replaced stage gets its KV back (the engine's --stage-recovery); 'both' "
+        "runs the same workload once with each and prints each fault's figures per mode.",
+    )
+    p.add_argument(
         "--kill-mode",
         "--kill_mode",
         dest="kill_mode",
@@ -430,13 +439,55 @@ def main(argv: list[str] | None = None) -> int:
     if args.squeeze_kv:
         engine_kwargs.update(squeeze_settings(args, reqs))
         print(f"--squeeze_kv: {engine_kwargs}")
+    modes = ["local", "full"] if args.stage_recovery == "both" else [args.stage_recovery]
+    runs = []
+    for mode in modes:
+        if len(modes) > 1:
+            print(f"\n##### --stage-recovery {mode} #####")
+        rng = random.Random(args.seed)
+        reqs = build_requests(args, rng)
+        runs.append((mode, reqs, *run_engine(args, reqs, rng, engine_kwargs, mode)))
+    summary: dict[str, Any] = {}
+    errors: list[str] = []
+    for mode, reqs, state, faults, run_errors, preemptions, num_blocks in runs:
+        verified = 0
+        if args.verify:
+            verify_errors, verified = verify(args, reqs, state, engine_kwargs)
+            run_errors += verify_errors
+        run_summary = summarize(args, reqs, state, faults, run_errors, preemptions, num_blocks)
+        run_summary["verified"] = verified
+        if len(modes) > 1:
+            summary.update({f"{mode}.{key}": value for key, value in run_summary.items()})
+            errors += [f"[{mode}] {err}" for err in run_errors]
+        else:
+            summary, errors = run_summary, run_errors
+        print(f"\nRUN ALL ({mode}): {state.seconds:.2f} s")
+    print("=== masstest summary ===")
+    for key, value in summary.items():
+        print(f"  {key}: {value:.2f}" if isinstance(value, float) else f"  {key}: {value}")
+    print("".join(f"FAIL: {err}\n" for err in errors[:20]), end="")
+    print(f"... and {len(errors) - 20} more failures" if len(errors) > 20 else "", end="")
+    write_json(args.output_json, {"args": vars(args), "summary": summary, "errors": errors})
+    print("masstest: PASS" if not errors else f"masstest: FAIL ({len(errors)} problems)")
+    return 0 if not errors else 1
+
+
+def run_engine(
+    args: argparse.Namespace,
+    reqs: list[Req],
+    rng: random.Random,
+    engine_kwargs: dict[str, Any],
+    mode: str,
+) -> tuple[RunState, list[Any], list[str], int, int]:
+    """RUN ALL on an engine recovering with `mode`, killing stages if asked: (state, fault
+    events, errors, preemptions, device blocks)."""
     from vllm import LLM
 
+    kwargs = dict(engine_kwargs, stage_recovery=mode)
     if args.kill_stage_every is not None:
         # Every injected fault must be survived: no restart limit for the stress run.
-        engine_kwargs["max_stage_restarts"] = 1_000_000
-    llm = LLM(pipeline_parallel_size=args.pipeline_parallel_size, **engine_kwargs)
-    engine_kwargs.pop("max_stage_restarts", None)
+        kwargs["max_stage_restarts"] = 1_000_000
+    llm = LLM(pipeline_parallel_size=args.pipeline_parallel_size, **kwargs)
     faults: list[Any] = []
     try:
         if args.kill_stage_every is not None:
@@ -447,12 +498,17 @@ def main(argv: list[str] | None = None) -> int:
             for (rank, how, pid), killed_at, event in zip(killer.kills, killer.kill_times, faults):
                 # From the kill to the engine's fault event (not the failed wait's length).
                 event.extra["found_after_kill_s"] = event.detected_at - killed_at
+                extra = event.extra
                 print(
-                    f"  {how:8s} stage {rank} (pid {pid}): detected "
-                    f"{event.extra['found_after_kill_s']:.2f} s after the kill, serving again "
-                    "after "
-                    f"{event.recovery_s or float('nan'):.2f} s, "
-                    f"{event.requeued_requests} requests recomputed"
+                    f"  [{mode}] {how:8s} stage {rank} (pid {pid}): detected "
+                    f"{extra['found_after_kill_s']:.2f} s after the kill, recovered in "
+                    f"{event.recovery_s or float('nan'):.2f} s "
+                    f"(replay {extra.get('replay_s', 0.0):.2f} s), "
+                    f"{extra.get('recomputed_token_stages', 0)} token-stages recomputed "
+                    f"(full path for this state: {extra.get('full_path_token_stages', 0)}; "
+                    f"{extra.get('replayed_tokens', 0)} tokens replayed, "
+                    f"{len(extra.get('recomputed_requests', {}))} requests in full), "
+                    f"recovery {extra.get('stage_recovery')}"
                 )
         else:
             state = run_all(llm, reqs, rng, args.verbose)
@@ -463,10 +519,19 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks = llm.llm_engine.cache_config.num_gpu_blocks
     finally:
         llm.shutdown()  # before the reference engine starts: one engine at a time
-    verified = 0
-    if args.verify:
-        verify_errors, verified = verify(args, reqs, state, engine_kwargs)
-        errors += verify_errors
+    return state, faults, errors, preemptions, num_blocks
+
+
+def summarize(
+    args: argparse.Namespace,
+    reqs: list[Req],
+    state: RunState,
+    faults: list[Any],
+    errors: list[str],
+    preemptions: int,
+    num_blocks: int,
+) -> dict[str, Any]:
+    """The run's figures (requests, tokens, throughput, faults and their recovery work)."""
     outs = [o.outputs[0] for o in state.finished.values()]
     in_toks = sum(len(o.prompt_token_ids) for o in state.finished.values())  # ran ones
     out_toks = sum(len(o.token_ids) for o in outs)
@@ -487,23 +552,16 @@ def main(argv: list[str] | None = None) -> int:
         "run_all_seconds": state.seconds,
         "output_tokens_per_s": out_toks / state.seconds,
         "requests_per_s": len(reqs) / state.seconds,
-        "verified": verified,
         "stage_faults": len(faults),
         "max_detection_s": max(
             (f.extra.get("found_after_kill_s", f.detected_after_s) for f in faults), default=0.0
         ),
         "max_recovery_s": max((f.recovery_s or 0.0 for f in faults), default=0.0),
+        "recomputed_token_stages": sum(f.extra.get("recomputed_token_stages", 0) for f in faults),
+        "full_path_token_stages": sum(f.extra.get("full_path_token_stages", 0) for f in faults),
         "errors": len(errors),
     }
-    print(f"\nRUN ALL: {state.seconds:.2f} s")
-    print("=== masstest summary ===")
-    for key, value in summary.items():
-        print(f"  {key}: {value:.2f}" if isinstance(value, float) else f"  {key}: {value}")
-    print("".join(f"FAIL: {err}\n" for err in errors[:20]), end="")
-    print(f"... and {len(errors) - 20} more failures" if len(errors) > 20 else "", end="")
-    write_json(args.output_json, {"args": vars(args), "summary": summary, "errors": errors})
-    print("masstest: PASS" if not errors else f"masstest: FAIL ({len(errors)} problems)")
-    return 0 if not errors else 1
+    return summary
 
 
 if __name__ == "__main__":

@@ -66,3 +66,26 @@ def test_swap_in_out_and_copy_move_whole_blocks():
         for block in (40, 41, 63):
             assert (key[block] == 1.0 + layer).all() and (value[block] == -1.0 - layer).all()
         assert (key[6] == 0).all() and (key[39] == 0).all()
+
+
+def test_boundary_cache_moves_with_its_blocks():
+    """The boundary rows are written and read per KV slot, and swap out / swap in / copy move
+    them with their blocks like a KV layer."""
+    width = 6
+    cache = CacheEngine(
+        2, 2, 8, BLOCK_SIZE, BLOCKS, 8, torch.float32, torch.device("cpu"), boundary_width=width
+    )
+    no_boundary = make_cache()
+    assert no_boundary.gpu_boundary is None
+    slots = torch.tensor([5 * BLOCK_SIZE + 1, 5 * BLOCK_SIZE + 3, 9 * BLOCK_SIZE])
+    rows = torch.arange(3 * width, dtype=torch.float32).view(3, width)  # [T, W]
+    cache.write_boundary(slots, rows)
+    assert torch.equal(cache.read_boundary(slots), rows)
+    cache.swap_out({5: 2, 9: 3})
+    cache.write_boundary(slots, torch.zeros(3, width))  # the device blocks reused meanwhile
+    cache.swap_in({2: 11, 3: 12})
+    moved = torch.tensor([11 * BLOCK_SIZE + 1, 11 * BLOCK_SIZE + 3, 12 * BLOCK_SIZE])
+    assert torch.equal(cache.read_boundary(moved), rows)
+    cache.copy({11: [20]})  # copy-on-write
+    copied = torch.tensor([20 * BLOCK_SIZE + 1, 20 * BLOCK_SIZE + 3])
+    assert torch.equal(cache.read_boundary(copied), rows[:2])

@@ -137,7 +137,10 @@ class ChunkedPolicy:
 
     @staticmethod
     def _decode_fits(step: _Step, group_seqs: int) -> bool:
-        return step.used + group_seqs <= step.decode_room and not over_cap(
+        # The first group of a batch always fits: the room is a share of the decodes known,
+        # and a lone group of several samples (one token each) would never fit it.
+        room = step.used == 0 or step.used + group_seqs <= step.decode_room
+        return room and not over_cap(
             step.scheduled_decodes, step.batch_seqs + group_seqs, step.seq_cap
         )
 
@@ -163,7 +166,8 @@ class ChunkedPolicy:
                     break
             else:
                 tokens = seq_group.num_seqs(status=SequenceStatus.SWAPPED)
-                if step.used + tokens > step.budget:
+                # Swapped work is not in the budget's share: the first group always fits.
+                if step.used > 0 and step.used + tokens > step.budget:
                     break
             sched.swap_in(seq_group, step.out)
             step.take(seq_group, tokens, prefill=is_prefill)

@@ -93,7 +93,8 @@ class ChunkedPolicy(_SchedulerState):
         while decodes:
             seq_group = decodes.popleft()
             group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
-            if used + group_seqs > decode_room or self._batch_full(
+            # The first group of a batch always fits (a lone group of several samples).
+            if (used > 0 and used + group_seqs > decode_room) or self._batch_full(
                 scheduled_decodes, batch_seqs, group_seqs
             ):
                 self.running.append(seq_group)
@@ -108,7 +109,7 @@ class ChunkedPolicy(_SchedulerState):
                 batch_seqs += group_seqs
         for seq_group in ahead:
             group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
-            if used + group_seqs > decode_room or self._batch_full(
+            if (used > 0 and used + group_seqs > decode_room) or self._batch_full(
                 scheduled_decodes, batch_seqs, group_seqs
             ):
                 continue
@@ -197,7 +198,7 @@ class ChunkedPolicy(_SchedulerState):
                     break
             else:
                 tokens = seq_group.num_seqs(status=SequenceStatus.SWAPPED)
-                if used + tokens > budget:
+                if used > 0 and used + tokens > budget:
                     break
             self._swap_in(seq_group, out)
             (scheduled_prefills if is_prefill else scheduled_decodes).append(seq_group)

@@ -1,0 +1,92 @@
+"""The scheduler's side of a stage-local rebuild: in-flight groups roll back to their committed
+state keeping their blocks, untrusted groups are re-queued in full, and the replay steps cover
+exactly each kept sequence's committed tokens in chunks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.utils.fake_requests import FakeParams, seq_ids
+from vllm.config import CacheConfig, SchedulerConfig
+from vllm.core.budget import MicroBatchBudget
+from vllm.core.scheduler import Scheduler
+from vllm.core.stage_rollback import roll_back_for_replay
+from vllm.engine.stage_replay import replay_steps, replay_tokens
+from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
+
+pytestmark = pytest.mark.fast
+
+
+def _scheduler(chunked: bool = False) -> Scheduler:
+    cache = CacheConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8)
+    config = SchedulerConfig(
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_model_len=64,
+        enable_chunked_prefill=chunked,
+    )
+    return Scheduler(config, cache, MicroBatchBudget.from_config(config, 1))
+
+
+def _add(sched: Scheduler, request_id: str, prompt_len: int) -> SequenceGroup:
+    seq = Sequence(next(seq_ids), "p", list(range(prompt_len)), block_size=4)
+    group = SequenceGroup(request_id, [seq], FakeParams(), arrival_time=0.0)
+    sched.add_seq_group(group)
+    return group
+
+
+def _run_once(sched: Scheduler) -> list[SequenceGroup]:
+    """Schedule a step, commit it and bring it back with one token per running sequence."""
+    _, out = sched.schedule(1)
+    sched.commit_step(out)
+    groups = out.scheduled_seq_groups
+    sched.finish_in_flight([g.request_id for g in groups])
+    for group in groups:
+        for seq in group.get_seqs(status=SequenceStatus.RUNNING):
+            seq.append_token_id(7, {7: Logprob(0.0)})
+    return groups
+
+
+def test_in_flight_decode_rolls_back_and_replays_its_committed_tokens():
+    sched = _scheduler()
+    a = _add(sched, "a", 10)
+    _run_once(sched)  # a's prompt is computed, one token out: 11 tokens, 10 committed
+    _, out = sched.schedule(2)  # a's decode goes in flight (its slot for token 11 appended)
+    sched.commit_step(out)
+    b = _add(sched, "b", 5)
+    _, out_b = sched.schedule(3)  # b's prompt in flight too
+    sched.commit_step(out_b)
+    assert a.is_in_flight() and b.is_in_flight()
+    free_before = sched.block_manager.get_num_free_gpu_blocks()
+    plan = roll_back_for_replay(sched, set(), set())
+    assert [g.request_id for g in plan.replayed] == ["a"]
+    # b's whole prompt runs again when scheduled (classic scheduling): recomputed in full.
+    assert set(plan.recomputed) == {"b"} and list(sched.waiting) == [b]
+    assert not sched.in_flight and not a.is_in_flight()
+    seq = a.get_seqs()[0]
+    assert seq.data.get_num_computed_tokens() == 10 and seq.get_len() == 11
+    # a kept its blocks; only b's were freed.
+    assert sched.block_manager.get_num_free_gpu_blocks() == free_before + 2
+    steps = replay_steps(plan.replayed, sched.block_manager, 4)
+    assert [[(m.seq_data[seq.seq_id].get_num_computed_tokens(), m.token_chunk_size)
+             for m in step] for step in steps] == [[(0, 4)], [(4, 4)], [(8, 2)]]  # fmt: skip
+    assert replay_tokens(steps) == 10
+    assert all(not m.do_sample and m.is_prompt for step in steps for m in step)
+    table = sched.block_manager.get_block_table(seq)
+    # Scheduled again: a decodes token 11 in the slot it already had, b is admitted.
+    groups = _run_once(sched)
+    assert {g.request_id for g in groups} <= {"a", "b"}
+    assert sched.block_manager.get_block_table(seq) == table
+
+
+def test_groups_whose_blocks_a_lost_step_moved_are_recomputed():
+    sched = _scheduler(chunked=True)
+    a = _add(sched, "a", 8)
+    c = _add(sched, "c", 8)
+    _run_once(sched)
+    touched = set(sched.block_manager.get_block_table(c.get_seqs()[0])[:1])
+    plan = roll_back_for_replay(sched, touched, set())
+    assert [g.request_id for g in plan.replayed] == ["a"]
+    assert "moved or copied" in plan.recomputed["c"]
+    assert c in sched.waiting and c.get_seqs()[0].data.get_num_computed_tokens() == 0
+    assert a.get_seqs()[0].data.get_num_computed_tokens() == 8
