@@ -154,6 +154,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "engine must replace it and lose nothing.",
     )
     p.add_argument(
+        "--distributed-executor-backend",
+        "--distributed_executor_backend",
+        dest="distributed_executor_backend",
+        default=None,
+        choices=["ray", "mp"],
+        help="Backend of the engine under test (default: the engine's; the PP=1 reference "
+        "runs in-process).",
+    )
+    p.add_argument(
         "--stage-recovery",
         "--stage_recovery",
         dest="stage_recovery",
@@ -320,8 +329,6 @@ class StageKiller:
         self._thread.join(timeout=60)
 
     def _run(self) -> None:
-        import ray
-
         engine = self.llm.llm_engine
         modes = ["sigkill", "ray.kill", "sigstop"]
         while True:
@@ -335,10 +342,15 @@ class StageKiller:
             if self._stop.wait(self.every):
                 return
             executor = engine.executor
-            rank = self.rng.randrange(len(executor.workers))
+            infos = engine.get_stage_infos()
+            rank = self.rng.randrange(len(infos))
             how = modes[len(self.kills) % 3] if self.mode == "mixed" else self.mode
-            pid = engine.get_stage_infos()[rank].pid
+            if how == "ray.kill" and not hasattr(executor, "workers"):
+                how = "sigkill"  # mp: no actors, the process itself
+            pid = infos[rank].pid
             if how == "ray.kill":
+                import ray
+
                 ray.kill(executor.workers[rank])
             else:
                 os.kill(pid, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
@@ -484,6 +496,8 @@ def run_engine(
     from vllm import LLM
 
     kwargs = dict(engine_kwargs, stage_recovery=mode)
+    if args.distributed_executor_backend is not None:
+        kwargs["distributed_executor_backend"] = args.distributed_executor_backend
     if args.kill_stage_every is not None:
         # Every injected fault must be survived: no restart limit for the stress run.
         kwargs["max_stage_restarts"] = 1_000_000

@@ -79,14 +79,35 @@ def test_in_flight_decode_rolls_back_and_replays_its_committed_tokens():
     assert sched.block_manager.get_block_table(seq) == table
 
 
-def test_groups_whose_blocks_a_lost_step_moved_are_recomputed():
+def test_blocks_a_lost_step_moved_are_replayed_through_every_stage():
+    """A running sequence whose block a lost step copied replays its committed tokens from
+    that block on through every stage (the tokens before it on the replaced stage only)."""
     sched = _scheduler(chunked=True)
     a = _add(sched, "a", 8)
     c = _add(sched, "c", 8)
     _run_once(sched)
-    touched = set(sched.block_manager.get_block_table(c.get_seqs()[0])[:1])
+    c_seq = c.get_seqs()[0]
+    touched = set(sched.block_manager.get_block_table(c_seq)[1:2])
     plan = roll_back_for_replay(sched, touched, set())
-    assert [g.request_id for g in plan.replayed] == ["a"]
-    assert "moved or copied" in plan.recomputed["c"]
-    assert c in sched.waiting and c.get_seqs()[0].data.get_num_computed_tokens() == 0
+    assert [g.request_id for g in plan.replayed] == ["a", "c"] and not plan.recomputed
+    assert plan.all_stages_from == {c_seq.seq_id: 4}
     assert a.get_seqs()[0].data.get_num_computed_tokens() == 8
+    ranges = {c_seq.seq_id: (4, 8)}
+    steps = replay_steps(plan.replayed, sched.block_manager, 64, ranges)
+    assert [(m.request_id, m.seq_data[c_seq.seq_id].get_num_computed_tokens(),
+             m.token_chunk_size) for m in steps[0]] == [(f"c/replay-{c_seq.seq_id}", 4, 4)]  # fmt: skip
+
+
+def test_swapped_group_whose_host_blocks_a_lost_step_named_is_recomputed():
+    sched = _scheduler(chunked=True)
+    c = _add(sched, "c", 8)
+    _run_once(sched)
+    c_seq = c.get_seqs()[0]
+    sched.running.remove(c)
+    mapping = sched.block_manager.swap_out(c)
+    c_seq.status = SequenceStatus.SWAPPED
+    sched.swapped.append(c)
+    plan = roll_back_for_replay(sched, set(), set(mapping.values()))
+    assert "moved or copied" in plan.recomputed["c"] and not plan.replayed
+    assert c in sched.waiting and c_seq.data.get_num_computed_tokens() == 0
+    assert sched.block_manager.get_num_free_cpu_blocks() == 8

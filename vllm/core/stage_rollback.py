@@ -9,7 +9,9 @@ so their groups are rolled back to their committed state, keeping their blocks. 
 trusted:
 - blocks a lost (never collected) step moved or copied (swap in / out, copy-on-write): a rank
   that failed an earlier step skips the block operations of its later steps, so such a block
-  may differ between survivors; the groups holding one are recomputed in full;
+  may differ between survivors. A running sequence holding one replays its committed tokens
+  from that block on through every stage (`RollbackPlan.all_stages_from`: for a copy-on-write,
+  only its last block); a swapped group whose host blocks a lost step named is recomputed;
 - a prompt that classic scheduling runs whole (or several diverged samples, never chunked):
   it is rescheduled as a new prompt anyway, so it is recomputed in full (it has at most a
   cached prefix computed);
@@ -44,6 +46,9 @@ class RollbackPlan:
     swapped_in: list[str] = field(default_factory=list)
     # Request id -> why it is recomputed in full (re-queued as waiting).
     recomputed: dict[str, str] = field(default_factory=dict)
+    # Sequence id -> the first token of its first block a lost step moved or copied: from
+    # there on its committed tokens are replayed through every stage.
+    all_stages_from: dict[int, int] = field(default_factory=dict)
 
 
 def roll_back_for_replay(
@@ -69,9 +74,14 @@ def roll_back_for_replay(
     for group in sched.running:
         if group.is_finished():
             continue
-        why = _why_recompute(sched, group, touched_gpu, chunked)
+        why = _why_recompute(sched, group, set(), chunked)
         if why is None:
             kept.append(group)
+            for seq in group.get_unfinished_seqs():
+                table = bm.get_block_table(seq)
+                touched = [i for i, block in enumerate(table) if block in touched_gpu]
+                if touched:
+                    plan.all_stages_from[seq.seq_id] = touched[0] * bm.block_size
         else:
             plan.recomputed[group.request_id] = why
             recompute.append(group)

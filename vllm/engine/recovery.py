@@ -155,20 +155,42 @@ class StageRecovery:
             logger.warning("Request %s: recomputed in full (%s)", request_id, why)
         groups = [g for g in plan.replayed if not g.is_finished()]
         max_tokens = sched.budget.max_num_batched_tokens
-        steps = replay_steps(groups, sched.block_manager, max_tokens)
-        replayed = replay_tokens(steps)
+        # Phase 1, the replaced stages: every committed token, up to a sequence's first block
+        # a lost step moved or copied. Phase 2, every stage: the tokens from that block on.
+        local_ranges: dict[int, tuple[int, int]] = {}
+        all_ranges: dict[int, tuple[int, int]] = {}
+        for group in groups:
+            for seq in group.get_unfinished_seqs():
+                committed = seq.data.get_num_computed_tokens()
+                start = min(plan.all_stages_from.get(seq.seq_id, committed), committed)
+                local_ranges[seq.seq_id] = (0, start)
+                if start < committed:
+                    all_ranges[seq.seq_id] = (start, committed)
+                    logger.warning(
+                        "Request %s: tokens %d-%d replayed through every stage (a step that "
+                        "was lost moved or copied their blocks)",
+                        group.request_id, start, committed,
+                    )  # fmt: skip
+        local_steps = replay_steps(groups, sched.block_manager, max_tokens, local_ranges)
+        all_steps = replay_steps(groups, sched.block_manager, max_tokens, all_ranges)
+        replayed = replay_tokens(local_steps)
+        replayed_everywhere = replay_tokens(all_steps)
         requeued = [g for g in sched.waiting if g.request_id in plan.recomputed]
         recomputed_full = _unfinished_tokens(requeued)
         logger.info(
             "Stage-local rebuild of stage(s) %s: %d requests, %d tokens in %d replay step(s) "
-            "(%d swapped requests swapped in with it); %d requests recomputed in full",
-            stages, len(groups), replayed, len(steps), len(plan.swapped_in),
-            len(plan.recomputed),
+            "(%d swapped requests swapped in with it), %d tokens through every stage; %d "
+            "requests recomputed in full",
+            stages, len(groups), replayed, len(local_steps), len(plan.swapped_in),
+            replayed_everywhere, len(plan.recomputed),
         )  # fmt: skip
+        every_stage = list(range(pp))
+        phases = [(stages, step) for step in local_steps or [[]]]
+        phases += [(every_stage, step) for step in all_steps]
         try:
-            for index, step in enumerate(steps or [[]]):
+            for index, (rebuilt, step) in enumerate(phases):
                 request = ReplayRequest(
-                    stages,
+                    rebuilt,
                     step,
                     plan.blocks_to_swap_in if index == 0 else {},
                     sched.kv_blocks_bound(),
@@ -191,10 +213,13 @@ class StageRecovery:
             return
         event.extra["stage_recovery"] = "local"
         event.extra["rebuilt_stages"] = stages
-        event.extra["replayed_tokens"] = replayed
+        event.extra["replayed_tokens"] = replayed + replayed_everywhere
+        event.extra["replayed_on_every_stage"] = replayed_everywhere
         event.extra["recomputed_requests"] = dict(plan.recomputed)
-        event.extra["recomputed_tokens"] = replayed + recomputed_full
-        event.extra["recomputed_token_stages"] = replayed * len(stages) + recomputed_full * pp
+        event.extra["recomputed_tokens"] = replayed + replayed_everywhere + recomputed_full
+        event.extra["recomputed_token_stages"] = (
+            replayed * len(stages) + (replayed_everywhere + recomputed_full) * pp
+        )
 
     def _fail_recurring(
         self, event: FaultEvent, previous: FaultEvent, error: StageFailedError

@@ -21,11 +21,16 @@ _NO_SAMPLING = SamplingParams()
 
 
 def replay_steps(
-    groups: list[SequenceGroup], block_manager: BlockSpaceManager, max_tokens: int
+    groups: list[SequenceGroup],
+    block_manager: BlockSpaceManager,
+    max_tokens: int,
+    ranges: dict[int, tuple[int, int]] | None = None,
 ) -> list[list[SequenceGroupMetadata]]:
     """The chunks to replay, packed into steps of at most `max_tokens` tokens; a sequence
-    has at most one chunk per step. Forked samples sharing blocks each replay their own
-    tokens (the shared blocks are written twice with the same rows)."""
+    has at most one chunk per step. Each running sequence replays its committed tokens, or
+    the range `ranges` gives for its id ((start, end); a sequence not in `ranges` is skipped
+    when it is given). Forked samples sharing blocks each replay their own tokens (the shared
+    blocks are written twice with the same rows)."""
     if max_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_tokens}.")
     steps: list[list[SequenceGroupMetadata]] = []
@@ -35,9 +40,13 @@ def replay_steps(
         if group.is_finished():
             continue
         for seq in group.get_seqs(status=SequenceStatus.RUNNING):
-            committed = seq.data.get_num_computed_tokens()
+            if ranges is None:
+                start, committed = 0, seq.data.get_num_computed_tokens()
+            elif seq.seq_id in ranges:
+                start, committed = ranges[seq.seq_id]
+            else:
+                continue
             table = block_manager.get_block_table(seq)
-            start = 0
             while start < committed:
                 length = min(committed - start, room)
                 current.append(_chunk(group, seq.seq_id, seq.data, table, start, length))
