@@ -94,8 +94,9 @@ def test_blocks_a_lost_step_moved_are_replayed_through_every_stage():
     assert a.get_seqs()[0].data.get_num_computed_tokens() == 8
     ranges = {c_seq.seq_id: (4, 8)}
     steps = replay_steps(plan.replayed, sched.block_manager, 64, ranges)
-    assert [(m.request_id, m.seq_data[c_seq.seq_id].get_num_computed_tokens(),
-             m.token_chunk_size) for m in steps[0]] == [(f"c/replay-{c_seq.seq_id}", 4, 4)]  # fmt: skip
+    chunks = [(m.request_id, m.seq_data[c_seq.seq_id].get_num_computed_tokens(),
+               m.token_chunk_size) for m in steps[0]]  # fmt: skip
+    assert chunks == [(f"c/replay-{c_seq.seq_id}", 4, 4)]
 
 
 def test_swapped_group_whose_host_blocks_a_lost_step_named_is_recomputed():
