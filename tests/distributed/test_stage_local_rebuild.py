@@ -27,7 +27,9 @@ PARAMS = [
 # Small blocks and cache: n=2 groups are swapped out (preempted) around the fault.
 ENGINE_KW = dict(
     enable_chunked_prefill=True,
-    max_num_batched_tokens=32,
+    # Large enough for samples that diverged before a full recompute (never chunked: a group
+    # of several sequences over the budget is ignored, a limit of the full path).
+    max_num_batched_tokens=256,
     max_num_seqs=16,
     enable_prefix_caching=True,
     block_size=4,
