@@ -44,9 +44,9 @@ def outputs_of(outputs) -> list[list[list[int]]]:
     return [[list(c.token_ids) for c in o.outputs] for o in outputs]
 
 
-def start_engine(backend: str, pp: int, tp: int = 1, **kwargs) -> LLM:
+def start_engine(model: str, backend: str, pp: int, tp: int = 1, **kwargs) -> LLM:
     return LLM(
-        tiny_models_dir(),
+        model,
         pipeline_parallel_size=pp,
         tensor_parallel_size=tp,
         distributed_executor_backend=backend,
@@ -54,11 +54,7 @@ def start_engine(backend: str, pp: int, tp: int = 1, **kwargs) -> LLM:
     )
 
 
-_DIRS: dict[str, str] = {}
-
-
-def tiny_models_dir() -> str:
-    return _DIRS["llama"]
+MODEL = "llama-gqa-untied"
 
 
 @pytest.fixture(
@@ -75,8 +71,7 @@ def engine(request, tiny_model_dirs):
     backend, pp = request.param.split("-")
     if backend == "ray":
         request.getfixturevalue("ray_session")
-    _DIRS["llama"] = tiny_model_dirs["llama-gqa-untied"]
-    llm = start_engine(backend, int(pp[2:]))
+    llm = start_engine(tiny_model_dirs[MODEL], backend, int(pp[2:]))
     reference = outputs_of(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
     yield llm, reference
     llm.shutdown()
@@ -122,8 +117,7 @@ def test_killed_stage_is_rebuilt_alone(engine, where, caplog):
 
 
 def test_stage_recovery_full_still_recovers(tiny_model_dirs, caplog):
-    _DIRS["llama"] = tiny_model_dirs["llama-gqa-untied"]
-    llm = start_engine("mp", 2, stage_recovery="full")
+    llm = start_engine(tiny_model_dirs[MODEL], "mp", 2, stage_recovery="full")
     try:
         reference = outputs_of(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
         outputs, event = run_with_kill(llm, 1, caplog)
@@ -138,8 +132,7 @@ def test_stage_recovery_full_still_recovers(tiny_model_dirs, caplog):
 def test_tp2_pp2_rebuilds_both_ranks_of_a_stage(tiny_model_dirs, caplog):
     """TP=2 x PP=2 on mp: one TP rank of the first stage dies; the boundary rows are each
     rank's slice."""
-    _DIRS["llama"] = tiny_model_dirs["llama-gqa-untied"]
-    llm = start_engine("mp", 2, tp=2)
+    llm = start_engine(tiny_model_dirs[MODEL], "mp", 2, tp=2)
     try:
         reference = outputs_of(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
         outputs, event = run_with_kill(llm, 1, caplog)

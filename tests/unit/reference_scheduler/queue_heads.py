@@ -9,7 +9,7 @@ Imports no torch.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tests.unit.reference_scheduler.scheduler_types import SchedulerOutputs
 from vllm.core.block_manager import AllocStatus
@@ -93,7 +93,7 @@ class QueueHeads(_SchedulerState):
         """Whether the first waiting group can be admitted now (OK), must wait (LATER: no
         blocks yet, or its prefix is being computed in flight and it waits to reuse it), or
         never fits (NEVER: it was finished as ignored, with vLLM's warning)."""
-        if num_prompt_tokens > self.prompt_limit:
+        if _over_prompt_limit(self, seq_group, num_prompt_tokens):
             logger.warning(
                 "Input prompt (%d tokens) is too long and exceeds limit of %d",
                 num_prompt_tokens,
@@ -131,3 +131,14 @@ class QueueHeads(_SchedulerState):
             seq.status = SequenceStatus.FINISHED_IGNORED
             self.block_manager.free(seq)
         out.ignored_seq_groups.append(seq_group)
+
+
+def _over_prompt_limit(sched: Any, seq_group: SequenceGroup, num_prompt_tokens: int) -> bool:
+    """Whether the waiting group can never be prefilled. With chunked prefill each sequence
+    must fit the context window: samples that diverged before a recompute each re-prefill
+    their own tokens (their sum may pass max_model_len; the chunked policy checks it against
+    the step's tokens). Without it, all of them must fit one step."""
+    if not sched.scheduler_config.enable_chunked_prefill:
+        return num_prompt_tokens > sched.prompt_limit
+    waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
+    return max((seq.get_len() for seq in waiting), default=0) > sched.prompt_limit
