@@ -1,9 +1,10 @@
 // The GGUF matmul with AVX2 + FMA + F16C: y[T, N] = x[T, K] @ W^T, W in the kernels' row layout
-// (quant_gguf.h), in tiles of up to 4 tokens. The AVX2 counterpart of quant_gguf_avx512.cpp,
-// for CPUs without AVX-512: the generic vector-extension kernel (quant_gguf.cpp's Tile at
-// W = 8) keeps its accumulators on the stack and widens the nibbles through byte shuffles; this
-// one keeps every accumulator in a ymm register, widens a block's quants with vpmovzxbd /
-// vpmovsxbd, loads the scales with vcvtph2ps and prefetches the next tile.
+// (quant_gguf.h), in tiles of up to 4 tokens (quant_gguf.cpp calls it for up to 8 tokens, 4 for
+// the K-quants). The AVX2 counterpart of quant_gguf_avx512.cpp, for CPUs without AVX-512: the
+// generic vector-extension kernel (quant_gguf.cpp's Tile at W = 8) keeps its accumulators on
+// the stack and widens the nibbles through byte shuffles; this one keeps every accumulator in a
+// ymm register, widens a block's quants with vpmovzxbd / vpmovsxbd, loads the scales with
+// vcvtph2ps and prefetches the next tile.
 //
 // Per block of 32 weights and row, as 4 vectors of 8 weights (v: weights 8v .. 8v + 7):
 //   Q4_0 / Q4_1: bytes 0-7 and 8-15 zero-extended to dwords once; their low nibbles are
