@@ -12,8 +12,9 @@
 //   Q8_0: dw * dx * sum(qw_i * qx_i)
 // With AVX-512 VNNI the integer sums are `vpdpbusd` (64 byte products into 16 dwords per
 // instruction): unsigned weights times signed activations, so Q4_0's - 8 and Q8_0's sign
-// (its quants stored + 128, i.e. xor 0x80) come back as a correction - 8 * sum(qx) or
-// - 128 * sum(qx) preloaded into the dword accumulator. 64 bytes of quants at a time: 4 Q4
+// (its quants read + 128, i.e. xor 0x80) come back as a correction, - 8 or - 128 times the
+// sum of the lane's qx, preloaded into each dword lane (which then ends at its exact signed
+// sum: no large intermediate values for the float steps to round). 64 bytes of quants at a time: 4 Q4
 // blocks (low nibbles = weights 0-15 of each, high nibbles = weights 16-31) or 2 Q8 blocks.
 // The activations are stored in the matching order (`Packed`), so a group of 64 weight bytes
 // needs no shuffles: 2 logic ops (Q4), 2 vpdpbusd, 1 conversion and 2 float ops per token.
@@ -56,8 +57,9 @@ namespace {
 // and holds, in order:
 //   qa[64] int8    Q4: weights 0-15 of each of the 4 blocks; Q8: the 2 blocks' 32 values
 //   qb[64] int8    Q4 only: weights 16-31 of each of the 4 blocks
-//   corr[16] int32 the dword lanes' initial value: the first lane of each block's 16 / kPer
-//                  lanes holds - 8 * sum(qx) (Q4_0) or - 128 * sum(qx) (Q8_0), the rest 0
+//   corr[16] int32 each dword lane's initial value: - 8 (Q4_0) or - 128 (Q8_0) times the sum
+//                  of the qx that lane multiplies (0 for Q4_1), so each lane ends at its
+//                  exact signed sum, sum((qw - 8) qx) or sum(qw qx) over its elements
 //   dx[16] f32     the block's scale in each of its 16 / kPer lanes
 // After the groups: sx[blocks rounded up to 16] f32, dx * sum(qx) per block (Q4_1's minima),
 // then sums[same] int32, sum(qx) per block. Blocks past the last are zero everywhere.
@@ -96,12 +98,22 @@ struct Packed {
   }
 };
 
-// Block b's scale and integer sum stored (the quants already are): corr, dx, sx, sums.
+// Block b's scale and integer sum stored (the quants already are): dx, sx, sums; and the
+// correction of each of its dword lanes: lane l of the block multiplies its elements i with
+// (i % 16) / 4 == l (Q4: 4 low-nibble and 4 high-nibble weights) or i / 4 == l (Q8_0).
 inline void store_block_scales(const Packed& p, uint8_t* row, int64_t b, float d, int32_t sum) {
   const int64_t g = b / p.per, j = b % p.per;
   uint8_t* grp = row + g * p.group_bytes;
-  const int32_t corr = p.type == kQ4_0 ? -8 * sum : p.type == kQ8_0 ? -128 * sum : 0;
-  std::memcpy(grp + p.corr_offset() + 4 * p.lanes() * j, &corr, 4);
+  if (p.type != kQ4_1) {
+    int32_t lane_sums[8] = {};
+    for (int64_t i = 0; i < kBlock; ++i)
+      lane_sums[p.type == kQ8_0 ? i / 4 : (i % 16) / 4] +=
+          static_cast<int8_t>(row[p.q_index(b, i)]);
+    for (int64_t l = 0; l < p.lanes(); ++l) {
+      const int32_t corr = (p.type == kQ4_0 ? -8 : -128) * lane_sums[l];
+      std::memcpy(grp + p.corr_offset() + 4 * (p.lanes() * j + l), &corr, 4);
+    }
+  }
   for (int64_t l = 0; l < p.lanes(); ++l)
     std::memcpy(grp + p.dx_offset() + 4 * (p.lanes() * j + l), &d, 4);
   const float sx = d * static_cast<float>(sum);

@@ -106,3 +106,26 @@ def test_linear_q8_strided_and_bad_input() -> None:
         ops.gguf_linear_q8(torch.randn(2, 40), weight, int(Q.Q4_1))
     with pytest.raises(RuntimeError, match="bytes, expected"):
         ops.gguf_linear_q8(torch.randn(2, 96), weight, int(Q.Q4_1))
+
+
+@needs_kernels
+def test_activation_option_routes_the_linear(monkeypatch) -> None:
+    """VLLM_PP_GGUF_ACTIVATIONS=int8 sends a GGUF linear below dense_min_tokens to the int8
+    kernel (many tokens keep dequantize + GEMM); 'float' (the default) to the float kernel;
+    any other value is a ValueError naming the variable."""
+    cols = 64
+    raw = gguf_q8.random_blocks(Q.Q4_1, 24, cols, seed=5)
+    blocks = gguf_quant.repack_gguf_rows(torch.from_numpy(raw), int(Q.Q4_1))
+    x = torch.randn(2, cols)
+    monkeypatch.setenv("VLLM_PP_GGUF_ACTIVATIONS", "int8")
+    weight = gguf_quant.GGUFWeight([(int(Q.Q4_1), blocks)], cols, torch.float32)
+    assert torch.equal(weight(x, None), ops.gguf_linear_q8(x, blocks, int(Q.Q4_1)))
+    many = torch.randn(gguf_quant.DENSE_MIN_TOKENS, cols)
+    dense = ops.gguf_dequantize(blocks, int(Q.Q4_1), cols, torch.float32)
+    assert torch.equal(weight(many, None), torch.nn.functional.linear(many, dense))
+    monkeypatch.setenv("VLLM_PP_GGUF_ACTIVATIONS", "float")
+    weight = gguf_quant.GGUFWeight([(int(Q.Q4_1), blocks)], cols, torch.float32)
+    assert torch.equal(weight(x, None), ops.gguf_linear(x, blocks, int(Q.Q4_1)))
+    monkeypatch.setenv("VLLM_PP_GGUF_ACTIVATIONS", "fp8")
+    with pytest.raises(ValueError, match="VLLM_PP_GGUF_ACTIVATIONS"):
+        gguf_quant.GGUFWeight([(int(Q.Q4_1), blocks)], cols, torch.float32)

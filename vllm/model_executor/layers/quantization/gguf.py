@@ -15,6 +15,10 @@ without the kernels are dequantized at load to the activation dtype.
 At one or a few tokens per step the kernel reads each block once; from `dense_min_tokens`
 tokens on (prefill), dequantizing the layer to a dense matrix and running the GEMM is faster
 (the crossover measured by benchmarks/gguf_quant.py, docs/PERFORMANCE.md).
+
+VLLM_PP_GGUF_ACTIVATIONS=int8 (read once per layer at load) sends Q4_0/Q4_1/Q8_0 layers below
+`dense_min_tokens` to the int8-activation kernel (csrc/quant_gguf_vnni.cpp, llama.cpp's
+arithmetic: faster, but not the dequantized weights' results, so not the default).
 """
 
 from __future__ import annotations
