@@ -199,7 +199,9 @@ def test_auto_resplit_moves_layers_off_the_slow_stage(elastic, monkeypatch):
     # Stage 0 100x slower per layer (the tiny model's lm_head is worth ~85 of its layers,
     # so the last stage is slowest unless another is slowed that much).
     unit = [1.0] + [0.01] * (pp - 1)
-    per_step = [u * (n + (head if i == pp - 1 else 0.0)) for i, (u, n) in enumerate(zip(unit, even))]
+    per_step = [
+        u * (n + (head if i == pp - 1 else 0.0)) for i, (u, n) in enumerate(zip(unit, even))
+    ]
     expected, measured, predicted = rebalanced_layer_sizes(even, per_step, head)
     assert expected[0] < even[0] and predicted < 0.9 * measured
     monkeypatch.setattr(reshape, "AUTO_INTERVAL_S", 0.0)

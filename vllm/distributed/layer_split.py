@@ -86,7 +86,9 @@ def validate_layer_split(
     if not isinstance(layer_split, (list, tuple)) or not all(
         isinstance(size, int) and not isinstance(size, bool) for size in layer_split
     ):
-        raise ValueError(f"{name} must be a list of integers (layers per stage), got {layer_split!r}.")
+        raise ValueError(
+            f"{name} must be a list of integers (layers per stage), got {layer_split!r}."
+        )
     sizes = list(layer_split)
     if len(sizes) != pp_size:
         raise ValueError(

@@ -32,8 +32,8 @@ from vllm.distributed.serialization import MessageNotSerializableError
 from vllm.engine.batch_queue import BatchQueue
 from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
-from vllm.engine.reshape import PipelineReshaper, ReshapeEvent
 from vllm.engine.request_validation import check_sendable, validate_request
+from vllm.engine.reshape import PipelineReshaper, ReshapeEvent
 from vllm.executor.stage_supervisor import (
     EngineDeadError,
     EngineHealth,

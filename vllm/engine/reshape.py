@@ -90,11 +90,9 @@ class PipelineReshaper:
         self._drain()
         event.recomputed_requests = len(engine.scheduler.requeue_all())
         self._reshape_stages(sizes, old)
-        cc = engine.cache_config
-        engine.scheduler.resize_kv_cache(cc.num_gpu_blocks, cc.num_cpu_blocks)
+        event.num_gpu_blocks = self._resize_block_manager()
         engine.loras.resync()  # stages that loaded new layers install the adapters again
         event.seconds = time.monotonic() - started
-        event.num_gpu_blocks = cc.num_gpu_blocks
         self.events.append(event)
         self._restart_window()
         logger.info(
@@ -132,9 +130,15 @@ class PipelineReshaper:
         except ValueError:
             logger.error("Pipeline re-split to %s refused; going back to %s", sizes, old)
             engine.executor.reshape_pipeline(old)
-            cc = engine.cache_config
-            engine.scheduler.resize_kv_cache(cc.num_gpu_blocks, cc.num_cpu_blocks)
+            self._resize_block_manager()
             raise
+
+    def _resize_block_manager(self) -> int:
+        """The block manager takes the stages' new minimum; returns the device block count."""
+        cc = self.engine.cache_config
+        assert cc.num_gpu_blocks is not None and cc.num_cpu_blocks is not None
+        self.engine.scheduler.resize_kv_cache(cc.num_gpu_blocks, cc.num_cpu_blocks)
+        return cc.num_gpu_blocks
 
     # -- automatic -------------------------------------------------------------------------
 
@@ -207,7 +211,5 @@ def _moves(old: list[int], new: list[int]) -> str:
     for stage, (a, b) in enumerate(zip(old, new)):
         a_start, b_start = sum(old[:stage]), sum(new[:stage])
         if (a_start, a) != (b_start, b):
-            parts.append(
-                f"stage {stage} [{a_start}, {a_start + a}) -> [{b_start}, {b_start + b})"
-            )
+            parts.append(f"stage {stage} [{a_start}, {a_start + a}) -> [{b_start}, {b_start + b})")
     return ", ".join(parts)
