@@ -5,8 +5,8 @@
 
 One engine (mp backend, one thread per stage, the even split). Each stage process is pinned
 to a core of its own; the slowed stage shares its core with --spinners spinning child
-processes (busy loops pinned there too), so it gets about 1 / (spinners + 1) of it. Then the
-same greedy workload runs:
+processes (busy loops pinned there too) and runs at a lower priority (--nice), so it gets a
+fraction of its core whatever else the machine runs. Then the same greedy workload runs:
   before  the even split, automatic re-split held off;
   adapt   the automatic re-split on, until it re-splits (it reads the stages' compute times
           every few seconds and moves layers off the slow stage when the predicted step time
@@ -44,7 +44,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument(
-        "--spinners", type=int, default=3, help="Busy loops sharing the slowed stage's core."
+        "--spinners", type=int, default=1, help="Busy loops sharing the slowed stage's core."
+    )
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=5,
+        help="Niceness of the slowed stage: on a machine busy with other work it would "
+        "otherwise get as large a share of its core as the other stage gets of its own.",
     )
     p.add_argument("--min-gain", type=float, default=0.1, help="--pp-rebalance-min-gain.")
     p.add_argument(
@@ -60,11 +67,13 @@ def _spin(core: int) -> None:
         pass
 
 
-def pin(pid: int, cores: set[int]) -> None:
-    """Pin every thread of process `pid` to `cores`."""
+def pin(pid: int, cores: set[int], nice: int = 0) -> None:
+    """Pin every thread of process `pid` to `cores`, at niceness `nice` (per thread on
+    Linux)."""
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             os.sched_setaffinity(int(task), cores)
+            os.setpriority(os.PRIO_PROCESS, int(task), nice)
         except OSError:  # a thread that just ended
             pass
 
@@ -120,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         # Again before each phase: a stage replaced meanwhile is a new process.
         for info in engine.get_stage_infos():
             assert info.pid is not None
-            pin(info.pid, {cores[info.pp_rank % len(cores)]})
+            nice = args.nice if info.pp_rank == args.slow_stage else 0
+            pin(info.pid, {cores[info.pp_rank % len(cores)]}, nice)
 
     pin_stages()
     slow_core = cores[args.slow_stage % len(cores)]
@@ -164,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     print(
         f"\nPP={args.pp} (mp), stage {args.slow_stage} shares core {slow_core} with "
-        f"{args.spinners} busy loop(s)"
+        f"{args.spinners} busy loop(s), at nice {args.nice}"
     )
     print_table(["phase", "split", "tokens/s", "step ms", "stage compute ms/step"], rows)
     if event is None:

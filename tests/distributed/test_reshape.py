@@ -171,16 +171,17 @@ def test_a_stage_replaced_after_a_resplit_loads_its_new_range(elastic):
 
 def fake_stats(engine, unit: list[float], head: float):
     """A get_stage_stats whose stage i takes `unit[i]` seconds per layer per step (the last
-    stage's lm_head counted as `head` layers) under the engine's current split: 20 more steps
-    at each call, cumulative as with reset=False."""
+    stage's lm_head counted as `head` layers) under the engine's current split: 5 more steps
+    at each call (fewer than a window needs: windows span calls), cumulative as with
+    reset=False."""
     totals = [StageStats(pp_rank=i) for i in range(len(unit))]
 
     def get_stage_stats(reset: bool = True) -> list[StageStats]:
         split = engine.reshaper.current_split()
         for i, stats in enumerate(totals):
             units = split[i] + (head if i == len(unit) - 1 else 0.0)
-            stats.steps += 20
-            stats.compute_s += 20 * unit[i] * units
+            stats.steps += 5
+            stats.compute_s += 5 * unit[i] * units
         return [dataclasses.replace(stats) for stats in totals]
 
     return get_stage_stats
@@ -219,3 +220,16 @@ def test_auto_resplit_moves_layers_off_the_slow_stage(elastic, monkeypatch):
     monkeypatch.undo()
     engine.reshape_pipeline(even)
     assert_engine_idle(llm)
+
+
+def test_a_single_stage_has_only_its_own_split(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["llama-gqa-tied"], disable_log_stats=True)
+    engine = llm.llm_engine
+    try:
+        event = engine.reshape_pipeline([6])
+        assert event.new_split == [6] and event.recomputed_requests == 0
+        with pytest.raises(ValueError, match="pipeline_parallel_size is 1"):
+            engine.reshape_pipeline([3, 3])
+        assert not engine.reshaper.auto  # nothing to balance with one stage
+    finally:
+        llm.shutdown()

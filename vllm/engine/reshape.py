@@ -31,6 +31,9 @@ logger = init_logger("vllm.engine.reshape")
 AUTO_INTERVAL_S = 5.0
 # ... and only over a window of at least this many steps per stage.
 AUTO_MIN_STEPS = 16
+# After a re-split (which recomputes every request) the next automatic one waits this long:
+# noisy times must not make the pipeline flip between two splits.
+AUTO_COOLDOWN_S = 30.0
 
 
 @dataclass
@@ -63,6 +66,7 @@ class PipelineReshaper:
         self.auto = bool(pc.pp_auto_rebalance) and pc.pipeline_parallel_size > 1
         self.min_gain = pc.pp_rebalance_min_gain
         self._window_start = time.monotonic()
+        self._not_before = 0.0  # time.monotonic() before which no automatic re-split starts
         # Each rank's cumulative stats when the current window started (no reset: other
         # readers of get_stage_stats keep their own windows).
         self._baseline: list[StageStats] | None = None
@@ -144,21 +148,21 @@ class PipelineReshaper:
 
     def after_step(self) -> None:
         """With `pp_auto_rebalance`: every AUTO_INTERVAL_S, read the stages' compute times
-        and re-split when the predicted step time gains at least `pp_rebalance_min_gain`."""
-        if not self.auto or time.monotonic() - self._window_start < AUTO_INTERVAL_S:
+        and re-split when the predicted step time gains at least `pp_rebalance_min_gain`
+        (not within AUTO_COOLDOWN_S of the last automatic re-split)."""
+        now = time.monotonic()
+        if not self.auto or now - self._window_start < AUTO_INTERVAL_S or now < self._not_before:
             return
         engine = self.engine
         stats = engine.executor.get_stage_stats(reset=False)
-        baseline, self._baseline = self._baseline, stats
+        baseline = self._baseline
         if baseline is None:  # the first look: the window starts now
-            self._window_start = time.monotonic()
+            self._baseline, self._window_start = stats, time.monotonic()
             return
-        per_step = _stage_step_seconds(
-            _window(stats, baseline), engine.parallel_config.tensor_parallel_size
-        )
+        per_step = _stage_step_seconds(_window(stats, baseline))
         if per_step is None:
-            return  # too few steps yet: keep measuring this window
-        self._window_start = time.monotonic()
+            return  # too few steps yet: the window goes on from the same baseline
+        self._baseline, self._window_start = stats, time.monotonic()
         old = self.current_split()
         head_cost = engine.model_config.get_lm_head_cost_in_layers()
         new, measured, predicted = rebalanced_layer_sizes(old, per_step, head_cost)
@@ -169,6 +173,7 @@ class PipelineReshaper:
             "%.4f s predicted)",
             [round(s, 5) for s in per_step], old, new, measured, predicted,
         )  # fmt: skip
+        self._not_before = time.monotonic() + AUTO_COOLDOWN_S
         event = self.reshape(new, reason="auto")
         event.stage_step_s = per_step
         event.measured_step_s = measured
@@ -193,7 +198,7 @@ def _window(now: list[StageStats], then: list[StageStats]) -> list[StageStats]:
     return out
 
 
-def _stage_step_seconds(stats: list[StageStats], tp: int) -> list[float] | None:
+def _stage_step_seconds(stats: list[StageStats]) -> list[float] | None:
     """Mean compute seconds per step of each stage (its TP ranks' slowest), in stage order;
     None while a stage has run fewer than AUTO_MIN_STEPS steps."""
     per_stage: dict[int, float] = {}
