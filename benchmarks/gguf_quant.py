@@ -13,7 +13,8 @@ In one run, on --threads cores (default 1; the engine's stage gets the same):
    `dense_min_tokens` in quantization/gguf.py is set from). Kernel
    timings are the calling thread's CPU time when --threads is 1 (robust to a shared
    machine), wall time otherwise.
-3. Decode tokens/s at each batch size for Q4_1 as shipped (fp32 activations), fp32 and bf16
+3. Decode tokens/s at each batch size for Q4_1 as shipped (fp32 activations, then int8
+   activations: VLLM_PP_GGUF_ACTIVATIONS=int8), fp32 and bf16
    (both dequantized at load, --quantization none): the time of prompts + D tokens minus that
    of the prompts + 1 token, over batch x (D - 1) tokens. With the bytes of weights a step
    reads (the stage's weights: the tied embedding is the lm_head, read whole every step) and
@@ -37,11 +38,12 @@ from typing import Any
 from benchmarks.bf16_accuracy import agreement
 from benchmarks.common import fmt_bytes, load_prompts, print_table
 
-# (label, LLM keyword arguments)
+# (label, LLM keyword arguments, VLLM_PP_GGUF_ACTIVATIONS)
 CONFIGS = [
-    ("Q4_1 as shipped (fp32 act.)", {"quantization": "gguf", "dtype": "float32"}),
-    ("fp32 (dequantized)", {"quantization": "none", "dtype": "float32"}),
-    ("bf16 (dequantized)", {"quantization": "none", "dtype": "bfloat16"}),
+    ("Q4_1 as shipped (fp32 act.)", {"quantization": "gguf", "dtype": "float32"}, "float"),
+    ("Q4_1 as shipped (int8 act.)", {"quantization": "gguf", "dtype": "float32"}, "int8"),
+    ("fp32 (dequantized)", {"quantization": "none", "dtype": "float32"}, "float"),
+    ("bf16 (dequantized)", {"quantization": "none", "dtype": "bfloat16"}, "float"),
 ]
 
 
@@ -120,18 +122,18 @@ def kernel_bandwidth(clock: Any) -> list[list[Any]]:
         weights = [random_blocks(n, k, qtype) for _ in range(copies)]
         x = torch.randn(1, k)
 
-        def run(weights: list[Any] = weights, x: Any = x, qtype: int = qtype) -> None:
-            for w in weights:
-                ops.gguf_linear(x, w, qtype)
+        row = [f"{name} {n} x {k} {_TYPE_NAMES[qtype]}"]
+        for kernel in (ops.gguf_linear, ops.gguf_linear_q8):
 
-        seconds = best_ms(run, clock, repeats=5) / 1e3 / copies
-        rows.append(
-            [
-                f"{name} {n} x {k} {_TYPE_NAMES[qtype]}",
-                f"{seconds * 1e6:.1f}",
-                f"{nbytes / seconds / 1e9:.1f}",
-            ]
-        )
+            def run(
+                weights: list[Any] = weights, x: Any = x, qtype: int = qtype, fn: Any = kernel
+            ) -> None:
+                for w in weights:
+                    fn(x, w, qtype)
+
+            seconds = best_ms(run, clock, repeats=5) / 1e3 / copies
+            row += [f"{seconds * 1e6:.1f}", f"{nbytes / seconds / 1e9:.1f}"]
+        rows.append(row)
     return rows
 
 
@@ -162,10 +164,13 @@ def crossover(clock: Any) -> list[list[Any]]:
         for t in tokens:
             x = torch.randn(t, k)
             kernel = best_ms(partial(ops.gguf_linear, x, raw, qtype), clock)
+            int8 = "-"
+            if qtype in (2, 3, 8):
+                int8 = f"{best_ms(partial(ops.gguf_linear_q8, x, raw, qtype), clock):.2f}"
             dense = best_ms(partial(dequantize_and_gemm, x, raw, qtype), clock)
             faster = "kernel" if kernel <= dense else "GEMM"
             rows.append(
-                [f"{name} {_TYPE_NAMES[qtype]}", t, f"{kernel:.2f}", f"{dense:.2f}", faster]
+                [f"{name} {_TYPE_NAMES[qtype]}", t, f"{kernel:.2f}", int8, f"{dense:.2f}", faster]
             )
     return rows
 
@@ -190,14 +195,24 @@ def linear_step_seconds(llm: Any, dtype: Any) -> float:
     return best
 
 
+def make_llm(kwargs: dict[str, Any], activations: str, kv_cache_space: float) -> Any:
+    """The bundled model with `kwargs`, its GGUF linears in `activations` arithmetic."""
+    from vllm import LLM
+
+    os.environ["VLLM_PP_GGUF_ACTIVATIONS"] = activations  # read when the weights load
+    return LLM(
+        "smollm2", kv_cache_space=kv_cache_space, swap_space=0.1, max_model_len=1024, **kwargs
+    )
+
+
 def decode_rates(
-    kwargs: dict[str, Any], batches: list[int], decode_tokens: int
+    kwargs: dict[str, Any], activations: str, batches: list[int], decode_tokens: int
 ) -> tuple[dict[int, float], dict[str, Any]]:
     """Decode tokens/s per batch size, and the stage's info (weights, linear path, and the
     time of one token through the linear layers alone)."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM("smollm2", kv_cache_space=1.0, swap_space=0.1, max_model_len=1024, **kwargs)
+    llm = make_llm(kwargs, activations, 1.0)
     try:
         prompt = {"prompt_token_ids": list(range(1000, 1016))}  # 16 tokens
 
@@ -229,7 +244,7 @@ def greedy_agreement(max_tokens: int) -> list[list[Any]]:
     from transformers import AutoModelForCausalLM
 
     from tests.utils import tiny_models
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.transformers_utils.gguf_config import load_gguf_tokenizer, resolve_model
 
     prompts = load_prompts()[:16]
@@ -239,8 +254,8 @@ def greedy_agreement(max_tokens: int) -> list[list[Any]]:
     tokenizer = load_gguf_tokenizer(path)
     ref = tiny_models.hf_greedy_with(model, tokenizer, prompts, max_tokens)
     rows = []
-    for label, kwargs in CONFIGS:
-        llm = LLM("smollm2", kv_cache_space=0.5, swap_space=0.1, max_model_len=1024, **kwargs)
+    for label, kwargs, activations in CONFIGS:
+        llm = make_llm(kwargs, activations, 0.5)
         try:
             outs = llm.generate(
                 prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False
@@ -286,14 +301,19 @@ def main() -> None:
     )
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     print("\nBlock kernel alone, one token, weights streamed from memory")
-    print_table(["matmul", "us", "GB/s"], kernel_bandwidth(clock))
-    print("\nQuantized linear: block kernel vs dequantize + GEMM (ms)")
-    print_table(["matmul", "tokens", "kernel", "dequant+GEMM", "faster"], crossover(clock))
+    print_table(["matmul", "fp32 act. us", "GB/s", "int8 act. us", "GB/s"], kernel_bandwidth(clock))
+    print("\nQuantized linear: block kernel (fp32 / int8 act.) vs dequantize + GEMM (ms)")
+    print_table(
+        ["matmul", "tokens", "kernel", "int8 kernel", "dequant+GEMM", "faster (fp32 act.)"],
+        crossover(clock),
+    )
 
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
-    for label, kwargs in CONFIGS:
-        rates, info = decode_rates(kwargs, batches, args.decode_tokens)
+    all_rates = []
+    for label, kwargs, activations in CONFIGS:
+        rates, info = decode_rates(kwargs, activations, batches, args.decode_tokens)
+        all_rates.append(rates)
         step_bytes = info["weight_bytes"]  # tied: the embedding is the lm_head, read each step
         limit = bandwidth / step_bytes
         linear_s = info["linear_step_s"]
@@ -304,11 +324,15 @@ def main() -> None:
             + [f"{linear_s * 1e3:.1f} ms = {step_bytes / linear_s / 1e9:.1f} GB/s"]
         )
         print(f"{label}: linear path {info.get('linear_path')}")
+    fp32 = all_rates[[c[0] for c in CONFIGS].index("fp32 (dequantized)")]
+    for row, rates in zip(rows, all_rates):
+        row.append(" / ".join(f"{rates[b] / fp32[b]:.2f}" for b in batches))
     print(f"\nDecode tokens/s ({args.decode_tokens} tokens after a 16-token prompt)")
     print_table(
         ["weights", "bytes read / step", "bandwidth limit (tok/s, batch 1)"]
         + [f"batch {b}" for b in batches]
-        + [f"batch {batches[0]} / limit", "1 token through the linears alone"],
+        + [f"batch {batches[0]} / limit", "1 token through the linears alone"]
+        + ["/ fp32 (each batch)"],
         rows,
     )
     if not args.skip_accuracy:

@@ -49,6 +49,13 @@ void sample_from_logits(const at::Tensor& logits, const at::Tensor& draw_rows,
 // expands the same rows to a dense out [N, K] (float32 or bfloat16).
 void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t type);
 void gguf_dequantize(at::Tensor& out, const at::Tensor& weight, int64_t type);
+// The same matmul with int8 activations (quant_gguf_vnni.cpp, Q4_0 / Q4_1 / Q8_0 only): x
+// quantized per 32-element block to int8 with an fp32 scale, integer dot products per block
+// (AVX-512 VNNI where present). gguf_quantize_q8 exposes that activation quantization (tests):
+// q [T, K] int8 and scales [T, K / 32] float32.
+void gguf_linear_q8(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                    int64_t type);
+void gguf_quantize_q8(at::Tensor& q, at::Tensor& scales, const at::Tensor& x);
 
 // The batched LoRA update of one layer (lora.cpp), float32 or bfloat16: for each adapted token
 // tokens[j] (sorted by slot) of slot slots[j], and each output slice i ([slice_offsets[i],

@@ -31,7 +31,8 @@
 // summation error of the dequantized weights' dot product (tests/models/test_gguf_quant.py).
 // With AVX-512 every call (K-quants: 1-4 tokens) goes to the intrinsics kernel of
 // quant_gguf_avx512.cpp instead (same products, same order; ~2x faster at one token, ~1.4x at
-// 5-32 tokens).
+// 5-32 tokens). With AVX2 (no AVX-512), 1-8 tokens (K-quants: 1-4) go to quant_gguf_avx2.cpp's
+// intrinsics kernel (same products, same order as W = 8; ~2x faster at one token).
 //
 // More than 4 tokens: each tile of 8 rows is decoded once into an fp32 buffer and multiplied
 // with every token from there (DenseTile). For many tokens (prefill), gguf_dequantize expands
@@ -466,6 +467,10 @@ struct LinearKernel {
     // super-block per 4-token tile (1.2-2x at 8-64 tokens, docs/PERFORMANCE.md); same sums.
     if (W == 16 && !(is_k_quant(type) && a->tokens > 4))
       return gguf::decode_avx512(*a, type, bf16, begin, end);
+    // AVX2: its intrinsics kernel (quant_gguf_avx2.cpp), same sums, up to 8 tokens (K-quants:
+    // 4): 1.3-1.45x DenseTile at 5-7 tokens, even at 8, slower from 16 (docs/PERFORMANCE.md).
+    if (W == 8 && a->tokens <= (is_k_quant(type) ? 4 : 8))
+      return gguf::decode_avx2(*a, type, bf16, begin, end);
 #endif
     if (bf16) {
       run(*a, type, begin, end, static_cast<c10::BFloat16*>(nullptr));

@@ -108,4 +108,8 @@ struct LinearArgs {
 // same order, as the generic kernels of quant_gguf.cpp at W = 16.
 void decode_avx512(const LinearArgs& a, int64_t type, bool bf16, int64_t begin, int64_t end);
 
+// The same with AVX2 + FMA + F16C (quant_gguf_avx2.cpp): the same products, summed in the same
+// order, as the generic kernels at W = 8.
+void decode_avx2(const LinearArgs& a, int64_t type, bool bf16, int64_t begin, int64_t end);
+
 }  // namespace vllm_pp::gguf

@@ -26,6 +26,8 @@ TORCH_LIBRARY(vllm_pp, m) {
       "Tensor(b!) argmax, Tensor(c!) lse) -> ()");
   m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor weight, int type) -> ()");
   m.def("gguf_dequantize(Tensor(a!) out, Tensor weight, int type) -> ()");
+  m.def("gguf_linear_q8(Tensor(a!) out, Tensor x, Tensor weight, int type) -> ()");
+  m.def("gguf_quantize_q8(Tensor(a!) q, Tensor(b!) scales, Tensor x) -> ()");
   m.def(
       "lora_apply(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b_t, Tensor tokens, "
       "Tensor slots, Tensor scale, Tensor ranks, int[] slice_offsets) -> ()");
@@ -44,6 +46,8 @@ TORCH_LIBRARY_IMPL(vllm_pp, CPU, m) {
   m.impl("sample_from_logits", &vllm_pp::sample_from_logits);
   m.impl("gguf_linear", &vllm_pp::gguf_linear);
   m.impl("gguf_dequantize", &vllm_pp::gguf_dequantize);
+  m.impl("gguf_linear_q8", &vllm_pp::gguf_linear_q8);
+  m.impl("gguf_quantize_q8", &vllm_pp::gguf_quantize_q8);
   m.impl("lora_apply", &vllm_pp::lora_apply);
 }
 

@@ -281,6 +281,25 @@ def gguf_dequantize(
     return out
 
 
+def gguf_linear_q8(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """gguf_linear with int8 activations (csrc/quant_gguf_vnni.cpp; Q4_0 = 2, Q4_1 = 3,
+    Q8_0 = 8): x [T, K] quantized per 32-element block to int8 with an fp32 scale, the
+    integer dot products per block scaled by the weight's and x's scales -> [T, N] in x's
+    dtype. Not the dequantized weights' result: llama.cpp's arithmetic."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    torch.ops.vllm_pp.gguf_linear_q8.default(out, x, weight, qtype)
+    return out
+
+
+def gguf_quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation quantization of gguf_linear_q8: x [T, K] -> (q [T, K] int8,
+    scales [T, K / 32] float32), x ~ q * scale per 32-element block."""
+    q = torch.empty(x.shape, dtype=torch.int8)
+    scales = torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.float32)
+    torch.ops.vllm_pp.gguf_quantize_q8.default(q, scales, x)
+    return q, scales
+
+
 def lora_apply(
     out: torch.Tensor,
     x: torch.Tensor,

@@ -361,6 +361,10 @@ class ParallelConfig:
     stage_recovery: str = "local"
     # Base deadline of one micro-batch (VLLM_PP_STEP_TIMEOUT_S when None); see step_deadline_s.
     step_timeout_s: float = None  # type: ignore[assignment]
+    # Re-split the layers from the stages' measured compute times (vllm/engine/reshape.py)
+    # when the predicted step time drops by at least pp_rebalance_min_gain.
+    pp_auto_rebalance: bool = False
+    pp_rebalance_min_gain: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("pipeline_parallel_size", "tensor_parallel_size"):
@@ -394,6 +398,9 @@ class ParallelConfig:
             raise ValueError(
                 f"stage_recovery must be 'local' or 'full', got {self.stage_recovery!r}."
             )
+        gain = self.pp_rebalance_min_gain
+        if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not 0 <= gain < 1:
+            raise ValueError(f"pp_rebalance_min_gain must be in [0, 1), got {gain!r}.")
         if self.step_timeout_s is None:
             self.step_timeout_s = envs.get_float("VLLM_PP_STEP_TIMEOUT_S")
         if not self.step_timeout_s > 0:

@@ -127,6 +127,15 @@ _VARS = (
         "Torch threads per stage process; 0: 1 per Ray/mp rank, torch's own count in-process.",
     ),
     EnvVar(
+        "VLLM_PP_GGUF_ACTIVATIONS",
+        "float",
+        str,
+        "Arithmetic of GGUF Q4_0/Q4_1/Q8_0 linears below dense_min_tokens tokens "
+        "(--quantization gguf): 'float' (activations in --dtype, the dequantized weights' "
+        "products) or 'int8' (llama.cpp's: activations quantized per 32 values, integer dot "
+        "products; faster, not the dequantized model's results).",
+    ),
+    EnvVar(
         "VLLM_CPU_MALLOC_TUNING",
         "1",
         bool,

@@ -147,12 +147,18 @@ def test_decode_kernel_sums_like_the_batch_kernel(
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES, ids=lambda q: q.name)
-def test_one_hot_tokens_give_the_weights_exactly(qtype: Q, restore_isa) -> None:
+@pytest.mark.parametrize("shape", [(24, 512), (13, 32)])
+def test_one_hot_tokens_give_the_weights_exactly(
+    qtype: Q, shape: tuple[int, int], restore_isa
+) -> None:
     """The matmul itself, bit for bit: token t = the unit vector e_c picks column c of W, every
     other product an exact zero, so y must be W[:, c] exactly as numpy dequantizes it, through
-    the 1-4 token tiles and the decoded-rows path (> 4 tokens), fp32 and bf16, on every ISA. A
-    weight landing in the wrong lane, group, nibble or scale shows up here as a wrong value."""
-    rows, cols = fit(qtype, (24, 512))
+    the 1-4 token tiles (6 tokens: AVX2 / AVX-512 tiles of 4 and 2) and the decoded-rows path
+    (9 tokens but on AVX-512), fp32 and bf16, on every ISA. A
+    weight landing in the wrong lane, group, nibble or scale shows up here as a wrong value.
+    13 rows leave a remainder after every row tile; a single 32-weight block per row (Q4_0,
+    Q4_1) is a row shorter than one vector load of scales (the AVX2 kernel copies them out)."""
+    rows, cols = fit(qtype, shape)
     raw = random_blocks(qtype, rows, cols, seed=11)
     ref = torch.from_numpy(numpy_weight(raw, qtype, cols)).t()  # [cols, rows]
     eye = torch.eye(cols)
@@ -161,8 +167,8 @@ def test_one_hot_tokens_give_the_weights_exactly(qtype: Q, restore_isa) -> None:
         ops.set_cpu_isa(isa)
         for dtype in (torch.float32, torch.bfloat16):
             want = ref.to(dtype)
-            for tokens in (1, 3, 4, 9):
-                for first in range(0, cols, 97):
+            for tokens in (1, 3, 4, 6, 9):
+                for first in range(0, cols, 97 if cols > 128 else 9):
                     x = eye[first : first + tokens].to(dtype)
                     got = ops.gguf_linear(x, weight, int(qtype))
                     assert torch.equal(got, want[first : first + x.shape[0]]), (isa, dtype, first)

@@ -147,6 +147,14 @@ class BlockSpaceManager:
         self._epochs = itertools.count(1)
         self.reset()
 
+    def resize(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """New block counts (the stages' caches were re-made, e.g. after a layer re-split);
+        forgets every table and cached block, like `reset`."""
+        self.num_total_gpu_blocks = num_gpu_blocks
+        self.num_total_cpu_blocks = num_cpu_blocks
+        self.watermark_blocks = int(self.watermark * num_gpu_blocks)
+        self.reset()
+
     def reset(self) -> None:
         """Forget every table and cached block and mark all blocks of both devices free."""
         self._gpu = _BlockAllocator("gpu", self.num_total_gpu_blocks)

@@ -274,6 +274,14 @@ class Scheduler:
         self._requeue(groups, free_blocks=False)
         return [g.request_id for g in groups]
 
+    def resize_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """The stages' caches were re-made with these block counts (a layer re-split).
+        Only between `requeue_all` and the next schedule: no group holds a block."""
+        if self.running or self.swapped or self.in_flight:
+            raise RuntimeError("resize_kv_cache: groups still hold blocks; requeue_all first")
+        self.block_manager.resize(num_gpu_blocks, num_cpu_blocks)
+        self._kv_blocks_bound = self._bound_running_blocks()
+
     def _index_last(self, group: SequenceGroup) -> None:
         """Move an in-flight group to the end of `in_flight`, which thus lists the aborted
         groups in the order they were aborted, and the groups with deferred frees in the

@@ -75,3 +75,54 @@ def get_pp_layer_range(
         raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}.")
     start = sum(sizes[:pp_rank])
     return start, start + sizes[pp_rank]
+
+
+def validate_layer_split(
+    layer_split: object, num_layers: int, pp_size: int, name: str = "layer_split"
+) -> list[int]:
+    """A split given as a list of layers per stage (a re-split while serving), checked like
+    `parse_layer_partition`: one positive integer per stage, summing to the model's layers.
+    A ValueError names `name` (the parameter or request field)."""
+    if not isinstance(layer_split, (list, tuple)) or not all(
+        isinstance(size, int) and not isinstance(size, bool) for size in layer_split
+    ):
+        raise ValueError(
+            f"{name} must be a list of integers (layers per stage), got {layer_split!r}."
+        )
+    sizes = list(layer_split)
+    if len(sizes) != pp_size:
+        raise ValueError(
+            f"{name} {sizes} has {len(sizes)} entries but pipeline_parallel_size is {pp_size}."
+        )
+    if any(size < 1 for size in sizes) or sum(sizes) != num_layers:
+        raise ValueError(
+            f"{name} {sizes} must give every stage at least one layer and sum to the model's "
+            f"{num_layers} layers."
+        )
+    return sizes
+
+
+def rebalanced_layer_sizes(
+    sizes: list[int], stage_seconds: list[float], head_cost: float = 0.0
+) -> tuple[list[int], float, float]:
+    """A split for stages of measured speeds: `stage_seconds[i]` is stage i's time per step
+    with `sizes[i]` layers (the last stage also runs the lm_head, worth `head_cost` layers).
+
+    Each stage's time per layer-unit is taken as constant, so stage i with n layers is
+    predicted to take n x its unit time (the last stage n + head_cost units). Layers go one
+    at a time to the stage whose time grows least, which minimises the slowest stage's time
+    (every stage keeps at least one layer). Returns (new sizes, measured step time, predicted
+    step time), the step time being the slowest stage's."""
+    if len(sizes) != len(stage_seconds) or not sizes:
+        raise ValueError("stage_seconds must give one time per stage.")
+    last = len(sizes) - 1
+    fixed = [head_cost if i == last else 0.0 for i in range(len(sizes))]
+    unit = [max(t, 0.0) / (n + f) for t, n, f in zip(stage_seconds, sizes, fixed)]
+    new = [1] * len(sizes)
+    for _ in range(sum(sizes) - len(sizes)):
+        # Ties go to the earlier stage (a deterministic choice).
+        stage = min(range(len(sizes)), key=lambda i: ((new[i] + 1 + fixed[i]) * unit[i], i))
+        new[stage] += 1
+    measured = max(stage_seconds)
+    predicted = max((n + f) * u for n, f, u in zip(new, fixed, unit))
+    return new, measured, predicted

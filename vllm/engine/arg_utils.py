@@ -33,6 +33,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     pp_layer_partition: str | None = None
+    pp_auto_rebalance: bool = False
+    pp_rebalance_min_gain: float = 0.1
     block_size: int = 16
     swap_space: float = 4.0
     kv_cache_space: float = 4.0
@@ -135,6 +137,21 @@ class EngineArgs:
             help="Layers per stage: 'a,b,...' (e.g. '8,8,7,7'), or 'auto' to balance compute "
             "(the last stage runs the lm_head, so it gets fewer layers). Default: even split; "
             "env VLLM_PP_LAYER_PARTITION.",
+        )
+        add(
+            "--pp-auto-rebalance",
+            action="store_true",
+            default=d.pp_auto_rebalance,
+            help="Re-split the layers while serving from the stages' measured compute times, "
+            "so a slower stage gets fewer layers (every request is recomputed after a "
+            "re-split). Off by default.",
+        )
+        add(
+            "--pp-rebalance-min-gain",
+            type=float,
+            default=d.pp_rebalance_min_gain,
+            help="With --pp-auto-rebalance: re-split only when the predicted step time is at "
+            "least this fraction lower (0.1 = 10%%).",
         )
         add(
             "--block-size",
@@ -323,6 +340,8 @@ class EngineArgs:
             self.pp_layer_partition,
             max_stage_restarts=self.max_stage_restarts,
             stage_recovery=self.stage_recovery,
+            pp_auto_rebalance=self.pp_auto_rebalance,
+            pp_rebalance_min_gain=self.pp_rebalance_min_gain,
             step_timeout_s=self.step_timeout_s,  # type: ignore[arg-type]  # None: derived
         )
         cache_config = CacheConfig(

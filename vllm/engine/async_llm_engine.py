@@ -264,6 +264,15 @@ class AsyncLLMEngine:
         """Stop profiling; returns the paths of each stage's table of ops by time."""
         return await self._on_engine_thread(self.engine.stop_profile)
 
+    async def reshape_pipeline(self, layer_split: list[int]) -> Any:
+        """Re-split the layers over the stages (`LLMEngine.reshape_pipeline`) between two
+        steps; streams in flight go on (their requests are recomputed). Returns the event."""
+        return await self._on_engine_thread(lambda: self.engine.reshape_pipeline(layer_split))
+
+    async def get_stage_infos(self) -> list[Any]:
+        """Where each rank runs and which layers it holds, read between two steps."""
+        return await self._on_engine_thread(self.engine.get_stage_infos)
+
     async def _on_engine_thread(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between two steps (the executor is the engine
         thread's alone), or here when the loop is not running."""

@@ -35,6 +35,7 @@ from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.recovery import StageRecovery, can_replace_stages
 from vllm.engine.request_validation import check_sendable, validate_request
+from vllm.engine.reshape import PipelineReshaper, ReshapeEvent
 from vllm.executor.stage_supervisor import (
     EngineDeadError,
     EngineHealth,
@@ -98,6 +99,8 @@ class LLMEngine:
         self.lora_config = engine_config.lora_config
         # The adapters every rank holds (LoRA enabled: the stages' LoRA layers are installed).
         self.loras = LoRARegistry(self.lora_config, self.executor)
+        # Re-splits of the layers while serving (on demand, or automatic when enabled).
+        self.reshaper = PipelineReshaper(self)
         self.scheduler = Scheduler(
             scheduler_config,
             cache_config,
@@ -390,6 +393,16 @@ class LLMEngine:
         self._check_alive()
         return [dataclasses.replace(info) for info in self.executor.stage_infos]
 
+    def reshape_pipeline(self, layer_split: list[int]) -> ReshapeEvent:
+        """Re-split the decoder layers over the stages while serving: `layer_split` gives the
+        layers of each stage (one positive integer per stage, summing to the model's layers;
+        else ValueError naming it). The pipeline is drained, every stage loads the layers of
+        its new range and re-sizes its KV cache, and every unfinished request is recomputed
+        with the tokens it has (nothing is lost; outputs are unchanged). Returns what was done
+        (see `vllm.engine.reshape`)."""
+        self._check_alive()
+        return self.reshaper.reshape(layer_split)
+
     def get_stage_stats(self, reset: bool = True) -> list[StageStats]:
         """Where each rank's time went since the last reset (compute, receive, send, idle,
         cache operations), in rank order."""
@@ -444,7 +457,13 @@ class LLMEngine:
         self._check_alive()
         self.num_steps += 1
         try:
-            return self._step()
+            outputs = self._step()
+            if self.reshaper.auto:
+                # Kept in the pending outputs: a failed re-split check still returns them.
+                self._pending_outputs[:0] = outputs
+                self.reshaper.after_step()
+                outputs = self._take_pending_outputs()
+            return outputs
         except StageFailedError as error:
             return self._recover(error)
         except BaseException:
@@ -470,6 +489,11 @@ class LLMEngine:
             if self.stats is not None and ignored_groups:
                 self.stats.after_batch(None, None, [], ignored_groups)
             return self._take_pending_outputs()
+        request_outputs = self._collect_oldest(ignored_groups)
+        return self._take_pending_outputs() + request_outputs
+
+    def _collect_oldest(self, ignored_groups: list[SequenceGroup]) -> list[RequestOutput]:
+        """Wait for the oldest batch in the pipeline and process its tokens."""
         with sigint_deferred():
             sched_out, output = self.batch_queue.collect_oldest()
             groups = sched_out.scheduled_seq_groups
@@ -482,7 +506,7 @@ class LLMEngine:
             self.scheduler.free_finished_seq_groups()
             if self.stats is not None:
                 self.stats.after_batch(sched_out, output, before, ignored_groups)
-        return self._take_pending_outputs() + request_outputs
+        return request_outputs
 
     def _fail_errored_requests(self, groups: list[SequenceGroup], output: Any) -> None:
         """End the requests the last stage marked failed (their own sampling work raised);

@@ -52,6 +52,11 @@ class ExecutorBase(ABC):
             raise
 
     def _log_stages_and_init_cache(self) -> None:
+        self._refresh_stage_infos()
+        self._init_cache()
+
+    def _refresh_stage_infos(self) -> None:
+        """Ask every rank where it runs and what it holds; log one line per stage."""
         infos: list[StageInfo] = self._run_workers("get_stage_info")
         # Keep what the executor already knows of each rank (e.g. its Ray node id).
         known: list[StageInfo] = getattr(self, "stage_infos", None) or infos
@@ -64,7 +69,6 @@ class ExecutorBase(ABC):
                 "Stage %d: layers [%d, %d) on %s (pid %s, %s, %d threads)",
                 info.pp_rank, start, end, info.host, info.pid, info.device, info.threads,
             )  # fmt: skip
-        self._init_cache()
 
     @abstractmethod
     def _init_workers(self) -> None: ...
@@ -73,9 +77,11 @@ class ExecutorBase(ABC):
     def _run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every worker and return their results in rank order."""
 
-    def _init_cache(self) -> None:
-        """Every stage sizes its cache from its own layers; the engine uses the minimum."""
-        per_stage = self._run_workers("determine_num_available_blocks")
+    def _init_cache(self, per_stage: list[tuple[int, int]] | None = None) -> None:
+        """Every stage sizes its cache from its own layers (`per_stage`, asked for when not
+        given); the engine uses the minimum."""
+        if per_stage is None:
+            per_stage = self._run_workers("determine_num_available_blocks")
         num_gpu = min(b[0] for b in per_stage)
         num_cpu = min(b[1] for b in per_stage)
         logger.info("# GPU blocks: %d, # CPU blocks: %d", num_gpu, num_cpu)
@@ -98,6 +104,19 @@ class ExecutorBase(ABC):
         self.cache_config.num_gpu_blocks = num_gpu
         self.cache_config.num_cpu_blocks = num_cpu
         self._run_workers("initialize_cache", num_gpu, num_cpu)
+
+    def reshape_pipeline(self, layer_split: list[int]) -> None:
+        """Re-split the decoder layers over the same stages while serving: every stage takes
+        its range under `layer_split` (loading only what it did not hold), its KV cache is
+        re-sized from its new layer count and all caches are re-made at the new minimum
+        (`cache_config.num_gpu_blocks`). The pipeline must be empty and the engine must
+        recompute every request afterwards. A ValueError (the new minimum holds too few
+        blocks) leaves the stages with the new layers but no cache: the caller re-splits
+        back."""
+        self.parallel_config.pp_layer_partition = ",".join(str(n) for n in layer_split)
+        per_stage = self._run_workers("reshape", layer_split)
+        self._refresh_stage_infos()
+        self._init_cache(per_stage)
 
     def get_stage_stats(self, reset: bool = True) -> list[StageStats]:
         """Per rank: compute / receive / send / idle seconds since the last reset."""
@@ -262,6 +281,11 @@ class StageProcessExecutor(ExecutorBase):
     def stop_profile(self) -> list[str]:
         with self._heartbeat_timeout_lifted():
             return super().stop_profile()
+
+    def reshape_pipeline(self, layer_split: list[int]) -> None:
+        # Loading layers is set-up: it may hold a rank's GIL for a while outside any step.
+        with self._heartbeat_timeout_lifted():
+            super().reshape_pipeline(layer_split)
 
     def _close_calls(self) -> None:
         """Stop watching (first: the ranks are about to go) and close the connections."""

@@ -61,6 +61,13 @@ class WorkerHost:
         self.worker = Worker(*args, **kwargs)
         return os.getpid()
 
+    def reshape(self, layer_split: list[int]) -> tuple[int, int]:
+        """A new layer split (`Worker.reshape`). The old model and cache were frozen out of
+        the cyclic GC at `initialize_cache`: unfrozen first, so whatever of them sits in a
+        reference cycle is collected; `initialize_cache` freezes what exists again."""
+        gc.unfreeze()
+        return self.worker.reshape(layer_split)
+
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
         # From here on this process only serves its stage, and what exists now (torch, the

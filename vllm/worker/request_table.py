@@ -175,6 +175,10 @@ class RequestTable:
         self._owner.clear()
         self.generators.clear()
 
+    def request_ids(self) -> list[str]:
+        """The ids of the requests this stage holds."""
+        return list(self._requests)
+
     def num_requests(self) -> int:
         """How many requests this stage holds."""
         return len(self._requests)

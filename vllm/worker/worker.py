@@ -3,6 +3,7 @@ own layers and budget, and one step of execution (receive, run, send or sample).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -85,14 +86,17 @@ class Worker:
         torch.manual_seed(self.model_config.seed)
         self._join_process_groups()
         pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.layout = self._stage_layout()
+        self.timers = StageTimers(pp_rank)
+        self.profiler = StageProfiler(self.device, self.rank)
+
+    def _stage_layout(self) -> StageLayout:
+        """The layers this stage owns under the parallel config's current split."""
+        pp_rank = ps.get_pipeline_model_parallel_rank()
         sizes = self.model_config.get_pp_layer_sizes(self.parallel_config)
         start = sum(sizes[:pp_rank])
         end = start + sizes[pp_rank]
-        self.layout = StageLayout(
-            start, end, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        )
-        self.timers = StageTimers(pp_rank)
-        self.profiler = StageProfiler(self.device, self.rank)
+        return StageLayout(start, end, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
 
     def _join_process_groups(self) -> None:
         pc = self.parallel_config
@@ -131,6 +135,36 @@ class Worker:
         self.model_runner = ModelRunner(
             model, self.layout, self.cache_config.block_size, self.device, self.model_config
         )
+
+    def reshape(self, layer_split: list[int]) -> tuple[int, int]:
+        """Take the layers of this stage under a new split (same stages, same groups): load
+        them (reading only their tensors) unless the range is unchanged, drop the KV cache
+        and return the blocks this stage can hold now, like `determine_num_available_blocks`
+        (the engine then gives every stage the minimum through `initialize_cache`).
+
+        The engine drained the pipeline and recomputes every request afterwards (the step
+        after this one tells the stages to forget every request), so no KV is read again."""
+        if self._pending_send is not None:
+            self._pending_send.wait()  # the pipeline is drained: it has completed
+            self._pending_send = None
+        self.parallel_config.pp_layer_partition = ",".join(str(n) for n in layer_split)
+        old, new = self.layout, self._stage_layout()
+        self.cache_engine = None  # sized for the old layer count
+        # A stage keeping its layers keeps its runner: its structured-output matchers of the
+        # held requests go (they are sent again in full).
+        self.model_runner.drop_requests(self.request_table.request_ids())
+        self.request_table.clear()
+        if new != old:
+            self.layout = new
+            self.model_runner = None  # type: ignore[assignment]  # its memory reused first
+            gc.collect()
+            self.load_model()
+            logger.info(
+                "rank %d: layers [%d, %d) -> [%d, %d)",
+                self.rank, old.start_layer, old.end_layer, new.start_layer, new.end_layer,
+            )  # fmt: skip
+        self.timers.abort()
+        return self.determine_num_available_blocks()
 
     # -- LoRA adapters (the engine's registry, mirrored on every rank) ------------------------
 

@@ -4,7 +4,8 @@
     vllm serve MODEL [engine flags]
 
 Routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /version,
-/metrics, /tokenize, /detokenize, /v1/files and /v1/batches (batches.py); with
+/metrics, /tokenize, /detokenize, /v1/files and /v1/batches (batches.py), /v1/admin/pipeline
+and /v1/admin/reshape_pipeline (admin.py: the layer split, changed while serving); with
 VLLM_ALLOW_RUNTIME_LORA_UPDATING, /v1/load_lora_adapter and /v1/unload_lora_adapter
 (serving_models.py). With `--api-key` (or VLLM_API_KEY) the /v1 routes need
 `Authorization: Bearer KEY`.
@@ -28,6 +29,7 @@ from vllm import envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from vllm.entrypoints.health import health_response
+from vllm.entrypoints.openai.admin import attach_admin_routes
 from vllm.entrypoints.openai.batch_lines import BatchLineRunner
 from vllm.entrypoints.openai.batches import add_batch_args, attach_batches
 from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
@@ -200,6 +202,9 @@ def build_app(
     if envs.get_bool("VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
         # As in vLLM: the routes exist only when allowed (else 404).
         attach_lora_routes(app, models)
+
+    # /v1/admin/pipeline, /v1/admin/reshape_pipeline (admin.py), behind the API key.
+    attach_admin_routes(app, engine)
 
     @app.get("/v1/models")
     async def show_models() -> JSONResponse:

@@ -15,6 +15,10 @@ without the kernels are dequantized at load to the activation dtype.
 At one or a few tokens per step the kernel reads each block once; from `dense_min_tokens`
 tokens on (prefill), dequantizing the layer to a dense matrix and running the GEMM is faster
 (the crossover measured by benchmarks/gguf_quant.py, docs/PERFORMANCE.md).
+
+VLLM_PP_GGUF_ACTIVATIONS=int8 (read once per layer at load) sends Q4_0/Q4_1/Q8_0 layers below
+`dense_min_tokens` to the int8-activation kernel (csrc/quant_gguf_vnni.cpp, llama.cpp's
+arithmetic: faster, but not the dequantized weights' results, so not the default).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm import _custom_ops as ops
+from vllm import envs
 
 logger = logging.getLogger("vllm.quantization.gguf")
 
@@ -175,12 +180,33 @@ def dense_min_tokens(qtype: int, rows: int, cols: int) -> int:
     return DENSE_MIN_TOKENS_Q8_0 if qtype == 8 else DENSE_MIN_TOKENS
 
 
-def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+# The types the int8-activation kernel runs (csrc/quant_gguf_vnni.cpp).
+INT8_ACTIVATION_TYPES = frozenset({2, 3, 8})
+ACTIVATION_MODES = ("float", "int8")
+
+
+def int8_activations() -> bool:
+    """Whether VLLM_PP_GGUF_ACTIVATIONS picks the int8-activation kernel ('int8') over the
+    float one ('float', the default)."""
+    mode = envs.get_str("VLLM_PP_GGUF_ACTIVATIONS").lower()
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(
+            f"VLLM_PP_GGUF_ACTIVATIONS must be one of {', '.join(ACTIVATION_MODES)}, got {mode!r}."
+        )
+    return mode == "int8"
+
+
+def gguf_linear(
+    x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int, int8: bool = False
+) -> torch.Tensor:
     """x [T, cols] (fp32/bf16, unit last stride) @ W^T, W the blocks raw [N, row_bytes] (in
-    the kernels' layout, `repack_gguf_rows`): the block kernel for few tokens, dequantize +
-    GEMM from `dense_min_tokens` on -> [T, N]."""
+    the kernels' layout, `repack_gguf_rows`): the block kernel for few tokens (with `int8`,
+    Q4_0/Q4_1/Q8_0 through the int8-activation kernel), dequantize + GEMM from
+    `dense_min_tokens` on -> [T, N]."""
     if x.shape[0] >= dense_min_tokens(qtype, raw.shape[0], cols):
         return F.linear(x, ops.gguf_dequantize(raw, qtype, cols, x.dtype))
+    if int8 and qtype in INT8_ACTIVATION_TYPES:
+        return ops.gguf_linear_q8(x, raw, qtype)
     return ops.gguf_linear(x, raw, qtype)
 
 
@@ -194,6 +220,8 @@ class GGUFWeight(nn.Module):
         super().__init__()
         self.cols = cols
         self.dtype = dtype
+        # Read once at load: the forward runs ~200 times per decode step.
+        self.int8 = int8_activations()
         self.qtypes: list[int | None] = []
         for i, (qtype, tensor) in enumerate(parts):
             self.register_buffer(f"part{i}", tensor, persistent=False)
@@ -258,7 +286,7 @@ class GGUFWeight(nn.Module):
             if qtype is None:
                 outs.append(F.linear(flat, tensor))
             else:
-                outs.append(gguf_linear(flat, tensor, qtype, self.cols))
+                outs.append(gguf_linear(flat, tensor, qtype, self.cols, self.int8))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [T, N]
         if bias is not None:
             out = out + bias
