@@ -4,6 +4,8 @@ exactly each kept sequence's committed tokens in chunks."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from tests.utils.fake_requests import FakeParams, seq_ids
@@ -112,3 +114,24 @@ def test_swapped_group_whose_host_blocks_a_lost_step_named_is_recomputed():
     assert "moved or copied" in plan.recomputed["c"] and not plan.replayed
     assert c in sched.waiting and c_seq.data.get_num_computed_tokens() == 0
     assert sched.block_manager.get_num_free_cpu_blocks() == 8
+
+
+def test_stage_recovery_flag():
+    """`stage_recovery` is validated by name; the boundary cache exists only with "local",
+    PP > 1 and stages that may be replaced."""
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="stage_recovery must be 'local' or 'full'"):
+        ParallelConfig(2, distributed_executor_backend="mp", stage_recovery="partial")
+    assert ParallelConfig(2, distributed_executor_backend="mp").boundary_cache_enabled
+    assert not ParallelConfig(
+        2, distributed_executor_backend="mp", stage_recovery="full"
+    ).boundary_cache_enabled
+    assert not ParallelConfig(
+        2, distributed_executor_backend="mp", max_stage_restarts=0
+    ).boundary_cache_enabled
+    assert not ParallelConfig(1).boundary_cache_enabled
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--model", "m", "--stage-recovery", "full"]).stage_recovery == "full"
+    assert parser.parse_args(["--model", "m"]).stage_recovery == "local"
