@@ -33,7 +33,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.block_manager import AllocStatus, BlockSpaceManager
@@ -422,13 +421,23 @@ class Scheduler:
         out.ignored_seq_groups.append(seq_group)
         self.waiting.popleft()
 
+    def _over_prompt_limit(self, seq_group: SequenceGroup, num_prompt_tokens: int) -> bool:
+        """Whether the waiting group can never be prefilled. With chunked prefill each sequence
+        must fit the context window: samples that diverged before a recompute each re-prefill
+        their own tokens (their sum may pass max_model_len; the chunked policy checks it against
+        the step's tokens). Without it, all of them must fit one step."""
+        if not self.scheduler_config.enable_chunked_prefill:
+            return num_prompt_tokens > self.prompt_limit
+        waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
+        return max((seq.get_len() for seq in waiting), default=0) > self.prompt_limit
+
     def _admission(
         self, seq_group: SequenceGroup, num_prompt_tokens: int, out: SchedulerOutputs
     ) -> AllocStatus:
         """Whether the first waiting group can be admitted now (OK), must wait (LATER: no
         blocks yet, or its prefix is being computed in flight and it waits to reuse it), or
         never fits (NEVER: it was finished as ignored, with vLLM's warning)."""
-        if _over_prompt_limit(self, seq_group, num_prompt_tokens):
+        if self._over_prompt_limit(seq_group, num_prompt_tokens):
             logger.warning(
                 "Input prompt (%d tokens) is too long and exceeds limit of %d",
                 num_prompt_tokens,
@@ -601,14 +610,3 @@ class Scheduler:
         # Parked prefix-cache blocks keep their ids until they are evicted.
         total += self.block_manager.get_num_cached_free_blocks()
         return min(total, self.block_manager.num_total_gpu_blocks)
-
-
-def _over_prompt_limit(sched: Any, seq_group: SequenceGroup, num_prompt_tokens: int) -> bool:
-    """Whether the waiting group can never be prefilled. With chunked prefill each sequence
-    must fit the context window: samples that diverged before a recompute each re-prefill
-    their own tokens (their sum may pass max_model_len; the chunked policy checks it against
-    the step's tokens). Without it, all of them must fit one step."""
-    if not sched.scheduler_config.enable_chunked_prefill:
-        return num_prompt_tokens > sched.prompt_limit
-    waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
-    return max((seq.get_len() for seq in waiting), default=0) > sched.prompt_limit
