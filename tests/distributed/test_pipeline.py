@@ -71,12 +71,14 @@ def test_pp_under_preemption(kind, mode, ray_session, tiny_model_dirs, hf_refere
 
 
 def test_kv_blocks_scale_with_stages(ray_session, tmp_path, tiny_model_dirs):
-    # 12 layers split evenly over 1, 2, 3 and 4 stages; same per-stage budget.
+    # 12 layers split evenly over 1, 2, 3 and 4 stages; same per-stage budget. Without the
+    # boundary cache (stage_recovery="full") the blocks scale with the stages exactly.
     tok_dir = tiny_model_dirs["llama-gqa-tied"]
     model_dir = tiny_models.build_model("llama-gqa-tied", str(tmp_path / "m12"), tok_dir, 12)
-    blocks, params = {}, {}
+    blocks, params, with_boundary = {}, {}, {}
+    kw = dict(kv_cache_space=0.05, swap_space=0.01)
     for pp in (1, 2, 3, 4):
-        llm = LLM(model_dir, pipeline_parallel_size=pp, kv_cache_space=0.05, swap_space=0.01)
+        llm = LLM(model_dir, pipeline_parallel_size=pp, stage_recovery="full", **kw)
         blocks[pp] = llm.llm_engine.cache_config.num_gpu_blocks
         params[pp] = [i.num_params for i in llm.llm_engine.get_stage_infos()]
         llm.shutdown()
@@ -84,6 +86,16 @@ def test_kv_blocks_scale_with_stages(ray_session, tmp_path, tiny_model_dirs):
         assert abs(blocks[pp] / blocks[1] - pp) / pp < 0.05, blocks
     # Each middle stage holds ~1/N of the decoder weights and no embeddings.
     assert params[4][1] * 4 < params[1][0]
+    # With the boundary cache (the default at PP > 1) a non-last stage also keeps one hidden
+    # row (64 values) per token next to its KV (2 x 2 KV heads x 16 x 12/PP layers): the
+    # blocks shrink by exactly that share, as the README states.
+    for pp in (2, 4):
+        llm = LLM(model_dir, pipeline_parallel_size=pp, **kw)
+        with_boundary[pp] = llm.llm_engine.cache_config.num_gpu_blocks
+        llm.shutdown()
+        kv_values = 2 * 2 * 16 * (12 // pp)
+        expected = blocks[pp] * kv_values / (kv_values + 64)
+        assert abs(with_boundary[pp] / expected - 1) < 0.02, (with_boundary, blocks)
 
 
 def test_pp_size_errors_are_prompt(ray_session, tiny_model_dirs):
