@@ -60,12 +60,16 @@ def check_equal(llm: LLM, expected: list[list[int]]) -> None:
         assert out.outputs[0].text == tokenizer.decode(ref, skip_special_tokens=True)
 
 
-def expected_blocks(path: str, kv_heads_per_rank: int, layers: int) -> int:
+def expected_blocks(path: str, kv_heads_per_rank: int, layers: int, tp: int, pp: int) -> int:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(path)
     head = cfg.hidden_size // cfg.num_attention_heads
     block_bytes = 2 * 16 * kv_heads_per_rank * head * layers * 4  # K+V, 16 tokens, fp32
+    if pp > 1:
+        # A first stage's rank also keeps the boundary cache: per token the 1/tp slice of the
+        # hidden states it sends on (stage-local recovery, on by default at PP > 1).
+        block_bytes += 16 * (cfg.hidden_size // tp) * 4
     return int(KV_GIB * (1 << 30)) // block_bytes
 
 
@@ -98,7 +102,7 @@ def test_tp_matches_hf(kind, tp, pp, backend, model_dirs, reference, request):
         check_equal(llm, reference(kind))
         # KV blocks are sized per (stage, TP rank) from the KV heads that rank keeps.
         kv_total = 1 if kind == "llama-mqa" else (2 if kind.startswith("llama") else 4)
-        blocks = expected_blocks(model_dirs[kind], max(1, kv_total // tp), 6 // pp)
+        blocks = expected_blocks(model_dirs[kind], max(1, kv_total // tp), 6 // pp, tp, pp)
         assert llm.llm_engine.cache_config.num_gpu_blocks == blocks
     finally:
         llm.shutdown()
