@@ -245,13 +245,7 @@ class Scheduler:
         keeping the ones it already generated. Groups aborted while in flight are released.
         Returns the re-queued request ids."""
         self.step_writer.forget_all()  # the stages forget every request too
-        groups = list(self.in_flight.values())
-        for group in groups:
-            if group.abort_pending:
-                self._free_group(group)
-        for group in groups:
-            for seq in group.deferred_free:
-                self.block_manager.free(seq)
+        self._free_held_by_flights()
         requeued = [g for g in self.running if g.is_in_flight()]
         self.running = collections.deque(g for g in self.running if not g.is_in_flight())
         self._clear_flights()
@@ -287,6 +281,17 @@ class Scheduler:
         order of their first one: `requeue_in_flight` releases blocks in these orders, and
         with prefix caching the order blocks are freed in is the order they are evicted in."""
         self.in_flight[group.request_id] = self.in_flight.pop(group.request_id)
+
+    def _free_held_by_flights(self) -> None:
+        """The steps in flight will never come back: free the blocks they held back (groups
+        aborted while in flight, sequences that finished meanwhile), in `in_flight` order."""
+        groups = list(self.in_flight.values())
+        for group in groups:
+            if group.abort_pending:
+                self._free_group(group)
+        for group in groups:
+            for seq in group.deferred_free:
+                self.block_manager.free(seq)
 
     def _clear_flights(self) -> None:
         for group in self.in_flight.values():

@@ -58,13 +58,7 @@ def roll_back_for_replay(
     and decide per unfinished group: replay (kept) or full recompute (re-queued). `touched_*`:
     the device / host blocks named by a block operation of a step that was never collected."""
     sched.step_writer.forget_all()  # the replaced stages hold nothing; all re-learn in full
-    in_flight = list(sched.in_flight.values())
-    for group in in_flight:
-        if group.abort_pending:  # aborted while in flight: out of the queues already
-            sched._free_group(group)
-    for group in in_flight:
-        for seq in group.deferred_free:  # finished while a step of its group was in flight
-            sched.block_manager.free(seq)
+    sched._free_held_by_flights()
     sched._clear_flights()
     plan = RollbackPlan()
     bm = sched.block_manager
