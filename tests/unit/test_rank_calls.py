@@ -5,6 +5,7 @@ deadlines, forgotten calls, cloudpickle for what pickle refuses, and the TCP han
 from __future__ import annotations
 
 import multiprocessing
+import os
 import socket
 import threading
 import time
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from vllm.executor.rank_calls import RankCallError, RankCalls, RankCallTimeout, connect_to_rank
-from vllm.worker.rank_server import CallsThread, WorkerHost, serve_calls
+from vllm.worker.rank_server import CallsThread, WorkerHost, say_last_words, serve_calls
 
 pytestmark = pytest.mark.fast
 
@@ -97,6 +98,44 @@ def test_a_lost_rank_fails_waits_at_once(two_ranks):
     with pytest.raises(RankCallError) as info:
         calls.submit({0: ("step", (1,), {})})
     assert info.value.lost
+
+
+class _Process:
+    """A rank process as the reader watches one: its sentinel becomes readable when it dies."""
+
+    def __init__(self) -> None:
+        self.sentinel, self._alive = os.pipe()
+        self.exitcode: int | None = None
+
+    def die(self, code: int) -> None:
+        self.exitcode = code
+        os.close(self._alive)
+
+
+def test_a_rank_that_dies_outside_a_call_says_why():
+    """What the mp rank's main does: an error outside any call (here the call envelope
+    itself fails to load) is said on the connection before the process dies, and the
+    engine names it beside the exit code."""
+    calls = RankCalls(1)
+    engine_end, rank_end = multiprocessing.Pipe(duplex=True)
+    proc = _Process()
+    calls.attach(0, engine_end, process=proc)
+
+    def rank_main() -> None:
+        try:
+            serve_calls(rank_end, WorkerHost())
+        except BaseException as exc:
+            say_last_words(rank_end, exc)
+            proc.die(1)
+
+    threading.Thread(target=rank_main, daemon=True).start()
+    engine_end.send_bytes(b"not a call")
+    call_id = calls.submit({0: ("step", (1,), {})})
+    with pytest.raises(RankCallError) as info:
+        calls.wait_for(0, call_id, 30.0)
+    assert info.value.lost
+    assert "the process died (exit code 1): UnpicklingError" in info.value.problem
+    assert "rank_server.py:" in info.value.problem  # where it died
 
 
 def test_deadline(two_ranks):

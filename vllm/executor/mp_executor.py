@@ -33,7 +33,12 @@ from vllm.executor.base import StageProcessExecutor
 from vllm.executor.rank_calls import Calls, RankCallError
 from vllm.executor.stage_supervisor import StageFailedError, StageFailure
 from vllm.logger import init_logger
-from vllm.worker.rank_server import WorkerHost, serve_calls, start_heartbeat_thread
+from vllm.worker.rank_server import (
+    WorkerHost,
+    say_last_words,
+    serve_calls,
+    start_heartbeat_thread,
+)
 from vllm.worker.stage_report import StageInfo
 
 logger = init_logger("vllm.executor.mp_executor")
@@ -67,7 +72,16 @@ def _main_module_hidden() -> Iterator[None]:
 
 def _rank_main(conn: Connection, heartbeat: Connection, rank: int, num_threads: int) -> None:
     """Body of one rank's process: answer heartbeats (on a thread, from the start) and serve
-    calls from the engine until told to stop."""
+    calls from the engine until told to stop. An error outside any call is said to the engine
+    (`say_last_words`) before the process dies of it."""
+    try:
+        _serve_rank(conn, heartbeat, rank, num_threads)
+    except BaseException as exc:
+        say_last_words(conn, exc)
+        raise
+
+
+def _serve_rank(conn: Connection, heartbeat: Connection, rank: int, num_threads: int) -> None:
     import signal
 
     host = WorkerHost()
@@ -84,6 +98,7 @@ def _rank_main(conn: Connection, heartbeat: Connection, rank: int, num_threads: 
         while True:
             time.sleep(1.0)
             if os.getppid() != parent:
+                say_last_words(conn, RuntimeError(f"the engine's process (pid {parent}) is gone"))
                 os._exit(1)
 
     threading.Thread(target=watch_parent, daemon=True, name="parent-watch").start()

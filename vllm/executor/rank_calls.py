@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 
 from vllm.distributed.net_utils import authenticated_connection
 from vllm.distributed.serialization import dumps_message
+from vllm.worker.rank_server import LAST_WORDS
 
 # A rank that is lost is noticed within this many seconds, whatever the call's deadline.
 _POLL_S = 0.5
@@ -123,6 +124,8 @@ class RankCalls:
         # rank -> call id -> (ok, value); filled by the reader thread.
         self._results: list[dict[int, tuple[bool, Any]]] = [{} for _ in range(world_size)]
         self._lost: dict[int, str] = {}
+        # What a rank's process said as it died (`rank_server.LAST_WORDS`), named in its loss.
+        self._last_words: dict[int, str] = {}
         # rank -> what the stage watch sees wrong with it now (withdrawn if it clears), and
         # since when (monotonic).
         self._suspect: dict[int, tuple[str, float]] = {}
@@ -156,6 +159,7 @@ class RankCalls:
             self._procs[rank] = process
             self._results[rank].clear()
             self._lost.pop(rank, None)
+            self._last_words.pop(rank, None)
             self._suspect.pop(rank, None)
         if old_outbox is not None:
             old_outbox.stop()
@@ -194,7 +198,9 @@ class RankCalls:
                     # Results it wrote before exiting are still in the pipe: read them first.
                     self._drain(rank)
                     code = ended.exitcode
-                    self._mark_lost(rank, ended, f"the process died (exit code {code})")
+                    said = self._last_words.get(rank)
+                    problem = f"the process died (exit code {code})"
+                    self._mark_lost(rank, ended, problem if said is None else f"{problem}: {said}")
                 else:
                     rank, conn = conns[id(obj)]
                     self._recv_one(rank, conn)
@@ -215,7 +221,9 @@ class RankCalls:
                 self._mark_lost(rank, None, "its connection closed (the process is gone?)")
             return False
         with self._cond:
-            if self._conns[rank] is conn and call_id > self._floor:
+            if call_id == LAST_WORDS and self._conns[rank] is conn:
+                self._last_words[rank] = value
+            elif self._conns[rank] is conn and call_id > self._floor:
                 self._results[rank][call_id] = (ok, value)
                 self._cond.notify_all()
         return True

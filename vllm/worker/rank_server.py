@@ -12,6 +12,7 @@ so only a frozen or dead process goes silent.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -32,6 +33,9 @@ from vllm.distributed.serialization import MessageNotSerializableError, dumps_me
 # rank has spent in its current step; negative between steps).
 HEARTBEAT_PROBE = struct.Struct("!Q")
 HEARTBEAT_ANSWER = struct.Struct("!Qd")
+# The call id of what a rank's process says on its calls connection as it dies of an error
+# outside any call (`say_last_words`); the engine names it in the rank's loss.
+LAST_WORDS = -1
 
 
 class WorkerHost:
@@ -103,6 +107,15 @@ def serve_calls(conn: Connection, host: WorkerHost) -> None:
     # Also after a "shutdown" call, the engine closes its end first: a rank that closed its
     # own would look lost to an engine still collecting the other ranks' replies.
     conn.close()
+
+
+def say_last_words(conn: Connection, exc: BaseException) -> None:
+    """Tell the engine, on the calls connection, what this process dies of (an error outside
+    any call: a lost reply would otherwise leave only "exit code 1"). Best effort."""
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    at = f" (at {where[0].filename}:{where[0].lineno})" if where else ""
+    with contextlib.suppress(Exception):
+        conn.send_bytes(pickle.dumps((LAST_WORDS, False, f"{type(exc).__name__}: {exc}{at}")))
 
 
 def answer_heartbeats(conn: Connection, busy_s: Callable[[], float | None]) -> None:
