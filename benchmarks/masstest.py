@@ -19,6 +19,7 @@ import math
 import os
 import random
 import signal
+import statistics
 import threading
 import time
 from collections import Counter
@@ -517,7 +518,8 @@ def run_engine(
                     f"  [{mode}] {how:8s} stage {rank} (pid {pid}): detected "
                     f"{extra['found_after_kill_s']:.2f} s after the kill, recovered in "
                     f"{event.recovery_s or float('nan'):.2f} s "
-                    f"(replay {extra.get('replay_s', 0.0):.2f} s), "
+                    f"(replay {extra.get('replay_s', 0.0):.2f} s), every request back "
+                    f"{_seconds(extra.get('caught_up_s'))} after detection, "
                     f"{extra.get('recomputed_token_stages', 0)} token-stages recomputed "
                     f"(full path for this state: {extra.get('full_path_token_stages', 0)}; "
                     f"{extra.get('replayed_tokens', 0)} tokens replayed, "
@@ -550,6 +552,7 @@ def summarize(
     in_toks = sum(len(o.prompt_token_ids) for o in state.finished.values())  # ran ones
     out_toks = sum(len(o.token_ids) for o in outs)
     reported = sum(1 for rid in state.aborted if rid in state.finished)
+    caught_up = [f.extra["caught_up_s"] for f in faults if "caught_up_s" in f.extra]
     summary = {
         "requests": len(reqs),
         "kinds": dict(Counter(r.kind for r in reqs)),
@@ -571,11 +574,19 @@ def summarize(
             (f.extra.get("found_after_kill_s", f.detected_after_s) for f in faults), default=0.0
         ),
         "max_recovery_s": max((f.recovery_s or 0.0 for f in faults), default=0.0),
+        # Detection to every request back where it was, over the faults where that happened
+        # before the next one.
+        "median_caught_up_s": statistics.median(caught_up) if caught_up else None,
+        "faults_caught_up": len(caught_up),
         "recomputed_token_stages": sum(f.extra.get("recomputed_token_stages", 0) for f in faults),
         "full_path_token_stages": sum(f.extra.get("full_path_token_stages", 0) for f in faults),
         "errors": len(errors),
     }
     return summary
+
+
+def _seconds(value: float | None) -> str:
+    return "never (the next fault came first)" if value is None else f"{value:.2f} s"
 
 
 if __name__ == "__main__":

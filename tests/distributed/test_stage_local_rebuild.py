@@ -95,7 +95,12 @@ def run_with_kill(llm: LLM, rank: int, caplog) -> tuple[list, object]:
     bm = scheduler.block_manager
     assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
     assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
-    return outputs, events[0]
+    # Every request got its KV back before the run ended, after the stage was replaced.
+    event = events[0]
+    assert event.recovery_s is not None
+    assert event.extra["caught_up_s"] >= event.recovery_s, event.extra
+    assert "Every request is back where it was" in caplog.text
+    return outputs, event
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])

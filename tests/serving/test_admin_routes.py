@@ -1,5 +1,5 @@
 """The admin routes of the OpenAI server at -pp 2 (mp), behind the API key: the layer split
-shown (`GET /v1/admin/pipeline`) and changed while 16 clients stream
+shown (`GET /v1/admin/pipeline`) and changed while 32 clients stream
 (`POST /v1/admin/reshape_pipeline`): every stream finishes with the text of a run without the
 re-split; a bad body is a 400 naming `layer_split`; no key, no admin."""
 
@@ -18,7 +18,7 @@ from vllm import AsyncEngineArgs, AsyncLLMEngine
 
 MODEL = "tiny"
 KEY = "admin-test-key"
-CLIENTS = 16
+CLIENTS = 32
 PROMPTS = [f"{tiny_models.PROMPTS[i % len(tiny_models.PROMPTS)]} {i}" for i in range(CLIENTS)]
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

@@ -244,13 +244,24 @@ class Scheduler:
         stage): the KV it wrote may be partial, so the group re-prefills all its tokens,
         keeping the ones it already generated. Groups aborted while in flight are released.
         Returns the re-queued request ids."""
-        self.step_writer.forget_all()  # the stages forget every request too
-        self._free_held_by_flights()
         requeued = [g for g in self.running if g.is_in_flight()]
         self.running = collections.deque(g for g in self.running if not g.is_in_flight())
-        self._clear_flights()
-        self._requeue(requeued, free_blocks=True)
+        self.drop_steps_in_flight()
+        self.requeue(requeued)
         return [g.request_id for g in requeued]
+
+    def drop_steps_in_flight(self) -> None:
+        """The steps inside the pipeline will never come back: the stages forget every
+        request (they re-learn it in full), the blocks those steps held back are freed, and
+        their groups stay where their last collected step left them."""
+        self.step_writer.forget_all()
+        self._free_held_by_flights()
+        self._clear_flights()
+
+    def requeue(self, groups: list[SequenceGroup]) -> None:
+        """Recompute `groups` (no longer in `running` or `swapped`): their blocks are freed
+        and they wait again, by arrival, with the tokens they have."""
+        self._requeue(groups, free_blocks=True)
 
     def requeue_all(self) -> list[str]:
         """Recompute everything: the KV cache of a stage was lost (it was replaced).

@@ -57,9 +57,7 @@ def roll_back_for_replay(
     """Roll the groups in flight back to their committed state without freeing their blocks,
     and decide per unfinished group: replay (kept) or full recompute (re-queued). `touched_*`:
     the device / host blocks named by a block operation of a step that was never collected."""
-    sched.step_writer.forget_all()  # the replaced stages hold nothing; all re-learn in full
-    sched._free_held_by_flights()
-    sched._clear_flights()
+    sched.drop_steps_in_flight()  # the replaced stages hold nothing; all re-learn in full
     plan = RollbackPlan()
     bm = sched.block_manager
     chunked = sched.scheduler_config.enable_chunked_prefill
@@ -98,7 +96,7 @@ def roll_back_for_replay(
             seq.status = SequenceStatus.RUNNING
         sched.running.append(group)
         plan.swapped_in.append(group.request_id)
-    sched._requeue(recompute, free_blocks=True)
+    sched.requeue(recompute)
     # After the frees above: blocks they parked in the prefix cache are garbage too.
     bm.drop_free_cached_blocks()
     plan.replayed = list(sched.running)

@@ -458,6 +458,7 @@ class LLMEngine:
         self.num_steps += 1
         try:
             outputs = self._step()
+            self.recovery.after_step()
             if self.reshaper.auto:
                 # Kept in the pending outputs: a failed re-split check still returns them.
                 self._pending_outputs[:0] = outputs

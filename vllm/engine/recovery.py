@@ -45,6 +45,9 @@ class StageRecovery:
         self.restart_times: list[float] = []
         # The failure whose stages are being replaced right now (read by `health`).
         self.recovering: StageFailedError | None = None
+        # The last fault whose requests are not all back yet, and what each of its sequences
+        # must have computed again to be (`after_step`).
+        self._catching_up: tuple[FaultEvent, dict[int, int]] | None = None
 
     def restarts_in_window(self) -> int:
         """Stage replacements counted against max_stage_restarts now (the budget is a rate)."""
@@ -75,6 +78,7 @@ class StageRecovery:
         event.step_request_ids = engine.batch_queue.request_ids_of_call(error.call_id)
         previous = self.events[-1] if self.events else None
         self.events.append(event)
+        self._catching_up = (event, _decode_targets([*sched.running, *sched.swapped]))
         lost_gpu, lost_cpu = engine.batch_queue.lost_block_ids()
         engine.batch_queue.reset()
         # What a full recompute of this state costs: every unfinished token, every stage.
@@ -144,6 +148,29 @@ class StageRecovery:
         )
         if engine.stats is not None:
             engine.stats.log_fault(event, event.extra["recomputed_tokens"])
+
+    def after_step(self) -> None:
+        """After a step: once every sequence that was decoding at the last fault has its KV
+        back (computed again up to its last token, or finished), the fault's `caught_up_s`
+        is set: seconds from its detection until then. Where a recovery ends (local: after
+        the replay; full: once the re-queued requests re-prefilled), comparable across both.
+        A new fault first leaves the earlier one without it."""
+        if self._catching_up is None:
+            return
+        event, targets = self._catching_up
+        sched = self.engine.scheduler
+        groups = [*sched.waiting, *sched.running, *sched.swapped]
+        for group in groups:
+            for seq in group.get_unfinished_seqs():
+                if seq.data.get_num_computed_tokens() < targets.get(seq.seq_id, 0):
+                    return
+        event.extra["caught_up_s"] = time.time() - event.detected_at
+        self._catching_up = None
+        logger.info(
+            "Every request is back where it was %.2f s after the failure was detected (%s "
+            "recovery, %d sequences)",
+            event.extra["caught_up_s"], event.extra.get("stage_recovery"), len(targets),
+        )  # fmt: skip
 
     def _rebuild(self, plan: RollbackPlan, stages: list[int], event: FaultEvent) -> None:
         """Replay the kept groups' committed tokens through the replaced `stages`; a failed
@@ -246,6 +273,17 @@ class StageRecovery:
             [g for q in queues for g in q if g.request_id in wanted],
             f"its step failed the same way again after a stage replacement: {error}",
         )
+
+
+def _decode_targets(groups: Any) -> dict[int, int]:
+    """Each decoding sequence's tokens but its last (which the next step feeds): what it has
+    computed, and must have computed again, to be where it was."""
+    return {
+        seq.seq_id: seq.get_len() - 1
+        for g in groups
+        for seq in g.get_unfinished_seqs()
+        if seq.get_output_len() > 0
+    }
 
 
 def _unfinished_tokens(groups: Any) -> int:
