@@ -100,9 +100,7 @@ def assert_pipeline(llm: LLM, pp: int) -> None:
     assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks
 
 
-def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(
-    engine, monkeypatch, caplog
-):
+def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monkeypatch, caplog):
     llm, reference = engine
     eng = llm.llm_engine
     pp = eng.parallel_config.pipeline_parallel_size
