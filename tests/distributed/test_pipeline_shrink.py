@@ -1,13 +1,15 @@
 """A stage that cannot be replaced: the pipeline goes on at PP - 1 and grows back to PP.
 
 The mp backend at PP = 3 (the middle stage lost) and PP = 2 (the first stage lost: the last
-stage becomes the only one). Starting a stage process is made to fail in the test process
-(the engine runs in it) and a stage is SIGKILLed with requests in flight: the engine re-forms
-the survivors with an even split, and every request (greedy and seeded) finishes with the
-tokens of the fault-free run. While starting stages still fails, growing back fails with one
-log line and changes nothing; once it works again the engine grows back -- on demand
-(`LLMEngine.grow_pipeline`) at PP = 3, by itself after VLLM_PP_REGROW_INTERVAL_S at PP = 2 --
-with requests in flight, to the original split, and outputs match again."""
+stage becomes the only one), and Ray at PP = 2 (the new actor cannot be placed). Starting a
+stage process is made to fail in the test process (the engine runs in it: at mp PP = 3 the new
+process dies at start-up, at PP = 2 it cannot be started at all) and a stage is SIGKILLed with
+requests in flight: the engine re-forms the survivors with an even split, and every request
+(greedy and seeded) finishes with the tokens of the fault-free run. While starting stages
+still fails, growing back fails with one log line and changes nothing; once it works again the
+engine grows back -- on demand (`LLMEngine.grow_pipeline`) at PP = 3, by itself after
+VLLM_PP_REGROW_INTERVAL_S at PP = 2 -- with requests in flight, to the original split, and
+outputs match again."""
 
 from __future__ import annotations
 
@@ -40,13 +42,23 @@ def even(pp: int) -> list[tuple[int, int]]:
     return [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(pp)]
 
 
-@pytest.fixture(scope="module", params=[3, 2], ids=["mp-pp3", "mp-pp2"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("mp", 3), id="mp-pp3"),
+        pytest.param(("mp", 2), id="mp-pp2"),
+        pytest.param(("ray", 2), id="ray-pp2", marks=pytest.mark.ray),
+    ],
+)
 def engine(request, tiny_model_dirs):
-    """An mp engine and the fault-free outputs of PARAMS on it."""
+    """An engine and the fault-free outputs of PARAMS on it."""
+    backend, pp = request.param
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
     llm = LLM(
         tiny_model_dirs["llama-gqa-tied"],
-        pipeline_parallel_size=request.param,
-        distributed_executor_backend="mp",
+        pipeline_parallel_size=pp,
+        distributed_executor_backend=backend,
         disable_log_stats=True,
     )
     reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
@@ -54,13 +66,27 @@ def engine(request, tiny_model_dirs):
     llm.shutdown()
 
 
-def refuse_new_stages(monkeypatch, executor) -> list[int]:
-    """From now on no stage process can be started; returns the ranks that were tried."""
+def refuse_new_stages(monkeypatch, executor, how: str) -> list[int]:
+    """From now on no stage process can be started: `refused` (starting one raises; on Ray
+    its actor cannot be placed in time) or `dies` (an mp process starts and is killed at
+    once, before its Worker is built). Returns the ranks that were tried."""
     tried: list[int] = []
+    if hasattr(executor, "workers"):  # Ray
+
+        def start_actors(ranks, timeout=0.0) -> None:
+            tried.extend(ranks)
+            raise TimeoutError("the new actor could not be placed (refused by the test)")
+
+        monkeypatch.setattr(executor, "_start_actors", start_actors)
+        return tried
+    spawn_for_real = executor._spawn
 
     def spawn(rank: int) -> None:
         tried.append(rank)
-        raise OSError("no free slot for a stage process (refused by the test)")
+        if how == "refused":
+            raise OSError("no free slot for a stage process (refused by the test)")
+        spawn_for_real(rank)
+        executor.procs[rank].kill()
 
     monkeypatch.setattr(executor, "_spawn", spawn)
     return tried
@@ -108,7 +134,8 @@ def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monk
     automatic = pp == 2
     # PP = 2 grows back by itself; PP = 3 waits long enough that only grow_pipeline does.
     monkeypatch.setenv("VLLM_PP_REGROW_INTERVAL_S", "0.5" if automatic else "3600")
-    tried = refuse_new_stages(monkeypatch, eng.executor)
+    # PP = 3: the new process dies at start-up; PP = 2: it cannot be started at all.
+    tried = refuse_new_stages(monkeypatch, eng.executor, "refused" if automatic else "dies")
     survivors = [i.pid for i in eng.get_stage_infos() if i.rank != victim]
     killed: list[int] = []
     thread = after_steps(llm, 5, lambda: killed.append(kill_stage_pid(llm, victim, signal.SIGKILL)))

@@ -15,7 +15,8 @@ restores the configured split (survivors reload, new ranks load their layers), c
 re-sized.
 
 The backend says how a rank's process is stopped, started and renumbered (`_stop_ranks`,
-`_start_ranks`, `_renumber_processes`).
+`_start_processes`, `_renumber_processes`), how its Worker is built (`_init_worker_calls`) and
+where the ranks meet (`_regroup_init_method`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from vllm import envs
 from vllm.config import EngineConfig
 from vllm.distributed.pipeline_resize import PipelineResize, with_stages, without_stages
 from vllm.executor.base import StageProcessExecutor
+from vllm.executor.rank_calls import Calls
 from vllm.logger import init_logger
 from vllm.worker.stage_report import StageInfo
 
@@ -55,11 +57,22 @@ class ElasticStageExecutor(StageProcessExecutor):
         calls and the watch."""
 
     @abstractmethod
-    def _start_ranks(
-        self, ranks: list[int], engine_config: EngineConfig, init_method: str, budget: float
-    ) -> None:
-        """Start a process for each of `ranks` (slots made by `_renumber`) and build its
-        Worker from `engine_config` with rendezvous `init_method`, within `budget` s."""
+    def _start_processes(self, ranks: list[int], budget: float) -> None:
+        """Start a process for each of `ranks` (slots made by `_renumber`) and attach it to
+        the calls and the watch, within `budget` s (a process that cannot be started or
+        placed in time raises)."""
+
+    @abstractmethod
+    def _init_worker_calls(
+        self, ranks: list[int], init_method: str, engine_config: EngineConfig | None = None
+    ) -> Calls:
+        """The calls that build the Workers of `ranks` from `engine_config` (the engine's
+        when None) with rendezvous `init_method`."""
+
+    def _regroup_init_method(self, timeout: float) -> str:
+        """A rendezvous for the next formation of the groups (every rank on this node: a
+        private FileStore)."""
+        return self._local_init_method()
 
     @abstractmethod
     def _renumber_processes(self, order: list[int | None]) -> None:
@@ -111,7 +124,7 @@ class ElasticStageExecutor(StageProcessExecutor):
         self._renumber(plan.order)
         pc.pipeline_parallel_size = plan.new_pp
         pc.pp_layer_partition = None  # an even split over the stages left
-        self._regroup(plan, self._local_init_method(), budget)
+        self._regroup(plan, self._regroup_init_method(budget), budget)
         self.reshape_pipeline(self.model_config.get_pp_layer_sizes(pc))
         return time.monotonic() - started
 
@@ -128,10 +141,13 @@ class ElasticStageExecutor(StageProcessExecutor):
         budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
         grown = replace(pc, pipeline_parallel_size=plan.new_pp, pp_layer_partition=layer_partition)
         config = replace(self.engine_config, parallel_config=grown)
-        init_method = self._local_init_method()
         self._renumber(plan.order)
         try:
-            self._start_ranks(plan.joining, config, init_method, budget)
+            self._start_processes(plan.joining, budget)
+            # Known once they run (on Ray: on which node).
+            init_method = self._regroup_init_method(budget)
+            calls = self._init_worker_calls(plan.joining, init_method, config)
+            self._wait_calls(plan.joining, self._submit(calls), budget)
         except BaseException:
             self._stop_ranks(plan.joining)
             self._renumber(list(range(pc.world_size)))

@@ -209,13 +209,9 @@ class MultiprocessingExecutor(ElasticStageExecutor):
                 proc.join(10.0)
             self.procs[rank] = None
 
-    def _start_ranks(
-        self, ranks: list[int], engine_config: EngineConfig, init_method: str, budget: float
-    ) -> None:
+    def _start_processes(self, ranks: list[int], budget: float) -> None:
         for rank in ranks:
             self._spawn(rank)
-        calls = self._init_worker_calls(ranks, init_method, engine_config)
-        self._wait_calls(ranks, self._submit(calls), budget)
 
     def _renumber_processes(self, order: list[int | None]) -> None:
         self.procs = [None if old is None else self.procs[old] for old in order]
