@@ -190,3 +190,47 @@ def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monk
     assert eng.elastic.missing_stages == 0
     assert eng.grow_pipeline() is False  # nothing missing
     assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
+
+
+def test_a_tp_stage_leaves_with_all_its_ranks_and_comes_back(tiny_model_dirs, hf_reference):
+    """TP = 2 x PP = 2 (mp): one TP rank of the last stage is killed and cannot be replaced;
+    both ranks of that stage leave (PP = 1, TP = 2), then come back on grow_pipeline. Greedy
+    outputs equal HF's throughout."""
+    kind = "llama-gqa-tied"
+    llm = LLM(
+        tiny_model_dirs[kind],
+        pipeline_parallel_size=2,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        disable_log_stats=True,
+    )
+    try:
+        eng = llm.llm_engine
+        greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        expected = hf_reference(kind)
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            refuse_new_stages(monkeypatch, eng.executor, "refused")
+            thread = after_steps(llm, 4, lambda: kill_stage_pid(llm, 3, signal.SIGKILL))
+            outputs = llm.generate(tiny_models.PROMPTS, greedy, use_tqdm=False)
+            thread.join(timeout=60)
+            assert token_ids(outputs) == expected
+            infos = eng.get_stage_infos()
+            assert [(i.rank, i.pp_rank, i.tp_rank) for i in infos] == [(0, 0, 0), (1, 0, 1)]
+            assert [i.layers for i in infos] == [(0, NUM_LAYERS)] * 2
+            assert eng.fault_events[-1].extra["stage_recovery"] == "shrink"
+        assert eng.grow_pipeline() is True
+        infos = eng.get_stage_infos()
+        assert [(i.rank, i.pp_rank, i.tp_rank) for i in infos] == [
+            (0, 0, 0),
+            (1, 0, 1),
+            (2, 1, 0),
+            (3, 1, 1),
+        ]
+        assert [i.layers for i in infos] == [(0, 3), (0, 3), (3, 6), (3, 6)]
+        outputs = llm.generate(tiny_models.PROMPTS, greedy, use_tqdm=False)
+        assert token_ids(outputs) == expected
+        tokenizer = llm.get_tokenizer()
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
+        assert [o.outputs[0].text for o in outputs] == texts
+    finally:
+        llm.shutdown()
