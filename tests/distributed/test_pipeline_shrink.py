@@ -158,6 +158,8 @@ def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monk
         "replaced" in logged
     )
     assert eng.elastic.events[-1].reason == "shrink"
+    health = eng.health()
+    assert health.degraded and f"pipeline_parallel_size={pp - 1} of {pp}" in health.message
     assert eng.parallel_config.boundary_cache_enabled == (pp - 1 > 1)
     if pp - 1 == 1:
         assert not eng.batch_queue.async_pipeline and not eng.scheduler.schedule_ahead
@@ -188,6 +190,7 @@ def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monk
     assert [i.pid for i in eng.get_stage_infos()][: pp - 1] == survivors
     assert eng.elastic.events[-1].reason == "grow"
     assert eng.elastic.missing_stages == 0
+    assert not eng.health().degraded
     assert eng.grow_pipeline() is False  # nothing missing
     assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
 

@@ -85,6 +85,15 @@ class ElasticPipeline:
         """Stages the pipeline lacks compared with its configured size."""
         return self.configured_pp - self.engine.parallel_config.pipeline_parallel_size
 
+    def describe_missing(self) -> str:
+        """What `/health` says while stages are missing."""
+        pp = self.engine.parallel_config.pipeline_parallel_size
+        return (
+            f"running at pipeline_parallel_size={pp} of {self.configured_pp}: a failed stage "
+            "could not be replaced; growing back is tried every "
+            f"{_regrow_interval_s():g} s"
+        )
+
     def can_shrink(self, error: StageFailedError) -> bool:
         """Whether the stages of `error` can leave instead of being replaced: a stage would
         be left and the backend can re-form a smaller pipeline."""

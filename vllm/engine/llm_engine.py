@@ -369,7 +369,8 @@ class LLMEngine:
     def health(self) -> EngineHealth:
         """What `/health` reports of this engine: healthy, or degraded while failed stages are
         being replaced -- or found failed (a process stopped or gone, a heartbeat silent)
-        with a replacement still allowed, which the next step makes. Raises EngineDeadError
+        with a replacement still allowed, which the next step makes -- or while the pipeline
+        runs with fewer stages than configured (`vllm.engine.elastic`). Raises EngineDeadError
         when the engine is dead, StageFailedError when a failed stage cannot be replaced.
         Safe to call from another thread while the engine steps."""
         self._check_alive()
@@ -386,6 +387,9 @@ class LLMEngine:
             ):
                 raise
             return EngineHealth("degraded", f"{error} (the next step replaces it)", error.ranks)
+        if self.elastic.missing_stages > 0:
+            # Serving, with fewer stages than configured (one could not be replaced).
+            return EngineHealth("degraded", self.elastic.describe_missing())
         return EngineHealth()
 
     def get_stage_infos(self) -> list[StageInfo]:
