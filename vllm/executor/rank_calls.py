@@ -224,8 +224,6 @@ class RankCalls:
                         continue
                     # Results it wrote before exiting are still in the pipe: read them first.
                     self._drain(rank)
-                    # Its pipe closes a moment before it exits: reap it, so the code is known.
-                    ended.join(1.0)
                     code = ended.exitcode
                     said = self._last_words.get(rank)
                     problem = f"the process died (exit code {code})"
