@@ -69,6 +69,14 @@ _VARS = (
         "Deadline (seconds) for replacing failed stages (start, load, rejoin) before giving up.",
     ),
     EnvVar(
+        "VLLM_PP_REGROW_INTERVAL_S",
+        "30",
+        float,
+        "While a pipeline runs with fewer stages than configured (a failed stage could not be "
+        "replaced), the engine tries to start the missing stages again at most this often "
+        "(seconds), between steps.",
+    ),
+    EnvVar(
         "VLLM_PP_HEARTBEAT_TIMEOUT_S",
         "1.5",
         float,

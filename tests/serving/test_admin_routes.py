@@ -1,7 +1,8 @@
 """The admin routes of the OpenAI server at -pp 2 (mp), behind the API key: the layer split
 shown (`GET /v1/admin/pipeline`) and changed while 32 clients stream
 (`POST /v1/admin/reshape_pipeline`): every stream finishes with the text of a run without the
-re-split; a bad body is a 400 naming `layer_split`; no key, no admin."""
+re-split; a bad body is a 400 naming `layer_split`; a full pipeline has nothing to grow back
+(`POST /v1/admin/grow_pipeline`); no key, no admin."""
 
 from __future__ import annotations
 
@@ -74,10 +75,16 @@ def test_admin_routes_need_the_key(server):
         assert http.get("/v1/admin/pipeline", headers=wrong).status_code == 401
         resp = http.post("/v1/admin/reshape_pipeline", json={"layer_split": [1, 5]})
         assert resp.status_code == 401
+        assert http.post("/v1/admin/grow_pipeline").status_code == 401
         view = http.get("/v1/admin/pipeline", headers=AUTH)
         assert view.status_code == 200
         body = view.json()
+        # A full pipeline has nothing to grow back.
+        grow = http.post("/v1/admin/grow_pipeline", headers=AUTH)
+        assert grow.status_code == 200 and grow.json()["grown"] is False
     # Nothing was re-split by the refused call.
+    assert body["pipeline_parallel_size"] == body["configured_pipeline_parallel_size"] == 2
+    assert body["resizes"] == []
     assert body["layer_split"] == [3, 3]
     assert [s["layers"] for s in body["stages"]] == [[0, 3], [3, 6]]
     assert all(isinstance(s["pid"], int) for s in body["stages"])

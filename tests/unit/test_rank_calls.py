@@ -100,6 +100,34 @@ def test_a_lost_rank_fails_waits_at_once(two_ranks):
     assert info.value.lost
 
 
+def test_renumbered_ranks_keep_their_connections_and_errors():
+    """A stage left (`renumber`): old rank 2 is rank 1 now, with its connection, a result
+    in transit and an error it reported; a new slot is empty until attached."""
+    calls = RankCalls(3)
+    hosts = [_serve_on_thread(calls, rank) for rank in range(3)]
+    try:
+        slow = calls.submit({2: ("sleep", (0.5,), {})})
+        calls.detach(1)
+        with pytest.raises(RuntimeError, match="detach"):
+            calls.renumber([1, 2])  # old rank 0 still attached and not kept
+        calls.renumber([0, 2, None])
+        # Sent before, answered after: found under the new number.
+        assert calls.wait_for(1, slow, 10.0) == "woke"
+        assert calls.wait_all([0, 1], calls.broadcast("step", [0, 1], 7), 10.0) == [7, 7]
+        assert hosts[2].worker.seen == [7] and hosts[1].worker.seen == []
+        with pytest.raises(RankCallError, match="connection is closed"):
+            calls.submit({2: ("step", (1,), {})})
+        calls.submit({1: ("fail", (), {})})
+        with pytest.raises(RankCallError, match="bad step") as info:
+            calls.wait_for(0, calls.broadcast("sleep", [0], 1.0), 10.0)
+        assert info.value.rank == 1
+        calls.forget()
+        _serve_on_thread(calls, 2)  # the new slot attached
+        assert calls.wait_for(2, calls.broadcast("step", [2], 3), 10.0) == 3
+    finally:
+        calls.close()
+
+
 class _Process:
     """A rank process as the reader watches one: its sentinel becomes readable when it dies."""
 

@@ -108,6 +108,21 @@ def test_a_silent_rank_is_reported_within_the_timeout_and_withdrawn_when_it_answ
     assert all(s.answered > 0 and s.max_s < TIMEOUT for s in w.stats() if s.rank == 0)
 
 
+def test_a_renumbered_rank_is_reported_under_its_new_number(watch):
+    """Stage 0 left (`renumber`): old rank 1 is rank 0 now, and its silence says so."""
+    w, reports = watch
+    ranks = [PausableRank(), PausableRank()]
+    for rank, r in enumerate(ranks):
+        w.attach(rank, r.engine_end, None, None)
+    w.arm()
+    w.detach(0)
+    w.renumber([1])
+    ranks[1].answering.clear()
+    _, rank, problem = reports.wait(lambda e: e[2] is not None)
+    assert rank == 0 and "heartbeat" in problem
+    assert w.problems() == {0: problem}
+
+
 def test_an_unarmed_rank_may_be_silent(watch):
     """Before its set-up is over a rank may hold its GIL for long (importing torch): not
     reported; armed, its silence counts from then."""

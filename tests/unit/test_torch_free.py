@@ -46,6 +46,7 @@ TORCH_FREE_MODULES = [
     "vllm.engine.request_validation",
     "vllm.engine.stop_checker",
     "vllm.transformers_utils.gguf_config",
+    "vllm.distributed.pipeline_resize",
 ]
 
 

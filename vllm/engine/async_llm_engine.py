@@ -269,6 +269,11 @@ class AsyncLLMEngine:
         steps; streams in flight go on (their requests are recomputed). Returns the event."""
         return await self._on_engine_thread(lambda: self.engine.reshape_pipeline(layer_split))
 
+    async def grow_pipeline(self) -> bool:
+        """Start the stages a shrunk pipeline is missing (`LLMEngine.grow_pipeline`) between
+        two steps; streams in flight go on. Returns whether it grew."""
+        return await self._on_engine_thread(self.engine.grow_pipeline)
+
     async def get_stage_infos(self) -> list[Any]:
         """Where each rank runs and which layers it holds, read between two steps."""
         return await self._on_engine_thread(self.engine.get_stage_infos)

@@ -209,6 +209,13 @@ class BatchQueue:
         self._failed_submits.clear()
         self._step_no = self._collected_through = self._drain_through = 0
 
+    def configure(self, pipeline_depth: int, async_pipeline: bool) -> None:
+        """The pipeline changed size (`vllm.engine.elastic`): its depth and whether decodes
+        are scheduled ahead; the groups were re-formed, so the queue starts again (`reset`)."""
+        self.reset()
+        self.async_pipeline = async_pipeline
+        self.max_concurrent_batches = pipeline_depth * (2 if async_pipeline else 1)
+
     def reset_stats(self) -> BatchQueueStats:
         stats, self.stats = self.stats, BatchQueueStats()
         return stats

@@ -13,7 +13,8 @@ requests go on. A failed stage (StageFailedError) is replaced and its KV rebuilt
 replaced stages alone or by recomputing every request (`vllm.engine.recovery`), up to
 `max_stage_restarts` replacements within VLLM_STAGE_RESTART_WINDOW_S (a rate, so a long-lived
 server is not worn out by rare faults); past that the engine aborts everything, releases its
-workers and raises EngineDeadError.
+workers and raises EngineDeadError. A stage that cannot be replaced leaves the pipeline
+(PP N -> N-1) and is started again later (`vllm.engine.elastic`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.distributed.serialization import MessageNotSerializableError
 from vllm.engine.batch_queue import BatchQueue
+from vllm.engine.elastic import ElasticPipeline
 from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.recovery import StageRecovery, can_replace_stages
@@ -90,17 +92,16 @@ class LLMEngine:
         self.generation_config = _load_generation_config(model_config)
         self.eos_token_id = _eos_token_id(self.tokenizer, model_config)
         self.executor = _make_executor(engine_config)
-        async_pipeline = _use_async_pipeline(scheduler_config, self.executor)
-        # The micro-batches (decode cohorts) in the pipeline, decided here once: one per
-        # stage unless VLLM_PP_MICRO_BATCHES says otherwise.
-        budget = MicroBatchBudget.for_pipeline(
-            scheduler_config, self.executor.max_concurrent_batches
-        )
+        # The micro-batches (decode cohorts) in the pipeline, decided here (and again when the
+        # pipeline changes size): one per stage unless VLLM_PP_MICRO_BATCHES says otherwise.
+        budget, async_pipeline = _pipelining(scheduler_config, self.executor)
         self.lora_config = engine_config.lora_config
         # The adapters every rank holds (LoRA enabled: the stages' LoRA layers are installed).
         self.loras = LoRARegistry(self.lora_config, self.executor)
         # Re-splits of the layers while serving (on demand, or automatic when enabled).
         self.reshaper = PipelineReshaper(self)
+        # Stages that leave when they cannot be replaced, and come back.
+        self.elastic = ElasticPipeline(self)
         self.scheduler = Scheduler(
             scheduler_config,
             cache_config,
@@ -368,7 +369,8 @@ class LLMEngine:
     def health(self) -> EngineHealth:
         """What `/health` reports of this engine: healthy, or degraded while failed stages are
         being replaced -- or found failed (a process stopped or gone, a heartbeat silent)
-        with a replacement still allowed, which the next step makes. Raises EngineDeadError
+        with a replacement still allowed, which the next step makes -- or while the pipeline
+        runs with fewer stages than configured (`vllm.engine.elastic`). Raises EngineDeadError
         when the engine is dead, StageFailedError when a failed stage cannot be replaced.
         Safe to call from another thread while the engine steps."""
         self._check_alive()
@@ -385,6 +387,9 @@ class LLMEngine:
             ):
                 raise
             return EngineHealth("degraded", f"{error} (the next step replaces it)", error.ranks)
+        if self.elastic.missing_stages > 0:
+            # Serving, with fewer stages than configured (one could not be replaced).
+            return EngineHealth("degraded", self.elastic.describe_missing())
         return EngineHealth()
 
     def get_stage_infos(self) -> list[StageInfo]:
@@ -402,6 +407,22 @@ class LLMEngine:
         (see `vllm.engine.reshape`)."""
         self._check_alive()
         return self.reshaper.reshape(layer_split)
+
+    def grow_pipeline(self) -> bool:
+        """While a stage that could not be replaced is missing (the pipeline shrank), start
+        it again now and re-form the pipeline at its configured size and split; returns
+        whether it grew (False: nothing missing, or the stage could not be started -- the
+        log says why). Every unfinished request is recomputed with the tokens it has."""
+        self._check_alive()
+        return self.elastic.grow()
+
+    def _configure_pipelining(self) -> None:
+        """The micro-batches kept in flight and scheduling ahead, for the pipeline's size now
+        (after it shrank or grew back; nothing is in flight)."""
+        budget, async_pipeline = _pipelining(self.scheduler_config, self.executor)
+        self.scheduler.budget = budget
+        self.scheduler.schedule_ahead = async_pipeline
+        self.batch_queue.configure(budget.cohorts, async_pipeline)
 
     def get_stage_stats(self, reset: bool = True) -> list[StageStats]:
         """Where each rank's time went since the last reset (compute, receive, send, idle,
@@ -459,10 +480,11 @@ class LLMEngine:
         try:
             outputs = self._step()
             self.recovery.after_step()
-            if self.reshaper.auto:
+            if self.reshaper.auto or self.elastic.missing_stages:
                 # Kept in the pending outputs: a failed re-split check still returns them.
                 self._pending_outputs[:0] = outputs
                 self.reshaper.after_step()
+                self.elastic.maybe_grow()
                 outputs = self._take_pending_outputs()
             return outputs
         except StageFailedError as error:
@@ -639,6 +661,13 @@ def _load_tokenizer(model_config: ModelConfig) -> Any:
     return AutoTokenizer.from_pretrained(
         model_config.tokenizer, trust_remote_code=model_config.trust_remote_code
     )
+
+
+def _pipelining(scheduler_config: SchedulerConfig, executor: Any) -> tuple[MicroBatchBudget, bool]:
+    """One batch's budget (a cohort per stage) and whether decodes are scheduled ahead, for
+    the executor's pipeline as it is now."""
+    budget = MicroBatchBudget.for_pipeline(scheduler_config, executor.max_concurrent_batches)
+    return budget, _use_async_pipeline(scheduler_config, executor)
 
 
 def _use_async_pipeline(scheduler_config: SchedulerConfig, executor: Any) -> bool:

@@ -123,7 +123,11 @@ class StageRecovery:
             engine.loras.resync()  # the new stage processes load the registered adapters
         except Exception as exc:
             logger.error("Replacing stage(s) %s failed: %s", error.ranks, exc)
-            engine._fail(error, f"replacing the stage failed ({type(exc).__name__}: {exc})")
+            why = f"replacing the stage failed ({type(exc).__name__}: {exc})"
+            if not engine.elastic.can_shrink(error):
+                engine._fail(error, why)
+            self._shrink_instead(error, event, why)
+            return
         assert event.recovery_s is not None
         tp = engine.parallel_config.tensor_parallel_size
         stages = sorted({rank // tp for rank in error.ranks})
@@ -171,6 +175,18 @@ class StageRecovery:
             "recovery, %d sequences)",
             event.extra["caught_up_s"], event.extra.get("stage_recovery"), len(targets),
         )  # fmt: skip
+
+    def _shrink_instead(self, error: StageFailedError, event: FaultEvent, why: str) -> None:
+        """The failed stages could not be replaced: the pipeline goes on without them
+        (`vllm.engine.elastic`), or the engine ends when even that fails."""
+        engine = self.engine
+        try:
+            engine.elastic.shrink(error, event, why)
+        except Exception as exc:
+            logger.error("Going on without stage(s) %s failed: %s", error.ranks, exc)
+            engine._fail(error, f"{why}, and so did going on without it ({exc})")
+        if engine.stats is not None:
+            engine.stats.log_fault(event, event.extra["recomputed_tokens"])
 
     def _rebuild(self, plan: RollbackPlan, stages: list[int], event: FaultEvent) -> None:
         """Replay the kept groups' committed tokens through the replaced `stages`; a failed

@@ -91,14 +91,14 @@ class PipelineReshaper:
             logger.info("Pipeline re-split to %s: already the split, nothing to do", sizes)
             return event
         started = time.monotonic()
-        self._drain()
+        self.drain()
         event.recomputed_requests = len(engine.scheduler.requeue_all())
         self._reshape_stages(sizes, old)
-        event.num_gpu_blocks = self._resize_block_manager()
+        event.num_gpu_blocks = self.resize_block_manager()
         engine.loras.resync()  # stages that loaded new layers install the adapters again
         event.seconds = time.monotonic() - started
         self.events.append(event)
-        self._restart_window()
+        self.restart_window()
         logger.info(
             "Pipeline re-split (%s): layers per stage %s -> %s (%s) in %.2f s; # GPU blocks: "
             "%d; %d requests will be recomputed with the tokens they have",
@@ -107,7 +107,7 @@ class PipelineReshaper:
         )  # fmt: skip
         return event
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Collect every batch inside the pipeline; its outputs wait in the engine's pending
         outputs. A stage failing meanwhile is replaced as in a step (everything is re-queued
         then, and nothing stays in flight)."""
@@ -134,10 +134,10 @@ class PipelineReshaper:
         except ValueError:
             logger.error("Pipeline re-split to %s refused; going back to %s", sizes, old)
             engine.executor.reshape_pipeline(old)
-            self._resize_block_manager()
+            self.resize_block_manager()
             raise
 
-    def _resize_block_manager(self) -> int:
+    def resize_block_manager(self) -> int:
         """The block manager takes the stages' new minimum; returns the device block count."""
         cc = self.engine.cache_config
         assert cc.num_gpu_blocks is not None and cc.num_cpu_blocks is not None
@@ -179,7 +179,7 @@ class PipelineReshaper:
         event.measured_step_s = measured
         event.predicted_step_s = predicted
 
-    def _restart_window(self) -> None:
+    def restart_window(self) -> None:
         self._window_start = time.monotonic()
         self._baseline = None
 

@@ -217,6 +217,19 @@ class ExecutorBase(ABC):
         fails it. Executors that cannot replace a stage have nothing to rebuild."""
         raise NotImplementedError(f"{type(self).__name__} cannot rebuild a stage")
 
+    def remove_stages(self, ranks: list[int]) -> float:
+        """The stages holding `ranks` leave the pipeline (PP N -> N-1); the others re-form
+        with an even layer split (`vllm.executor.elastic`). Returns the seconds it took."""
+        raise NotImplementedError(f"{type(self).__name__} cannot remove a stage")
+
+    def start_stages(self, num_stages: int, layer_partition: str | None) -> list[int]:
+        """Start `num_stages` more stages without touching the pipeline; their ranks."""
+        raise NotImplementedError(f"{type(self).__name__} cannot add a stage")
+
+    def join_stages(self) -> float:
+        """The stages `start_stages` started join the pipeline; the seconds it took."""
+        raise NotImplementedError(f"{type(self).__name__} cannot add a stage")
+
     @abstractmethod
     def shutdown(self, graceful: bool = True) -> None:
         """Release the workers; `graceful=False` kills them without waiting on them."""

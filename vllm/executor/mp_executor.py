@@ -8,7 +8,8 @@ several micro-batches can be inside the pipeline at once. The calls and their re
 through `rank_calls` (shared with the Ray backend): `get_output` fails at once when any rank
 reports an error or its process dies (a StageFailedError naming the rank, as on Ray). A failed
 rank is replaced as on Ray (`replace_stages`: a new process, the groups re-formed with the
-survivors, which keep their weights), up to `max_stage_restarts` times.
+survivors, which keep their weights), up to `max_stage_restarts` times; a stage that cannot be
+replaced leaves the pipeline and comes back later (`vllm.executor.elastic`).
 
 The ranks meet through a FileStore in a private directory (no port). Shutdown asks every rank
 to stop, then terminates and finally kills whatever is left, so no process outlives the engine.
@@ -29,7 +30,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Iterator
 
 from vllm import envs
-from vllm.executor.base import StageProcessExecutor
+from vllm.config import EngineConfig
+from vllm.executor.elastic import ElasticStageExecutor
 from vllm.executor.rank_calls import Calls, RankCallError
 from vllm.executor.stage_supervisor import StageFailedError, StageFailure
 from vllm.logger import init_logger
@@ -108,7 +110,7 @@ def _serve_rank(conn: Connection, heartbeat: Connection, rank: int, num_threads:
     serve_calls(conn, host)
 
 
-class MultiprocessingExecutor(StageProcessExecutor):
+class MultiprocessingExecutor(ElasticStageExecutor):
     """Runs each rank (pipeline stage x TP rank) in its own local process."""
 
     def _init_workers(self) -> None:
@@ -156,14 +158,15 @@ class MultiprocessingExecutor(StageProcessExecutor):
         self.stage_infos[rank].pid = proc.pid
         logger.info("Rank %d: local process (pid %d)", rank, proc.pid)
 
-    def _init_worker_calls(self, ranks: list[int], init_method: str) -> Calls:
+    def _init_worker_calls(
+        self, ranks: list[int], init_method: str, engine_config: EngineConfig | None = None
+    ) -> Calls:
         use_gpu = self.device_config.device == "cuda"
         kwargs = dict(
             distributed_init_method=init_method, num_threads=None if use_gpu else self._threads
         )
-        return {
-            rank: ("init_worker", (self.engine_config,), dict(kwargs, rank=rank)) for rank in ranks
-        }
+        config = engine_config or self.engine_config
+        return {rank: ("init_worker", (config,), dict(kwargs, rank=rank)) for rank in ranks}
 
     # ---- recovery --------------------------------------------------------------------------
 
@@ -177,14 +180,7 @@ class MultiprocessingExecutor(StageProcessExecutor):
         # Re-forming the groups is set-up: heartbeat silences count again once it is over
         # (dead or stopped processes are still found at once).
         self.watch.arm(armed=False)
-        for rank in ranks:
-            proc = self.procs[rank]
-            self.watch.detach(rank)
-            self.calls.detach(rank)
-            if proc is not None and proc.is_alive():
-                proc.kill()  # a frozen (SIGSTOPped) process ignores anything milder
-            if proc is not None:
-                proc.join(10.0)
+        self._stop_ranks(ranks)
         # The survivors still run (and fail) the steps sent before the failure, before they
         # rejoin: nobody wants those results or errors.
         self.calls.forget()
@@ -200,12 +196,32 @@ class MultiprocessingExecutor(StageProcessExecutor):
         self._load_replacements(ranks, budget)
         return time.monotonic() - started
 
+    # ---- an elastic pipeline (vllm.executor.elastic) -----------------------------------------
+
+    def _stop_ranks(self, ranks: list[int]) -> None:
+        for rank in ranks:
+            proc = self.procs[rank]
+            self.watch.detach(rank)
+            self.calls.detach(rank)
+            if proc is not None and proc.is_alive():
+                proc.kill()  # a frozen (SIGSTOPped) process ignores anything milder
+            if proc is not None:
+                proc.join(10.0)
+            self.procs[rank] = None
+
+    def _start_processes(self, ranks: list[int], budget: float) -> None:
+        for rank in ranks:
+            self._spawn(rank)
+
+    def _renumber_processes(self, order: list[int | None]) -> None:
+        self.procs = [None if old is None else self.procs[old] for old in order]
+
     # ---- calls -----------------------------------------------------------------------------
 
     def _rank_error(self, err: RankCallError, started: float) -> StageFailedError:
         """The engine's stage-failure error, naming the rank (stage, TP rank, layers, pid)."""
         info = self.stage_infos[err.rank]
-        if info.pid is None and err.rank < len(self.procs):
+        if info.pid is None and err.rank < len(self.procs) and self.procs[err.rank] is not None:
             info.pid = self.procs[err.rank].pid
         name = f"{info.describe()} tp_rank {info.tp_rank}"
         failure = StageFailure(err.rank, name, err.problem)
@@ -228,12 +244,14 @@ class MultiprocessingExecutor(StageProcessExecutor):
     # ---- shutdown --------------------------------------------------------------------------
 
     def shutdown(self, graceful: bool = True) -> None:
-        procs: list[Any] = getattr(self, "procs", [])
+        slots: list[Any] = getattr(self, "procs", [])
+        # A slot is empty when its stage left the pipeline (or never started).
+        procs = [proc for proc in slots if proc is not None]
         if not procs:
             return
         deadline = time.monotonic() + (_SHUTDOWN_GRACE_S if graceful else 0.0)
         if graceful:
-            live = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+            live = [rank for rank, proc in enumerate(slots) if proc is not None and proc.is_alive()]
             self.calls.forget()  # errors of earlier steps do not matter any more
             try:
                 call_id = self.calls.broadcast("shutdown", live)

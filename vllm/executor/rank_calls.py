@@ -140,13 +140,40 @@ class RankCalls:
 
     def attach(self, rank: int, conn: Connection, process: Any = None) -> None:
         """Use `conn` for `rank` from now on (a replaced rank gets a clean slate)."""
-        outbox = _Outbox(conn, lambda problem: self._send_failed(rank, conn, problem))
+        # The sender names its connection, not its rank: `renumber` may move it.
+        outbox = _Outbox(conn, lambda problem: self._send_failed(conn, problem))
         self._install(rank, conn, outbox, process)
         self._wake_send.send_bytes(b"")
 
     def detach(self, rank: int) -> None:
         """Stop using `rank`'s connection (its process was killed)."""
         self._install(rank, None, None, None)
+
+    def renumber(self, order: list[int | None]) -> None:
+        """The pipeline changed size (`StageProcessExecutor.remove_stages` / `add_stages`):
+        new rank i is old rank `order[i]`, with its connection, process and what it reported;
+        None gives an empty slot (a rank still to attach). Old ranks not in `order` must be
+        detached first. Only between calls: results in transit are matched to their
+        connection, not to a rank number, so none is lost."""
+        with self._cond:
+            kept = {old for old in order if old is not None}
+            if any(c is not None for r, c in enumerate(self._conns) if r not in kept):
+                raise RuntimeError("renumber: detach the ranks that leave first")
+
+            def moved(items: list[Any], empty: Callable[[], Any]) -> list[Any]:
+                return [empty() if old is None else items[old] for old in order]
+
+            def moved_keys(items: dict[int, Any]) -> dict[int, Any]:
+                return {new: items[old] for new, old in enumerate(order) if old in items}
+
+            self._conns = moved(self._conns, lambda: None)
+            self._outboxes = moved(self._outboxes, lambda: None)
+            self._procs = moved(self._procs, lambda: None)
+            self._results = moved(self._results, dict)
+            self._lost = moved_keys(self._lost)
+            self._last_words = moved_keys(self._last_words)
+            self._suspect = moved_keys(self._suspect)
+        self._wake_send.send_bytes(b"")  # the reader watches the new numbering at once
 
     def _install(
         self, rank: int, conn: Connection | None, outbox: _Outbox | None, process: Any
@@ -212,21 +239,34 @@ class RankCalls:
             call_id, ok, value = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             with self._cond:
-                if self._conns[rank] is not conn:
+                current = self._rank_of(conn, rank)
+                if current is None:
                     return False  # replaced meanwhile
-                self._conns[rank] = None
-                watched_proc = self._procs[rank] is not None
+                self._conns[current] = None
+                watched_proc = self._procs[current] is not None
             conn.close()
             if not watched_proc:
-                self._mark_lost(rank, None, "its connection closed (the process is gone?)")
+                self._mark_lost(current, None, "its connection closed (the process is gone?)")
             return False
         with self._cond:
-            if call_id == LAST_WORDS and self._conns[rank] is conn:
-                self._last_words[rank] = value
-            elif self._conns[rank] is conn and call_id > self._floor:
-                self._results[rank][call_id] = (ok, value)
+            # Read under the old numbering perhaps (`renumber` meanwhile): the connection says.
+            found = self._rank_of(conn, rank)
+            if found is not None and call_id == LAST_WORDS:
+                self._last_words[found] = value
+            elif found is not None and call_id > self._floor:
+                self._results[found][call_id] = (ok, value)
                 self._cond.notify_all()
         return True
+
+    def _rank_of(self, conn: Connection, guess: int) -> int | None:
+        """The rank `conn` belongs to now (`guess` first), None if it is no rank's (under the
+        lock)."""
+        if guess < len(self._conns) and self._conns[guess] is conn:
+            return guess
+        for rank, current in enumerate(self._conns):
+            if current is conn:
+                return rank
+        return None
 
     def _drain(self, rank: int) -> None:
         conn = self._conns[rank]
@@ -297,9 +337,10 @@ class RankCalls:
             raise RankCallError(rank, "its connection is closed", lost=True)
         return outbox
 
-    def _send_failed(self, rank: int, conn: Connection, problem: str) -> None:
+    def _send_failed(self, conn: Connection, problem: str) -> None:
         with self._cond:
-            if self._conns[rank] is conn and rank not in self._lost:
+            rank = self._rank_of(conn, 0)
+            if rank is not None and rank not in self._lost:
                 self._lost[rank] = problem
                 self._cond.notify_all()
 

@@ -12,7 +12,9 @@ Every wait has a deadline, and the stage watch fails it at once when a stage pro
 or stopped (on this node) or its heartbeat goes silent (anywhere). A stage that dies, freezes
 or raises is named (rank, layers, node, pid) in a StageFailedError; `replace_stages` then
 kills it, starts a new actor on the same placement-group bundle, loads its layers and
-re-forms the process groups with the survivors.
+re-forms the process groups with the survivors. A stage whose new actor cannot be placed (or
+started) within VLLM_PP_STAGE_RESTART_TIMEOUT_S leaves the pipeline, its bundles kept for its
+return (`vllm.executor.elastic`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vllm import envs
+from vllm.config import EngineConfig
 from vllm.distributed.net_utils import get_distributed_init_method
-from vllm.executor.base import StageProcessExecutor
+from vllm.executor.elastic import ElasticStageExecutor
 from vllm.executor.rank_calls import (
+    Calls,
     RankCallError,
     RankCallTimeout,
     connect_to_rank,
@@ -63,7 +67,7 @@ def _threads_per_stage() -> int:
     return envs.get_int("VLLM_CPU_THREADS_PER_STAGE") or 1
 
 
-class RayExecutor(StageProcessExecutor):
+class RayExecutor(ElasticStageExecutor):
     """Runs each pipeline stage in its own Ray actor (possibly on another node)."""
 
     def _init_workers(self) -> None:
@@ -75,6 +79,8 @@ class RayExecutor(StageProcessExecutor):
             world, self._use_gpu
         )
         self.workers: list[Any] = [None] * world
+        # Bundles of stages that left the pipeline: reserved, for their return.
+        self._spare_bundles: list[int] = []
         tp = self.parallel_config.tensor_parallel_size
         self.stage_infos = [StageInfo(r, r // tp, r % tp) for r in range(world)]
         self._start_calls(world)
@@ -156,25 +162,50 @@ class RayExecutor(StageProcessExecutor):
         """Build Workers on the new `ranks` and form the process groups with the survivors
         (who leave their old groups and join the new ones at the same time)."""
         ranks = list(ranks)
-        driver_node = ray.get_runtime_context().get_node_id()
-        if all(info.node_id == driver_node for info in self.stage_infos):
-            init_method = self._local_init_method()  # one node: a file, no port
-        else:
-            # Across nodes: a TCP store on rank 0's own address (never all interfaces).
-            port = self._wait_all([self.workers[0].get_open_port.remote()], timeout)[0]
-            init_method = get_distributed_init_method(self.stage_infos[0].ip, port)
-        threads = None if self._use_gpu else _threads_per_stage()
-        kwargs = dict(
-            engine_config=self.engine_config,
-            distributed_init_method=init_method,
-            num_threads=threads,
-        )
-        call_id = self._submit({r: ("init_worker", (), dict(kwargs, rank=r)) for r in ranks})
-        self._wait_calls(ranks, call_id, timeout)
+        init_method = self._regroup_init_method(timeout)
+        self._wait_calls(ranks, self._submit(self._init_worker_calls(ranks, init_method)), timeout)
         # Process-group rendezvous needs every rank at once: send all, then wait.
         calls: dict[int, tuple[str, tuple, dict]] = {r: ("init_device", (), {}) for r in ranks}
         calls.update({r: ("rejoin_process_groups", (init_method,), {}) for r in survivors})
         self._wait_calls(list(calls), self._submit(calls), timeout)
+
+    def _regroup_init_method(self, timeout: float) -> str:
+        driver_node = ray.get_runtime_context().get_node_id()
+        if all(info.node_id == driver_node for info in self.stage_infos):
+            return self._local_init_method()  # one node: a file, no port
+        # Across nodes: a TCP store on rank 0's own address (never all interfaces).
+        port = self._wait_all([self.workers[0].get_open_port.remote()], timeout)[0]
+        return get_distributed_init_method(self.stage_infos[0].ip, port)
+
+    def _init_worker_calls(
+        self, ranks: list[int], init_method: str, engine_config: EngineConfig | None = None
+    ) -> Calls:
+        threads = None if self._use_gpu else _threads_per_stage()
+        kwargs = dict(
+            engine_config=engine_config or self.engine_config,
+            distributed_init_method=init_method,
+            num_threads=threads,
+        )
+        return {r: ("init_worker", (), dict(kwargs, rank=r)) for r in ranks}
+
+    # -- an elastic pipeline (vllm.executor.elastic) ------------------------------------------
+
+    def _stop_ranks(self, ranks: list[int]) -> None:
+        self._kill_ranks(ranks)
+
+    def _start_processes(self, ranks: list[int], budget: float) -> None:
+        self._start_actors(ranks, budget)
+
+    def _renumber_processes(self, order: list[int | None]) -> None:
+        # A stage that leaves keeps its bundles reserved; one that comes back takes them (its
+        # TP ranks' bundles were on one node).
+        kept = {old for old in order if old is not None}
+        self._spare_bundles += [b for r, b in enumerate(self._bundles) if r not in kept]
+        bundles = []
+        for old in order:
+            bundles.append(self._spare_bundles.pop(0) if old is None else self._bundles[old])
+        self._bundles = bundles
+        self.workers = [None if old is None else self.workers[old] for old in order]
 
     def _call_timeout_s(self) -> float:
         return _SETUP_TIMEOUT_S

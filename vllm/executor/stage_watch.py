@@ -126,6 +126,13 @@ class StageWatch:
         if old is not None and old.conn is not None:
             old.conn.close()
 
+    def renumber(self, order: list[int | None]) -> None:
+        """The pipeline changed size: new rank i is old rank `order[i]` (None: an empty slot,
+        attached later). Old ranks not in `order` must be detached first."""
+        with self._lock:
+            self._ranks = [None if old is None else self._ranks[old] for old in order]
+        self._wake()
+
     def arm(self, ranks: list[int] | None = None, armed: bool = True) -> None:
         """Apply (or with `armed=False` lift) the heartbeat timeout on `ranks` (all: None).
         A rank's silence counts only from the probes sent after it was armed."""

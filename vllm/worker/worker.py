@@ -111,11 +111,19 @@ class Worker:
             )
             ps.initialize_model_parallel(pc.pipeline_parallel_size, pc.tensor_parallel_size)
 
-    def rejoin_process_groups(self, distributed_init_method: str) -> None:
+    def rejoin_process_groups(
+        self,
+        distributed_init_method: str,
+        rank: int | None = None,
+        pipeline_parallel_size: int | None = None,
+    ) -> None:
         """A peer stage was replaced: leave the old process groups and join the new ones.
 
         This stage keeps its weights and cache tensors; the engine recomputes every request,
-        so no KV written before the failure is read again."""
+        so no KV written before the failure is read again. With `rank` and
+        `pipeline_parallel_size` the pipeline changed size (a stage left or came back): this
+        rank joins under its new number, and the engine follows with `reshape` (the layers
+        of its new stage, a cache re-sized for them)."""
         # The previous send's peer may be gone: never wait on it.
         self._pending_send = None
         self.sampled_ids.reset()
@@ -126,8 +134,23 @@ class Worker:
         except Exception as exc:  # a group with a dead peer may not close cleanly
             logger.warning("rank %d: leaving the old process groups: %s", self.rank, exc)
         self.distributed_init_method = distributed_init_method
+        if rank is not None and pipeline_parallel_size is not None:
+            if (rank, pipeline_parallel_size) != (
+                self.rank,
+                self.parallel_config.pipeline_parallel_size,
+            ):
+                logger.info(
+                    "rank %d: now rank %d of a %d-stage pipeline",
+                    self.rank, rank, pipeline_parallel_size,
+                )  # fmt: skip
+            self.rank = rank
+            self.parallel_config.pipeline_parallel_size = pipeline_parallel_size
+            # Peers (the last stage's driver, the first stage's ranks) follow the new size.
+            self.sampled_ids = SampledIdChannel(rank, self.parallel_config)
         self._join_process_groups()
         self.model_runner.drop_requests(seeded)
+        if pipeline_parallel_size is not None:
+            self.timers = StageTimers(ps.get_pipeline_model_parallel_rank())
         self.timers.abort()
 
     def load_model(self) -> None:

@@ -7,6 +7,9 @@ middleware of `api_server.build_app` covers them).
 - `POST /v1/admin/reshape_pipeline {"layer_split": [a, b, ...]}`: re-split the layers
   (`LLMEngine.reshape_pipeline`); streams in flight go on. 400 naming `layer_split` on bad
   input.
+- `POST /v1/admin/grow_pipeline`: start the stages a shrunk pipeline is missing now
+  (`LLMEngine.grow_pipeline`, a stage that could not be replaced); `{"grown": bool}` and the
+  pipeline.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ async def pipeline_view(engine: AsyncLLMEngine) -> dict[str, Any]:
     infos = await engine.get_stage_infos()
     return {
         "pipeline_parallel_size": engine.engine.parallel_config.pipeline_parallel_size,
+        # Larger than the size now while a stage that could not be replaced is missing.
+        "configured_pipeline_parallel_size": engine.engine.elastic.configured_pp,
         "layer_split": engine.engine.reshaper.current_split(),
         "stages": [
             {
@@ -50,6 +55,8 @@ async def pipeline_view(engine: AsyncLLMEngine) -> dict[str, Any]:
             for info in infos
         ],
         "reshapes": [event.as_dict() for event in engine.engine.reshaper.events],
+        # Stages that left (could not be replaced) and came back.
+        "resizes": [event.as_dict() for event in engine.engine.elastic.events],
     }
 
 
@@ -73,3 +80,13 @@ def attach_admin_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
         body = event.as_dict()
         body["pipeline"] = await pipeline_view(engine)
         return JSONResponse(body)
+
+    @app.post("/v1/admin/grow_pipeline")
+    async def grow_pipeline() -> JSONResponse:
+        logger.info("Admin: grow the pipeline back")
+        try:
+            grown = await engine.grow_pipeline()
+        except Exception as exc:  # the engine's failure, not the request's
+            logger.exception("Admin: growing the pipeline failed")
+            return server_error(exc)
+        return JSONResponse({"grown": grown, "pipeline": await pipeline_view(engine)})

@@ -1,0 +1,239 @@
+"""A stage that cannot be replaced: the pipeline goes on at PP - 1 and grows back to PP.
+
+The mp backend at PP = 3 (the middle stage lost) and PP = 2 (the first stage lost: the last
+stage becomes the only one), and Ray at PP = 2 (the new actor cannot be placed). Starting a
+stage process is made to fail in the test process (the engine runs in it: at mp PP = 3 the new
+process dies at start-up, at PP = 2 it cannot be started at all) and a stage is SIGKILLed with
+requests in flight: the engine re-forms the survivors with an even split, and every request
+(greedy and seeded) finishes with the tokens of the fault-free run. While starting stages
+still fails, growing back fails with one log line and changes nothing; once it works again the
+engine grows back -- on demand (`LLMEngine.grow_pipeline`) at PP = 3, by itself after
+VLLM_PP_REGROW_INTERVAL_S at PP = 2 -- with requests in flight, to the original split, and
+outputs match again."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.utils import tiny_models
+from tests.utils.faults import after_steps, gone, kill_stage_pid
+from vllm import LLM, SamplingParams
+
+PROMPTS = tiny_models.PROMPTS * 2
+# Half greedy, half seeded random: both must come out exactly as without the fault.
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    if i % 2 == 0
+    else SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
+    for i in range(len(PROMPTS))
+]
+NUM_LAYERS = 6  # tiny_models' LLaMA
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def even(pp: int) -> list[tuple[int, int]]:
+    """Layer ranges of an even split of the tiny model over `pp` stages."""
+    sizes = [NUM_LAYERS // pp + (1 if r < NUM_LAYERS % pp else 0) for r in range(pp)]
+    return [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(pp)]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("mp", 3), id="mp-pp3"),
+        pytest.param(("mp", 2), id="mp-pp2"),
+        pytest.param(("ray", 2), id="ray-pp2", marks=pytest.mark.ray),
+    ],
+)
+def engine(request, tiny_model_dirs):
+    """An engine and the fault-free outputs of PARAMS on it."""
+    backend, pp = request.param
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+    llm = LLM(
+        tiny_model_dirs["llama-gqa-tied"],
+        pipeline_parallel_size=pp,
+        distributed_executor_backend=backend,
+        disable_log_stats=True,
+    )
+    reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    yield llm, reference
+    llm.shutdown()
+
+
+def refuse_new_stages(monkeypatch, executor, how: str) -> list[int]:
+    """From now on no stage process can be started: `refused` (starting one raises; on Ray
+    its actor cannot be placed in time) or `dies` (an mp process starts and is killed at
+    once, before its Worker is built). Returns the ranks that were tried."""
+    tried: list[int] = []
+    if hasattr(executor, "workers"):  # Ray
+
+        def start_actors(ranks, timeout=0.0) -> None:
+            tried.extend(ranks)
+            raise TimeoutError("the new actor could not be placed (refused by the test)")
+
+        monkeypatch.setattr(executor, "_start_actors", start_actors)
+        return tried
+    spawn_for_real = executor._spawn
+
+    def spawn(rank: int) -> None:
+        tried.append(rank)
+        if how == "refused":
+            raise OSError("no free slot for a stage process (refused by the test)")
+        spawn_for_real(rank)
+        executor.procs[rank].kill()
+
+    monkeypatch.setattr(executor, "_spawn", spawn)
+    return tried
+
+
+def step_until_done(llm: LLM, actions: dict[int, object]) -> list[list[int]]:
+    """Run PARAMS step by step, calling `actions[n]()` after step n (requests in flight)."""
+    engine = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, PARAMS[i])
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+        if step in actions:
+            assert len(engine.batch_queue) > 0, "no batch in flight"
+            actions[step]()  # type: ignore[operator]
+    return [outputs[str(i)] for i in range(len(PROMPTS))]
+
+
+def assert_pipeline(llm: LLM, pp: int) -> None:
+    """The engine runs `pp` stages, numbered in order, with the even split, all alive."""
+    engine = llm.llm_engine
+    infos = engine.get_stage_infos()
+    assert engine.parallel_config.pipeline_parallel_size == pp
+    assert [(i.rank, i.pp_rank) for i in infos] == [(r, r) for r in range(pp)]
+    assert [i.layers for i in infos] == even(pp)
+    assert [i.is_first for i in infos] == [r == 0 for r in range(pp)]
+    assert [i.is_last for i in infos] == [r == pp - 1 for r in range(pp)]
+    assert not any(gone(i.pid) for i in infos)
+    assert engine.batch_queue.max_concurrent_batches >= pp
+    scheduler = engine.scheduler
+    assert not scheduler.in_flight and not scheduler.has_unfinished_seqs()
+    manager = scheduler.block_manager
+    assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks
+
+
+def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monkeypatch, caplog):
+    llm, reference = engine
+    eng = llm.llm_engine
+    pp = eng.parallel_config.pipeline_parallel_size
+    victim = 1 if pp == 3 else 0  # a middle stage; at PP = 2 the first one
+    automatic = pp == 2
+    # PP = 2 grows back by itself; PP = 3 waits long enough that only grow_pipeline does.
+    monkeypatch.setenv("VLLM_PP_REGROW_INTERVAL_S", "0.5" if automatic else "3600")
+    # PP = 3: the new process dies at start-up; PP = 2: it cannot be started at all.
+    tried = refuse_new_stages(monkeypatch, eng.executor, "refused" if automatic else "dies")
+    survivors = [i.pid for i in eng.get_stage_infos() if i.rank != victim]
+    killed: list[int] = []
+    thread = after_steps(llm, 5, lambda: killed.append(kill_stage_pid(llm, victim, signal.SIGKILL)))
+    with caplog.at_level("INFO", logger="vllm"):
+        outputs = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    thread.join(timeout=60)
+    assert killed and gone(killed[0]), "the stage was never killed"
+    assert outputs == reference
+    assert tried and tried[0] == victim
+    # PP - 1 stages: the survivors' own processes, renumbered in order, the layers split evenly.
+    assert_pipeline(llm, pp - 1)
+    assert [i.pid for i in eng.get_stage_infos()] == survivors
+    event = eng.fault_events[-1]
+    assert event.ranks == [victim]
+    assert event.extra["stage_recovery"] == "shrink", event.extra
+    assert event.extra["pipeline_parallel_size"] == pp - 1
+    logged = caplog.text
+    assert (
+        f"Pipeline shrunk from PP={pp} to PP={pp - 1} after stage {victim} could not be "
+        "replaced" in logged
+    )
+    assert eng.elastic.events[-1].reason == "shrink"
+    health = eng.health()
+    assert health.degraded and f"pipeline_parallel_size={pp - 1} of {pp}" in health.message
+    assert eng.parallel_config.boundary_cache_enabled == (pp - 1 > 1)
+    if pp - 1 == 1:
+        assert not eng.batch_queue.async_pipeline and not eng.scheduler.schedule_ahead
+
+    # Starting a stage still fails: growing back fails, says so once, and changes nothing.
+    caplog.clear()
+    with caplog.at_level("INFO", logger="vllm"):
+        assert eng.grow_pipeline() is False
+    assert caplog.text.count(f"Growing the pipeline back to PP={pp} failed") == 1
+    assert_pipeline(llm, pp - 1)
+    assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
+
+    # Stages can be started again: back to PP with the original split, requests in flight.
+    monkeypatch.undo()
+    monkeypatch.setenv("VLLM_PP_REGROW_INTERVAL_S", "0.5" if automatic else "3600")
+    caplog.clear()
+    grown: list[bool] = []
+    with caplog.at_level("INFO", logger="vllm"):
+        if automatic:
+            eng.elastic._next_attempt = 0.0  # the failed try above pushed it back
+            outputs = step_until_done(llm, {})
+        else:
+            outputs = step_until_done(llm, {3: lambda: grown.append(eng.grow_pipeline())})
+    assert outputs == reference
+    assert automatic or grown == [True]
+    assert f"Pipeline grown back from PP={pp - 1} to PP={pp}" in caplog.text
+    assert_pipeline(llm, pp)
+    assert [i.pid for i in eng.get_stage_infos()][: pp - 1] == survivors
+    assert eng.elastic.events[-1].reason == "grow"
+    assert eng.elastic.missing_stages == 0
+    assert not eng.health().degraded
+    assert eng.grow_pipeline() is False  # nothing missing
+    assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
+
+
+def test_a_tp_stage_leaves_with_all_its_ranks_and_comes_back(tiny_model_dirs, hf_reference):
+    """TP = 2 x PP = 2 (mp): one TP rank of the last stage is killed and cannot be replaced;
+    both ranks of that stage leave (PP = 1, TP = 2), then come back on grow_pipeline. Greedy
+    outputs equal HF's throughout."""
+    kind = "llama-gqa-tied"
+    llm = LLM(
+        tiny_model_dirs[kind],
+        pipeline_parallel_size=2,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        disable_log_stats=True,
+    )
+    try:
+        eng = llm.llm_engine
+        greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        expected = hf_reference(kind)
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            refuse_new_stages(monkeypatch, eng.executor, "refused")
+            thread = after_steps(llm, 4, lambda: kill_stage_pid(llm, 3, signal.SIGKILL))
+            outputs = llm.generate(tiny_models.PROMPTS, greedy, use_tqdm=False)
+            thread.join(timeout=60)
+            assert token_ids(outputs) == expected
+            infos = eng.get_stage_infos()
+            assert [(i.rank, i.pp_rank, i.tp_rank) for i in infos] == [(0, 0, 0), (1, 0, 1)]
+            assert [i.layers for i in infos] == [(0, NUM_LAYERS)] * 2
+            assert eng.fault_events[-1].extra["stage_recovery"] == "shrink"
+        assert eng.grow_pipeline() is True
+        infos = eng.get_stage_infos()
+        assert [(i.rank, i.pp_rank, i.tp_rank) for i in infos] == [
+            (0, 0, 0),
+            (1, 0, 1),
+            (2, 1, 0),
+            (3, 1, 1),
+        ]
+        assert [i.layers for i in infos] == [(0, 3), (0, 3), (3, 6), (3, 6)]
+        outputs = llm.generate(tiny_models.PROMPTS, greedy, use_tqdm=False)
+        assert token_ids(outputs) == expected
+        tokenizer = llm.get_tokenizer()
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
+        assert [o.outputs[0].text for o in outputs] == texts
+    finally:
+        llm.shutdown()

@@ -1,0 +1,179 @@
+"""An executor whose pipeline changes size while it serves: whole stages leave when a failed
+one cannot be replaced (PP N -> N-1) and come back later (the engine's side:
+`vllm.engine.elastic`).
+
+Leaving (`remove_stages`): the failed stage's ranks are stopped, the survivors are renumbered
+in stage order (`vllm.distributed.pipeline_resize`), re-form the process groups at the smaller
+size (a new rendezvous), take an even split of the layers over the stages left (each loads
+only the layers it gains: `Worker.reshape`) and re-size their KV caches.
+
+Coming back, in two calls so the engine touches its requests only once the new processes run:
+`start_stages` starts the new stages' ranks (appended as the last stages) up to a built
+Worker, without touching the pipeline -- on failure they are stopped again and nothing has
+changed; `join_stages` then re-forms the groups with the survivors at the grown size and
+restores the configured split (survivors reload, new ranks load their layers), caches
+re-sized.
+
+The backend says how a rank's process is stopped, started and renumbered (`_stop_ranks`,
+`_start_processes`, `_renumber_processes`), how its Worker is built (`_init_worker_calls`) and
+where the ranks meet (`_regroup_init_method`).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from dataclasses import dataclass, replace
+
+from vllm import envs
+from vllm.config import EngineConfig
+from vllm.distributed.pipeline_resize import PipelineResize, with_stages, without_stages
+from vllm.executor.base import StageProcessExecutor
+from vllm.executor.rank_calls import Calls
+from vllm.logger import init_logger
+from vllm.worker.stage_report import StageInfo
+
+logger = init_logger("vllm.executor.elastic")
+
+
+@dataclass
+class _StartedStages:
+    """Stages started by `start_stages`, waiting for `join_stages`."""
+
+    plan: PipelineResize
+    init_method: str
+    layer_partition: str | None
+
+
+class ElasticStageExecutor(StageProcessExecutor):
+    """A stage-process executor whose pipeline can lose stages and get them back (see the
+    module docstring)."""
+
+    _started: _StartedStages | None = None
+
+    @abstractmethod
+    def _stop_ranks(self, ranks: list[int]) -> None:
+        """Stop the processes of `ranks` for good (a frozen one too) and detach them from the
+        calls and the watch."""
+
+    @abstractmethod
+    def _start_processes(self, ranks: list[int], budget: float) -> None:
+        """Start a process for each of `ranks` (slots made by `_renumber`) and attach it to
+        the calls and the watch, within `budget` s (a process that cannot be started or
+        placed in time raises)."""
+
+    @abstractmethod
+    def _init_worker_calls(
+        self, ranks: list[int], init_method: str, engine_config: EngineConfig | None = None
+    ) -> Calls:
+        """The calls that build the Workers of `ranks` from `engine_config` (the engine's
+        when None) with rendezvous `init_method`."""
+
+    def _regroup_init_method(self, timeout: float) -> str:
+        """A rendezvous for the next formation of the groups (every rank on this node: a
+        private FileStore)."""
+        return self._local_init_method()
+
+    @abstractmethod
+    def _renumber_processes(self, order: list[int | None]) -> None:
+        """The backend's per-rank records follow `order` (see `RankCalls.renumber`)."""
+
+    def _renumber(self, order: list[int | None]) -> None:
+        """Every per-rank record follows `order`: new rank i is old rank order[i] (None: a
+        slot for a new rank)."""
+        tp = self.parallel_config.tensor_parallel_size
+        self.calls.renumber(order)
+        self.watch.renumber(order)
+        infos = []
+        for new, old in enumerate(order):
+            info = StageInfo(new, new // tp, new % tp) if old is None else self.stage_infos[old]
+            info.rank, info.pp_rank, info.tp_rank = new, new // tp, new % tp
+            infos.append(info)
+        self.stage_infos = infos
+        self._renumber_processes(order)
+
+    def _regroup(self, plan: PipelineResize, init_method: str, budget: float) -> None:
+        """The groups re-formed at `plan.new_pp` stages: survivors rejoin under their new
+        number while new ranks join for the first time (the rendezvous needs every rank at
+        once: all calls are sent, then waited on)."""
+        calls: dict[int, tuple[str, tuple, dict]] = {
+            new: (
+                "rejoin_process_groups",
+                (init_method,),
+                {"rank": new, "pipeline_parallel_size": plan.new_pp},
+            )
+            for new in plan.staying
+        }
+        calls.update({new: ("init_device", (), {}) for new in plan.joining})
+        self._wait_calls(list(calls), self._submit(calls), budget)
+
+    # ---- stages leave ------------------------------------------------------------------------
+
+    def remove_stages(self, ranks: list[int]) -> float:
+        """The stages holding `ranks` leave the pipeline with all their TP ranks; the others
+        go on with an even split of the layers (see the module docstring). Returns the seconds
+        it took. The pipeline must be empty and the engine recomputes every request."""
+        started = time.monotonic()
+        pc = self.parallel_config
+        plan = without_stages(pc.pipeline_parallel_size, pc.tensor_parallel_size, ranks)
+        budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
+        self.watch.arm(armed=False)  # set-up: no heartbeat timeout until it is over
+        self._stop_ranks(plan.leaving)
+        # The survivors still run (and fail) the steps sent before: nobody wants those.
+        self.calls.forget()
+        self._renumber(plan.order)
+        pc.pipeline_parallel_size = plan.new_pp
+        pc.pp_layer_partition = None  # an even split over the stages left
+        self._regroup(plan, self._regroup_init_method(budget), budget)
+        self.reshape_pipeline(self.model_config.get_pp_layer_sizes(pc))
+        return time.monotonic() - started
+
+    # ---- stages come back --------------------------------------------------------------------
+
+    def start_stages(self, num_stages: int, layer_partition: str | None) -> list[int]:
+        """Start the ranks of `num_stages` more stages (the last ones of a pipeline split as
+        `layer_partition`) up to a built Worker; the pipeline is untouched. Returns their
+        ranks. On failure (a process that cannot be started, or dies, or the restart
+        deadline passes) they are stopped and the executor is as before; the error is
+        raised."""
+        pc = self.parallel_config
+        plan = with_stages(pc.pipeline_parallel_size, pc.tensor_parallel_size, num_stages)
+        budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
+        grown = replace(pc, pipeline_parallel_size=plan.new_pp, pp_layer_partition=layer_partition)
+        config = replace(self.engine_config, parallel_config=grown)
+        self._renumber(plan.order)
+        try:
+            self._start_processes(plan.joining, budget)
+            # Known once they run (on Ray: on which node).
+            init_method = self._regroup_init_method(budget)
+            calls = self._init_worker_calls(plan.joining, init_method, config)
+            self._wait_calls(plan.joining, self._submit(calls), budget)
+        except BaseException:
+            self._stop_ranks(plan.joining)
+            self._renumber(list(range(pc.world_size)))
+            raise
+        self._started = _StartedStages(plan, init_method, layer_partition)
+        return plan.joining
+
+    def join_stages(self) -> float:
+        """The stages `start_stages` started join: the groups re-formed at the grown size,
+        the layers split as its `layer_partition` (survivors load what they gain, new ranks
+        their range), every cache re-sized. Returns the seconds it took. The pipeline must be
+        empty and the engine recomputes every request. On failure the pipeline is left at the
+        grown size (the engine removes the new stages again)."""
+        started = time.monotonic()
+        assert self._started is not None, "start_stages first"
+        plan, init_method = self._started.plan, self._started.init_method
+        partition = self._started.layer_partition
+        self._started = None
+        pc = self.parallel_config
+        budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
+        self.watch.arm(armed=False)
+        self.calls.forget()
+        pc.pipeline_parallel_size = plan.new_pp
+        pc.pp_layer_partition = partition
+        self._regroup(plan, init_method, budget)
+        self._call_ranks(plan.joining, "load_model", timeout=budget)
+        self.reshape_pipeline(self.model_config.get_pp_layer_sizes(pc))
+        pc.pp_layer_partition = partition  # as configured ("auto" stays "auto")
+        return time.monotonic() - started
