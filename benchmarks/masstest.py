@@ -518,8 +518,8 @@ def run_engine(
                     f"  [{mode}] {how:8s} stage {rank} (pid {pid}): detected "
                     f"{extra['found_after_kill_s']:.2f} s after the kill, recovered in "
                     f"{event.recovery_s or float('nan'):.2f} s "
-                    f"(replay {extra.get('replay_s', 0.0):.2f} s), every request back "
-                    f"{_seconds(extra.get('caught_up_s'))} after detection, "
+                    f"(replay {extra.get('replay_s', 0.0):.2f} s), every request back: "
+                    f"{_back(extra.get('caught_up_s'))}, "
                     f"{extra.get('recomputed_token_stages', 0)} token-stages recomputed "
                     f"(full path for this state: {extra.get('full_path_token_stages', 0)}; "
                     f"{extra.get('replayed_tokens', 0)} tokens replayed, "
@@ -585,8 +585,10 @@ def summarize(
     return summary
 
 
-def _seconds(value: float | None) -> str:
-    return "never (the next fault came first)" if value is None else f"{value:.2f} s"
+def _back(caught_up_s: float | None) -> str:
+    if caught_up_s is None:
+        return "not before the next fault"
+    return f"{caught_up_s:.2f} s after detection"
 
 
 if __name__ == "__main__":
