@@ -135,3 +135,24 @@ def test_stage_recovery_flag():
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert parser.parse_args(["--model", "m", "--stage-recovery", "full"]).stage_recovery == "full"
     assert parser.parse_args(["--model", "m"]).stage_recovery == "local"
+
+
+def test_the_block_bound_covers_every_block_a_kept_request_holds():
+    """A request admitted while others held the low blocks gets high block ids; when those
+    others are gone, a bound summed over the running requests alone would fall below its
+    blocks. A replaced stage maps and zeroes its new cache up to the bound, and a block it
+    first sees inside the bound later is zeroed then: the rebuilt KV of that request would
+    be wiped. So the bound replayed with never falls below a block in use."""
+    sched = _scheduler()
+    early = [_add(sched, f"early{i}", 14) for i in range(6)]  # 4 blocks each: 0-23
+    _run_once(sched)
+    late = _add(sched, "late", 6)  # 2 blocks: the lowest free ones, 24 and 25
+    _run_once(sched)
+    table = sched.block_manager.get_block_table(late.get_seqs()[0])
+    assert min(table) >= 24
+    sched.abort_seq_group([g.request_id for g in early])
+    _run_once(sched)
+    plan = roll_back_for_replay(sched, set(), set())
+    assert [g.request_id for g in plan.replayed] == ["late"]
+    # "late" alone needs at most ceil(64 / 4) = 16 blocks: below its block ids.
+    assert sched.kv_blocks_bound() > max(sched.block_manager.get_block_table(late.get_seqs()[0]))

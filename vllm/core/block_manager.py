@@ -49,6 +49,8 @@ class _BlockAllocator:
         self.on_evict: Callable[[int], None] | None = None
         # Called when a block's last reference is dropped: True parks it in the evictor.
         self.keep_cached: Callable[[int], bool] | None = None
+        # One past the highest block ever handed out: no block in use reaches it.
+        self.high_water = 0
 
     def allocate(self) -> int:
         if self._free:
@@ -60,6 +62,7 @@ class _BlockAllocator:
         else:
             raise ValueError(f"Out of memory! No free {self.device} blocks are available.")
         self._ref_counts[block] = 1
+        self.high_water = max(self.high_water, block + 1)
         return block
 
     def incref(self, block: int) -> None:
@@ -275,6 +278,11 @@ class BlockSpaceManager:
         """Unreferenced cached blocks become plain free blocks, their prefixes forgotten (a
         replaced stage holds garbage in them); blocks in use stay cached and shareable."""
         self._gpu.drop_evictor()
+
+    def gpu_high_water(self) -> int:
+        """One past the highest device block handed out since the last reset: every block in
+        use (or parked with cached KV) is below it."""
+        return self._gpu.high_water
 
     def get_num_cached_free_blocks(self) -> int:
         """Unreferenced blocks that still hold cached KV (counted as free)."""

@@ -605,9 +605,14 @@ class Scheduler:
         that still hold prefix-cache KV.
 
         The block manager hands out the lowest free block first (a cached block is reused
-        only when no other is free), so a block id never reaches the peak number of blocks in
-        use or cached, which these cannot exceed. Workers use it to map and zero their cache
-        ahead of the writes (CacheEngine.reserve)."""
+        only when no other is free), so a new block's id stays below the number of blocks in
+        use or cached, which these cannot exceed. Blocks taken earlier may sit higher (taken
+        when more were in use, then others were freed): the bound is at least the highest
+        block handed out since the last reset. Workers use it to map and zero their cache
+        ahead of the writes (CacheEngine.reserve), and zero a block only the first time it is
+        inside the bound -- so a stage whose cache is new (a stage-local rebuild) must never
+        see a bound below a block its kept requests hold, or a later step would zero that
+        block's rebuilt KV."""
         return self._kv_blocks_bound
 
     def _bound_running_blocks(self) -> int:
@@ -625,4 +630,5 @@ class Scheduler:
             total += seqs * ceil_div(longest, block_size)
         # Parked prefix-cache blocks keep their ids until they are evicted.
         total += self.block_manager.get_num_cached_free_blocks()
+        total = max(total, self.block_manager.gpu_high_water())
         return min(total, self.block_manager.num_total_gpu_blocks)
