@@ -358,6 +358,8 @@ class Scheduler(ClassicPolicy, ChunkedPolicy, QueueHeads):
             total += seqs * -(-longest // block_size)
         # Parked prefix-cache blocks keep their ids until they are evicted.
         total += self.block_manager.get_num_cached_free_blocks()
+        # Blocks taken when more were in use may sit above that sum.
+        total = max(total, self.block_manager.gpu_high_water())
         return min(total, self.block_manager.num_total_gpu_blocks)
 
     # -- shared by both policies (vllm.core.classic_policy, vllm.core.chunked_policy) -----
