@@ -41,17 +41,15 @@
 #include "cpu_isa.h"
 #include "cpu_simd.h"
 
-namespace vllm_pp::gguf {
-namespace {
-
 // AVX2 + FMA (cpu_isa.h's VLLM_PP_AVX2) and F16C, which every AVX2 CPU has (cpu_isa.cpp
 // requires it for the AVX2 rank).
 #define VLLM_PP_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 #define VLLM_PP_AVX2_INLINE VLLM_PP_AVX2_F16C inline __attribute__((always_inline))
+#define VLLM_PP_GGUF_TARGET VLLM_PP_AVX2_F16C
+#include "quant_gguf_driver.h"
 
-// Accumulators per tile (RT * TT): 8 for Q8_0, whose decode needs few registers; 4 for the
-// others (8 spilled and measured slower).
-constexpr int acc_per_tile(int64_t type) { return type == kQ8_0 ? 8 : 4; }
+namespace vllm_pp::gguf {
+namespace {
 
 VLLM_PP_AVX2_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
@@ -113,14 +111,20 @@ VLLM_PP_AVX2_INLINE void accumulate(__m256 (&acc)[RT][TT], int r, const __m256 (
       acc[r][t] = _mm256_fmadd_ps(w[v], load8(x + t * x_stride + 8 * v), acc[r][t]);
 }
 
-// Prefetch lines [g * per, (g + 1) * per) of the next tile's `lines` lines.
-VLLM_PP_AVX2_INLINE void prefetch_slice(const char* next, int64_t lines, int64_t per, int64_t g) {
-  for (int64_t l = g * per; l < std::min(lines, (g + 1) * per); ++l)
-    _mm_prefetch(next + 64 * l, _MM_HINT_T0);
-}
+// The kernels, as quant_gguf_driver.h's tile policy (defined below).
+struct Avx2Tiles {
+  // Accumulators per tile (RT * TT): 8 for Q8_0, whose decode needs few registers; 4 for the
+  // others (8 spilled and measured slower).
+  static constexpr int accumulators(int64_t type) { return type == kQ8_0 ? 8 : 4; }
+  // Rows [row, row + RT) x tokens [tok, tok + TT): 32-weight blocks, K-quant super-blocks.
+  template <int64_t Type, int RT, int TT, typename scalar_t>
+  VLLM_PP_AVX2_INLINE static void tile(const LinearArgs& a, int64_t row, int64_t tok);
+  template <int64_t Type, int RT, int TT, typename scalar_t>
+  VLLM_PP_AVX2_INLINE static void ktile(const LinearArgs& a, int64_t row, int64_t tok);
+};
 
 template <int64_t Type, int RT, int TT, typename scalar_t>
-VLLM_PP_AVX2_INLINE void tile(const LinearArgs& a, int64_t row, int64_t tok) {
+VLLM_PP_AVX2_INLINE void Avx2Tiles::tile(const LinearArgs& a, int64_t row, int64_t tok) {
   using L = Layout<Type>;
   const auto* x = static_cast<const scalar_t*>(a.x) + tok * a.x_stride;
   const uint8_t* w = a.w + row * a.row_bytes;
@@ -253,7 +257,7 @@ VLLM_PP_AVX2_INLINE void k_scales(const uint8_t* sb, float* f) {
 
 // tile() for the K-quants: RT rows x TT tokens, a super-block at a time.
 template <int64_t Type, int RT, int TT, typename scalar_t>
-VLLM_PP_AVX2_INLINE void ktile(const LinearArgs& a, int64_t row, int64_t tok) {
+VLLM_PP_AVX2_INLINE void Avx2Tiles::ktile(const LinearArgs& a, int64_t row, int64_t tok) {
   const auto* x = static_cast<const scalar_t*>(a.x) + tok * a.x_stride;
   const uint8_t* w = a.w + row * a.row_bytes;
   const int64_t supers = a.k / kSuper;
@@ -287,60 +291,11 @@ VLLM_PP_AVX2_INLINE void ktile(const LinearArgs& a, int64_t row, int64_t tok) {
   store_tile<RT, TT, scalar_t>(a, acc, row, tok);
 }
 
-// Rows [begin, end) for tokens [tok, tok + TT): tiles of kAcc / TT rows, the rest row by row.
-template <int64_t Type, int TT, typename scalar_t>
-VLLM_PP_AVX2_INLINE void token_tile(const LinearArgs& a, int64_t begin, int64_t end,
-                                    int64_t tok) {
-  constexpr int RT = acc_per_tile(Type) / TT;
-  int64_t row = begin;
-  if constexpr (is_k_quant(Type)) {
-    for (; row + RT <= end; row += RT) ktile<Type, RT, TT, scalar_t>(a, row, tok);
-    for (; row < end; ++row) ktile<Type, 1, TT, scalar_t>(a, row, tok);
-  } else {
-    for (; row + RT <= end; row += RT) tile<Type, RT, TT, scalar_t>(a, row, tok);
-    for (; row < end; ++row) tile<Type, 1, TT, scalar_t>(a, row, tok);
-  }
-}
-
-template <int64_t Type, typename scalar_t>
-VLLM_PP_AVX2_INLINE void rows(const LinearArgs& a, int64_t begin, int64_t end) {
-  // Row chunks of 64 so a chunk's weights stay in L1/L2 across the token tiles.
-  for (int64_t r0 = begin; r0 < end; r0 += 64) {
-    const int64_t r1 = std::min(end, r0 + 64);
-    int64_t tok = 0;
-    for (; tok + 4 <= a.tokens; tok += 4) token_tile<Type, 4, scalar_t>(a, r0, r1, tok);
-    for (; tok + 2 <= a.tokens; tok += 2) token_tile<Type, 2, scalar_t>(a, r0, r1, tok);
-    for (; tok < a.tokens; ++tok) token_tile<Type, 1, scalar_t>(a, r0, r1, tok);
-  }
-}
-
-template <typename scalar_t>
-VLLM_PP_AVX2_INLINE void typed(const LinearArgs& a, int64_t type, int64_t begin, int64_t end) {
-  switch (type) {
-    case kQ4_0:
-      return rows<kQ4_0, scalar_t>(a, begin, end);
-    case kQ4_1:
-      return rows<kQ4_1, scalar_t>(a, begin, end);
-    case kQ4_K:
-      return rows<kQ4_K, scalar_t>(a, begin, end);
-    case kQ5_K:
-      return rows<kQ5_K, scalar_t>(a, begin, end);
-    case kQ6_K:
-      return rows<kQ6_K, scalar_t>(a, begin, end);
-    default:
-      return rows<kQ8_0, scalar_t>(a, begin, end);
-  }
-}
-
 }  // namespace
 
 VLLM_PP_AVX2_F16C void decode_avx2(const LinearArgs& a, int64_t type, bool bf16, int64_t begin,
                                    int64_t end) {
-  if (bf16) {
-    typed<c10::BFloat16>(a, type, begin, end);
-  } else {
-    typed<float>(a, type, begin, end);
-  }
+  decode_tiles<Avx2Tiles>(a, type, bf16, begin, end);
 }
 
 }  // namespace vllm_pp::gguf

@@ -44,6 +44,10 @@
 #include "cpu_isa.h"
 #include "cpu_simd.h"
 
+// The driver (quant_gguf_driver.h) compiled for AVX-512.
+#define VLLM_PP_GGUF_TARGET VLLM_PP_AVX512
+#include "quant_gguf_driver.h"
+
 namespace vllm_pp::gguf {
 namespace {
 
@@ -77,8 +81,19 @@ VLLM_PP_AVX512_INLINE void store_tile(const LinearArgs& a, const __m512 (&acc)[R
     }
 }
 
+// The kernels, as quant_gguf_driver.h's tile policy (defined below).
+struct Avx512Tiles {
+  // Accumulators per tile (RT * TT): 8 of the 32 zmm registers, for every type.
+  static constexpr int accumulators(int64_t) { return 8; }
+  // Rows [row, row + RT) x tokens [tok, tok + TT): 32-weight blocks, K-quant super-blocks.
+  template <int64_t Type, int RT, int TT, typename scalar_t>
+  VLLM_PP_AVX512_INLINE static void tile(const LinearArgs& a, int64_t row, int64_t tok);
+  template <int64_t Type, int RT, int TT, typename scalar_t>
+  VLLM_PP_AVX512_INLINE static void ktile(const LinearArgs& a, int64_t row, int64_t tok);
+};
+
 template <int64_t Type, int RT, int TT, typename scalar_t>
-VLLM_PP_AVX512_INLINE void tile(const LinearArgs& a, int64_t row, int64_t tok) {
+VLLM_PP_AVX512_INLINE void Avx512Tiles::tile(const LinearArgs& a, int64_t row, int64_t tok) {
   using L = Layout<Type>;
   const auto* x = static_cast<const scalar_t*>(a.x) + tok * a.x_stride;
   const uint8_t* w = a.w + row * a.row_bytes;
@@ -111,9 +126,7 @@ VLLM_PP_AVX512_INLINE void tile(const LinearArgs& a, int64_t row, int64_t tok) {
     }
     for (int64_t j = 0; j < n; ++j) {
       const int64_t b = b0 + j;
-      for (int64_t l = b * lines_per_block; l < std::min(next_lines, (b + 1) * lines_per_block);
-           ++l)
-        _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+      prefetch_slice(next, next_lines, lines_per_block, b);
       __m512 x0[TT], x1[TT];  // the block's x: weights 0-15 and 16-31
 #pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) {
@@ -240,7 +253,7 @@ VLLM_PP_AVX512_INLINE void k_scales16(const uint8_t* sb, float* f) {
 
 // tile() for the K-quants: RT rows x TT tokens, a super-block at a time.
 template <int64_t Type, int RT, int TT, typename scalar_t>
-VLLM_PP_AVX512_INLINE void ktile(const LinearArgs& a, int64_t row, int64_t tok) {
+VLLM_PP_AVX512_INLINE void Avx512Tiles::ktile(const LinearArgs& a, int64_t row, int64_t tok) {
   const auto* x = static_cast<const scalar_t*>(a.x) + tok * a.x_stride;
   const uint8_t* w = a.w + row * a.row_bytes;
   const int64_t supers = a.k / kSuper;
@@ -262,9 +275,7 @@ VLLM_PP_AVX512_INLINE void ktile(const LinearArgs& a, int64_t row, int64_t tok) 
     for (int r = 0; r < RT; ++r) k_scales16<Type>(w + r * a.row_bytes + sb * kBytes, f[r]);
     for (int64_t j = 0; j < 8; ++j) {
       const int64_t g = sb * 8 + j;
-      for (int64_t l = g * lines_per_group; l < std::min(next_lines, (g + 1) * lines_per_group);
-           ++l)
-        _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+      prefetch_slice(next, next_lines, lines_per_group, g);
       __m512 x0[TT], x1[TT];
 #pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) {
@@ -286,61 +297,11 @@ VLLM_PP_AVX512_INLINE void ktile(const LinearArgs& a, int64_t row, int64_t tok) 
   }
   store_tile<RT, TT, scalar_t>(a, acc, row, tok);
 }
-
-// Rows [begin, end) for every token: tiles of 8 / TT rows, the remainder row by row.
-template <int64_t Type, int TT, typename scalar_t>
-VLLM_PP_AVX512_INLINE void token_tile(const LinearArgs& a, int64_t begin, int64_t end,
-                                      int64_t tok) {
-  constexpr int RT = 8 / TT;
-  int64_t row = begin;
-  if constexpr (is_k_quant(Type)) {
-    for (; row + RT <= end; row += RT) ktile<Type, RT, TT, scalar_t>(a, row, tok);
-    for (; row < end; ++row) ktile<Type, 1, TT, scalar_t>(a, row, tok);
-  } else {
-    for (; row + RT <= end; row += RT) tile<Type, RT, TT, scalar_t>(a, row, tok);
-    for (; row < end; ++row) tile<Type, 1, TT, scalar_t>(a, row, tok);
-  }
-}
-
-template <int64_t Type, typename scalar_t>
-VLLM_PP_AVX512_INLINE void rows(const LinearArgs& a, int64_t begin, int64_t end) {
-  // Row chunks of 64 so a chunk's weights stay in L1/L2 across the token tiles.
-  for (int64_t r0 = begin; r0 < end; r0 += 64) {
-    const int64_t r1 = std::min(end, r0 + 64);
-    int64_t tok = 0;
-    for (; tok + 4 <= a.tokens; tok += 4) token_tile<Type, 4, scalar_t>(a, r0, r1, tok);
-    for (; tok + 2 <= a.tokens; tok += 2) token_tile<Type, 2, scalar_t>(a, r0, r1, tok);
-    for (; tok < a.tokens; ++tok) token_tile<Type, 1, scalar_t>(a, r0, r1, tok);
-  }
-}
-
-template <typename scalar_t>
-VLLM_PP_AVX512_INLINE void typed(const LinearArgs& a, int64_t type, int64_t begin, int64_t end) {
-  switch (type) {
-    case kQ4_0:
-      return rows<kQ4_0, scalar_t>(a, begin, end);
-    case kQ4_1:
-      return rows<kQ4_1, scalar_t>(a, begin, end);
-    case kQ4_K:
-      return rows<kQ4_K, scalar_t>(a, begin, end);
-    case kQ5_K:
-      return rows<kQ5_K, scalar_t>(a, begin, end);
-    case kQ6_K:
-      return rows<kQ6_K, scalar_t>(a, begin, end);
-    default:
-      return rows<kQ8_0, scalar_t>(a, begin, end);
-  }
-}
-
 }  // namespace
 
 VLLM_PP_AVX512 void decode_avx512(const LinearArgs& a, int64_t type, bool bf16, int64_t begin,
                                   int64_t end) {
-  if (bf16) {
-    typed<c10::BFloat16>(a, type, begin, end);
-  } else {
-    typed<float>(a, type, begin, end);
-  }
+  decode_tiles<Avx512Tiles>(a, type, bf16, begin, end);
 }
 
 }  // namespace vllm_pp::gguf

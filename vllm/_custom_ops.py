@@ -8,6 +8,8 @@ fallback at any time (it is read on every call, so tests and benchmarks can comp
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from vllm import envs
@@ -43,6 +45,10 @@ def is_available() -> bool:
     global _disabled_logged
     if not _LOADED:
         return False
+    # Unset (the usual case): its registered default, "0", without the registry's parsing
+    # (called ~180 times per decode step). Any value set goes through envs as before.
+    if DISABLE_ENV not in os.environ:
+        return True
     if envs.get_bool(DISABLE_ENV):
         if not _disabled_logged:
             logger.info("%s=1: using the torch code instead of the C++ kernels.", DISABLE_ENV)
@@ -72,6 +78,14 @@ def supports_cache_write(key: torch.Tensor, key_cache: torch.Tensor) -> bool:
     )
 
 
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous int64 tensor: itself when it already is (the engine's metadata, once
+    per layer and step), else a converted copy."""
+    if t.dtype == torch.int64 and t.is_contiguous():
+        return t
+    return t.to(torch.int64).contiguous()
+
+
 def paged_attention_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -92,13 +106,13 @@ def paged_attention_decode(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    torch.ops.vllm_pp.paged_attention_decode(
+    torch.ops.vllm_pp.paged_attention_decode.default(
         out,
         query,
         key_cache,
         value_cache,
-        block_tables.to(torch.int64).contiguous(),
-        context_lens.to(torch.int64).contiguous(),
+        _int64(block_tables),
+        _int64(context_lens),
         float(scale),
         int(sliding_window or 0),  # the kernel's "none" is 0
         float(logits_soft_cap or 0.0),
@@ -118,8 +132,8 @@ def write_to_kv_cache(
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
-    torch.ops.vllm_pp.write_to_kv_cache(
-        key, value, key_cache, value_cache, slot_mapping.to(torch.int64).contiguous()
+    torch.ops.vllm_pp.write_to_kv_cache.default(
+        key, value, key_cache, value_cache, _int64(slot_mapping)
     )
 
 

@@ -338,6 +338,20 @@ class PagedAttention(nn.Module):
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
         if kv_cache is not None and num_tokens > 0:
             write_to_kv_cache(k, v, kv_cache, md.slot_mapping)
+        if md.num_prefills == 0 and md.num_decode_tokens == num_tokens > 0:
+            # Decodes only (every step of a batch-1 decode): the result is the output, no
+            # buffer to fill and copy into.
+            assert kv_cache is not None, "decoding needs a KV cache"
+            decoded = paged_decode_attention(
+                q,
+                kv_cache,
+                md.decode_block_tables,
+                md.decode_context_lens,
+                md.decode_max_len,
+                self.scale,
+                *self._options,
+            )  # [T, H, D]
+            return decoded.reshape(num_tokens, self.num_heads * self.head_size)
         out = torch.empty_like(q)
         n_pre = md.num_prefill_tokens
         if md.num_prefills > 0:

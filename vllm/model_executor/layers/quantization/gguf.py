@@ -226,6 +226,14 @@ class GGUFWeight(nn.Module):
         for i, (qtype, tensor) in enumerate(parts):
             self.register_buffer(f"part{i}", tensor, persistent=False)
             self.qtypes.append(qtype)
+        # The decode step's case, taken without the general path's checks and lists (the
+        # forward runs once per linear and step): one part of kernel blocks, and the token
+        # count below which the block kernel runs (fixed per part: dense_min_tokens).
+        only = self.qtypes[0] if len(parts) == 1 else None
+        self._single_qtype = only
+        self._single_max_tokens = (
+            dense_min_tokens(only, parts[0][1].shape[0], cols) if only is not None else 0
+        )
 
     @classmethod
     def from_sink(cls, sink: _Sink, dtype: torch.dtype, name: str) -> GGUFWeight:
@@ -275,6 +283,20 @@ class GGUFWeight(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] (+ bias), in x's dtype."""
+        qtype = self._single_qtype
+        if (
+            qtype is not None
+            and bias is None
+            and x.dim() == 2
+            and x.shape[1] == self.cols
+            and x.shape[0] < self._single_max_tokens
+            and x.dtype == self.dtype
+            and x.stride(-1) == 1
+        ):
+            # [T, K] -> [T, N]: what gguf_linear below does for these inputs, the same call.
+            if self.int8 and qtype in INT8_ACTIVATION_TYPES:
+                return ops.gguf_linear_q8(x, self.part0, qtype)
+            return ops.gguf_linear(x, self.part0, qtype)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.cols)
         if flat.dtype != self.dtype:

@@ -1,0 +1,121 @@
+"""Where one batch-1 decode step of the bundled GGUF goes (the quantized path, one thread).
+
+    python -m benchmarks.decode_step [--repeats 3] [--profile] [--no-matmul]
+
+The step is timed as compare_llamacpp times it: per prompt (the first 4 of
+benchmarks/prompts.txt), the process CPU time of prompt + 33 tokens minus that of prompt + 1
+token, over 32 steps (CPU time: the machine is shared, waiting for a core is excluded). Printed
+per repeat, then the best, with the greedy token ids (compare two trees: they must be equal).
+
+--profile: instead, torch.profiler's top ops by self CPU time over the 4 x 33-token run, with
+calls per step (record_shapes off: shapes are those of T = 1).
+--no-matmul: the GGUF matmuls replaced by a copy of a zero [T, N] output (tokens become
+meaningless): the step without them, i.e. attention, norms, RoPE, Python, engine, sampler,
+and how much of it is the model's forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+from benchmarks.common import load_prompts, load_tokenizer
+
+NUM_PROMPTS = 4
+TOKENS = 33
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--no-matmul", action="store_true")
+    args = parser.parse_args()
+    os.environ["VLLM_CPU_THREADS_PER_STAGE"] = "1"
+    import torch
+
+    from vllm import LLM, SamplingParams
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.models import llama
+    from vllm.transformers_utils.gguf_config import resolve_model
+
+    torch.set_num_threads(1)
+    model = resolve_model("smollm2")
+    tokenizer = load_tokenizer(model)
+    prompts = [tokenizer.encode(p) for p in load_prompts()[:NUM_PROMPTS]]
+    llm = LLM(model=model, dtype="float32", max_model_len=1024, kv_cache_space=0.5)
+    full = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    steps = NUM_PROMPTS * (TOKENS - 1)
+
+    def run(params: Any) -> tuple[float, list[list[int]]]:
+        start = time.process_time()
+        outs = [
+            list(
+                llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+                .outputs[0]
+                .token_ids
+            )
+            for ids in prompts
+        ]
+        return time.process_time() - start, outs
+
+    forward_s = [0.0]
+    if args.no_matmul:
+        zeros: dict[tuple[int, int], torch.Tensor] = {}
+
+        def no_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:
+            shape = (x.shape[0], weight.shape[0])
+            return zeros.setdefault(shape, torch.zeros(shape, dtype=x.dtype)).clone()
+
+        ops.gguf_linear = no_matmul  # type: ignore[assignment]
+        forward = llama.LlamaForCausalLM.forward
+
+        def timed_forward(self: Any, *a: Any, **k: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return forward(self, *a, **k)
+            finally:
+                forward_s[0] += time.thread_time() - start
+
+        llama.LlamaForCausalLM.forward = timed_forward  # type: ignore[method-assign]
+
+    run(full)  # warm-up
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run(full)
+        runs = NUM_PROMPTS * TOKENS
+        print(f"torch.profiler, {NUM_PROMPTS} prompts x {TOKENS} tokens ({runs} steps)")
+        print(f"{'op':55s} {'self CPU ms':>12s} {'calls/step':>11s}")
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        for event in events[:20]:
+            calls = event.count / runs
+            print(f"{event.key[:55]:55s} {event.self_cpu_time_total / 1e3:12.1f} {calls:11.1f}")
+        return
+    best = float("inf")
+    tokens: list[list[int]] = []
+    for _ in range(args.repeats):
+        forward_s[0] = 0.0
+        one, _ = run(first)
+        one_forward = forward_s[0]
+        many, tokens = run(full)
+        step_ms = (many - one) / steps * 1e3
+        best = min(best, step_ms)
+        line = f"decode step {step_ms:.2f} ms CPU ({1e3 / step_ms:.1f} tok/s)"
+        if args.no_matmul:
+            forward_ms = (forward_s[0] - 2 * one_forward) / steps * 1e3
+            line += f", of which the model's forward {forward_ms:.2f} ms"
+        print(line)
+    print(f"best {best:.2f} ms ({1e3 / best:.1f} tok/s); load average {os.getloadavg()[0]:.1f}")
+    if not args.no_matmul:
+        print(f"tokens {tokens}")
+
+
+if __name__ == "__main__":
+    main()
