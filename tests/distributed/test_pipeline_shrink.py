@@ -18,7 +18,7 @@ import signal
 import pytest
 
 from tests.utils import tiny_models
-from tests.utils.faults import after_steps, gone, kill_stage_pid
+from tests.utils.faults import after_steps, gone, kill_stage_pid, step_with_actions
 from vllm import LLM, SamplingParams
 
 PROMPTS = tiny_models.PROMPTS * 2
@@ -92,23 +92,6 @@ def refuse_new_stages(monkeypatch, executor, how: str) -> list[int]:
     return tried
 
 
-def step_until_done(llm: LLM, actions: dict[int, object]) -> list[list[int]]:
-    """Run PARAMS step by step, calling `actions[n]()` after step n (requests in flight)."""
-    engine = llm.llm_engine
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, PARAMS[i])
-    outputs: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = list(out.outputs[0].token_ids)
-        step += 1
-        if step in actions:
-            assert len(engine.batch_queue) > 0, "no batch in flight"
-            actions[step]()  # type: ignore[operator]
-    return [outputs[str(i)] for i in range(len(PROMPTS))]
-
-
 def assert_pipeline(llm: LLM, pp: int) -> None:
     """The engine runs `pp` stages, numbered in order, with the even split, all alive."""
     engine = llm.llm_engine
@@ -180,9 +163,11 @@ def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monk
     with caplog.at_level("INFO", logger="vllm"):
         if automatic:
             eng.elastic._next_attempt = 0.0  # the failed try above pushed it back
-            outputs = step_until_done(llm, {})
+            outputs = step_with_actions(llm, PROMPTS, PARAMS, {})
         else:
-            outputs = step_until_done(llm, {3: lambda: grown.append(eng.grow_pipeline())})
+            outputs = step_with_actions(
+                llm, PROMPTS, PARAMS, {3: lambda: grown.append(eng.grow_pipeline())}
+            )
     assert outputs == reference
     assert automatic or grown == [True]
     assert f"Pipeline grown back from PP={pp - 1} to PP={pp}" in caplog.text

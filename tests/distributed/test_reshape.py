@@ -13,7 +13,7 @@ import signal
 import pytest
 
 from tests.utils import tiny_models
-from tests.utils.faults import after_steps, gone
+from tests.utils.faults import after_steps, gone, step_with_actions
 from vllm import LLM, SamplingParams
 from vllm.distributed.layer_split import rebalanced_layer_sizes
 from vllm.engine import reshape
@@ -59,23 +59,6 @@ def elastic(request, tiny_model_dirs):
     llm.shutdown()
 
 
-def run_with(llm: LLM, actions: dict[int, object]) -> list[list[int]]:
-    """Run PARAMS step by step, calling `actions[n]()` after step n (requests in flight)."""
-    engine = llm.llm_engine
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, PARAMS[i])
-    outputs: dict[str, list[int]] = {}
-    step = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = list(out.outputs[0].token_ids)
-        step += 1
-        if step in actions:
-            assert len(engine.batch_queue) > 0, "no batch in flight at the re-split"
-            actions[step]()  # type: ignore[operator]
-    return [outputs[str(i)] for i in range(len(PROMPTS))]
-
-
 def layers_of(llm: LLM) -> list[tuple[int, int] | None]:
     return [info.layers for info in llm.llm_engine.get_stage_infos()]
 
@@ -97,8 +80,10 @@ def test_resplit_with_requests_in_flight_keeps_every_output(elastic):
     pp = engine.parallel_config.pipeline_parallel_size
     first, second = SPLITS[pp]
     events = []
-    outputs = run_with(
+    outputs = step_with_actions(
         llm,
+        PROMPTS,
+        PARAMS,
         {
             3: lambda: events.append(engine.reshape_pipeline(first)),
             9: lambda: events.append(engine.reshape_pipeline(second)),

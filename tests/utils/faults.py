@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -57,3 +58,23 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def step_with_actions(
+    llm: LLM, prompts: list[str], params: list, actions: dict[int, Callable[[], object]]
+) -> list[list[int]]:
+    """Run `prompts` with `params` step by step, calling `actions[n]()` after step n while a
+    batch is still in flight (a kill, a re-split, a grow); each request's token ids."""
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params[i])
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+        if step in actions:
+            assert len(engine.batch_queue) > 0, f"no batch in flight after step {step}"
+            actions[step]()
+    return [outputs[str(i)] for i in range(len(prompts))]
