@@ -108,16 +108,13 @@ class Scheduler:
             raise ValueError("cache_config.num_gpu_blocks and num_cpu_blocks must be set.")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
-        self.budget = budget or MicroBatchBudget.from_config(scheduler_config)
-        self.schedule_ahead = schedule_ahead
+        self.configure_pipelining(
+            budget or MicroBatchBudget.from_config(scheduler_config), schedule_ahead
+        )
         # How many distinct LoRA adapters the running groups may use (None: no LoRA).
         self.lora_admission = LoRAAdmission(max_loras)
         chunked = scheduler_config.enable_chunked_prefill
         self.policy = ChunkedPolicy(self) if chunked else ClassicPolicy(self)
-        # A prompt must fit the context window and, unless chunked, one step's token budget.
-        self.prompt_limit = scheduler_config.max_model_len
-        if not chunked:
-            self.prompt_limit = min(self.prompt_limit, self.budget.max_num_batched_tokens)
         self.block_manager = BlockSpaceManager(
             cache_config.block_size,
             cache_config.num_gpu_blocks,
@@ -236,6 +233,16 @@ class Scheduler:
                     self.block_manager.mark_blocks_computed(seq, seq.data.get_num_computed_tokens())
                 elif seq.data.get_num_uncomputed_tokens() > 0:
                     seq.data.update_num_computed_tokens(1)
+
+    def configure_pipelining(self, budget: MicroBatchBudget, schedule_ahead: bool) -> None:
+        """One batch's budget and whether decodes are scheduled ahead: at start, and again
+        when the pipeline changed size (nothing in flight then)."""
+        self.budget = budget
+        self.schedule_ahead = schedule_ahead
+        # A prompt must fit the context window and, unless chunked, one step's token budget.
+        self.prompt_limit = self.scheduler_config.max_model_len
+        if not self.scheduler_config.enable_chunked_prefill:
+            self.prompt_limit = min(self.prompt_limit, budget.max_num_batched_tokens)
 
     def requeue_in_flight(self) -> list[str]:
         """Put every group inside the pipeline back in the waiting queue for recompute.

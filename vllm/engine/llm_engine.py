@@ -420,8 +420,7 @@ class LLMEngine:
         """The micro-batches kept in flight and scheduling ahead, for the pipeline's size now
         (after it shrank or grew back; nothing is in flight)."""
         budget, async_pipeline = _pipelining(self.scheduler_config, self.executor)
-        self.scheduler.budget = budget
-        self.scheduler.schedule_ahead = async_pipeline
+        self.scheduler.configure_pipelining(budget, async_pipeline)
         self.batch_queue.configure(budget.cohorts, async_pipeline)
 
     def get_stage_stats(self, reset: bool = True) -> list[StageStats]:
