@@ -18,22 +18,21 @@ import signal
 import pytest
 
 from tests.utils import tiny_models
-from tests.utils.faults import after_steps, gone, kill_stage_pid, step_with_actions
+from tests.utils.faults import (
+    after_steps,
+    engine_with_reference,
+    gone,
+    greedy_and_seeded,
+    kill_stage_pid,
+    step_with_actions,
+    token_ids,
+)
 from vllm import LLM, SamplingParams
 
 PROMPTS = tiny_models.PROMPTS * 2
 # Half greedy, half seeded random: both must come out exactly as without the fault.
-PARAMS = [
-    SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    if i % 2 == 0
-    else SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
-    for i in range(len(PROMPTS))
-]
+PARAMS = greedy_and_seeded(len(PROMPTS))
 NUM_LAYERS = 6  # tiny_models' LLaMA
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def even(pp: int) -> list[tuple[int, int]]:
@@ -52,18 +51,7 @@ def even(pp: int) -> list[tuple[int, int]]:
 )
 def engine(request, tiny_model_dirs):
     """An engine and the fault-free outputs of PARAMS on it."""
-    backend, pp = request.param
-    if backend == "ray":
-        request.getfixturevalue("ray_session")
-    llm = LLM(
-        tiny_model_dirs["llama-gqa-tied"],
-        pipeline_parallel_size=pp,
-        distributed_executor_backend=backend,
-        disable_log_stats=True,
-    )
-    reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
-    yield llm, reference
-    llm.shutdown()
+    yield from engine_with_reference(request, tiny_model_dirs["llama-gqa-tied"], PROMPTS, PARAMS)
 
 
 def refuse_new_stages(monkeypatch, executor, how: str) -> list[int]:

@@ -13,20 +13,22 @@ import signal
 import pytest
 
 from tests.utils import tiny_models
-from tests.utils.faults import after_steps, gone, step_with_actions
-from vllm import LLM, SamplingParams
+from tests.utils.faults import (
+    after_steps,
+    engine_with_reference,
+    gone,
+    greedy_and_seeded,
+    step_with_actions,
+    token_ids,
+)
+from vllm import LLM
 from vllm.distributed.layer_split import rebalanced_layer_sizes
 from vllm.engine import reshape
 from vllm.worker.stage_report import StageStats
 
 PROMPTS = tiny_models.PROMPTS * 2
 # Half greedy, half seeded random: both must come out exactly as without a re-split.
-PARAMS = [
-    SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    if i % 2 == 0
-    else SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
-    for i in range(len(PROMPTS))
-]
+PARAMS = greedy_and_seeded(len(PROMPTS))
 # Two re-splits per PP size, both away from the even split and from each other.
 SPLITS = {2: ([1, 5], [4, 2]), 3: ([1, 1, 4], [3, 2, 1])}
 
@@ -38,25 +40,10 @@ ENGINES = [
 ]
 
 
-def token_ids(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
 @pytest.fixture(scope="module", params=ENGINES)
 def elastic(request, tiny_model_dirs):
     """An engine and the outputs of PARAMS on it before any re-split."""
-    backend, pp = request.param
-    if backend == "ray":
-        request.getfixturevalue("ray_session")
-    llm = LLM(
-        tiny_model_dirs["llama-gqa-tied"],
-        pipeline_parallel_size=pp,
-        distributed_executor_backend=backend,
-        disable_log_stats=True,
-    )
-    reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
-    yield llm, reference
-    llm.shutdown()
+    yield from engine_with_reference(request, tiny_model_dirs["llama-gqa-tied"], PROMPTS, PARAMS)
 
 
 def layers_of(llm: LLM) -> list[tuple[int, int] | None]:

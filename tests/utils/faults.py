@@ -6,11 +6,11 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import psutil
 
-from vllm import LLM
+from vllm import LLM, SamplingParams
 
 
 def kill_stage(llm: LLM, rank: int, mode: str) -> int:
@@ -58,6 +58,41 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def token_ids(outputs) -> list[list[int]]:
+    """Each request's token ids, in order."""
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def greedy_and_seeded(count: int) -> list[SamplingParams]:
+    """Half greedy, half seeded random (32 tokens, no EOS): both must come out exactly as in
+    a run without the fault or the change of shape."""
+    return [
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        if i % 2 == 0
+        else SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
+        for i in range(count)
+    ]
+
+
+def engine_with_reference(
+    request, model: str, prompts: list[str], params: list[SamplingParams]
+) -> Iterator[tuple[LLM, list[list[int]]]]:
+    """A module fixture's body: an engine on `request.param` = (backend, pp) and its
+    fault-free token ids of `prompts` (Ray's session started when it is Ray)."""
+    backend, pp = request.param
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+    llm = LLM(
+        model,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend=backend,
+        disable_log_stats=True,
+    )
+    reference = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    yield llm, reference
+    llm.shutdown()
 
 
 def step_with_actions(
