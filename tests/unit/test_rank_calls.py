@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from vllm.executor import rank_calls
 from vllm.executor.rank_calls import RankCallError, RankCalls, RankCallTimeout, connect_to_rank
 from vllm.worker.rank_server import CallsThread, WorkerHost, say_last_words, serve_calls
 
@@ -274,3 +275,49 @@ def test_the_engine_gives_up_on_a_rank_that_never_answers():
         assert time.monotonic() - started < 3.0
     finally:
         server.close()
+
+
+def test_a_process_that_ended_before_a_renumber_is_found_by_identity(monkeypatch):
+    """A stage left: its process (rank 2) was stopped and the ranks renumbered (3 -> 2)
+    after the reader saw the exit under the old numbering. That exit belongs to no rank any
+    more: nothing is marked lost, and the reader keeps reading the survivors' replies. (It
+    once indexed the shrunk rank list with the old number and died, so every later wait ran
+    to its deadline: a shrink's rendezvous "missed the 180 s deadline".) A survivor's
+    process that exits afterwards is still found."""
+    calls = RankCalls(3)
+    procs = [_Process() for _ in range(3)]
+    hosts = []
+    for rank in range(3):
+        engine_end, rank_end = multiprocessing.Pipe(duplex=True)
+        host = WorkerHost()
+        host.worker = _Echo()
+        threading.Thread(target=serve_calls, args=(rank_end, host), daemon=True).start()
+        calls.attach(rank, engine_end, process=procs[rank])
+        hosts.append(host)
+    # The reader is held as it sees the exit, until the test has renumbered.
+    seen, renumbered = threading.Event(), threading.Event()
+    real_wait = rank_calls.wait
+
+    def held_wait(objects, timeout=None):
+        ready = real_wait(objects, timeout)
+        if procs[2].sentinel in ready and not renumbered.is_set():
+            seen.set()
+            renumbered.wait(10.0)
+        return ready
+
+    monkeypatch.setattr(rank_calls, "wait", held_wait)
+    calls._wake_send.send_bytes(b"")  # the reader looks again, through held_wait
+    try:
+        procs[2].die(-9)
+        assert seen.wait(10.0)
+        calls.detach(2)
+        calls.renumber([0, 1])
+        renumbered.set()
+        assert calls.wait_all([0, 1], calls.broadcast("step", [0, 1], 5), 10.0) == [5, 5]
+        assert hosts[1].worker.seen == [5]
+        procs[1].die(1)
+        with pytest.raises(RankCallError, match=r"exit code 1") as info:
+            calls.wait_for(1, calls.broadcast("sleep", [1], 5.0), 10.0)
+        assert info.value.rank == 1 and info.value.lost
+    finally:
+        calls.close()

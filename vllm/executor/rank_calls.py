@@ -30,7 +30,10 @@ from typing import Any, Callable, Mapping
 
 from vllm.distributed.net_utils import authenticated_connection
 from vllm.distributed.serialization import dumps_message
+from vllm.logger import init_logger
 from vllm.worker.rank_server import LAST_WORDS
+
+logger = init_logger(__name__)
 
 # A rank that is lost is noticed within this many seconds, whatever the call's deadline.
 _POLL_S = 0.5
@@ -200,7 +203,7 @@ class RankCalls:
             with self._cond:
                 conns = {id(c): (r, c) for r, c in enumerate(self._conns) if c is not None}
                 sentinels = {
-                    p.sentinel: (r, p)
+                    p.sentinel: p
                     for r, p in enumerate(self._procs)
                     if p is not None and r not in self._lost
                 }
@@ -216,21 +219,40 @@ class RankCalls:
                         self._wake_recv.recv_bytes()
                     except (EOFError, OSError):
                         return
-                elif isinstance(obj, int):
-                    rank, ended = sentinels[obj]
-                    if self._procs[rank] is not ended:
-                        # The process this sentinel watched was replaced meanwhile (a stage
-                        # replacement killed it): its successor is watched from the next round.
-                        continue
-                    # Results it wrote before exiting are still in the pipe: read them first.
-                    self._drain(rank)
-                    code = ended.exitcode
-                    said = self._last_words.get(rank)
-                    problem = f"the process died (exit code {code})"
-                    self._mark_lost(rank, ended, problem if said is None else f"{problem}: {said}")
-                else:
-                    rank, conn = conns[id(obj)]
-                    self._recv_one(rank, conn)
+                    continue
+                try:
+                    if isinstance(obj, int):
+                        self._process_ended(sentinels[obj])
+                    else:
+                        rank, conn = conns[id(obj)]
+                        self._recv_one(rank, conn)
+                except Exception:  # never leave every wait to its deadline: log, read on
+                    logger.exception("Reading the ranks' replies failed (reading on)")
+
+    def _process_ended(self, ended: Any) -> None:
+        """`ended`, a rank's process, exited: what it wrote before is read, then its rank is
+        lost. The ranks may have been renumbered (`renumber`) or the process replaced or
+        stopped (`detach`) since the reader looked: it is found by identity, not number."""
+        with self._cond:
+            rank = self._rank_of_process(ended)
+        if rank is None:
+            return  # replaced or stopped meanwhile: its successor is watched next round
+        # Results it wrote before exiting are still in the pipe: read them first.
+        self._drain(rank)
+        code = ended.exitcode
+        with self._cond:
+            rank = self._rank_of_process(ended)
+            said = None if rank is None else self._last_words.get(rank)
+        if rank is not None:
+            problem = f"the process died (exit code {code})"
+            self._mark_lost(rank, ended, problem if said is None else f"{problem}: {said}")
+
+    def _rank_of_process(self, proc: Any) -> int | None:
+        """The rank whose process `proc` is now, None if none (under the lock)."""
+        for rank, current in enumerate(self._procs):
+            if current is proc:
+                return rank
+        return None
 
     def _recv_one(self, rank: int, conn: Connection) -> bool:
         """Read one result from `conn`; False (and the rank lost, unless its process is
@@ -269,8 +291,10 @@ class RankCalls:
         return None
 
     def _drain(self, rank: int) -> None:
-        conn = self._conns[rank]
-        while conn is not None and self._conns[rank] is conn:
+        with self._cond:
+            conn = self._conns[rank] if rank < len(self._conns) else None
+        # Each read finds the connection's rank again (`renumber` may move it meanwhile).
+        while conn is not None:
             try:
                 if not conn.poll(0):
                     return
@@ -292,7 +316,7 @@ class RankCalls:
 
     def _mark_lost(self, rank: int, proc: Any, problem: str) -> None:
         with self._cond:
-            if self._procs[rank] is proc:
+            if rank < len(self._procs) and self._procs[rank] is proc:
                 self._lost[rank] = problem
                 self._cond.notify_all()
 
