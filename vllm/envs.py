@@ -63,6 +63,14 @@ _VARS = (
         "this many seconds (older ones no longer count); past it the engine stops.",
     ),
     EnvVar(
+        "VLLM_PP_SPARE_PROCESSES",
+        "1",
+        int,
+        "Warm spare rank processes the mp backend keeps (torch and the Worker imported) to "
+        "replace a failed rank without starting a process; 0 turns them off. None when "
+        "max_stage_restarts is 0.",
+    ),
+    EnvVar(
         "VLLM_PP_STAGE_RESTART_TIMEOUT_S",
         "180",
         float,

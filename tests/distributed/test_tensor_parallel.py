@@ -139,7 +139,9 @@ def test_tp_pp_grid_weights_and_shutdown(model_dirs):
     path = model_dirs["llama-gqa-untied"]
     llm = make_llm(path, 2, 2, "mp")
     infos = llm.llm_engine.get_stage_infos()
-    pids = [p.pid for p in llm.llm_engine.executor.procs]
+    executor = llm.llm_engine.executor
+    pids = [p.pid for p in executor.procs] + [s.proc.pid for s in executor.spares]
+    assert len(pids) == 5  # and the warm spare
     llm.shutdown()
     from transformers import AutoModelForCausalLM
 
@@ -159,13 +161,15 @@ def test_tp_pp_grid_weights_and_shutdown(model_dirs):
 @pytest.mark.parametrize("tp,pp,victim_rank", [(1, 2, 1), (2, 2, 2)])
 def test_mp_dead_rank_is_replaced(tp, pp, victim_rank, model_dirs, reference):
     """mp recovers like Ray: a rank killed mid-generation (a whole stage at PP=2, one TP rank
-    of the last stage at TP=2 x PP=2) is respawned, the groups re-formed with the survivors,
-    and every request finishes with the fault-free greedy tokens."""
+    of the last stage at TP=2 x PP=2) is replaced by the warm spare process, the groups
+    re-formed with the survivors, and every request finishes with the fault-free greedy
+    tokens; a new spare is started for the next failure."""
     kind = "llama-gqa-untied"
     llm = make_llm(model_dirs[kind], tp, pp, "mp", disable_log_stats=False)
     try:
         engine = llm.llm_engine
         victim = engine.executor.procs[victim_rank]
+        [spare] = [s.proc for s in engine.executor.spares]
         prompts = tiny_models.PROMPTS * 2
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, GREEDY)
@@ -183,8 +187,10 @@ def test_mp_dead_rank_is_replaced(tp, pp, victim_rank, model_dirs, reference):
         assert len(engine.fault_events) == 1 and engine.fault_events[0].ranks == [victim_rank]
         assert engine.fault_events[0].recovery_s is not None
         assert not victim.is_alive()
-        assert engine.executor.procs[victim_rank].pid != victim.pid
-        assert engine.get_stage_infos()[victim_rank].pid == (engine.executor.procs[victim_rank].pid)
+        assert engine.executor.procs[victim_rank] is spare
+        assert engine.get_stage_infos()[victim_rank].pid == spare.pid
+        [next_spare] = engine.executor.spares
+        assert next_spare.proc.is_alive() and next_spare.proc not in engine.executor.procs
         # The fault is counted in vLLM-style metrics.
         from prometheus_client import REGISTRY
 

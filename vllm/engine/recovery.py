@@ -81,8 +81,10 @@ class StageRecovery:
         self._catching_up = (event, _decode_targets([*sched.running, *sched.swapped]))
         lost_gpu, lost_cpu = engine.batch_queue.lost_block_ids()
         engine.batch_queue.reset()
-        # What a full recompute of this state costs: every unfinished token, every stage.
-        full_tokens = _unfinished_tokens([*sched.running, *sched.swapped])
+        # What a full recompute of this state costs: every token whose KV was computed (the
+        # steps in flight never committed theirs: they run again on any path), every stage.
+        committed = _committed_tokens([*sched.running, *sched.swapped])
+        full_tokens = sum(committed.values())
         event.extra["full_path_token_stages"] = full_tokens * pp
         plan: RollbackPlan | None = None
         if self.local_rebuild_enabled():
@@ -133,7 +135,7 @@ class StageRecovery:
         stages = sorted({rank // tp for rank in error.ranks})
         if plan is not None:
             replay_started = time.perf_counter()
-            self._rebuild(plan, stages, event)
+            self._rebuild(plan, stages, event, committed)
             event.extra["replay_s"] = time.perf_counter() - replay_started
             event.recovery_s += event.extra["replay_s"]
         else:
@@ -188,9 +190,16 @@ class StageRecovery:
         if engine.stats is not None:
             engine.stats.log_fault(event, event.extra["recomputed_tokens"])
 
-    def _rebuild(self, plan: RollbackPlan, stages: list[int], event: FaultEvent) -> None:
+    def _rebuild(
+        self,
+        plan: RollbackPlan,
+        stages: list[int],
+        event: FaultEvent,
+        committed: dict[int, int],
+    ) -> None:
         """Replay the kept groups' committed tokens through the replaced `stages`; a failed
-        replay step falls back to a full recompute."""
+        replay step falls back to a full recompute. `committed`: each sequence's tokens with
+        KV at the failure (what recomputing it in full computes again)."""
         engine = self.engine
         sched = engine.scheduler
         pp = engine.parallel_config.pipeline_parallel_size
@@ -219,7 +228,10 @@ class StageRecovery:
         replayed = replay_tokens(local_steps)
         replayed_everywhere = replay_tokens(all_steps)
         requeued = [g for g in sched.waiting if g.request_id in plan.recomputed]
-        recomputed_full = _unfinished_tokens(requeued)
+        # A prompt that was in flight had no KV yet: it runs again, but computes nothing again.
+        recomputed_full = sum(
+            committed.get(seq.seq_id, 0) for g in requeued for seq in g.get_unfinished_seqs()
+        )
         logger.info(
             "Stage-local rebuild of stage(s) %s: %d requests, %d tokens in %d replay step(s) "
             "(%d swapped requests swapped in with it), %d tokens through every stage; %d "
@@ -247,7 +259,11 @@ class StageRecovery:
                 type(exc).__name__,
                 exc,
             )
-            full = _unfinished_tokens([*sched.running, *sched.swapped])
+            full = sum(
+                committed.get(seq.seq_id, 0)
+                for g in [*sched.running, *sched.swapped]
+                for seq in g.get_unfinished_seqs()
+            )
             sched.requeue_all()
             event.extra["stage_recovery"] = "full (the replay failed)"
             event.extra["replayed_tokens"] = 0
@@ -302,9 +318,14 @@ def _decode_targets(groups: Any) -> dict[int, int]:
     }
 
 
-def _unfinished_tokens(groups: Any) -> int:
-    """Tokens (prompt + output) of the groups' unfinished sequences."""
-    return sum(seq.get_len() for g in groups for seq in g.get_unfinished_seqs())
+def _committed_tokens(groups: Any) -> dict[int, int]:
+    """Per unfinished sequence of `groups`: the tokens whose KV it has (its committed
+    computed tokens; a step's output advances them only once it is collected)."""
+    return {
+        seq.seq_id: seq.data.get_num_computed_tokens()
+        for g in groups
+        for seq in g.get_unfinished_seqs()
+    }
 
 
 def can_replace_stages(executor: Any) -> bool:

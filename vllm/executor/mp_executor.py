@@ -9,7 +9,10 @@ through `rank_calls` (shared with the Ray backend): `get_output` fails at once w
 reports an error or its process dies (a StageFailedError naming the rank, as on Ray). A failed
 rank is replaced as on Ray (`replace_stages`: a new process, the groups re-formed with the
 survivors, which keep their weights), up to `max_stage_restarts` times; a stage that cannot be
-replaced leaves the pipeline and comes back later (`vllm.executor.elastic`).
+replaced leaves the pipeline and comes back later (`vllm.executor.elastic`). A replacement
+takes a warm spare when there is one: a process started ahead with torch and the Worker's
+modules imported (`VLLM_PP_SPARE_PROCESSES`, 1 by default), so it skips the ~1.5 s a new
+process spends importing; another spare is started once the pipeline serves again.
 
 The ranks meet through a FileStore in a private directory (no port). Shutdown asks every rank
 to stop, then terminates and finally kills whatever is left, so no process outlives the engine.
@@ -26,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Iterator
 
@@ -72,10 +76,11 @@ def _main_module_hidden() -> Iterator[None]:
             main.__dict__.update(saved)
 
 
-def _rank_main(conn: Connection, heartbeat: Connection, rank: int, num_threads: int) -> None:
-    """Body of one rank's process: answer heartbeats (on a thread, from the start) and serve
-    calls from the engine until told to stop. An error outside any call is said to the engine
-    (`say_last_words`) before the process dies of it."""
+def _rank_main(conn: Connection, heartbeat: Connection, rank: int | None, num_threads: int) -> None:
+    """Body of one rank's process (`rank` None: a spare, given its rank by `init_worker`):
+    answer heartbeats (on a thread, from the start) and serve calls from the engine until
+    told to stop. An error outside any call is said to the engine (`say_last_words`) before
+    the process dies of it."""
     try:
         _serve_rank(conn, heartbeat, rank, num_threads)
     except BaseException as exc:
@@ -83,14 +88,17 @@ def _rank_main(conn: Connection, heartbeat: Connection, rank: int, num_threads: 
         raise
 
 
-def _serve_rank(conn: Connection, heartbeat: Connection, rank: int, num_threads: int) -> None:
+def _serve_rank(
+    conn: Connection, heartbeat: Connection, rank: int | None, num_threads: int
+) -> None:
     import signal
 
     host = WorkerHost()
     start_heartbeat_thread(heartbeat, host.busy_s)
     os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
-    # One node: the rank is the local rank, i.e. this process's GPU (cuda:rank) on CUDA.
-    os.environ["LOCAL_RANK"] = str(rank)
+    if rank is not None:
+        # One node: the rank is the local rank, i.e. this process's GPU (cuda:rank) on CUDA.
+        os.environ["LOCAL_RANK"] = str(rank)
     # Ctrl-C reaches the whole process group; the engine's process decides what to do.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
@@ -107,7 +115,29 @@ def _serve_rank(conn: Connection, heartbeat: Connection, rank: int, num_threads:
     from vllm.logger import configure_logging
 
     configure_logging()
+    # Imported before the first call (torch, the Worker, the model code: ~1.5 s), so a spare
+    # is ready to become a rank at once.
+    import vllm.worker.worker  # noqa: F401
+
     serve_calls(conn, host)
+
+
+@dataclass
+class _Process:
+    """A started rank process and the engine's ends of its calls and heartbeat pipes."""
+
+    proc: Any
+    conn: Connection
+    heartbeat: Connection
+
+    def discard(self) -> None:
+        """Close its pipes (it exits when its calls pipe closes) and make sure it is gone."""
+        self.conn.close()
+        self.heartbeat.close()
+        self.proc.join(_SHUTDOWN_GRACE_S)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(2.0)
 
 
 class MultiprocessingExecutor(ElasticStageExecutor):
@@ -128,6 +158,7 @@ class MultiprocessingExecutor(ElasticStageExecutor):
         self._start_calls(world)
         self._threads = threads
         self.procs: list[Any] = [None] * world
+        self.spares: list[_Process] = []
         for rank in range(world):
             self._spawn(rank)
         init_method = self._local_init_method()
@@ -136,27 +167,65 @@ class MultiprocessingExecutor(ElasticStageExecutor):
         # Process-group rendezvous needs every rank at once: send all, then wait.
         self._run_workers("init_device")
         self._run_workers("load_model")
+        self._refill_spares()
 
-    def _spawn(self, rank: int) -> None:
-        """Start `rank`'s process and attach its pipes to the calls and the watch."""
+    def _start_process(self, rank: int | None) -> _Process:
+        """Start a rank process (`rank` None: a spare)."""
         ctx = multiprocessing.get_context("spawn")
         parent_end, child_end = ctx.Pipe(duplex=True)
         beat_parent, beat_child = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=_rank_main,
             args=(child_end, beat_child, rank, self._threads),
-            name=f"vllm-rank-{rank}",
+            name="vllm-rank-spare" if rank is None else f"vllm-rank-{rank}",
             daemon=True,  # terminated by multiprocessing's exit hook if we never shut down
         )
         with _main_module_hidden():
             proc.start()
         child_end.close()
         beat_child.close()
-        self.calls.attach(rank, parent_end, process=proc)
-        self.watch.attach(rank, beat_parent, proc.pid, socket.gethostname())
+        return _Process(proc, parent_end, beat_parent)
+
+    def _spawn(self, rank: int) -> None:
+        """Give `rank` a process -- a warm spare when one is alive, else a new one -- and
+        attach its pipes to the calls and the watch."""
+        started = self._take_spare()
+        kind = "warm spare process"
+        if started is None:
+            started, kind = self._start_process(rank), "local process"
+        proc = started.proc
+        self.calls.attach(rank, started.conn, process=proc)
+        self.watch.attach(rank, started.heartbeat, proc.pid, socket.gethostname())
         self.procs[rank] = proc
         self.stage_infos[rank].pid = proc.pid
-        logger.info("Rank %d: local process (pid %d)", rank, proc.pid)
+        logger.info("Rank %d: %s (pid %d)", rank, kind, proc.pid)
+
+    def _take_spare(self) -> _Process | None:
+        """A live spare, taken out of the pool (dead ones are discarded)."""
+        while self.spares:
+            spare = self.spares.pop(0)
+            if spare.proc.is_alive():
+                return spare
+            logger.warning(
+                "Spare rank process %d exited (exit code %s); not used",
+                spare.proc.pid, spare.proc.exitcode,
+            )  # fmt: skip
+            spare.discard()
+        return None
+
+    def _refill_spares(self) -> None:
+        """Start spares up to VLLM_PP_SPARE_PROCESSES (none when stages are never replaced).
+        Called once the pipeline serves: a spare importing torch beside a recovery would
+        slow it on a small machine."""
+        wanted = envs.get_int("VLLM_PP_SPARE_PROCESSES")
+        if self.parallel_config.max_stage_restarts == 0:
+            wanted = 0
+        if wanted < 0:
+            raise ValueError(f"VLLM_PP_SPARE_PROCESSES must be >= 0, got {wanted}.")
+        while len(self.spares) < wanted:
+            spare = self._start_process(None)
+            self.spares.append(spare)
+            logger.debug("Spare rank process started (pid %d)", spare.proc.pid)
 
     def _init_worker_calls(
         self, ranks: list[int], init_method: str, engine_config: EngineConfig | None = None
@@ -166,7 +235,11 @@ class MultiprocessingExecutor(ElasticStageExecutor):
             distributed_init_method=init_method, num_threads=None if use_gpu else self._threads
         )
         config = engine_config or self.engine_config
-        return {rank: ("init_worker", (config,), dict(kwargs, rank=rank)) for rank in ranks}
+        # local_rank: a spare learns its device here (one node: the rank is the local rank).
+        return {
+            rank: ("init_worker", (config,), dict(kwargs, rank=rank, local_rank=rank))
+            for rank in ranks
+        }
 
     # ---- recovery --------------------------------------------------------------------------
 
@@ -194,7 +267,9 @@ class MultiprocessingExecutor(ElasticStageExecutor):
         calls.update({r: ("rejoin_process_groups", (init_method,), {}) for r in survivors})
         self._wait_calls(list(calls), self._submit(calls), budget)
         self._load_replacements(ranks, budget)
-        return time.monotonic() - started
+        elapsed = time.monotonic() - started
+        self._refill_spares()
+        return elapsed
 
     # ---- an elastic pipeline (vllm.executor.elastic) -----------------------------------------
 
@@ -212,6 +287,7 @@ class MultiprocessingExecutor(ElasticStageExecutor):
     def _start_processes(self, ranks: list[int], budget: float) -> None:
         for rank in ranks:
             self._spawn(rank)
+        self._refill_spares()
 
     def _renumber_processes(self, order: list[int | None]) -> None:
         self.procs = [None if old is None else self.procs[old] for old in order]
@@ -244,10 +320,15 @@ class MultiprocessingExecutor(ElasticStageExecutor):
     # ---- shutdown --------------------------------------------------------------------------
 
     def shutdown(self, graceful: bool = True) -> None:
+        spares: list[_Process] = getattr(self, "spares", [])
+        self.spares = []
+        for spare in spares:  # a spare leaves when its calls pipe closes
+            spare.conn.close()
+            spare.heartbeat.close()
         slots: list[Any] = getattr(self, "procs", [])
         # A slot is empty when its stage left the pipeline (or never started).
         procs = [proc for proc in slots if proc is not None]
-        if not procs:
+        if not procs and not spares:
             return
         deadline = time.monotonic() + (_SHUTDOWN_GRACE_S if graceful else 0.0)
         if graceful:
@@ -262,6 +343,7 @@ class MultiprocessingExecutor(ElasticStageExecutor):
         # A rank leaves when its connection closes.
         self._close_calls()
         self._remove_rendezvous_dir()
+        procs += [spare.proc for spare in spares]
         for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in procs:

@@ -58,10 +58,14 @@ class WorkerHost:
         since = getattr(self.worker, "busy_since", None)
         return None if since is None else time.perf_counter() - since
 
-    def init_worker(self, *args: Any, **kwargs: Any) -> int:
-        """Build the Worker (`Worker(engine_config, rank, ...)`); returns this process's pid."""
+    def init_worker(self, *args: Any, local_rank: int | None = None, **kwargs: Any) -> int:
+        """Build the Worker (`Worker(engine_config, rank, ...)`); returns this process's pid.
+        `local_rank`: this rank's device index on its node, for a process started before its
+        rank was known (an `mp` spare)."""
         from vllm.worker.worker import Worker
 
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = str(local_rank)
         self.worker = Worker(*args, **kwargs)
         return os.getpid()
 
