@@ -77,12 +77,16 @@ def engine(request, tiny_model_dirs):
     llm.shutdown()
 
 
-def run_with_kill(llm: LLM, rank: int, caplog) -> tuple[list, object]:
-    """Generate while SIGKILLing `rank` after a few steps; (outputs, the fault event)."""
+def run_with_kill(llm: LLM, rank: int, caplog, steps: int = 6) -> tuple[list, object]:
+    """Generate while SIGKILLing `rank` after `steps` steps; (outputs, the fault event)."""
     engine = llm.llm_engine
     events_before = len(engine.fault_events)
     victim: list[int] = []
-    thread = after_steps(llm, 6, lambda: victim.append(kill_stage_pid(llm, rank, signal.SIGKILL)))
+
+    def kill() -> None:
+        victim.append(kill_stage_pid(llm, rank, signal.SIGKILL))
+
+    thread = after_steps(llm, steps, kill)
     with caplog.at_level("INFO", logger="vllm"):
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     thread.join(timeout=60)
@@ -103,6 +107,16 @@ def run_with_kill(llm: LLM, rank: int, caplog) -> tuple[list, object]:
     return outputs, event
 
 
+def assert_work_is_the_rebuilt_share(extra: dict, pp: int) -> None:
+    """The recovery's work is the rebuilt stage's 1/PP share of a full recompute (which
+    counts every token whose KV existed), plus what had to run through every stage: tokens
+    whose blocks a lost step moved or copied, requests recomputed in full."""
+    everywhere = extra["replayed_on_every_stage"]
+    in_full = extra["recomputed_tokens"] - extra["replayed_tokens"]
+    share = extra["full_path_token_stages"] // pp
+    assert extra["recomputed_token_stages"] == share + (everywhere + in_full) * (pp - 1), extra
+
+
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_killed_stage_is_rebuilt_alone(engine, where, caplog):
     llm, reference = engine
@@ -116,12 +130,7 @@ def test_killed_stage_is_rebuilt_alone(engine, where, caplog):
     assert extra["stage_recovery"] == "local", extra
     assert extra["rebuilt_stages"] == [rank]
     assert extra["replayed_tokens"] > 0
-    # The rebuilt stage's 1/N share of a full recompute, plus what had to run through every
-    # stage: tokens whose blocks a lost step moved or copied, requests recomputed in full.
-    everywhere = extra["replayed_on_every_stage"]
-    in_full = extra["recomputed_tokens"] - extra["replayed_tokens"]
-    share = extra["full_path_token_stages"] // pp
-    assert extra["recomputed_token_stages"] == share + (everywhere + in_full) * (pp - 1), extra
+    assert_work_is_the_rebuilt_share(extra, pp)
     assert extra["recomputed_token_stages"] < extra["full_path_token_stages"], extra
     logged = caplog.text
     assert "rebuilt stage-locally" in logged and "Stage-local rebuild of stage(s)" in logged
@@ -150,5 +159,32 @@ def test_tp2_pp2_rebuilds_both_ranks_of_a_stage(tiny_model_dirs, caplog):
         assert outputs_of(outputs) == reference
         assert event.extra["stage_recovery"] == "local"
         assert event.extra["rebuilt_stages"] == [0]
+    finally:
+        llm.shutdown()
+
+
+def test_prompts_in_flight_run_again_and_are_not_counted_as_recomputed(tiny_model_dirs, caplog):
+    """Classic scheduling (a prompt runs whole), killed while prompts are in flight: those
+    requests are re-queued and run again, but had no KV yet, so they add nothing to the
+    tokens recomputed; outputs equal the fault-free run."""
+    llm = start_engine(
+        tiny_model_dirs[MODEL],
+        "mp",
+        2,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=128,  # several prefill steps for the 16 prompts
+        max_num_seqs=4,
+        enable_prefix_caching=False,  # a cached prefix would count as KV the prompt had
+    )
+    try:
+        reference = outputs_of(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+        outputs, event = run_with_kill(llm, 1, caplog, steps=1)
+        assert outputs_of(outputs) == reference
+        extra = event.extra
+        assert extra["stage_recovery"] == "local", extra
+        requeued = extra["recomputed_requests"]
+        assert "its prompt runs whole when scheduled again" in requeued.values(), extra
+        assert extra["recomputed_tokens"] == extra["replayed_tokens"], extra  # none had KV
+        assert_work_is_the_rebuilt_share(extra, 2)
     finally:
         llm.shutdown()

@@ -195,11 +195,11 @@ class StageRecovery:
         plan: RollbackPlan,
         stages: list[int],
         event: FaultEvent,
-        committed: dict[int, int],
+        committed_at_fault: dict[int, int],
     ) -> None:
         """Replay the kept groups' committed tokens through the replaced `stages`; a failed
-        replay step falls back to a full recompute. `committed`: each sequence's tokens with
-        KV at the failure (what recomputing it in full computes again)."""
+        replay step falls back to a full recompute. `committed_at_fault`: each sequence's
+        tokens with KV at the failure (what recomputing it in full computes again)."""
         engine = self.engine
         sched = engine.scheduler
         pp = engine.parallel_config.pipeline_parallel_size
@@ -230,7 +230,9 @@ class StageRecovery:
         requeued = [g for g in sched.waiting if g.request_id in plan.recomputed]
         # A prompt that was in flight had no KV yet: it runs again, but computes nothing again.
         recomputed_full = sum(
-            committed.get(seq.seq_id, 0) for g in requeued for seq in g.get_unfinished_seqs()
+            committed_at_fault.get(seq.seq_id, 0)
+            for g in requeued
+            for seq in g.get_unfinished_seqs()
         )
         logger.info(
             "Stage-local rebuild of stage(s) %s: %d requests, %d tokens in %d replay step(s) "
@@ -260,7 +262,7 @@ class StageRecovery:
                 exc,
             )
             full = sum(
-                committed.get(seq.seq_id, 0)
+                committed_at_fault.get(seq.seq_id, 0)
                 for g in [*sched.running, *sched.swapped]
                 for seq in g.get_unfinished_seqs()
             )
