@@ -77,6 +77,43 @@ def _worker_pp4(rank: int, world: int, port_a: int, port_b: int) -> None:
     assert not dist.is_initialized()
 
 
+def _worker_silent_peer(rank: int, world: int, port: int, timeout_s: float, out) -> None:
+    """Rank 0 receives on the PP group from a peer that is alive and sends nothing and puts
+    (error raised, seconds waited) on `out`; the peer stays silent."""
+    import time
+
+    method = net.get_distributed_init_method("127.0.0.1", port)
+    ps.init_distributed_environment(world, rank, method, backend="gloo", timeout_s=timeout_s)
+    ps.initialize_model_parallel(pipeline_parallel_size=2, tensor_parallel_size=1)
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            dist.recv(torch.zeros(1), src=1, group=ps.get_pp_group())
+            out.put((False, time.monotonic() - started))
+        except RuntimeError:
+            out.put((True, time.monotonic() - started))
+    else:
+        time.sleep(timeout_s + 60)  # silent, alive: only the timeout can end the receive
+
+
+def test_group_receives_end_at_the_worlds_timeout() -> None:
+    """A receive on the PP group ends at the world's timeout (3 s here), not after torch's
+    30-minute default for new groups (it once waited until the silent peer exited)."""
+    ctx = mp.get_context("spawn")
+    port = net.get_open_port()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker_silent_peer, args=(r, 2, port, 3.0, out)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        raised, waited = out.get(timeout=120)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(10)
+    assert raised and waited < 3.0 + 20, (raised, waited)
+
+
 def test_open_port_is_free_and_varies() -> None:
     port = net.get_open_port()
     assert 0 < port < 65536

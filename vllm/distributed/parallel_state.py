@@ -24,6 +24,9 @@ _TP_GROUP: dist.ProcessGroup | None = None
 # Global ranks of this rank's PP group (ordered by pp_rank) and TP group (ordered by tp_rank).
 _PP_GROUP_RANKS: list[int] | None = None
 _TP_GROUP_RANKS: list[int] | None = None
+# The timeout given to init_distributed_environment: the PP and TP groups get it too
+# (torch's new_group() would give them its 30-minute default instead of the world's).
+_TIMEOUT: datetime.timedelta | None = None
 
 
 def init_distributed_environment(
@@ -58,7 +61,9 @@ def init_distributed_environment(
         # NCCL binds a communicator to the current device; set it before the first collective
         # so every rank does not end up on cuda:0.
         torch.cuda.set_device(local_rank)
+    global _TIMEOUT
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    _TIMEOUT = timeout
     store = _rendezvous_store(distributed_init_method, rank, world_size, timeout)
     if store is None:
         dist.init_process_group(
@@ -139,12 +144,12 @@ def initialize_model_parallel(
     # groups the rank is not in; each rank keeps only its own.
     for pp_rank in range(pipeline_parallel_size):
         ranks = list(range(pp_rank * tensor_parallel_size, (pp_rank + 1) * tensor_parallel_size))
-        group = dist.new_group(ranks, backend=backend)
+        group = dist.new_group(ranks, backend=backend, timeout=_TIMEOUT)
         if rank in ranks:
             _TP_GROUP, _TP_GROUP_RANKS = group, ranks
     for tp_rank in range(tensor_parallel_size):
         ranks = list(range(tp_rank, world_size, tensor_parallel_size))
-        group = dist.new_group(ranks, backend=backend)
+        group = dist.new_group(ranks, backend=backend, timeout=_TIMEOUT)
         if rank in ranks:
             _PP_GROUP, _PP_GROUP_RANKS = group, ranks
 
