@@ -66,9 +66,9 @@ _VARS = (
         "VLLM_PP_SPARE_PROCESSES",
         "1",
         int,
-        "Warm spare rank processes the mp backend keeps (torch and the Worker imported) to "
-        "replace a failed rank without starting a process; 0 turns them off. None when "
-        "max_stage_restarts is 0.",
+        "Warm spare rank processes kept to replace a failed rank without starting one (mp: "
+        "processes with torch and the Worker imported; Ray on CPU: standby actors on the "
+        "driver's node); 0 turns them off. None when max_stage_restarts is 0.",
     ),
     EnvVar(
         "VLLM_PP_STAGE_RESTART_TIMEOUT_S",

@@ -58,6 +58,8 @@ class TestStageReplacement:
         # A different victim each time: the last stage, the first, a middle one (PP=3).
         rank = {"ray.kill": pp - 1, "SIGKILL": 0, "SIGSTOP": pp // 2}[mode]
         events_before = len(llm.llm_engine.fault_events)
+        executor = llm.llm_engine.executor
+        [standby] = executor.standby  # the warm actor that takes a failed rank (CPU)
         victim: list[int] = []
         thread = after_steps(llm, 4, lambda: victim.append(kill_stage(llm, rank, mode)))
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
@@ -74,6 +76,9 @@ class TestStageReplacement:
         assert token_ids(outputs) == reference
         assert all(o.finished for o in outputs) and len(outputs) == len(PROMPTS)
         assert gone(victim[0])
+        # The standby took the rank, and a new standby waits for the next failure.
+        assert executor.workers[rank] is standby
+        assert len(executor.standby) == 1 and executor.standby[0] is not standby
         # Nothing left over in the engine.
         scheduler = llm.llm_engine.scheduler
         assert not scheduler.in_flight and not scheduler.has_unfinished_seqs()

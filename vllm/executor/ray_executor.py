@@ -25,7 +25,10 @@ import time
 from typing import Any, Iterable, Iterator
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from vllm import envs
 from vllm.config import EngineConfig
@@ -86,9 +89,12 @@ class RayExecutor(ElasticStageExecutor):
         self._start_calls(world)
         # Proves to each actor that a connection to it comes from this engine.
         self._authkey = os.urandom(32)
+        # Actors started ahead to replace a failed rank (`_refill_standby`).
+        self.standby: list[Any] = []
         self._start_actors(range(world))
         self._join(range(world), survivors=[])
         self._run_workers("load_model")
+        self._refill_standby()
 
     @property
     def node_ids(self) -> list[str]:
@@ -115,7 +121,13 @@ class RayExecutor(ElasticStageExecutor):
         )(RayWorkerWrapper)
         env = self._actor_env()
         ranks = list(ranks)
+        first_start = len(ranks) == len(self.workers) and not any(self.workers)
         for rank in ranks:
+            standby = None if first_start else self._take_standby(rank, timeout)
+            if standby is not None:
+                self.workers[rank] = standby
+                logger.info("Rank %d: the standby Ray actor takes it", rank)
+                continue
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group,
                 placement_group_bundle_index=self._bundles[rank],
@@ -133,7 +145,7 @@ class RayExecutor(ElasticStageExecutor):
                 raise
             raise caller_group_start_error(start_timeout) from None
         nodes = self._wait_all([self.workers[r].get_node_id.remote() for r in ranks], timeout)
-        if len(ranks) == len(self.workers):
+        if first_start:
             # First start: a stage's TP ranks are consecutive, so keep each node's actors
             # together (rank -> bundle follows, for later replacements on the same bundle).
             order = group_ranks_by_node(nodes)
@@ -155,6 +167,49 @@ class RayExecutor(ElasticStageExecutor):
         for rank, (ip, port, pid, hostname) in zip(ranks, beats):
             conn = connect_to_rank((ip, port), self._authkey, timeout)
             self.watch.attach(rank, conn, pid, hostname)
+
+    def _refill_standby(self) -> None:
+        """Start standby actors up to VLLM_PP_SPARE_PROCESSES: on the driver's node, holding
+        no CPU of the placement group (a rank's bundle stays reserved for its own
+        replacement), torch imported, no Worker. Not on GPU: a standby would hold a GPU, and
+        Ray gives an actor its GPU only when it starts. Called once the pipeline serves."""
+        wanted = envs.get_int("VLLM_PP_SPARE_PROCESSES")
+        if self._use_gpu or self.parallel_config.max_stage_restarts == 0:
+            wanted = 0
+        if wanted < 0:
+            raise ValueError(f"VLLM_PP_SPARE_PROCESSES must be >= 0, got {wanted}.")
+        if len(self.standby) >= wanted:
+            return
+        strategy = NodeAffinitySchedulingStrategy(
+            node_id=ray.get_runtime_context().get_node_id(), soft=True
+        )
+        actor_cls = ray.remote(num_cpus=0)(RayWorkerWrapper)
+        env = self._actor_env()
+        while len(self.standby) < wanted:
+            self.standby.append(
+                actor_cls.options(
+                    scheduling_strategy=strategy, runtime_env={"env_vars": env}
+                ).remote()
+            )
+
+    def _take_standby(self, rank: int, timeout: float) -> Any:
+        """A standby actor for `rank`, taken out of the pool, when one is up on the node the
+        rank ran on (so a stage's TP ranks stay on one node); None otherwise. A dead one is
+        dropped."""
+        while self.standby:
+            actor = self.standby[0]
+            try:
+                node = ray.get(actor.get_node_id.remote(), timeout=timeout)
+            except Exception as exc:  # it died, or never started
+                logger.warning("The standby Ray actor is not usable (%s); dropped", exc)
+                self.standby.pop(0)
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+                continue
+            if node != self.stage_infos[rank].node_id:
+                return None  # another node: a new actor on the rank's own bundle instead
+            return self.standby.pop(0)
+        return None
 
     def _join(
         self, ranks: Iterable[int], survivors: list[int], timeout: float = _SETUP_TIMEOUT_S
@@ -195,6 +250,7 @@ class RayExecutor(ElasticStageExecutor):
 
     def _start_processes(self, ranks: list[int], budget: float) -> None:
         self._start_actors(ranks, budget)
+        self._refill_standby()
 
     def _renumber_processes(self, order: list[int | None]) -> None:
         # A stage that leaves keeps its bundles reserved; one that comes back takes them (its
@@ -281,7 +337,9 @@ class RayExecutor(ElasticStageExecutor):
         self._start_actors(ranks, budget)
         self._join(ranks, survivors, budget)
         self._load_replacements(ranks, budget)
-        return time.monotonic() - started
+        elapsed = time.monotonic() - started
+        self._refill_standby()
+        return elapsed
 
     def _kill_ranks(self, ranks: Iterable[int], grace_s: float = 0.0) -> None:
         """Kill the actors (and, on this node, their processes: a frozen one ignores
@@ -310,6 +368,12 @@ class RayExecutor(ElasticStageExecutor):
     def shutdown(self, graceful: bool = True) -> None:
         from ray.util.placement_group import remove_placement_group
 
+        standby: list[Any] = getattr(self, "standby", [])
+        self.standby = []
+        if ray.is_initialized():
+            for actor in standby:
+                with contextlib.suppress(Exception):  # gone already
+                    ray.kill(actor, no_restart=True)
         workers = getattr(self, "workers", [])
         alive = [r for r, w in enumerate(workers) if w is not None]
         if alive and ray.is_initialized():
