@@ -78,12 +78,13 @@ class StageRecovery:
         event.step_request_ids = engine.batch_queue.request_ids_of_call(error.call_id)
         previous = self.events[-1] if self.events else None
         self.events.append(event)
-        self._catching_up = (event, _decode_targets([*sched.running, *sched.swapped]))
-        lost_gpu, lost_cpu = engine.batch_queue.lost_block_ids()
-        engine.batch_queue.reset()
         # What a full recompute of this state costs: every token whose KV was computed (the
         # steps in flight never committed theirs: they run again on any path), every stage.
         committed = _committed_tokens([*sched.running, *sched.swapped])
+        # Caught up once every sequence has the KV it had back.
+        self._catching_up = (event, {seq: n for seq, n in committed.items() if n > 0})
+        lost_gpu, lost_cpu = engine.batch_queue.lost_block_ids()
+        engine.batch_queue.reset()
         full_tokens = sum(committed.values())
         event.extra["full_path_token_stages"] = full_tokens * pp
         plan: RollbackPlan | None = None
@@ -156,11 +157,13 @@ class StageRecovery:
             engine.stats.log_fault(event, event.extra["recomputed_tokens"])
 
     def after_step(self) -> None:
-        """After a step: once every sequence that was decoding at the last fault has its KV
-        back (computed again up to its last token, or finished), the fault's `caught_up_s`
-        is set: seconds from its detection until then. Where a recovery ends (local: after
-        the replay; full: once the re-queued requests re-prefilled), comparable across both.
-        A new fault first leaves the earlier one without it."""
+        """After a step: once every sequence that had KV at the last fault has it back
+        (computed again up to the tokens it had, or finished), the fault's `caught_up_s` is
+        set: seconds from its detection until then. Where a recovery ends (local: after the
+        replay; full: once the re-queued requests re-prefilled), comparable across both. A
+        prompt that was in flight, or a preempted request re-prefilling, had no KV: it is not
+        waited for (it runs on any path, fault or not). A new fault first leaves the earlier
+        one without it."""
         if self._catching_up is None:
             return
         event, targets = self._catching_up
@@ -172,6 +175,8 @@ class StageRecovery:
                     return
         event.extra["caught_up_s"] = time.time() - event.detected_at
         self._catching_up = None
+        if self.engine.executor is not None:
+            self.engine.executor.refill_spares()  # for the next failure, now the CPU is free
         logger.info(
             "Every request is back where it was %.2f s after the failure was detected (%s "
             "recovery, %d sequences)",
@@ -307,17 +312,6 @@ class StageRecovery:
             [g for q in queues for g in q if g.request_id in wanted],
             f"its step failed the same way again after a stage replacement: {error}",
         )
-
-
-def _decode_targets(groups: Any) -> dict[int, int]:
-    """Each decoding sequence's tokens but its last (which the next step feeds): what it has
-    computed, and must have computed again, to be where it was."""
-    return {
-        seq.seq_id: seq.get_len() - 1
-        for g in groups
-        for seq in g.get_unfinished_seqs()
-        if seq.get_output_len() > 0
-    }
 
 
 def _committed_tokens(groups: Any) -> dict[int, int]:

@@ -217,6 +217,11 @@ class ExecutorBase(ABC):
         fails it. Executors that cannot replace a stage have nothing to rebuild."""
         raise NotImplementedError(f"{type(self).__name__} cannot rebuild a stage")
 
+    def refill_spares(self) -> None:
+        """Start the warm spare processes a replacement takes (`VLLM_PP_SPARE_PROCESSES`) up
+        to their number; executors without stage processes have none."""
+        return None
+
     def remove_stages(self, ranks: list[int]) -> float:
         """The stages holding `ranks` leave the pipeline (PP N -> N-1); the others re-form
         with an even layer split (`vllm.executor.elastic`). Returns the seconds it took."""

@@ -12,7 +12,7 @@ survivors, which keep their weights), up to `max_stage_restarts` times; a stage 
 replaced leaves the pipeline and comes back later (`vllm.executor.elastic`). A replacement
 takes a warm spare when there is one: a process started ahead with torch and the Worker's
 modules imported (`VLLM_PP_SPARE_PROCESSES`, 1 by default), so it skips the ~1.5 s a new
-process spends importing; another spare is started once the pipeline serves again.
+process spends importing; another spare is started once the recovery has caught up.
 
 The ranks meet through a FileStore in a private directory (no port). Shutdown asks every rank
 to stop, then terminates and finally kills whatever is left, so no process outlives the engine.
@@ -167,7 +167,7 @@ class MultiprocessingExecutor(ElasticStageExecutor):
         # Process-group rendezvous needs every rank at once: send all, then wait.
         self._run_workers("init_device")
         self._run_workers("load_model")
-        self._refill_spares()
+        self.refill_spares()
 
     def _start_process(self, rank: int | None) -> _Process:
         """Start a rank process (`rank` None: a spare)."""
@@ -213,10 +213,10 @@ class MultiprocessingExecutor(ElasticStageExecutor):
             spare.discard()
         return None
 
-    def _refill_spares(self) -> None:
+    def refill_spares(self) -> None:
         """Start spares up to VLLM_PP_SPARE_PROCESSES (none when stages are never replaced).
-        Called once the pipeline serves: a spare importing torch beside a recovery would
-        slow it on a small machine."""
+        The engine calls it once a recovery has caught up: a spare importing torch beside a
+        replay or a re-prefill would slow it on a small machine."""
         wanted = envs.get_int("VLLM_PP_SPARE_PROCESSES")
         if self.parallel_config.max_stage_restarts == 0:
             wanted = 0
@@ -267,9 +267,7 @@ class MultiprocessingExecutor(ElasticStageExecutor):
         calls.update({r: ("rejoin_process_groups", (init_method,), {}) for r in survivors})
         self._wait_calls(list(calls), self._submit(calls), budget)
         self._load_replacements(ranks, budget)
-        elapsed = time.monotonic() - started
-        self._refill_spares()
-        return elapsed
+        return time.monotonic() - started
 
     # ---- an elastic pipeline (vllm.executor.elastic) -----------------------------------------
 
@@ -287,7 +285,7 @@ class MultiprocessingExecutor(ElasticStageExecutor):
     def _start_processes(self, ranks: list[int], budget: float) -> None:
         for rank in ranks:
             self._spawn(rank)
-        self._refill_spares()
+        self.refill_spares()
 
     def _renumber_processes(self, order: list[int | None]) -> None:
         self.procs = [None if old is None else self.procs[old] for old in order]

@@ -89,12 +89,12 @@ class RayExecutor(ElasticStageExecutor):
         self._start_calls(world)
         # Proves to each actor that a connection to it comes from this engine.
         self._authkey = os.urandom(32)
-        # Actors started ahead to replace a failed rank (`_refill_standby`).
+        # Actors started ahead to replace a failed rank (`refill_spares`).
         self.standby: list[Any] = []
         self._start_actors(range(world))
         self._join(range(world), survivors=[])
         self._run_workers("load_model")
-        self._refill_standby()
+        self.refill_spares()
 
     @property
     def node_ids(self) -> list[str]:
@@ -168,11 +168,12 @@ class RayExecutor(ElasticStageExecutor):
             conn = connect_to_rank((ip, port), self._authkey, timeout)
             self.watch.attach(rank, conn, pid, hostname)
 
-    def _refill_standby(self) -> None:
+    def refill_spares(self) -> None:
         """Start standby actors up to VLLM_PP_SPARE_PROCESSES: on the driver's node, holding
         no CPU of the placement group (a rank's bundle stays reserved for its own
         replacement), torch imported, no Worker. Not on GPU: a standby would hold a GPU, and
-        Ray gives an actor its GPU only when it starts. Called once the pipeline serves."""
+        Ray gives an actor its GPU only when it starts. The engine calls it once a recovery
+        has caught up (a standby starting beside a replay would slow it)."""
         wanted = envs.get_int("VLLM_PP_SPARE_PROCESSES")
         if self._use_gpu or self.parallel_config.max_stage_restarts == 0:
             wanted = 0
@@ -250,7 +251,7 @@ class RayExecutor(ElasticStageExecutor):
 
     def _start_processes(self, ranks: list[int], budget: float) -> None:
         self._start_actors(ranks, budget)
-        self._refill_standby()
+        self.refill_spares()
 
     def _renumber_processes(self, order: list[int | None]) -> None:
         # A stage that leaves keeps its bundles reserved; one that comes back takes them (its
@@ -337,9 +338,7 @@ class RayExecutor(ElasticStageExecutor):
         self._start_actors(ranks, budget)
         self._join(ranks, survivors, budget)
         self._load_replacements(ranks, budget)
-        elapsed = time.monotonic() - started
-        self._refill_standby()
-        return elapsed
+        return time.monotonic() - started
 
     def _kill_ranks(self, ranks: Iterable[int], grace_s: float = 0.0) -> None:
         """Kill the actors (and, on this node, their processes: a frozen one ignores
