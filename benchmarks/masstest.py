@@ -130,6 +130,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Give the engine few KV blocks so preemption happens.",
     )
     p.add_argument(
+        "--preemption_mode",
+        "--preemption-mode",
+        choices=["recompute", "swap"],
+        default=None,
+        help="How the engine preempts under --squeeze_kv (vLLM's --preemption-mode; default: "
+        "recompute for a single sequence). 'swap' moves preempted KV to host memory and "
+        "back, so stage faults also meet swapped requests.",
+    )
+    p.add_argument(
         "--squeeze_blocks",
         "--squeeze-blocks",
         type=int,
@@ -449,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs,
         tensor_parallel_size=args.tensor_parallel_size,
     )
+    if args.preemption_mode is not None:
+        engine_kwargs["preemption_mode"] = args.preemption_mode
     if args.squeeze_kv:
         engine_kwargs.update(squeeze_settings(args, reqs))
         print(f"--squeeze_kv: {engine_kwargs}")
