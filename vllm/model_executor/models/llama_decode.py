@@ -67,19 +67,10 @@ def _norm_ok(norm: nn.Module) -> bool:
 
 
 class LayerPlan:
-    """One LLaMA decoder layer's decode step as direct kernel calls (`run`), and what it was
-    built from (`matches`: the layer still holds those modules)."""
+    """One LLaMA decoder layer's decode step as direct kernel calls (`run`)."""
 
     def __init__(self, layer: nn.Module, matmuls: list[tuple[Matmul, int]]) -> None:
         attn = layer.self_attn
-        self.modules = (
-            attn.qkv_proj,
-            attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-            layer.mlp,
-            attn,
-        )
         (self.qkv, _), (self.o, _), (self.gate_up, _), (self.down, _) = matmuls
         self.max_tokens = min(limit for _, limit in matmuls)
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
@@ -125,19 +116,6 @@ class LayerPlan:
         if any(m is None for m in matmuls):
             return None
         return cls(layer, [m for m in matmuls if m is not None])
-
-    def matches(self, layer: nn.Module) -> bool:
-        """Whether `layer` still holds the modules this plan calls (LoRA wraps linears after
-        load; a changed layer gets a new plan)."""
-        attn, mlp = layer.self_attn, layer.mlp
-        return self.modules == (
-            attn.qkv_proj,
-            attn.o_proj,
-            mlp.gate_up_proj,
-            mlp.down_proj,
-            mlp,
-            attn,
-        )
 
     def run(
         self,
@@ -185,6 +163,24 @@ class LayerPlan:
         return self.down(act), residual
 
 
+def _modules_of(layer: nn.Module) -> tuple[nn.Module | None, ...]:
+    """(attention, MLP, qkv, o, gate/up, down) of a LLaMA layer, read from the module dicts
+    (nn.Module's attribute lookup of a submodule is a Python call: this runs per layer and
+    step)."""
+    attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
+    if attn is None or mlp is None:
+        return (attn, mlp)
+    attn_m, mlp_m = attn._modules, mlp._modules
+    return (
+        attn,
+        mlp,
+        attn_m.get("qkv_proj"),
+        attn_m.get("o_proj"),
+        mlp_m.get("gate_up_proj"),
+        mlp_m.get("down_proj"),
+    )
+
+
 class DecodeStep:
     """What every layer of a decode step reads, converted once per step: positions [T], slot
     mapping [T], block tables [T, max_blocks] and context lengths [T], int64 contiguous."""
@@ -223,14 +219,22 @@ def _bind_kernels() -> None:
     _silu_and_mul = kernels.silu_and_mul.default
 
 
+_bound = False
+
+
 def _plan_of(layer: nn.Module) -> LayerPlan | None:
-    """The layer's cached plan, rebuilt when its modules changed; None: no plan."""
-    plan = layer.__dict__.get("_decode_plan", False)
-    if plan is False or (plan is not None and not plan.matches(layer)):
-        if plan is False:
-            _bind_kernels()
-        plan = LayerPlan.build(layer)
-        layer.__dict__["_decode_plan"] = plan
+    """The layer's plan (None: none), cached on the layer with the modules it was built from
+    and built again when the layer holds others (LoRA wraps linears after load)."""
+    global _bound
+    modules = _modules_of(layer)
+    cached = layer.__dict__.get("_decode_plan")
+    if cached is not None and cached[0] == modules:
+        return cached[1]
+    if not _bound:
+        _bind_kernels()
+        _bound = True
+    plan = LayerPlan.build(layer)
+    layer.__dict__["_decode_plan"] = (modules, plan)
     return plan
 
 
