@@ -88,7 +88,7 @@ def supports_cache_write(key: torch.Tensor, key_cache: torch.Tensor) -> bool:
     )
 
 
-def _int64(t: torch.Tensor) -> torch.Tensor:
+def as_int64(t: torch.Tensor) -> torch.Tensor:
     """t as a contiguous int64 tensor: itself when it already is (the engine's metadata, once
     per layer and step), else a converted copy."""
     if t.dtype == torch.int64 and t.is_contiguous():
@@ -121,8 +121,8 @@ def paged_attention_decode(
         query,
         key_cache,
         value_cache,
-        _int64(block_tables),
-        _int64(context_lens),
+        as_int64(block_tables),
+        as_int64(context_lens),
         float(scale),
         int(sliding_window or 0),  # the kernel's "none" is 0
         float(logits_soft_cap or 0.0),
@@ -143,7 +143,7 @@ def write_to_kv_cache(
     if value.stride(-1) != 1:
         value = value.contiguous()
     torch.ops.vllm_pp.write_to_kv_cache.default(
-        key, value, key_cache, value_cache, _int64(slot_mapping)
+        key, value, key_cache, value_cache, as_int64(slot_mapping)
     )
 
 

@@ -188,16 +188,10 @@ class DecodeStep:
     __slots__ = ("positions", "slot_mapping", "block_tables", "context_lens")
 
     def __init__(self, positions: torch.Tensor, md: InputMetadata) -> None:
-        self.positions = _int64(positions)
-        self.slot_mapping = _int64(md.slot_mapping)
-        self.block_tables = _int64(md.decode_block_tables)
-        self.context_lens = _int64(md.decode_context_lens)
-
-
-def _int64(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.int64 and t.is_contiguous():
-        return t
-    return t.to(torch.int64).contiguous()
+        self.positions = ops.as_int64(positions)
+        self.slot_mapping = ops.as_int64(md.slot_mapping)
+        self.block_tables = ops.as_int64(md.decode_block_tables)
+        self.context_lens = ops.as_int64(md.decode_context_lens)
 
 
 # The kernels' bound overloads (what the _custom_ops wrappers call), looked up at first use:
