@@ -47,6 +47,15 @@ def main() -> None:
     model = resolve_model("smollm2")
     tokenizer = load_tokenizer(model)
     prompts = [tokenizer.encode(p) for p in load_prompts()[:NUM_PROMPTS]]
+    if args.no_matmul:
+        # Before the model loads: its layers pick (and keep) their kernel at load.
+        zeros: dict[tuple[int, int], torch.Tensor] = {}
+
+        def no_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:
+            shape = (x.shape[0], weight.shape[0])
+            return zeros.setdefault(shape, torch.zeros(shape, dtype=x.dtype)).clone()
+
+        ops.gguf_linear = no_matmul  # type: ignore[assignment]
     llm = LLM(model=model, dtype="float32", max_model_len=1024, kv_cache_space=0.5)
     full = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -66,13 +75,6 @@ def main() -> None:
 
     forward_s = [0.0]
     if args.no_matmul:
-        zeros: dict[tuple[int, int], torch.Tensor] = {}
-
-        def no_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:
-            shape = (x.shape[0], weight.shape[0])
-            return zeros.setdefault(shape, torch.zeros(shape, dtype=x.dtype)).clone()
-
-        ops.gguf_linear = no_matmul  # type: ignore[assignment]
         forward = llama.LlamaForCausalLM.forward
 
         def timed_forward(self: Any, *a: Any, **k: Any) -> Any:

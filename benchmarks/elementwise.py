@@ -77,8 +77,10 @@ def main() -> None:
                 inner = max(1, 4096 // tokens)  # ~the same work per repetition
                 for name, run in cases(tokens, dtype).items():
                     os.environ[ops.DISABLE_ENV] = "1"
+                    ops.reset_availability()
                     fallback = timeit(run, args.reps, inner)
                     os.environ[ops.DISABLE_ENV] = "0"
+                    ops.reset_availability()
                     kernel = timeit(run, args.reps, inner)
                     print(
                         f"| {name} | {str(dtype).removeprefix('torch.')} | {tokens} "

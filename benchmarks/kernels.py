@@ -73,8 +73,10 @@ def main() -> None:
                     )
 
                     os.environ[ops.DISABLE_ENV] = "1"
+                    ops.reset_availability()
                     fallback = timeit(run, args.reps)
                     os.environ[ops.DISABLE_ENV] = "0"
+                    ops.reset_availability()
                     kernel = timeit(run, 3 * args.reps)
                     name = str(dtype).removeprefix("torch.")
                     print(

@@ -67,6 +67,22 @@ def hf_reference(tiny_model_dirs):
 
 
 @pytest.fixture(autouse=True)
+def _kernels_availability_read_again() -> Iterator[None]:
+    """vllm._custom_ops reads VLLM_PP_DISABLE_KERNELS once: each test starts and ends with it
+    forgotten, so a value a test set (monkeypatch restores the variable) does not stay. Only
+    when the ops are imported: the torch-free unit tests never import them."""
+    import sys
+
+    ops = sys.modules.get("vllm._custom_ops")
+    if ops is not None:
+        ops.reset_availability()
+    yield
+    ops = sys.modules.get("vllm._custom_ops")
+    if ops is not None:
+        ops.reset_availability()
+
+
+@pytest.fixture(autouse=True)
 def _vllm_logs_reach_caplog():
     """The "vllm" logger prints itself and does not propagate (as in vLLM); let pytest's
     caplog see its records too, whichever test configured it first."""

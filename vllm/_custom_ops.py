@@ -3,12 +3,11 @@
 Importing `vllm._C` registers the ops as `torch.ops.vllm_pp.*`. When the extension was not
 built (no compiler, a failed build, an install without torch), `is_available()` is False and
 the layers keep their pure-torch paths. `VLLM_PP_DISABLE_KERNELS=1` forces that
-fallback at any time (it is read on every call, so tests and benchmarks can compare both).
+fallback; it is read once (`reset_availability()` reads it again: tests and benchmarks that
+compare both paths call it after changing the variable).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -37,24 +36,35 @@ except (ImportError, OSError) as exc:
     else:  # built, but for another torch, or a broken toolchain: worth a warning
         logger.warning("C++ CPU kernels failed to load (%s); using the torch code.", exc)
 
-_disabled_logged = False
+# VLLM_PP_DISABLE_KERNELS as read (None: not yet): is_available() runs ~180 times per decode
+# step on the general path, so the variable is parsed once, not per call.
+_disabled: bool | None = None
 
 
 def is_available() -> bool:
-    """True when the extension is loaded and not disabled by VLLM_PP_DISABLE_KERNELS=1."""
-    global _disabled_logged
+    """True when the extension is loaded and not disabled by VLLM_PP_DISABLE_KERNELS=1 (read
+    once, at the first call; `reset_availability` reads it again)."""
     if not _LOADED:
         return False
-    # Unset (the usual case): its registered default, "0", without the registry's parsing
-    # (called ~180 times per decode step). Any value set goes through envs as before.
-    if DISABLE_ENV not in os.environ:
-        return True
-    if envs.get_bool(DISABLE_ENV):
-        if not _disabled_logged:
-            logger.info("%s=1: using the torch code instead of the C++ kernels.", DISABLE_ENV)
-            _disabled_logged = True
-        return False
-    return True
+    disabled = _disabled
+    if disabled is None:
+        disabled = _read_disabled()
+    return not disabled
+
+
+def _read_disabled() -> bool:
+    global _disabled
+    _disabled = envs.get_bool(DISABLE_ENV)
+    if _disabled:
+        logger.info("%s=1: using the torch code instead of the C++ kernels.", DISABLE_ENV)
+    return _disabled
+
+
+def reset_availability() -> None:
+    """Forget VLLM_PP_DISABLE_KERNELS as read: the next is_available() reads it again (for
+    tests and benchmarks that change it while running)."""
+    global _disabled
+    _disabled = None
 
 
 def supports_attention(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -78,7 +88,7 @@ def supports_cache_write(key: torch.Tensor, key_cache: torch.Tensor) -> bool:
     )
 
 
-def _int64(t: torch.Tensor) -> torch.Tensor:
+def as_int64(t: torch.Tensor) -> torch.Tensor:
     """t as a contiguous int64 tensor: itself when it already is (the engine's metadata, once
     per layer and step), else a converted copy."""
     if t.dtype == torch.int64 and t.is_contiguous():
@@ -111,8 +121,8 @@ def paged_attention_decode(
         query,
         key_cache,
         value_cache,
-        _int64(block_tables),
-        _int64(context_lens),
+        as_int64(block_tables),
+        as_int64(context_lens),
         float(scale),
         int(sliding_window or 0),  # the kernel's "none" is 0
         float(logits_soft_cap or 0.0),
@@ -133,7 +143,7 @@ def write_to_kv_cache(
     if value.stride(-1) != 1:
         value = value.contiguous()
     torch.ops.vllm_pp.write_to_kv_cache.default(
-        key, value, key_cache, value_cache, _int64(slot_mapping)
+        key, value, key_cache, value_cache, as_int64(slot_mapping)
     )
 
 

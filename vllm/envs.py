@@ -168,7 +168,8 @@ _VARS = (
         "VLLM_PP_DISABLE_KERNELS",
         "0",
         bool,
-        "1 makes the layers use their torch code instead of the C++ kernels (read per call).",
+        "1 makes the layers use their torch code instead of the C++ kernels (read once; "
+        "_custom_ops.reset_availability() reads it again).",
     ),
     EnvVar(
         "VLLM_PP_SKIP_KERNELS",

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.utils.kernel_env import set_kernels
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -51,7 +52,7 @@ BF16_MAX_ULP_SHARE = 0.01
 
 @pytest.fixture(autouse=True)
 def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv(ops.DISABLE_ENV, raising=False)
+    set_kernels(monkeypatch, True)
     # One thread: these small ops only lose to OpenMP barriers on a busy machine (the thread
     # split has its own test).
     threads = torch.get_num_threads()
@@ -63,10 +64,10 @@ def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @contextmanager
 def torch_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Within it, the layers take their torch fallback."""
-    with monkeypatch.context() as m:
-        m.setenv(ops.DISABLE_ENV, "1")
-        assert not ops.is_available()
-        yield
+    set_kernels(monkeypatch, False)
+    assert not ops.is_available()
+    yield
+    set_kernels(monkeypatch, True)
 
 
 def strided_rows(
@@ -399,7 +400,7 @@ def test_thread_split_gives_identical_rows(dtype: torch.dtype) -> None:
 @torch.inference_mode()
 def test_layers_dispatch_to_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """The layers call the kernels for CPU float32/bfloat16, the torch code otherwise (another
-    dtype, or VLLM_PP_DISABLE_KERNELS=1, which is read on every call)."""
+    dtype, or VLLM_PP_DISABLE_KERNELS=1, read again after set_kernels)."""
     calls: list[str] = []
     for name in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"):
         real = getattr(ops, name)
@@ -422,7 +423,7 @@ def test_layers_dispatch_to_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None
     calls.clear()
     run_all(torch.float16)
     assert calls == []
-    monkeypatch.setenv(ops.DISABLE_ENV, "1")
+    set_kernels(monkeypatch, False)
     run_all(torch.float32)
     assert calls == []
     assert not ops.supports_elementwise(torch.zeros(1))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.utils.kernel_env import set_kernels
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers.attention import paged_decode_attention, write_to_kv_cache
 
@@ -34,7 +35,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.fixture(autouse=True)
 def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ops.DISABLE_ENV, raising=False)
+    set_kernels(monkeypatch, True)
 
 
 @dataclass
@@ -108,8 +109,8 @@ def run_kernel(case: DecodeCase) -> torch.Tensor:
 
 
 def run_fallback(case: DecodeCase, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
-    with monkeypatch.context() as m:
-        m.setenv(ops.DISABLE_ENV, "1")
+    set_kernels(monkeypatch, False)
+    try:
         assert not ops.is_available()
         return paged_decode_attention(
             case.query,
@@ -119,6 +120,8 @@ def run_fallback(case: DecodeCase, monkeypatch: pytest.MonkeyPatch) -> torch.Ten
             int(case.context_lens.max()),
             case.scale,
         )
+    finally:
+        set_kernels(monkeypatch, True)
 
 
 def run_reference(case: DecodeCase) -> torch.Tensor:
@@ -252,11 +255,11 @@ def test_decode_via_attention_layer_uses_kernel(monkeypatch: pytest.MonkeyPatch)
     via_layer = paged_decode_attention(*args)
     assert calls == [1]
     torch.testing.assert_close(via_layer, direct, rtol=0, atol=0)
-    monkeypatch.setenv(ops.DISABLE_ENV, "1")
+    set_kernels(monkeypatch, False)
     paged_decode_attention(*args)
     assert calls == [1]
     # Unsupported dtype: silently the torch path.
-    monkeypatch.delenv(ops.DISABLE_ENV)
+    set_kernels(monkeypatch, True)
     half = (case.key_cache.half(), case.value_cache.half())
     paged_decode_attention(case.query.half(), half, *args[2:])
     assert calls == [1]
@@ -299,9 +302,9 @@ def test_write_to_kv_cache_matches_index_copy(
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
 
     expected = (key_cache.clone(), value_cache.clone())
-    with monkeypatch.context() as m:
-        m.setenv(ops.DISABLE_ENV, "1")
-        write_to_kv_cache(key, value, expected, slots)
+    set_kernels(monkeypatch, False)
+    write_to_kv_cache(key, value, expected, slots)
+    set_kernels(monkeypatch, True)
     got = (key_cache.clone(), value_cache.clone())
     write_to_kv_cache(key, value, got, slots)  # dispatches to the kernel
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
@@ -334,6 +337,8 @@ def test_write_to_kv_cache_rejects_bad_slot_untouched() -> None:
 def test_disable_env_forces_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ops.is_available()
     monkeypatch.setenv(ops.DISABLE_ENV, "1")
+    assert ops.is_available()  # read once: a change takes effect when read again
+    ops.reset_availability()
     assert not ops.is_available()
     assert not ops.supports_attention(torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1))
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.utils.kernel_env import set_kernels
 from vllm import _custom_ops as ops
 from vllm.lora.layers import LoRAContext, LoRALinear
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -38,7 +39,7 @@ PATTERNS = {
 
 @pytest.fixture(autouse=True)
 def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv(ops.DISABLE_ENV, raising=False)
+    set_kernels(monkeypatch, True)
     yield
 
 
@@ -144,7 +145,7 @@ def test_kernel_equals_per_token_loop(kind: str, pattern: str, dtype, isa: str) 
 def test_torch_path_equals_per_token_loop(
     pattern: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(ops.DISABLE_ENV, "1")
+    set_kernels(monkeypatch, False)
     layer, context, weights = make_layer("qkv", dtype)
     slots = PATTERNS[pattern]
     x = (torch.randn(len(slots), IN, generator=torch.Generator().manual_seed(1))).to(dtype)
@@ -159,7 +160,7 @@ def test_torch_path_equals_per_token_loop(
 def test_fused_module_adapter(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Phi-3's checkpoints fuse q/k/v: its adapter is one A and a B over all three slices."""
     if not kernel:
-        monkeypatch.setenv(ops.DISABLE_ENV, "1")
+        set_kernels(monkeypatch, False)
     layer, context, weights = make_layer("qkv", torch.float32)
     gen = torch.Generator().manual_seed(3)
     fused = {0: (torch.randn(6, IN, generator=gen), torch.randn(sum(QKV), 6, generator=gen))}

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.utils import tiny_models, tiny_moe
+from tests.utils.kernel_env import set_kernels
 from tests.utils.tiny_moe import EXPERTS, INTER, LAYERS, TOP_K, H
 from vllm import LLM, SamplingParams
-from vllm._custom_ops import DISABLE_ENV
 from vllm.distributed import tensor_parallel as tpu
 from vllm.model_executor.layers import fused_moe
 from vllm.model_executor.layers.fused_moe import (
@@ -102,9 +102,9 @@ def test_block_equals_hf(kind, norm, dtype, monkeypatch):
         expected = hf(x[None])[0]
         # The C++ SiLU-and-mul kernel may differ from torch's by an ulp; the torch path is
         # HF's own arithmetic, in HF's order: bit-equal.
-        monkeypatch.setenv(DISABLE_ENV, "1")
+        set_kernels(monkeypatch, False)
         assert torch.equal(ours(x), expected)
-        monkeypatch.setenv(DISABLE_ENV, "0")
+        set_kernels(monkeypatch, True)
         tol = 1e-6 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(ours(x), expected, rtol=0, atol=tol)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.utils.kernel_env import set_kernels
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers.sampler import _inverse_cdf_draws
 
@@ -19,7 +20,7 @@ VOCABS = [1, 5, 16, 63, 64, 65, 1000, 49152]
 
 @pytest.fixture(autouse=True)
 def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ops.DISABLE_ENV, raising=False)
+    set_kernels(monkeypatch, True)
 
 
 def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.utils import tiny_models
+from tests.utils.kernel_env import set_kernels
 from tests.utils.outputs import keep_engine_cumulative_logprob
 from vllm import LLM, SamplingParams
 
@@ -85,7 +86,7 @@ def test_cumulative_logprob_without_logprobs_matches_hf(llm, hf, kernels, monkey
     """Without `logprobs` no log_softmax row is built: the sampled token's logprob is its
     logit minus the row's logsumexp (C++ kernel or torch); it must still equal HF's. The
     output's cumulative_logprob is None then (vLLM 0.5.4); the engine's sum is checked."""
-    monkeypatch.setenv("VLLM_PP_DISABLE_KERNELS", "1" if kernels == "off" else "0")
+    set_kernels(monkeypatch, kernels != "off")
     keep_engine_cumulative_logprob(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=10)
     for out in llm.generate(PROMPTS, params, use_tqdm=False):
@@ -319,7 +320,7 @@ def test_seeded_sampling_and_prompt_logprobs_survive_preemption(llm, tiny_model_
 def test_unseeded_sampling_distribution(llm, hf, kernels, monkeypatch):
     """Unseeded draws take a different path (inverse CDF, in the C++ kernel or in torch):
     same check of allowed tokens and frequencies as the seeded race."""
-    monkeypatch.setenv("VLLM_PP_DISABLE_KERNELS", "1" if kernels == "off" else "0")
+    set_kernels(monkeypatch, kernels != "off")
     prompt = PROMPTS[2]
     ids = llm.get_tokenizer().encode(prompt)
     expected = _first_token_probs(hf, ids, 1.2, 6, 1.0, 0.0)

@@ -19,6 +19,7 @@ import math
 import pytest
 import torch
 
+from tests.utils.kernel_env import set_kernels
 from vllm import _custom_ops as ops
 from vllm.model_executor.input_metadata import InputMetadata
 from vllm.model_executor.layers import attention as attn_mod
@@ -175,7 +176,7 @@ DECODE_LENS = [1, 4, 5, 6, 8, 9, 16, 17, 23, 40, 100]
 def test_decode_torch_matches_reference(window, cap, block_size, monkeypatch):
     """The pure-torch decode (VLLM_PP_DISABLE_KERNELS=1), windows smaller and larger than a
     block, contexts shorter and longer than the window."""
-    monkeypatch.setenv(ops.DISABLE_ENV, "1")
+    set_kernels(monkeypatch, False)
     query, cache, tables, lens, keys, values = decode_case(
         DECODE_LENS, window, block_size, torch.float32, seed=block_size
     )
@@ -190,7 +191,7 @@ def test_decode_torch_matches_reference(window, cap, block_size, monkeypatch):
 def test_decode_kernel_matches_reference(window, cap, dtype, head, isa, monkeypatch):
     """The C++ kernel through the layer's dispatch, every ISA, the run-time and a compiled-in
     head size; blocks wholly before a window hold NaN."""
-    monkeypatch.delenv(ops.DISABLE_ENV, raising=False)
+    set_kernels(monkeypatch, True)
     query, cache, tables, lens, keys, values = decode_case(
         DECODE_LENS, window, 4, dtype, seed=head, head=head
     )
@@ -206,9 +207,9 @@ def test_kernel_and_torch_decode_agree_on_many_heads(monkeypatch):
     for batch in (2, 64):
         lens = [(7 * i) % 50 + 1 for i in range(batch)]
         query, cache, tables, lens_t, _, _ = decode_case(lens, 9, 8, torch.float32, seed=batch)
-        monkeypatch.delenv(ops.DISABLE_ENV, raising=False)
+        set_kernels(monkeypatch, True)
         kernel = paged_decode_attention(query, cache, tables, lens_t, max(lens), 0.25, 9, 3.0)
-        monkeypatch.setenv(ops.DISABLE_ENV, "1")
+        set_kernels(monkeypatch, False)
         torch_out = paged_decode_attention(query, cache, tables, lens_t, max(lens), 0.25, 9, 3.0)
         torch.testing.assert_close(kernel, torch_out, **F32_TOL)
 
@@ -256,10 +257,7 @@ def test_layer_chunked_prefill_then_decode(window, cap, kernels, monkeypatch):
     prompt in one piece (the prefix-caching path is the chunk path: a prefill with context)."""
     if kernels and not ops._LOADED:
         pytest.skip("vllm._C is not built")
-    if kernels:
-        monkeypatch.delenv(ops.DISABLE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(ops.DISABLE_ENV, "1")
+    set_kernels(monkeypatch, kernels)
     gen = torch.Generator().manual_seed(1)
     block_size, prompt, steps = 4, 30, 5
     total = prompt + steps

@@ -26,6 +26,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
+from vllm.model_executor.models.llama_decode import DecodeStep, decode_plans
 from vllm.model_executor.models.utils import (
     Shard,
     StageLayout,
@@ -178,6 +179,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def is_plain(self) -> bool:
+        """Whether this is LLaMA's layer itself with LLaMA's MLP (not a subclass, not an MoE
+        block): the decode fast path (llama_decode.py) may then run it."""
+        return type(self) is LlamaDecoderLayer and type(self.mlp) is LlamaMLP
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -298,10 +304,18 @@ class LlamaForCausalLM(nn.Module):
         rope = getattr(self.model, "rotary_emb", None)
         if rope is not None and rope.depends_on_seq_len:
             extra["rope_seq_lens"] = token_seq_lens(positions, md)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden_states, residual = layer(
-                positions, hidden_states, kv_cache, md, residual, **extra
-            )
+        # A small step of decodes only runs each layer's kernels directly (llama_decode.py
+        # decides, once per step); anything else takes the modules.
+        plans = None if extra else decode_plans(self.model.layers, hidden_states, kv_caches, md)
+        if plans is not None:
+            step = DecodeStep(positions, md)
+            for plan, kv_cache in zip(plans, kv_caches):
+                hidden_states, residual = plan.run(step, hidden_states, residual, kv_cache)
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                hidden_states, residual = layer(
+                    positions, hidden_states, kv_cache, md, residual, **extra
+                )
         if self.layout.is_last:
             if residual is None:  # a stage without layers
                 return self.model.norm(hidden_states)

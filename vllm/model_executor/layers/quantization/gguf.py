@@ -27,7 +27,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -196,18 +196,28 @@ def int8_activations() -> bool:
     return mode == "int8"
 
 
+BlockKernel = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def block_kernel(qtype: int, int8: bool) -> BlockKernel:
+    """The kernel that multiplies activations with blocks of `qtype` below `dense_min_tokens`,
+    called as kernel(x [T, K], raw [N, row_bytes], qtype) -> [T, N]: with `int8`, Q4_0/Q4_1/Q8_0
+    through the int8-activation kernel, else the float one. The one place that picks it (the
+    general path below, GGUFWeight's single-part path and the decoder's decode fast path)."""
+    if int8 and qtype in INT8_ACTIVATION_TYPES:
+        return ops.gguf_linear_q8
+    return ops.gguf_linear
+
+
 def gguf_linear(
     x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int, int8: bool = False
 ) -> torch.Tensor:
     """x [T, cols] (fp32/bf16, unit last stride) @ W^T, W the blocks raw [N, row_bytes] (in
-    the kernels' layout, `repack_gguf_rows`): the block kernel for few tokens (with `int8`,
-    Q4_0/Q4_1/Q8_0 through the int8-activation kernel), dequantize + GEMM from
-    `dense_min_tokens` on -> [T, N]."""
+    the kernels' layout, `repack_gguf_rows`): the block kernel for few tokens
+    (`block_kernel`), dequantize + GEMM from `dense_min_tokens` on -> [T, N]."""
     if x.shape[0] >= dense_min_tokens(qtype, raw.shape[0], cols):
         return F.linear(x, ops.gguf_dequantize(raw, qtype, cols, x.dtype))
-    if int8 and qtype in INT8_ACTIVATION_TYPES:
-        return ops.gguf_linear_q8(x, raw, qtype)
-    return ops.gguf_linear(x, raw, qtype)
+    return block_kernel(qtype, int8)(x, raw, qtype)
 
 
 class GGUFWeight(nn.Module):
@@ -234,6 +244,7 @@ class GGUFWeight(nn.Module):
         self._single_max_tokens = (
             dense_min_tokens(only, parts[0][1].shape[0], cols) if only is not None else 0
         )
+        self._single_kernel = block_kernel(only, self.int8) if only is not None else None
 
     @classmethod
     def from_sink(cls, sink: _Sink, dtype: torch.dtype, name: str) -> GGUFWeight:
@@ -274,6 +285,20 @@ class GGUFWeight(nn.Module):
     def is_quantized(self) -> bool:
         return any(q is not None for q in self.qtypes)
 
+    def decode_matmul(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """For the decode fast path (models/llama_decode.py): (x [T, K] -> [T, N], the token
+        count T must stay below), the single-part call `forward` makes for a 2-D input of the
+        weight's dtype with a unit last stride and no bias; None for a weight of several parts
+        or dense rows (those take `forward`)."""
+        qtype, kernel, raw = self._single_qtype, self._single_kernel, self.part0
+        if qtype is None or kernel is None:
+            return None
+
+        def matmul(x: torch.Tensor) -> torch.Tensor:
+            return kernel(x, raw, qtype)
+
+        return matmul, self._single_max_tokens
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, dequantized -> [T, K] in dtype (an embedding lookup:
         the values the dense embedding would hold)."""
@@ -294,9 +319,8 @@ class GGUFWeight(nn.Module):
             and x.stride(-1) == 1
         ):
             # [T, K] -> [T, N]: what gguf_linear below does for these inputs, the same call.
-            if self.int8 and qtype in INT8_ACTIVATION_TYPES:
-                return ops.gguf_linear_q8(x, self.part0, qtype)
-            return ops.gguf_linear(x, self.part0, qtype)
+            assert self._single_kernel is not None
+            return self._single_kernel(x, self.part0, qtype)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.cols)
         if flat.dtype != self.dtype:
