@@ -210,3 +210,45 @@ def test_a_tp_stage_leaves_with_all_its_ranks_and_comes_back(tiny_model_dirs, hf
         assert [o.outputs[0].text for o in outputs] == texts
     finally:
         llm.shutdown()
+
+
+def test_a_replacement_that_dies_in_the_rendezvous_still_leaves_a_pipeline(
+    tiny_model_dirs, monkeypatch
+):
+    """mp PP = 2: the replacement of a killed stage dies inside the group rendezvous, where
+    the survivor waits for it until the groups' timeout (5 s + 0.05 s x 128 tokens = 11.4 s,
+    longer than the 8 s restart deadline set here). The survivor sits that out, the pipeline
+    goes on at PP = 1, and every request finishes with the fault-free tokens."""
+    monkeypatch.setenv("VLLM_PP_STAGE_RESTART_TIMEOUT_S", "8")
+    llm = LLM(
+        tiny_model_dirs["llama-gqa-tied"],
+        pipeline_parallel_size=2,
+        distributed_executor_backend="mp",
+        step_timeout_s=5,
+        max_model_len=128,
+        max_num_batched_tokens=128,
+        max_num_seqs=16,
+        disable_log_stats=True,
+    )
+    try:
+        engine = llm.llm_engine
+        reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+        executor = engine.executor
+        submit = executor._submit
+
+        def submit_then_kill_the_joiner(calls):
+            call_id = submit(calls)
+            for rank, (method, _, _) in calls.items():
+                if method == "init_device":  # a new rank's rendezvous: it dies there
+                    executor.procs[rank].kill()
+            return call_id
+
+        monkeypatch.setattr(executor, "_submit", submit_then_kill_the_joiner)
+        thread = after_steps(llm, 4, lambda: kill_stage_pid(llm, 1, signal.SIGKILL))
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        thread.join(timeout=60)
+        assert token_ids(outputs) == reference
+        assert engine.parallel_config.pipeline_parallel_size == 1
+        assert engine.fault_events[-1].extra["stage_recovery"] == "shrink"
+    finally:
+        llm.shutdown()

@@ -95,7 +95,12 @@ class ElasticStageExecutor(StageProcessExecutor):
     def _regroup(self, plan: PipelineResize, init_method: str, budget: float) -> None:
         """The groups re-formed at `plan.new_pp` stages: survivors rejoin under their new
         number while new ranks join for the first time (the rendezvous needs every rank at
-        once: all calls are sent, then waited on)."""
+        once: all calls are sent, then waited on).
+
+        The wait is `budget` plus the groups' timeout: a survivor may first sit out an
+        earlier rendezvous whose new rank died in it (a replacement that failed there), which
+        ends only at that timeout -- it can be longer than `budget` with a large
+        max_num_batched_tokens, and then a pipeline that could go on would end."""
         calls: dict[int, tuple[str, tuple, dict]] = {
             new: (
                 "rejoin_process_groups",
@@ -105,7 +110,9 @@ class ElasticStageExecutor(StageProcessExecutor):
             for new in plan.staying
         }
         calls.update({new: ("init_device", (), {}) for new in plan.joining})
-        self._wait_calls(list(calls), self._submit(calls), budget)
+        tokens = self.scheduler_config.max_num_batched_tokens
+        wait = budget + self.parallel_config.comm_timeout_s(tokens)
+        self._wait_calls(list(calls), self._submit(calls), wait)
 
     # ---- stages leave ------------------------------------------------------------------------
 
