@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, Literal, overload
 
+from vllm import envs
 from vllm.config import EngineConfig
 from vllm.distributed.net_utils import get_file_init_method
 from vllm.executor.rank_calls import Calls, RankCalls
@@ -262,6 +263,16 @@ class StageProcessExecutor(ExecutorBase):
     def _failures_named(self, timeout_problem: str) -> AbstractContextManager[None]:
         """Turns a rank's error, loss or missed deadline (`timeout_problem`) raised inside it
         into a StageFailedError naming the stage."""
+
+    def _spares_wanted(self) -> int:
+        """How many warm spares to keep: VLLM_PP_SPARE_PROCESSES, none when stages are never
+        replaced; ValueError naming the variable when it is negative."""
+        if self.parallel_config.max_stage_restarts == 0:
+            return 0
+        wanted = envs.get_int("VLLM_PP_SPARE_PROCESSES")
+        if wanted < 0:
+            raise ValueError(f"VLLM_PP_SPARE_PROCESSES must be >= 0, got {wanted}.")
+        return wanted
 
     @abstractmethod
     def _call_timeout_s(self) -> float:

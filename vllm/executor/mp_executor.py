@@ -217,11 +217,7 @@ class MultiprocessingExecutor(ElasticStageExecutor):
         """Start spares up to VLLM_PP_SPARE_PROCESSES (none when stages are never replaced).
         The engine calls it once a recovery has caught up: a spare importing torch beside a
         replay or a re-prefill would slow it on a small machine."""
-        wanted = envs.get_int("VLLM_PP_SPARE_PROCESSES")
-        if self.parallel_config.max_stage_restarts == 0:
-            wanted = 0
-        if wanted < 0:
-            raise ValueError(f"VLLM_PP_SPARE_PROCESSES must be >= 0, got {wanted}.")
+        wanted = self._spares_wanted()
         while len(self.spares) < wanted:
             spare = self._start_process(None)
             self.spares.append(spare)

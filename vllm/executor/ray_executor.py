@@ -174,11 +174,7 @@ class RayExecutor(ElasticStageExecutor):
         replacement), torch imported, no Worker. Not on GPU: a standby would hold a GPU, and
         Ray gives an actor its GPU only when it starts. The engine calls it once a recovery
         has caught up (a standby starting beside a replay would slow it)."""
-        wanted = envs.get_int("VLLM_PP_SPARE_PROCESSES")
-        if self._use_gpu or self.parallel_config.max_stage_restarts == 0:
-            wanted = 0
-        if wanted < 0:
-            raise ValueError(f"VLLM_PP_SPARE_PROCESSES must be >= 0, got {wanted}.")
+        wanted = 0 if self._use_gpu else self._spares_wanted()
         if len(self.standby) >= wanted:
             return
         strategy = NodeAffinitySchedulingStrategy(
