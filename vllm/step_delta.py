@@ -139,12 +139,13 @@ class ReplayRequest:
     sequence each: `num_computed_tokens` is the chunk's start, `token_chunk_size` its
     length). A stage in `rebuild_stages` (PP ranks, ascending) runs its layers on them; a
     kept stage whose next stage is rebuilt sends its boundary rows for those slots. Every
-    rank first applies `unsent_block_ops` in order (steps whose submission failed: the
-    scheduler's blocks moved, no rank's did), then `blocks_to_swap_in` (swapped groups brought
-    back with the replay)."""
+    rank applies the block operations `before` in order first (those of steps whose
+    submission failed; swapped groups brought back with the replay) and `after` once its
+    part is done (a round that rebuilds swapped groups swaps them out again:
+    `vllm.core.stage_rollback`)."""
 
     rebuild_stages: list[int]
     groups: list[SequenceGroupMetadata] = field(default_factory=list)
-    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
     kv_blocks_bound: int = 0
-    unsent_block_ops: list[BlockOps] = field(default_factory=list)
+    before: list[BlockOps] = field(default_factory=list)
+    after: list[BlockOps] = field(default_factory=list)

@@ -38,7 +38,7 @@ ENGINE_KW = dict(
     swap_space=0.01,
     max_model_len=128,
     disable_log_stats=True,
-    max_stage_restarts=6,  # one engine per layout takes up to 4 kills
+    max_stage_restarts=8,  # one engine per layout takes up to 6 kills
 )
 
 
@@ -172,6 +172,41 @@ def test_blocks_a_lost_step_moved_stay_with_the_survivors(engine, pause_s, caplo
     extra = event.extra
     assert extra["stage_recovery"] == "local", extra
     assert extra["rebuilt_stages"] == [pp - 1]
+    assert_work_is_the_rebuilt_share(extra, pp)
+
+
+def test_swapped_requests_with_no_room_are_rebuilt_in_rounds(engine, monkeypatch, caplog):
+    """Killed before a step that swaps a request out (a pause makes its submission fail, so
+    the replay applies the swap-out first), with no room for any swapped request to come
+    back with the replay (forced): each stays swapped and is rebuilt in a round -- swapped
+    in, replayed on the replaced stage, swapped out again -- instead of being recomputed."""
+    import vllm.core.stage_rollback as rollback
+
+    llm, reference = engine
+    eng = llm.llm_engine
+    pp = eng.parallel_config.pipeline_parallel_size
+    monkeypatch.setattr(rollback, "_room_to_swap_in", lambda sched, group: False)
+    queue = eng.batch_queue
+    submit = queue.submit
+    fired: list[int] = []
+
+    def submit_after_a_kill(scheduler_outputs, *args, **kwargs):
+        if scheduler_outputs.blocks_to_swap_out and not fired:
+            fired.append(kill_stage_pid(llm, 0, signal.SIGKILL))
+            time.sleep(0.5)
+        return submit(scheduler_outputs, *args, **kwargs)
+
+    monkeypatch.setattr(queue, "submit", submit_after_a_kill)
+    events_before = len(eng.fault_events)
+    with caplog.at_level("INFO", logger="vllm"):
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert fired, "no step swapped a request out"
+    assert outputs_of(outputs) == reference
+    (event,) = eng.fault_events[events_before:]
+    extra = event.extra
+    assert extra["stage_recovery"] == "local", extra
+    assert extra["rebuilt_stages"] == [0]
+    assert extra["swap_rounds_requests"] > 0 and not extra["recomputed_requests"], extra
     assert_work_is_the_rebuilt_share(extra, pp)
 
 

@@ -10,17 +10,18 @@ import pytest
 
 from tests.utils.fake_requests import FakeParams, seq_ids
 from vllm.config import CacheConfig, SchedulerConfig
+from vllm.core.block_manager import AllocStatus
 from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler
-from vllm.core.stage_rollback import roll_back_for_replay
+from vllm.core.stage_rollback import end_swap_round, next_swap_round, roll_back_for_replay
 from vllm.engine.stage_replay import replay_steps, replay_tokens
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 
 pytestmark = pytest.mark.fast
 
 
-def _scheduler(chunked: bool = False) -> Scheduler:
-    cache = CacheConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8)
+def _scheduler(chunked: bool = False, num_cpu_blocks: int = 8) -> Scheduler:
+    cache = CacheConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=num_cpu_blocks)
     config = SchedulerConfig(
         max_num_batched_tokens=64,
         max_num_seqs=8,
@@ -102,6 +103,47 @@ def test_a_group_a_lost_step_swapped_out_comes_back_with_the_replay():
     assert c_seq.data.get_num_computed_tokens() == 8
     steps = replay_steps(plan.replayed, sched.block_manager, 64)
     assert replay_tokens(steps) == 8
+
+
+def test_a_swapped_group_with_no_room_stays_swapped_and_is_rebuilt_in_a_round():
+    """No room to swap it in with the replay: it stays swapped (not recomputed), and its
+    round swaps out a running request to make room (that request lends its blocks), swaps it
+    in for its replay, then swaps it out and the lender back in."""
+    sched = _scheduler(chunked=True, num_cpu_blocks=32)
+    big = _add(sched, "big", 56)  # 15 of the 32 device blocks once it decodes
+    c = _add(sched, "c", 8)
+    _run_once(sched)
+    bm = sched.block_manager
+    c_seq, big_seq = c.get_seqs()[0], big.get_seqs()[0]
+    sched.running.remove(c)
+    bm.swap_out(c)
+    c_seq.status = SequenceStatus.SWAPPED
+    sched.swapped.append(c)
+    # Blocks held elsewhere (a request that cannot lend them): no room for c now.
+    hog = Sequence(next(seq_ids), "p", list(range(68)), block_size=4)
+    bm.allocate(SequenceGroup("hog", [hog], FakeParams(), arrival_time=0.0))
+    assert bm.can_swap_in(c) != AllocStatus.OK and bm.get_num_free_gpu_blocks() < 2
+    plan = roll_back_for_replay(sched)
+    assert plan.swap_rounds == [c] and not plan.recomputed and not plan.swapped_in
+    assert list(sched.swapped) == [c] and c_seq.status == SequenceStatus.SWAPPED
+    assert plan.replayed == [big]
+    assert next_swap_round(sched, c, []) is None  # nobody to lend: nothing changed
+    host = bm.get_num_free_cpu_blocks()
+    assert c_seq.status == SequenceStatus.SWAPPED and bm.num_swapped_blocks(c) == 2
+    big_blocks = len(bm.get_block_table(big_seq))
+    swap_round = next_swap_round(sched, c, plan.replayed)
+    assert swap_round is not None and swap_round.lent == [big]
+    lend_out, c_in = swap_round.before
+    assert len(lend_out.swap_out) == big_blocks and len(c_in.swap_in) == 2
+    assert c_seq.status == SequenceStatus.RUNNING and big_seq.status == SequenceStatus.SWAPPED
+    assert replay_tokens(replay_steps([c], bm, 64)) == 8
+    c_out, big_in = end_swap_round(sched, swap_round)
+    assert set(c_out.swap_out) == set(c_in.swap_in.values())
+    assert set(big_in.swap_in) == set(lend_out.swap_out.values())
+    assert c_seq.status == SequenceStatus.SWAPPED and big_seq.status == SequenceStatus.RUNNING
+    assert len(bm.get_block_table(big_seq)) == big_blocks and bm.num_swapped_blocks(c) == 2
+    assert bm.get_num_free_cpu_blocks() == host
+    assert list(sched.running) == [big] and list(sched.swapped) == [c]
 
 
 def test_stage_recovery_flag():

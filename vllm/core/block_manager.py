@@ -415,6 +415,23 @@ class BlockSpaceManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
+    def num_swapped_blocks(self, seq_group: SequenceGroup) -> int:
+        """Host blocks the group's SWAPPED sequences hold (a shared one once)."""
+        seqs = seq_group.get_seqs(status=SequenceStatus.SWAPPED)
+        return len(self._unique_blocks(seqs, self._cpu_tables))
+
+    def exclusive_blocks(self, seq_group: SequenceGroup) -> int | None:
+        """The device blocks of the group's RUNNING sequences when no other sequence holds
+        any of them (swapping the group out frees exactly these, and swapping it back in
+        needs no more); None when one is shared with another group (a cached prefix)."""
+        held: dict[int, int] = {}
+        for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
+            for block in self._gpu_tables.get(seq.seq_id, []):
+                held[block] = held.get(block, 0) + 1
+        if any(self._gpu.ref_count(block) != n for block, n in held.items()):
+            return None
+        return len(held)
+
     def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
         """Move the SWAPPED sequences' blocks to the GPU; returns {cpu block: gpu block}."""
         seqs = seq_group.get_seqs(status=SequenceStatus.SWAPPED)

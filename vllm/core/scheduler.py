@@ -622,6 +622,11 @@ class Scheduler:
         block's rebuilt KV."""
         return self._kv_blocks_bound
 
+    def refresh_kv_blocks_bound(self) -> None:
+        """Blocks were handed out outside a step (a stage-local rebuild's swap rounds): the
+        bound follows before the next message carries it."""
+        self._kv_blocks_bound = self._bound_running_blocks()
+
     def _bound_running_blocks(self) -> int:
         max_model_len = self.scheduler_config.max_model_len
         block_size = self.cache_config.block_size

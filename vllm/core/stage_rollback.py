@@ -12,8 +12,11 @@ name. The steps in flight at the failure are lost: their groups are rolled back 
 committed state, keeping their blocks. Recomputed in full instead:
 - a prompt that classic scheduling runs whole (or several diverged samples, never chunked):
   it is rescheduled as a new prompt anyway (it has at most a cached prefix computed);
-- a swapped group that cannot come back now: the replaced stage's copy of its blocks is
-  garbage and only a replay brings it back, so it is swapped in with the replay or recomputed.
+- a swapped group that max_loras keeps from being swapped in with the replay (the replaced
+  stage's copy of its blocks is garbage and only a replay brings it back).
+A swapped group with no room to come back now stays swapped and is rebuilt in a round of its
+own (`next_swap_round`): swapped in (running groups already rebuilt lend their blocks,
+swapped out meanwhile), replayed on the replaced stages, swapped out again.
 Free blocks of the prefix cache are garbage on the new stage: dropped from the cache.
 """
 
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from vllm.core.block_manager import AllocStatus
 from vllm.sequence import SequenceGroup, SequenceStatus
+from vllm.step_delta import BlockOps
 
 if TYPE_CHECKING:
     from vllm.core.scheduler import Scheduler
@@ -43,6 +47,9 @@ class RollbackPlan:
     swapped_in: list[str] = field(default_factory=list)
     # Request id -> why it is recomputed in full (re-queued as waiting).
     recomputed: dict[str, str] = field(default_factory=dict)
+    # Swapped groups with no room to come back (blocks or max_num_seqs): they stay swapped and
+    # are rebuilt in rounds that swap some in, replay them and swap them out again.
+    swap_rounds: list[SequenceGroup] = field(default_factory=list)
 
 
 def roll_back_for_replay(sched: Scheduler) -> RollbackPlan:
@@ -70,10 +77,14 @@ def roll_back_for_replay(sched: Scheduler) -> RollbackPlan:
     for group in still_swapped:
         if group.is_finished():
             continue
-        why = _why_recompute(group, chunked) or _swap_in_refusal(sched, group)
+        why = _why_recompute(group, chunked) or _lora_refusal(sched, group)
         if why is not None:
             plan.recomputed[group.request_id] = why
             recompute.append(group)
+            continue
+        if not _room_to_swap_in(sched, group):
+            plan.swap_rounds.append(group)
+            sched.swapped.append(group)
             continue
         plan.blocks_to_swap_in.update(bm.swap_in(group))
         for seq in group.get_seqs(status=SequenceStatus.SWAPPED):
@@ -93,13 +104,79 @@ def _why_recompute(group: SequenceGroup, chunked: bool) -> str | None:
     return None
 
 
-def _swap_in_refusal(sched: Scheduler, group: SequenceGroup) -> str | None:
-    """Why the swapped `group` cannot come back with the replay (None: it can)."""
+def _room_to_swap_in(sched: Scheduler, group: SequenceGroup) -> bool:
+    """Whether the swapped `group` can come back now, with the replay."""
     if sched.block_manager.can_swap_in(group) != AllocStatus.OK:
-        return "swapped, and no room to swap it in with the replay"
+        return False
     num_seqs = sched.num_running_seqs() + group.get_max_num_running_seqs()
-    if num_seqs > sched.budget.max_num_seqs:
-        return "swapped, and max_num_seqs leaves no room to swap it in with the replay"
+    return num_seqs <= sched.budget.max_num_seqs
+
+
+def _lora_refusal(sched: Scheduler, group: SequenceGroup) -> str | None:
     if not sched.lora_admission.allows(group, sched.running):
         return "swapped, and max_loras leaves no room to swap it in with the replay"
     return None
+
+
+@dataclass
+class SwapRound:
+    """One swapped group rebuilt by itself: swapped in (after `lent` running groups were
+    swapped out to make room, when the free blocks do not hold it), replayed, swapped out
+    again; then the lent groups come back."""
+
+    group: SequenceGroup
+    lent: list[SequenceGroup]
+    before: list[BlockOps]  # the block operations that bring it in
+
+
+def next_swap_round(
+    sched: Scheduler, group: SequenceGroup, lenders: list[SequenceGroup]
+) -> SwapRound | None:
+    """Swap the swapped `group` in for its replay. When the free device blocks do not hold
+    it, running groups of `lenders` (already rebuilt; the last ones first) whose blocks are
+    their own and fit the host are swapped out first. None (nothing changed) when even
+    that leaves no room. The group's sequences are RUNNING until `end_swap_round`."""
+    bm = sched.block_manager
+    needed = bm.num_swapped_blocks(group)
+    free = bm.get_num_free_gpu_blocks()
+    host_room = bm.get_num_free_cpu_blocks()
+    lent: list[SequenceGroup] = []
+    for lender in reversed(lenders):
+        if needed <= free:
+            break
+        blocks = bm.exclusive_blocks(lender)
+        if lender.is_finished() or blocks is None or blocks > host_room:
+            continue
+        lent.append(lender)
+        free += blocks
+        host_room -= blocks
+    if needed > free:
+        return None
+    before: list[BlockOps] = []
+    if lent:
+        lend_out: dict[int, int] = {}
+        for lender in lent:
+            lend_out.update(bm.swap_out(lender))
+            _set_status(lender, SequenceStatus.RUNNING, SequenceStatus.SWAPPED)
+        before.append(BlockOps(swap_out=lend_out))
+    before.append(BlockOps(swap_in=bm.swap_in(group)))
+    _set_status(group, SequenceStatus.SWAPPED, SequenceStatus.RUNNING)
+    return SwapRound(group, lent, before)
+
+
+def end_swap_round(sched: Scheduler, swap_round: SwapRound) -> list[BlockOps]:
+    """The round's group goes back to the host and the lent groups come back (to blocks of
+    their own again); the block operations that do it, in order."""
+    bm = sched.block_manager
+    group_out = bm.swap_out(swap_round.group)
+    _set_status(swap_round.group, SequenceStatus.RUNNING, SequenceStatus.SWAPPED)
+    lent_in: dict[int, int] = {}
+    for lender in swap_round.lent:
+        lent_in.update(bm.swap_in(lender))
+        _set_status(lender, SequenceStatus.SWAPPED, SequenceStatus.RUNNING)
+    return [BlockOps(swap_out=group_out), BlockOps(swap_in=lent_in)]
+
+
+def _set_status(group: SequenceGroup, old: SequenceStatus, new: SequenceStatus) -> None:
+    for seq in group.get_seqs(status=old):
+        seq.status = new

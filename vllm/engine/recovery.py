@@ -21,7 +21,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from vllm import envs
-from vllm.core.stage_rollback import RollbackPlan, roll_back_for_replay
+from vllm.core.stage_rollback import (
+    RollbackPlan,
+    end_swap_round,
+    next_swap_round,
+    roll_back_for_replay,
+)
 from vllm.engine.stage_replay import replay_steps, replay_tokens
 from vllm.executor.stage_supervisor import FaultEvent, StageFailedError
 from vllm.logger import init_logger
@@ -215,33 +220,20 @@ class StageRecovery:
         groups = [g for g in plan.replayed if not g.is_finished()]
         steps = replay_steps(groups, sched.block_manager, sched.budget.max_num_batched_tokens)
         replayed = replay_tokens(steps)
-        requeued = [g for g in sched.waiting if g.request_id in plan.recomputed]
-        # A prompt that was in flight had no KV yet: it runs again, but computes nothing again.
-        recomputed_full = sum(
-            committed_at_fault.get(seq.seq_id, 0)
-            for g in requeued
-            for seq in g.get_unfinished_seqs()
-        )
         logger.info(
             "Stage-local rebuild of stage(s) %s: %d requests, %d tokens in %d replay step(s) "
             "(%d swapped requests swapped in with it, block operations of %d unsent step(s) "
-            "applied first); %d requests recomputed in full",
+            "applied first); %d swapped requests rebuilt in rounds; %d requests recomputed in "
+            "full",
             stages, len(groups), replayed, len(steps), len(plan.swapped_in), len(unsent),
-            len(plan.recomputed),
+            len(plan.swap_rounds), len(plan.recomputed),
         )  # fmt: skip
         try:
             for index, step in enumerate(steps or [[]]):
                 first = index == 0
-                request = ReplayRequest(
-                    stages,
-                    step,
-                    plan.blocks_to_swap_in if first else {},
-                    sched.kv_blocks_bound(),
-                    unsent if first else [],
-                )
-                num_tokens = sum(meta.token_chunk_size or 0 for meta in step)
-                deadline = engine.parallel_config.step_deadline_s(num_tokens)
-                engine.executor.replay(request, deadline)
+                before = [*unsent, BlockOps(swap_in=plan.blocks_to_swap_in)] if first else []
+                self._replay(ReplayRequest(stages, step, sched.kv_blocks_bound(), before))
+            replayed += self._rebuild_swapped_in_rounds(plan, stages)
         except Exception as exc:
             logger.error(
                 "Stage-local rebuild failed (%s: %s); recomputing every request in full",
@@ -250,21 +242,77 @@ class StageRecovery:
             )
             full = sum(
                 committed_at_fault.get(seq.seq_id, 0)
-                for g in [*sched.running, *sched.swapped]
+                for g in [*sched.running, *sched.swapped, *sched.waiting]
                 for seq in g.get_unfinished_seqs()
             )
             sched.requeue_all()
             event.extra["stage_recovery"] = "full (the replay failed)"
             event.extra["replayed_tokens"] = 0
-            event.extra["recomputed_tokens"] = full + recomputed_full
-            event.extra["recomputed_token_stages"] = (full + recomputed_full) * pp
+            event.extra["recomputed_tokens"] = full
+            event.extra["recomputed_token_stages"] = full * pp
             return
+        for request_id, why in plan.recomputed.items():
+            logger.warning("Request %s: recomputed in full (%s)", request_id, why)
+        requeued = [g for g in sched.waiting if g.request_id in plan.recomputed]
+        # A prompt that was in flight had no KV yet: it runs again, but computes nothing again.
+        recomputed_full = sum(
+            committed_at_fault.get(seq.seq_id, 0)
+            for g in requeued
+            for seq in g.get_unfinished_seqs()
+        )
         event.extra["stage_recovery"] = "local"
         event.extra["rebuilt_stages"] = stages
         event.extra["replayed_tokens"] = replayed
+        event.extra["swap_rounds_requests"] = len(plan.swap_rounds)
         event.extra["recomputed_requests"] = dict(plan.recomputed)
         event.extra["recomputed_tokens"] = replayed + recomputed_full
         event.extra["recomputed_token_stages"] = replayed * len(stages) + recomputed_full * pp
+
+    def _replay(self, request: ReplayRequest) -> None:
+        """Run one replay step on every rank, within the deadline of a step of its tokens."""
+        engine = self.engine
+        num_tokens = sum(meta.token_chunk_size or 0 for meta in request.groups)
+        engine.executor.replay(request, engine.parallel_config.step_deadline_s(num_tokens))
+
+    def _rebuild_swapped_in_rounds(self, plan: RollbackPlan, stages: list[int]) -> int:
+        """Swapped groups with no room to come back now, one round each: swapped in (running
+        groups lending their blocks if needed), their committed tokens replayed on the
+        replaced `stages`, swapped out again (the replaced stage's host copy of them was
+        garbage). One that cannot get the blocks even so is recomputed in full. Returns the
+        tokens replayed."""
+        sched = self.engine.scheduler
+        bm = sched.block_manager
+        max_tokens = sched.budget.max_num_batched_tokens
+        replayed = 0
+        for group in plan.swap_rounds:
+            if group.is_finished():
+                continue
+            swap_round = next_swap_round(sched, group, plan.replayed)
+            if swap_round is None:
+                plan.recomputed[group.request_id] = (
+                    "swapped, and no room to swap it in for the replay even with running "
+                    "requests swapped out meanwhile"
+                )
+                sched.swapped.remove(group)
+                sched.requeue([group])
+                continue
+            steps = replay_steps([group], bm, max_tokens) or [[]]
+            after = end_swap_round(sched, swap_round)
+            # Every block the round hands out (the lent groups' new ones too) is below it.
+            sched.refresh_kv_blocks_bound()
+            bound = sched.kv_blocks_bound()
+            for index, step in enumerate(steps):
+                self._replay(
+                    ReplayRequest(
+                        stages,
+                        step,
+                        bound,
+                        swap_round.before if index == 0 else [],
+                        after if index == len(steps) - 1 else [],
+                    )
+                )
+            replayed += replay_tokens(steps)
+        return replayed
 
     def _fail_recurring(
         self, event: FaultEvent, previous: FaultEvent, error: StageFailedError

@@ -497,20 +497,21 @@ class Worker:
         rebuilt sends the rows its boundary cache holds for those slots; others only apply
         the block operations. Nothing is sampled."""
         assert self.cache_engine is not None, "initialize_cache() first"
-        for ops in request.unsent_block_ops:
+        for ops in request.before:
             self._apply_block_ops(request.kv_blocks_bound, ops)
-        self._apply_block_ops(request.kv_blocks_bound, BlockOps(request.blocks_to_swap_in))
-        if not request.groups:
-            return
-        pp_rank = ps.get_pipeline_model_parallel_rank()
-        rebuilt = set(request.rebuild_stages)
-        next_rebuilt = pp_rank + 1 in rebuilt and not self.layout.is_last
-        rows = StepRows.of(request.groups)
-        try:
-            self._replay(rows, pp_rank in rebuilt, next_rebuilt)
-        except BaseException as exc:
-            self._leave_groups_after(exc)
-            raise
+        if request.groups:
+            pp_rank = ps.get_pipeline_model_parallel_rank()
+            rebuilt = set(request.rebuild_stages)
+            next_rebuilt = pp_rank + 1 in rebuilt and not self.layout.is_last
+            rows = StepRows.of(request.groups)
+            try:
+                self._replay(rows, pp_rank in rebuilt, next_rebuilt)
+            except BaseException as exc:
+                self._leave_groups_after(exc)
+                raise
+        # The rows it wrote (KV, boundary) are complete and its sends done.
+        for ops in request.after:
+            self._apply_block_ops(request.kv_blocks_bound, ops)
 
     @torch.inference_mode()
     def _replay(self, rows: StepRows, rebuilt: bool, next_rebuilt: bool) -> None:
