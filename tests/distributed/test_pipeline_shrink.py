@@ -122,7 +122,7 @@ def assert_local_rebuild(event, old_pp: int, logged: str) -> None:
     assert extra["recomputed_token_stages"] == share + in_full * (old_pp - 1), extra
     assert extra["recomputed_token_stages"] < extra["full_path_token_stages"], extra
     assert "merged into stage" in logged and "replayed through those layers only" in logged
-    assert "recomputed in full (" not in logged
+    assert "Shrinking the pipeline: every request is recomputed in full" not in logged
 
 
 def greedy_match_hf(outputs: list[list[int]], expected: list[list[int]]) -> None:
@@ -231,6 +231,79 @@ def test_first_or_last_stage_lost_rebuilds_only_its_layers(
     assert eng.grow_pipeline() is True
     assert_pipeline(llm, pp)
     assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
+
+
+def test_swapped_and_parallel_sampled_groups_come_back_with_the_local_rebuild(
+    tiny_model_dirs, monkeypatch, caplog
+):
+    """mp PP = 3 -> 2, the middle stage lost, with chunked prefill, prefix caching, a small
+    cache that swaps and n = 2 seeded sampling: swapped groups are swapped in before the
+    merged stage's host tensors are re-made (the swap space shrinks to what it holds with
+    its new layers), and outputs equal the fault-free run."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        if i % 3 == 0
+        else SamplingParams(temperature=1.0, seed=i, max_tokens=40, n=2 if i % 3 == 2 else 1)
+        for i in range(len(PROMPTS))
+    ]
+    llm = LLM(
+        tiny_model_dirs["llama-gqa-untied"],
+        pipeline_parallel_size=3,
+        distributed_executor_backend="mp",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=256,
+        max_num_seqs=16,
+        enable_prefix_caching=True,
+        block_size=4,
+        num_gpu_blocks_override=64,
+        swap_space=0.01,
+        max_model_len=128,
+        disable_log_stats=True,
+    )
+
+    def samples(outputs) -> list[list[list[int]]]:
+        return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+    try:
+        eng = llm.llm_engine
+        reference = samples(llm.generate(PROMPTS, params, use_tqdm=False))
+        host_blocks = eng.cache_config.num_cpu_blocks
+        monkeypatch.setenv("VLLM_PP_REGROW_INTERVAL_S", "3600")
+        refuse_new_stages(monkeypatch, eng.executor, "dies")
+        for i, prompt in enumerate(PROMPTS):
+            eng.add_request(str(i), prompt, params[i])
+        finished: dict[str, list[list[int]]] = {}
+        killed = False
+        swapped_for = 0  # steps in a row with a group swapped out
+        with caplog.at_level("INFO", logger="vllm"):
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        finished[out.request_id] = [list(c.token_ids) for c in out.outputs]
+                swapped_for = swapped_for + 1 if eng.scheduler.swapped else 0
+                free = eng.scheduler.block_manager.get_num_free_gpu_blocks()
+                if not killed and swapped_for > 3 and free >= 12:
+                    # Swapped out by a step collected since (one lost would name its host
+                    # blocks: recomputed in full), still swapped when the failure is found,
+                    # with room to come back.
+                    kill_stage_pid(llm, 1, signal.SIGKILL)
+                    killed = True
+        assert killed, "no group was ever swapped out"
+        outputs = [finished[str(i)] for i in range(len(PROMPTS))]
+        assert outputs == reference
+        assert_pipeline(llm, 2, merged(3, 1))
+        event = eng.fault_events[-1]
+        assert_local_rebuild(event, 3, caplog.text)
+        assert event.extra["swapped_in_requests"] > 0, event.extra
+        # The merged stage holds fewer host blocks with 4 layers: the pool follows it.
+        assert eng.cache_config.num_gpu_blocks == 64
+        assert eng.cache_config.num_cpu_blocks < host_blocks
+        bm = eng.scheduler.block_manager
+        assert bm.num_total_cpu_blocks == eng.cache_config.num_cpu_blocks
+        assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
+        assert samples(llm.generate(PROMPTS, params, use_tqdm=False)) == reference
+    finally:
+        llm.shutdown()
 
 
 def test_a_neighbour_that_cannot_hold_the_blocks_in_use_takes_the_full_path(

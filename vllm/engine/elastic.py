@@ -216,6 +216,7 @@ class ElasticPipeline:
             stage_recovery="shrink (local)",
             merged_into=rebuilt.stage,
             replayed_tokens=replayed,
+            swapped_in_requests=rebuilt.swapped_in,
             recomputed_requests=dict(plan.recomputed),
             recomputed_tokens=replayed + in_full,
             # In stage-equivalents of the old pipeline, as `full_path_token_stages` (tokens x

@@ -50,19 +50,42 @@ def refusal(engine: LLMEngine, plan: RollbackPlan | None, num_lost_stages: int) 
         return f"{num_lost_stages} stages were lost at once"
     if engine.lora_config is not None:
         return "LoRA is enabled (the gained layers would need their adapters first)"
-    if plan.all_stages_from:
-        return "a step that was lost moved or copied blocks"
     return None
+
+
+def _recompute_touched(engine: LLMEngine, plan: RollbackPlan) -> None:
+    """Groups holding a block a lost step moved or copied may hold it differently on the
+    survivors: they are recomputed in full (no stage replays them through every stage here),
+    the others are replayed."""
+    if not plan.all_stages_from:
+        return
+    sched = engine.scheduler
+    touched = [
+        g
+        for g in plan.replayed
+        if any(seq.seq_id in plan.all_stages_from for seq in g.get_unfinished_seqs())
+    ]
+    for group in touched:
+        plan.recomputed[group.request_id] = (
+            "its blocks were moved or copied by a step that was lost"
+        )
+        sched.running.remove(group)
+    sched.requeue(touched)
+    # Blocks they parked in the prefix cache may differ between stages: dropped.
+    sched.block_manager.drop_free_cached_blocks()
+    plan.replayed = [g for g in plan.replayed if g not in touched]
+    plan.all_stages_from.clear()
 
 
 def rebuild_merged_stage(engine: LLMEngine, plan: RollbackPlan) -> MergeRebuild:
     """Rebuild the KV of the layers the merged stage took over (see the module docstring).
-    Raises NotLocal before changing anything when its cache cannot keep every group's
+    Raises NotLocal, before any stage changed, when its cache cannot keep every group's
     blocks; any other error leaves the caller to recompute in full."""
     executor = engine.executor
     merged = executor.merged
     assert merged is not None, "remove_stages(merge=True) first"
     sched = engine.scheduler
+    _recompute_touched(engine, plan)
     cc = engine.cache_config
     assert cc.num_gpu_blocks is not None and cc.num_cpu_blocks is not None
     num_gpu = min(cc.num_gpu_blocks, merged.num_gpu_blocks)

@@ -187,6 +187,11 @@ class CacheEngine:
         self.num_gpu_blocks = num_gpu_blocks
         self.reserved_blocks = copied
 
+    def empty_boundary(self) -> torch.Tensor:
+        """A device tensor shaped like the boundary cache, uninitialised."""
+        assert self.gpu_boundary is not None, "no boundary cache on this stage"
+        return self._device_tensor(tuple(self.gpu_boundary.shape), self.gpu_boundary.dtype)
+
     def drop_boundary(self) -> None:
         """This stage became the last one: it sends nothing downstream, so it keeps no
         boundary rows."""

@@ -4,11 +4,12 @@ and rebuilds only their KV, from data it holds itself.
 The stage keeps its own layers' module, KV, swap copies and boundary rows; it loads only the
 gained layers, as a module built for the lost stage's layout (`StageChain` runs both), and
 gets new KV tensors for them (`CacheEngine.add_layers`). Their KV is then replayed on the
-committed tokens (`replay`): when the previous stage took the layers, on its own boundary rows
-(what it sent the lost stage), its boundary rows then replaced by the gained layers' output
-(what it sends its new next stage) unless it is now the last stage; when the next stage took
-the first stage's layers, on the token ids (embedding included), its own KV and boundary rows
-staying as they are. Nothing is sent between stages."""
+committed tokens (`replay_gained`): when the previous stage took the layers, on its own
+boundary rows (what it sent the lost stage), its boundary rows then replaced by the gained
+layers' output (what it sends its new next stage; `finish`) unless it is now the last
+stage; when the next stage took the first stage's layers, on the token ids (embedding
+included), its own KV and boundary rows staying as they are. Nothing is sent between
+stages."""
 
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ class GainedLayers:
     runner: ModelRunner  # runs the gained module alone, laid out as the lost stage was
     before: bool  # the gained layers come before the stage's own (the first stage was lost)
     kv: list[KVCache]  # their device caches (set once the cache grew)
+    # The gained layers' output rows, the stage's boundary cache once the replay is over
+    # (`finish`). Not written in place: a block shared by several sequences (a cached
+    # prefix, forked samples) is replayed once per sequence, maybe in a later step, and
+    # each must read the rows the stage sent before the merge.
+    boundary_out: torch.Tensor | None = None
 
 
 def load_gained(
@@ -79,5 +85,17 @@ def replay_gained(
     received["hidden"] = hidden
     to_send = runner.replay_stage(gained.kv, rows, received)
     if to_send is not None:  # not the last stage: what goes downstream from now on
-        sent, _ = tpu.slice_for_next_stage(to_send["hidden"])
-        cache.write_boundary(slots, sent)
+        sent, _ = tpu.slice_for_next_stage(to_send["hidden"])  # [T, H / tp] or [T, H]
+        assert gained.boundary_out is not None, "grow_merged_cache first"
+        flat = gained.boundary_out.view(-1, gained.boundary_out.shape[-1])  # [blocks*bs, W]
+        flat.index_copy_(0, slots.to(flat.device), sent.to(flat.dtype))
+
+
+def finish(gained: GainedLayers, cache: CacheEngine, is_last: bool) -> None:
+    """The replay is over: the gained layers' output rows become the boundary cache (the
+    slots not replayed hold nothing in use), or a stage that became the last one keeps no
+    boundary rows (it sends nothing downstream)."""
+    if is_last:
+        cache.drop_boundary()
+    elif gained.boundary_out is not None:
+        cache.gpu_boundary = gained.boundary_out

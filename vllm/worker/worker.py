@@ -31,6 +31,7 @@ from vllm.worker.profiler import StageProfiler
 from vllm.worker.request_table import RequestTable, StepRows
 from vllm.worker.sampled_ids import SampledIdChannel
 from vllm.worker.stage_merge import GainedLayers, load_gained, replay_gained
+from vllm.worker.stage_merge import finish as finish_merge
 from vllm.worker.stage_report import StageInfo, StageStats, StageTimers
 
 logger = logging.getLogger("vllm.worker")
@@ -235,6 +236,10 @@ class Worker:
             shape = (self._num_kv_heads(), self.model_config.get_head_size())
             shapes = [shape] * gained.runner.layout.num_layers
         gained.kv = cache.add_layers(shapes, gained.before, num_gpu_blocks, num_cpu_blocks)
+        if cache.gpu_boundary is not None and not self.layout.is_last and not gained.before:
+            # Made here, outside inference mode: it becomes the boundary cache, written
+            # by every later step.
+            gained.boundary_out = cache.empty_boundary()
         self.cache_config.num_gpu_blocks = num_gpu_blocks
         self.cache_config.num_cpu_blocks = num_cpu_blocks
 
@@ -258,13 +263,11 @@ class Worker:
             raise
 
     def finish_merge(self) -> None:
-        """The layers taken over have their KV: a stage that became the last one drops its
-        boundary rows (it sends nothing downstream now)."""
-        if self._gained is None:
-            return
-        self._gained = None
-        if self.layout.is_last and self.cache_engine is not None:
-            self.cache_engine.drop_boundary()
+        """The layers taken over have their KV: the boundary cache holds what this stage
+        sends downstream now (none on a stage that became the last one)."""
+        gained, self._gained = self._gained, None
+        if gained is not None and self.cache_engine is not None:
+            finish_merge(gained, self.cache_engine, self.layout.is_last)
 
     # -- LoRA adapters (the engine's registry, mirrored on every rank) ------------------------
 
