@@ -117,6 +117,18 @@ class ExecuteModelRequest:
     # Scheduler.kv_blocks_bound(): how far into its cache a stage should have memory mapped.
     kv_blocks_bound: int = 0
 
+    def block_ops(self) -> BlockOps:
+        return BlockOps(self.blocks_to_swap_in, self.blocks_to_swap_out, self.blocks_to_copy)
+
+
+@dataclass
+class BlockOps:
+    """One step's block operations, applied by a stage in this order before its forward."""
+
+    swap_in: dict[int, int] = field(default_factory=dict)  # cpu block -> gpu block
+    swap_out: dict[int, int] = field(default_factory=dict)  # gpu block -> cpu block
+    copy: dict[int, list[int]] = field(default_factory=dict)  # src gpu block -> dst blocks
+
 
 @dataclass
 class ReplayRequest:
@@ -126,10 +138,13 @@ class ReplayRequest:
     `groups` are prefill chunks of tokens whose KV was committed before the failure (one
     sequence each: `num_computed_tokens` is the chunk's start, `token_chunk_size` its
     length). A stage in `rebuild_stages` (PP ranks, ascending) runs its layers on them; a
-    kept stage whose next stage is rebuilt sends its boundary rows for those slots; every
-    rank applies `blocks_to_swap_in` first (swapped groups brought back with the replay)."""
+    kept stage whose next stage is rebuilt sends its boundary rows for those slots. Every
+    rank first applies `unsent_block_ops` in order (steps whose submission failed: the
+    scheduler's blocks moved, no rank's did), then `blocks_to_swap_in` (swapped groups brought
+    back with the replay)."""
 
     rebuild_stages: list[int]
     groups: list[SequenceGroupMetadata] = field(default_factory=list)
     blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
     kv_blocks_bound: int = 0
+    unsent_block_ops: list[BlockOps] = field(default_factory=list)

@@ -10,6 +10,7 @@ the recovery's work in token-stages is at most 1/PP of a full recompute's for th
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -37,6 +38,7 @@ ENGINE_KW = dict(
     swap_space=0.01,
     max_model_len=128,
     disable_log_stats=True,
+    max_stage_restarts=6,  # one engine per layout takes up to 4 kills
 )
 
 
@@ -109,12 +111,12 @@ def run_with_kill(llm: LLM, rank: int, caplog, steps: int = 6) -> tuple[list, ob
 
 def assert_work_is_the_rebuilt_share(extra: dict, pp: int) -> None:
     """The recovery's work is the rebuilt stage's 1/PP share of a full recompute (which
-    counts every token whose KV existed), plus what had to run through every stage: tokens
-    whose blocks a lost step moved or copied, requests recomputed in full."""
-    everywhere = extra["replayed_on_every_stage"]
+    counts every token whose KV existed), plus the requests recomputed in full (a prompt that
+    runs whole, a swapped group with no room to come back): nothing else runs through every
+    stage, not even what a lost step swapped or copied."""
     in_full = extra["recomputed_tokens"] - extra["replayed_tokens"]
     share = extra["full_path_token_stages"] // pp
-    assert extra["recomputed_token_stages"] == share + (everywhere + in_full) * (pp - 1), extra
+    assert extra["recomputed_token_stages"] == share + in_full * (pp - 1), extra
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
@@ -134,6 +136,43 @@ def test_killed_stage_is_rebuilt_alone(engine, where, caplog):
     assert extra["recomputed_token_stages"] < extra["full_path_token_stages"], extra
     logged = caplog.text
     assert "rebuilt stage-locally" in logged and "Stage-local rebuild of stage(s)" in logged
+
+
+@pytest.mark.parametrize("pause_s", [0.0, 0.5])
+def test_blocks_a_lost_step_moved_stay_with_the_survivors(engine, pause_s, caplog):
+    """The stage is killed just before a step that copies or swaps blocks is submitted.
+    Without a pause the step (and the ones after it) reaches the survivors, which apply the
+    block operations even of steps after one they failed; after a pause the engine knows the
+    stage is gone, the submission fails, and the replay applies them first. Either way the
+    survivors' blocks are trusted: only the replaced stage re-prefills."""
+    llm, reference = engine
+    eng = llm.llm_engine
+    pp = eng.parallel_config.pipeline_parallel_size
+    queue = eng.batch_queue
+    submit = queue.submit
+    fired: list[int] = []
+
+    def submit_after_a_kill(scheduler_outputs, *args, **kwargs):
+        moves = scheduler_outputs.blocks_to_copy or scheduler_outputs.blocks_to_swap_out
+        if moves and not fired:
+            fired.append(kill_stage_pid(llm, pp - 1, signal.SIGKILL))
+            time.sleep(pause_s)
+        return submit(scheduler_outputs, *args, **kwargs)
+
+    queue.submit = submit_after_a_kill  # type: ignore[method-assign]
+    events_before = len(eng.fault_events)
+    try:
+        with caplog.at_level("INFO", logger="vllm"):
+            outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    finally:
+        del queue.submit
+    assert fired, "no step copied or swapped a block"
+    assert outputs_of(outputs) == reference
+    (event,) = eng.fault_events[events_before:]
+    extra = event.extra
+    assert extra["stage_recovery"] == "local", extra
+    assert extra["rebuilt_stages"] == [pp - 1]
+    assert_work_is_the_rebuilt_share(extra, pp)
 
 
 def test_stage_recovery_full_still_recovers(tiny_model_dirs, caplog):

@@ -89,3 +89,34 @@ def test_boundary_cache_moves_with_its_blocks():
     cache.copy({11: [20]})  # copy-on-write
     copied = torch.tensor([20 * BLOCK_SIZE + 1, 20 * BLOCK_SIZE + 3])
     assert torch.equal(cache.read_boundary(copied), rows[:2])
+
+
+def test_a_rank_that_left_its_groups_still_applies_a_steps_block_operations():
+    """A step queued behind one this rank failed raises (the engine re-forms the groups), but
+    first moves the blocks it names: every survivor then holds what the scheduler's block
+    tables say, so a stage-local rebuild trusts them."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from vllm.config import ParallelConfig
+    from vllm.step_delta import ExecuteModelRequest
+    from vllm.worker.worker import Worker
+
+    cache = make_cache()
+    cache.reserve(BLOCKS)
+    key, value = cache.gpu_cache[0]
+    key[5].fill_(5.0)
+    value[6].fill_(6.0)
+    rank = SimpleNamespace(
+        cache_engine=cache,
+        rank=1,
+        parallel_config=ParallelConfig(2, distributed_executor_backend="mp"),
+    )
+    rank._apply_block_ops = lambda bound, ops: Worker._apply_block_ops(rank, bound, ops)
+    request = ExecuteModelRequest(
+        step=None, blocks_to_swap_out={6: 2}, blocks_to_copy={5: [9]}, kv_blocks_bound=BLOCKS
+    )
+    with pytest.raises(RuntimeError, match="left its process groups"):
+        Worker.execute_model(rank, request)  # type: ignore[arg-type]
+    assert (key[9] == 5.0).all() and (cache.cpu_cache[0][1][2] == 6.0).all()

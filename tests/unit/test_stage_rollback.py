@@ -60,7 +60,7 @@ def test_in_flight_decode_rolls_back_and_replays_its_committed_tokens():
     sched.commit_step(out_b)
     assert a.is_in_flight() and b.is_in_flight()
     free_before = sched.block_manager.get_num_free_gpu_blocks()
-    plan = roll_back_for_replay(sched, set(), set())
+    plan = roll_back_for_replay(sched)
     assert [g.request_id for g in plan.replayed] == ["a"]
     # b's whole prompt runs again when scheduled (classic scheduling): recomputed in full.
     assert set(plan.recomputed) == {"b"} and list(sched.waiting) == [b]
@@ -81,27 +81,10 @@ def test_in_flight_decode_rolls_back_and_replays_its_committed_tokens():
     assert sched.block_manager.get_block_table(seq) == table
 
 
-def test_blocks_a_lost_step_moved_are_replayed_through_every_stage():
-    """A running sequence whose block a lost step copied replays its committed tokens from
-    that block on through every stage (the tokens before it on the replaced stage only)."""
-    sched = _scheduler(chunked=True)
-    a = _add(sched, "a", 8)
-    c = _add(sched, "c", 8)
-    _run_once(sched)
-    c_seq = c.get_seqs()[0]
-    touched = set(sched.block_manager.get_block_table(c_seq)[1:2])
-    plan = roll_back_for_replay(sched, touched, set())
-    assert [g.request_id for g in plan.replayed] == ["a", "c"] and not plan.recomputed
-    assert plan.all_stages_from == {c_seq.seq_id: 4}
-    assert a.get_seqs()[0].data.get_num_computed_tokens() == 8
-    ranges = {c_seq.seq_id: (4, 8)}
-    steps = replay_steps(plan.replayed, sched.block_manager, 64, ranges)
-    chunks = [(m.request_id, m.seq_data[c_seq.seq_id].get_num_computed_tokens(),
-               m.token_chunk_size) for m in steps[0]]  # fmt: skip
-    assert chunks == [(f"c/replay-{c_seq.seq_id}", 4, 4)]
-
-
-def test_swapped_group_whose_host_blocks_a_lost_step_named_is_recomputed():
+def test_a_group_a_lost_step_swapped_out_comes_back_with_the_replay():
+    """Every survivor applied the lost step's swap-out (or the replay applies it first when
+    its submission failed): the group's host blocks are trusted and it is swapped in with the
+    replay, its committed tokens replayed on the replaced stage only."""
     sched = _scheduler(chunked=True)
     c = _add(sched, "c", 8)
     _run_once(sched)
@@ -110,10 +93,15 @@ def test_swapped_group_whose_host_blocks_a_lost_step_named_is_recomputed():
     mapping = sched.block_manager.swap_out(c)
     c_seq.status = SequenceStatus.SWAPPED
     sched.swapped.append(c)
-    plan = roll_back_for_replay(sched, set(), set(mapping.values()))
-    assert "moved or copied" in plan.recomputed["c"] and not plan.replayed
-    assert c in sched.waiting and c_seq.data.get_num_computed_tokens() == 0
-    assert sched.block_manager.get_num_free_cpu_blocks() == 8
+    plan = roll_back_for_replay(sched)
+    assert not plan.recomputed and plan.swapped_in == ["c"]
+    assert [g.request_id for g in plan.replayed] == ["c"]
+    assert c_seq.status == SequenceStatus.RUNNING
+    # Swapped back in from the very host blocks the swap-out wrote.
+    assert set(plan.blocks_to_swap_in) == set(mapping.values())
+    assert c_seq.data.get_num_computed_tokens() == 8
+    steps = replay_steps(plan.replayed, sched.block_manager, 64)
+    assert replay_tokens(steps) == 8
 
 
 def test_stage_recovery_flag():
@@ -152,7 +140,7 @@ def test_the_block_bound_covers_every_block_a_kept_request_holds():
     assert min(table) >= 24
     sched.abort_seq_group([g.request_id for g in early])
     _run_once(sched)
-    plan = roll_back_for_replay(sched, set(), set())
+    plan = roll_back_for_replay(sched)
     assert [g.request_id for g in plan.replayed] == ["late"]
     # "late" alone needs at most ceil(64 / 4) = 16 blocks: below its block ids.
     assert sched.kv_blocks_bound() > max(sched.block_manager.get_block_table(late.get_seqs()[0]))

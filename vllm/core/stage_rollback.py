@@ -4,20 +4,17 @@ be recomputed in full instead. Imports no torch.
 
 The KV of a sequence's first `num_computed_tokens` tokens is valid on every surviving stage:
 that count only advances when a step's output comes back (`Scheduler.finish_in_flight`), and a
-survivor runs every step it was sent, in order. The steps in flight at the failure are lost,
-so their groups are rolled back to their committed state, keeping their blocks. What cannot be
-trusted:
-- blocks a lost (never collected) step moved or copied (swap in / out, copy-on-write): a rank
-  that failed an earlier step skips the block operations of its later steps, so such a block
-  may differ between survivors. A running sequence holding one replays its committed tokens
-  from that block on through every stage (`RollbackPlan.all_stages_from`: for a copy-on-write,
-  only its last block); a swapped group whose host blocks a lost step named is recomputed;
+survivor runs every step it was sent, in order -- the block operations (swap in / out, copy)
+even of steps after one it failed (`Worker.execute_model`), while those of a step whose
+submission failed reach no rank and are applied before the replay
+(`BatchQueue.unsent_block_ops`). So every survivor holds the blocks the scheduler's tables
+name. The steps in flight at the failure are lost: their groups are rolled back to their
+committed state, keeping their blocks. Recomputed in full instead:
 - a prompt that classic scheduling runs whole (or several diverged samples, never chunked):
-  it is rescheduled as a new prompt anyway, so it is recomputed in full (it has at most a
-  cached prefix computed);
+  it is rescheduled as a new prompt anyway (it has at most a cached prefix computed);
 - a swapped group that cannot come back now: the replaced stage's copy of its blocks is
-  garbage and only a replay brings it back, so it is swapped in with the replay or recomputed;
-- free blocks of the prefix cache: garbage on the new stage, dropped from the cache.
+  garbage and only a replay brings it back, so it is swapped in with the replay or recomputed.
+Free blocks of the prefix cache are garbage on the new stage: dropped from the cache.
 """
 
 from __future__ import annotations
@@ -46,17 +43,11 @@ class RollbackPlan:
     swapped_in: list[str] = field(default_factory=list)
     # Request id -> why it is recomputed in full (re-queued as waiting).
     recomputed: dict[str, str] = field(default_factory=dict)
-    # Sequence id -> the first token of its first block a lost step moved or copied: from
-    # there on its committed tokens are replayed through every stage.
-    all_stages_from: dict[int, int] = field(default_factory=dict)
 
 
-def roll_back_for_replay(
-    sched: Scheduler, touched_gpu: set[int], touched_cpu: set[int]
-) -> RollbackPlan:
+def roll_back_for_replay(sched: Scheduler) -> RollbackPlan:
     """Roll the groups in flight back to their committed state without freeing their blocks,
-    and decide per unfinished group: replay (kept) or full recompute (re-queued). `touched_*`:
-    the device / host blocks named by a block operation of a step that was never collected."""
+    and decide per unfinished group: replay (kept) or full recompute (re-queued)."""
     sched.drop_steps_in_flight()  # the replaced stages hold nothing; all re-learn in full
     plan = RollbackPlan()
     bm = sched.block_manager
@@ -66,14 +57,9 @@ def roll_back_for_replay(
     for group in sched.running:
         if group.is_finished():
             continue
-        why = _why_recompute(sched, group, set(), chunked)
+        why = _why_recompute(group, chunked)
         if why is None:
             kept.append(group)
-            for seq in group.get_unfinished_seqs():
-                table = bm.get_block_table(seq)
-                touched = [i for i, block in enumerate(table) if block in touched_gpu]
-                if touched:
-                    plan.all_stages_from[seq.seq_id] = touched[0] * bm.block_size
         else:
             plan.recomputed[group.request_id] = why
             recompute.append(group)
@@ -84,9 +70,7 @@ def roll_back_for_replay(
     for group in still_swapped:
         if group.is_finished():
             continue
-        why = _why_recompute(sched, group, touched_cpu, chunked)
-        if why is None:
-            why = _swap_in_refusal(sched, group)
+        why = _why_recompute(group, chunked) or _swap_in_refusal(sched, group)
         if why is not None:
             plan.recomputed[group.request_id] = why
             recompute.append(group)
@@ -103,13 +87,7 @@ def roll_back_for_replay(
     return plan
 
 
-def _why_recompute(
-    sched: Scheduler, group: SequenceGroup, touched: set[int], chunked: bool
-) -> str | None:
-    bm = sched.block_manager
-    for seq in group.get_unfinished_seqs():
-        if touched.intersection(bm.get_block_table(seq)):
-            return "its blocks were moved or copied by a step that was lost"
+def _why_recompute(group: SequenceGroup, chunked: bool) -> str | None:
     if group.is_prefill() and (not chunked or group.num_unfinished_seqs() > 1):
         return "its prompt runs whole when scheduled again"
     return None

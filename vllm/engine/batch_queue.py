@@ -20,7 +20,7 @@ from vllm.core.scheduler import SchedulerOutputs
 from vllm.distributed.serialization import MessageNotSerializableError, message_bytes
 from vllm.executor.step_future import StepFuture
 from vllm.sequence import SamplerOutput, SequenceStatus
-from vllm.step_delta import ExecuteModelRequest, RequestRecord, StepMessage
+from vllm.step_delta import BlockOps, ExecuteModelRequest, RequestRecord, StepMessage
 
 
 class StepExecutor(Protocol):
@@ -73,7 +73,7 @@ class BatchQueue:
         self._drain_through = 0
         self.count_bytes = False
         self.stats = BatchQueueStats()
-        # Batches whose submission raised half-way (see lost_block_ids).
+        # Batches whose submission raised (see unsent_block_ops).
         self._failed_submits: list[SchedulerOutputs] = []
 
     def __len__(self) -> int:
@@ -137,7 +137,7 @@ class BatchQueue:
             self._step_no -= 1  # nothing was sent
             raise
         except BaseException:
-            # Perhaps sent to some ranks: its block operations count as lost ones.
+            # Sent to no rank: its block operations are applied before a stage-local rebuild.
             self._failed_submits.append(scheduler_outputs)
             raise
         if self.count_bytes:
@@ -185,22 +185,16 @@ class BatchQueue:
         self.executor.discard_steps()
         self._drain_through = self._step_no
 
-    def lost_block_ids(self) -> tuple[set[int], set[int]]:
-        """(device blocks, host blocks) named by a block operation (swap in / out, copy) of a
-        batch never collected: submitted and still in the queue, or whose submission raised.
-        After a stage failure, survivors may not all have applied those operations."""
-        gpu: set[int] = set()
-        cpu: set[int] = set()
-        outputs = [b.scheduler_outputs for b in self._batches] + self._failed_submits
-        for out in outputs:
-            cpu.update(out.blocks_to_swap_in)
-            gpu.update(out.blocks_to_swap_in.values())
-            gpu.update(out.blocks_to_swap_out)
-            cpu.update(out.blocks_to_swap_out.values())
-            for src, dsts in out.blocks_to_copy.items():
-                gpu.add(src)
-                gpu.update(dsts)
-        return gpu, cpu
+    def unsent_block_ops(self) -> list[BlockOps]:
+        """The block operations of batches whose submission raised, in order. A step is sent
+        to every rank or to none (`RankCalls.submit`), so no rank applied them, while the
+        scheduler's block tables already say they happened: a stage-local rebuild applies
+        them first. (Every surviving rank applied those of the batches that were sent, failed
+        or not: `Worker.execute_model`.)"""
+        return [
+            BlockOps(out.blocks_to_swap_in, out.blocks_to_swap_out, out.blocks_to_copy)
+            for out in self._failed_submits
+        ]
 
     def reset(self) -> None:
         """A stage was replaced and the groups re-formed: nothing is in flight, the stages

@@ -25,7 +25,7 @@ from vllm.core.stage_rollback import RollbackPlan, roll_back_for_replay
 from vllm.engine.stage_replay import replay_steps, replay_tokens
 from vllm.executor.stage_supervisor import FaultEvent, StageFailedError
 from vllm.logger import init_logger
-from vllm.step_delta import ReplayRequest
+from vllm.step_delta import BlockOps, ReplayRequest
 
 if TYPE_CHECKING:
     from vllm.engine.llm_engine import LLMEngine
@@ -83,13 +83,13 @@ class StageRecovery:
         committed = _committed_tokens([*sched.running, *sched.swapped])
         # Caught up once every sequence has the KV it had back.
         self._catching_up = (event, {seq: n for seq, n in committed.items() if n > 0})
-        lost_gpu, lost_cpu = engine.batch_queue.lost_block_ids()
+        unsent = engine.batch_queue.unsent_block_ops()
         engine.batch_queue.reset()
         full_tokens = sum(committed.values())
         event.extra["full_path_token_stages"] = full_tokens * pp
         plan: RollbackPlan | None = None
         if self.local_rebuild_enabled():
-            plan = roll_back_for_replay(sched, lost_gpu, lost_cpu)
+            plan = roll_back_for_replay(sched)
             event.requeued_requests = len(plan.replayed) + len(plan.recomputed)
         else:
             event.requeued_requests = len(sched.requeue_all())
@@ -136,7 +136,7 @@ class StageRecovery:
         stages = sorted({rank // tp for rank in error.ranks})
         if plan is not None:
             replay_started = time.perf_counter()
-            self._rebuild(plan, stages, event, committed)
+            self._rebuild(plan, stages, event, committed, unsent)
             event.extra["replay_s"] = time.perf_counter() - replay_started
             event.recovery_s += event.extra["replay_s"]
         else:
@@ -209,37 +209,20 @@ class StageRecovery:
         stages: list[int],
         event: FaultEvent,
         committed_at_fault: dict[int, int],
+        unsent: list[BlockOps],
     ) -> None:
         """Replay the kept groups' committed tokens through the replaced `stages`; a failed
         replay step falls back to a full recompute. `committed_at_fault`: each sequence's
-        tokens with KV at the failure (what recomputing it in full computes again)."""
+        tokens with KV at the failure (what recomputing it in full computes again);
+        `unsent`: block operations of steps no rank got, applied first."""
         engine = self.engine
         sched = engine.scheduler
         pp = engine.parallel_config.pipeline_parallel_size
         for request_id, why in plan.recomputed.items():
             logger.warning("Request %s: recomputed in full (%s)", request_id, why)
         groups = [g for g in plan.replayed if not g.is_finished()]
-        max_tokens = sched.budget.max_num_batched_tokens
-        # Phase 1, the replaced stages: every committed token, up to a sequence's first block
-        # a lost step moved or copied. Phase 2, every stage: the tokens from that block on.
-        local_ranges: dict[int, tuple[int, int]] = {}
-        all_ranges: dict[int, tuple[int, int]] = {}
-        for group in groups:
-            for seq in group.get_unfinished_seqs():
-                committed = seq.data.get_num_computed_tokens()
-                start = min(plan.all_stages_from.get(seq.seq_id, committed), committed)
-                local_ranges[seq.seq_id] = (0, start)
-                if start < committed:
-                    all_ranges[seq.seq_id] = (start, committed)
-                    logger.warning(
-                        "Request %s: tokens %d-%d replayed through every stage (a step that "
-                        "was lost moved or copied their blocks)",
-                        group.request_id, start, committed,
-                    )  # fmt: skip
-        local_steps = replay_steps(groups, sched.block_manager, max_tokens, local_ranges)
-        all_steps = replay_steps(groups, sched.block_manager, max_tokens, all_ranges)
-        replayed = replay_tokens(local_steps)
-        replayed_everywhere = replay_tokens(all_steps)
+        steps = replay_steps(groups, sched.block_manager, sched.budget.max_num_batched_tokens)
+        replayed = replay_tokens(steps)
         requeued = [g for g in sched.waiting if g.request_id in plan.recomputed]
         # A prompt that was in flight had no KV yet: it runs again, but computes nothing again.
         recomputed_full = sum(
@@ -249,21 +232,20 @@ class StageRecovery:
         )
         logger.info(
             "Stage-local rebuild of stage(s) %s: %d requests, %d tokens in %d replay step(s) "
-            "(%d swapped requests swapped in with it), %d tokens through every stage; %d "
-            "requests recomputed in full",
-            stages, len(groups), replayed, len(local_steps), len(plan.swapped_in),
-            replayed_everywhere, len(plan.recomputed),
+            "(%d swapped requests swapped in with it, block operations of %d unsent step(s) "
+            "applied first); %d requests recomputed in full",
+            stages, len(groups), replayed, len(steps), len(plan.swapped_in), len(unsent),
+            len(plan.recomputed),
         )  # fmt: skip
-        every_stage = list(range(pp))
-        phases = [(stages, step) for step in local_steps or [[]]]
-        phases += [(every_stage, step) for step in all_steps]
         try:
-            for index, (rebuilt, step) in enumerate(phases):
+            for index, step in enumerate(steps or [[]]):
+                first = index == 0
                 request = ReplayRequest(
-                    rebuilt,
+                    stages,
                     step,
-                    plan.blocks_to_swap_in if index == 0 else {},
+                    plan.blocks_to_swap_in if first else {},
                     sched.kv_blocks_bound(),
+                    unsent if first else [],
                 )
                 num_tokens = sum(meta.token_chunk_size or 0 for meta in step)
                 deadline = engine.parallel_config.step_deadline_s(num_tokens)
@@ -287,13 +269,10 @@ class StageRecovery:
             return
         event.extra["stage_recovery"] = "local"
         event.extra["rebuilt_stages"] = stages
-        event.extra["replayed_tokens"] = replayed + replayed_everywhere
-        event.extra["replayed_on_every_stage"] = replayed_everywhere
+        event.extra["replayed_tokens"] = replayed
         event.extra["recomputed_requests"] = dict(plan.recomputed)
-        event.extra["recomputed_tokens"] = replayed + replayed_everywhere + recomputed_full
-        event.extra["recomputed_token_stages"] = (
-            replayed * len(stages) + (replayed_everywhere + recomputed_full) * pp
-        )
+        event.extra["recomputed_tokens"] = replayed + recomputed_full
+        event.extra["recomputed_token_stages"] = replayed * len(stages) + recomputed_full * pp
 
     def _fail_recurring(
         self, event: FaultEvent, previous: FaultEvent, error: StageFailedError

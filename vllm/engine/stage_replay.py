@@ -21,16 +21,12 @@ _NO_SAMPLING = SamplingParams()
 
 
 def replay_steps(
-    groups: list[SequenceGroup],
-    block_manager: BlockSpaceManager,
-    max_tokens: int,
-    ranges: dict[int, tuple[int, int]] | None = None,
+    groups: list[SequenceGroup], block_manager: BlockSpaceManager, max_tokens: int
 ) -> list[list[SequenceGroupMetadata]]:
     """The chunks to replay, packed into steps of at most `max_tokens` tokens; a sequence
-    has at most one chunk per step. Each running sequence replays its committed tokens, or
-    the range `ranges` gives for its id ((start, end); a sequence not in `ranges` is skipped
-    when it is given). Forked samples sharing blocks each replay their own tokens (the shared
-    blocks are written twice with the same rows)."""
+    has at most one chunk per step. Each running sequence replays its committed tokens.
+    Forked samples sharing blocks each replay their own tokens (the shared blocks are
+    written twice with the same rows)."""
     if max_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_tokens}.")
     steps: list[list[SequenceGroupMetadata]] = []
@@ -40,12 +36,7 @@ def replay_steps(
         if group.is_finished():
             continue
         for seq in group.get_seqs(status=SequenceStatus.RUNNING):
-            if ranges is None:
-                start, committed = 0, seq.data.get_num_computed_tokens()
-            elif seq.seq_id in ranges:
-                start, committed = ranges[seq.seq_id]
-            else:
-                continue
+            start, committed = 0, seq.data.get_num_computed_tokens()
             table = block_manager.get_block_table(seq)
             while start < committed:
                 length = min(committed - start, room)

@@ -23,7 +23,7 @@ from vllm.lora.worker_manager import StageLoRAManager
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import SamplerOutput
-from vllm.step_delta import ExecuteModelRequest, ReplayRequest
+from vllm.step_delta import BlockOps, ExecuteModelRequest, ReplayRequest
 from vllm.worker.cache_engine import CacheEngine, layers_block_bytes
 from vllm.worker.cpu_memory import release_memory, tune_malloc
 from vllm.worker.model_runner import ModelRunner
@@ -461,7 +461,11 @@ class Worker:
         several messages further on -- is released at once by the closed connection instead
         of waiting out the group timeout while the engine waits for it to rejoin."""
         if self.parallel_config.world_size > 1 and not ps.model_parallel_is_initialized():
-            # A step queued before the engine saw an earlier failure of this rank's.
+            # A step queued before the engine saw an earlier failure of this rank's. Its block
+            # operations are local and still applied: every surviving rank gets the same
+            # steps, so after a stage replacement all of them hold the blocks the scheduler
+            # moved or copied, and only the replaced stage must rebuild its KV.
+            self._apply_block_ops(request.kv_blocks_bound, request.block_ops())
             raise RuntimeError(
                 f"rank {self.rank}: this stage left its process groups after a failed step "
                 "and waits for the engine to re-form them"
@@ -493,11 +497,8 @@ class Worker:
         timers, step, layout = self.timers, request.step, self.layout
         timers.begin()
         cache = self.cache_engine
-        cache.reserve(request.kv_blocks_bound)
         # Block operations come before the forward: this step's batch may use moved blocks.
-        cache.swap_in(request.blocks_to_swap_in)
-        cache.swap_out(request.blocks_to_swap_out)
-        cache.copy(request.blocks_to_copy)
+        self._apply_block_ops(request.kv_blocks_bound, request.block_ops())
         self.model_runner.drop_requests(request.finished_request_ids)
         rows: StepRows | None = None
         if step is not None:
@@ -530,6 +531,15 @@ class Worker:
         timers.lap("send_s")
         timers.end()
         return output
+
+    def _apply_block_ops(self, kv_blocks_bound: int, ops: BlockOps) -> None:
+        """Map the cache up to `kv_blocks_bound` blocks, then swap in, swap out and copy."""
+        cache = self.cache_engine
+        assert cache is not None, "initialize_cache() first"
+        cache.reserve(kv_blocks_bound)
+        cache.swap_in(ops.swap_in)
+        cache.swap_out(ops.swap_out)
+        cache.copy(ops.copy)
 
     def _receive_hidden(self) -> dict[str, Any]:
         """The previous stage's hidden states and metadata (TP: all-gathered from slices)."""
@@ -565,11 +575,11 @@ class Worker:
         runs its layers on the committed tokens (writing their KV and its own boundary
         rows) and passes them on to a rebuilt next stage; a kept stage whose next stage is
         rebuilt sends the rows its boundary cache holds for those slots; others only apply
-        the swap-ins. Nothing is sampled."""
+        the block operations. Nothing is sampled."""
         assert self.cache_engine is not None, "initialize_cache() first"
-        cache = self.cache_engine
-        cache.reserve(request.kv_blocks_bound)
-        cache.swap_in(request.blocks_to_swap_in)
+        for ops in request.unsent_block_ops:
+            self._apply_block_ops(request.kv_blocks_bound, ops)
+        self._apply_block_ops(request.kv_blocks_bound, BlockOps(request.blocks_to_swap_in))
         if not request.groups:
             return
         pp_rank = ps.get_pipeline_model_parallel_rank()
