@@ -283,9 +283,8 @@ def test_swapped_and_parallel_sampled_groups_come_back_with_the_local_rebuild(
                 swapped_for = swapped_for + 1 if eng.scheduler.swapped else 0
                 free = eng.scheduler.block_manager.get_num_free_gpu_blocks()
                 if not killed and swapped_for > 3 and free >= 12:
-                    # Swapped out by a step collected since (one lost would name its host
-                    # blocks: recomputed in full), still swapped when the failure is found,
-                    # with room to come back.
+                    # Swapped out a few steps ago: still swapped when the failure is found,
+                    # with room to come back with the replay.
                     kill_stage_pid(llm, 1, signal.SIGKILL)
                     killed = True
         assert killed, "no group was ever swapped out"

@@ -45,6 +45,7 @@ from vllm.distributed.pipeline_resize import stages_of
 from vllm.engine.merge_rebuild import MergeRebuild, NotLocal, rebuild_merged_stage, refusal
 from vllm.executor.stage_supervisor import FaultEvent, StageFailedError
 from vllm.logger import init_logger
+from vllm.step_delta import BlockOps
 
 if TYPE_CHECKING:
     from vllm.engine.llm_engine import LLMEngine
@@ -122,11 +123,13 @@ class ElasticPipeline:
         why: str,
         plan: RollbackPlan | None = None,
         committed_at_fault: dict[int, int] | None = None,
+        unsent: list[BlockOps] | None = None,
     ) -> None:
         """The stages of `error` could not be replaced (`why`): the pipeline goes on without
         them. Called by the recovery with nothing in flight; `plan`: how it rolled the groups
         back for a stage-local rebuild (None: it did not), `committed_at_fault`: each
-        sequence's tokens with KV at the failure. Raises when re-forming fails (the caller
+        sequence's tokens with KV at the failure, `unsent`: block operations of steps no rank
+        got (applied before the local rebuild). Raises when re-forming fails (the caller
         ends the engine)."""
         engine = self.engine
         pc = engine.parallel_config
@@ -143,7 +146,7 @@ class ElasticPipeline:
             assert plan is not None
             engine.executor.remove_stages(error.ranks, merge=True)
             try:
-                rebuilt = rebuild_merged_stage(engine, plan)
+                rebuilt = rebuild_merged_stage(engine, plan, unsent or [])
             except NotLocal as exc:
                 not_local = str(exc)
             except Exception as exc:

@@ -3,11 +3,12 @@ boundary caches on): after `executor.remove_stages(..., merge=True)` one neighbo
 lost stage's layers besides its own (`vllm.worker.stage_merge`) and every other stage kept
 its range and KV. Here the engine keeps its block count when that neighbour can hold it with
 its new layers, or shrinks the pool to what it can hold when no block in use is above that
-(else `NotLocal`: nothing changed yet, the caller recomputes in full); brings swapped groups
-back first (the neighbour has no host copy of the gained layers, and its host tensors may be
-re-made); grows the neighbour's cache; and replays the committed tokens of the kept groups
-through the gained layers only, in chunks of `max_num_batched_tokens`
-(`vllm.engine.stage_replay`). Nothing is sent between stages. Imports no torch."""
+(else `NotLocal`: nothing changed yet, the caller recomputes in full); applies the block
+operations of steps no rank got and brings swapped groups back first (the neighbour has no
+host copy of the gained layers, and its host tensors may be re-made); grows the neighbour's
+cache; and replays the committed tokens of the kept groups through the gained layers only,
+in chunks of `max_num_batched_tokens` (`vllm.engine.stage_replay`). Nothing is sent between
+stages. Imports no torch."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from vllm.core.stage_rollback import RollbackPlan
 from vllm.engine.stage_replay import replay_steps, replay_tokens
-from vllm.step_delta import ReplayRequest
+from vllm.step_delta import BlockOps, ReplayRequest
 
 if TYPE_CHECKING:
     from vllm.engine.llm_engine import LLMEngine
@@ -53,39 +54,17 @@ def refusal(engine: LLMEngine, plan: RollbackPlan | None, num_lost_stages: int) 
     return None
 
 
-def _recompute_touched(engine: LLMEngine, plan: RollbackPlan) -> None:
-    """Groups holding a block a lost step moved or copied may hold it differently on the
-    survivors: they are recomputed in full (no stage replays them through every stage here),
-    the others are replayed."""
-    if not plan.all_stages_from:
-        return
-    sched = engine.scheduler
-    touched = [
-        g
-        for g in plan.replayed
-        if any(seq.seq_id in plan.all_stages_from for seq in g.get_unfinished_seqs())
-    ]
-    for group in touched:
-        plan.recomputed[group.request_id] = (
-            "its blocks were moved or copied by a step that was lost"
-        )
-        sched.running.remove(group)
-    sched.requeue(touched)
-    # Blocks they parked in the prefix cache may differ between stages: dropped.
-    sched.block_manager.drop_free_cached_blocks()
-    plan.replayed = [g for g in plan.replayed if g not in touched]
-    plan.all_stages_from.clear()
-
-
-def rebuild_merged_stage(engine: LLMEngine, plan: RollbackPlan) -> MergeRebuild:
-    """Rebuild the KV of the layers the merged stage took over (see the module docstring).
+def rebuild_merged_stage(
+    engine: LLMEngine, plan: RollbackPlan, unsent: list[BlockOps]
+) -> MergeRebuild:
+    """Rebuild the KV of the layers the merged stage took over (see the module docstring);
+    `unsent`: block operations of steps no rank got, applied first on every rank.
     Raises NotLocal, before any stage changed, when its cache cannot keep every group's
     blocks; any other error leaves the caller to recompute in full."""
     executor = engine.executor
     merged = executor.merged
     assert merged is not None, "remove_stages(merge=True) first"
     sched = engine.scheduler
-    _recompute_touched(engine, plan)
     cc = engine.cache_config
     assert cc.num_gpu_blocks is not None and cc.num_cpu_blocks is not None
     num_gpu = min(cc.num_gpu_blocks, merged.num_gpu_blocks)
@@ -100,12 +79,13 @@ def rebuild_merged_stage(engine: LLMEngine, plan: RollbackPlan) -> MergeRebuild:
                 f"{cc.num_gpu_blocks} / {cc.num_cpu_blocks}, and {why}"
             )
     pc = engine.parallel_config
-    # Swapped groups come back first, on every rank: the merged stage's host tensors may be
-    # re-made below, and hold nothing for the gained layers anyway (the replay writes them).
-    if plan.blocks_to_swap_in:
+    # The block operations no rank got, then the swapped groups coming back, first, on every
+    # rank: the merged stage's host tensors may be re-made below, and hold nothing for the
+    # gained layers anyway (the replay writes them).
+    if plan.blocks_to_swap_in or unsent:
         request = ReplayRequest(
             rebuild_stages=[], blocks_to_swap_in=plan.blocks_to_swap_in,
-            kv_blocks_bound=sched.kv_blocks_bound(),
+            kv_blocks_bound=sched.kv_blocks_bound(), unsent_block_ops=unsent,
         )  # fmt: skip
         executor.replay_gained_layers(request, pc.step_deadline_s(0))
     executor.grow_merged_cache(num_gpu, num_cpu)  # the engine's block counts from now on

@@ -245,12 +245,14 @@ class Worker:
 
     def replay_gained_layers(self, request: ReplayRequest) -> None:
         """One replay step of the layers this stage took over (`vllm.worker.stage_merge`):
-        every rank applies the swap-ins; the stage that took them runs only them on the
-        committed tokens from data it holds. Nothing is sent or sampled."""
+        every rank applies the block operations (as `replay_stages`); the stage that took
+        them runs only them on the committed tokens from data it holds. Nothing is sent or
+        sampled."""
         assert self.cache_engine is not None, "initialize_cache() first"
         cache = self.cache_engine
-        cache.reserve(request.kv_blocks_bound)
-        cache.swap_in(request.blocks_to_swap_in)
+        for ops in request.unsent_block_ops:
+            self._apply_block_ops(request.kv_blocks_bound, ops)
+        self._apply_block_ops(request.kv_blocks_bound, BlockOps(request.blocks_to_swap_in))
         if not request.groups or self._gained is None:
             return
         try:
