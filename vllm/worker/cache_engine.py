@@ -159,33 +159,32 @@ class CacheEngine:
         return self._host_tensors()[0].shape[0] if self._host_tensors() else 0
 
     def _shrink(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """Every tensor cut to its first blocks, in tensors of that size (the memory of the
-        larger ones is given back). Device blocks are copied as far as they are mapped (the
-        rest holds nothing yet); host blocks are not: every swapped group was swapped in
-        before (`vllm.engine.merge_rebuild`), so the swap space holds nothing in use."""
+        """The tensors of a device whose count shrinks, cut to their first blocks in tensors
+        of that size (the memory of the larger ones is given back). Device blocks are copied
+        as far as they are mapped (the rest holds nothing yet); host blocks are not: every
+        swapped group was swapped in before (`vllm.engine.merge_rebuild`), so the swap space
+        holds nothing in use."""
         copied = min(self.reserved_blocks, num_gpu_blocks)
 
-        def cut(tensor: torch.Tensor, blocks: int, device: bool) -> torch.Tensor:
-            shape = (blocks, *tensor.shape[1:])
-            if not device:
-                pin = self.device.type == "cuda"
-                return torch.empty(shape, dtype=tensor.dtype, pin_memory=pin)
-            new = self._device_tensor(shape, tensor.dtype)
+        def on_device(tensor: torch.Tensor) -> torch.Tensor:
+            new = self._device_tensor((num_gpu_blocks, *tensor.shape[1:]), tensor.dtype)
             new[:copied].copy_(tensor[:copied])
             return new
 
-        self.gpu_cache = [
-            (cut(k, num_gpu_blocks, True), cut(v, num_gpu_blocks, True)) for k, v in self.gpu_cache
-        ]
-        self.cpu_cache = [
-            (cut(k, num_cpu_blocks, False), cut(v, num_cpu_blocks, False))
-            for k, v in self.cpu_cache
-        ]
-        if self.gpu_boundary is not None and self.cpu_boundary is not None:
-            self.gpu_boundary = cut(self.gpu_boundary, num_gpu_blocks, True)
-            self.cpu_boundary = cut(self.cpu_boundary, num_cpu_blocks, False)
-        self.num_gpu_blocks = num_gpu_blocks
-        self.reserved_blocks = copied
+        def on_host(tensor: torch.Tensor) -> torch.Tensor:
+            shape = (num_cpu_blocks, *tensor.shape[1:])
+            return torch.empty(shape, dtype=tensor.dtype, pin_memory=self.device.type == "cuda")
+
+        if num_gpu_blocks < self.num_gpu_blocks:
+            self.gpu_cache = [(on_device(k), on_device(v)) for k, v in self.gpu_cache]
+            if self.gpu_boundary is not None:
+                self.gpu_boundary = on_device(self.gpu_boundary)
+            self.num_gpu_blocks = num_gpu_blocks
+            self.reserved_blocks = copied
+        if num_cpu_blocks < self._num_cpu_blocks():
+            self.cpu_cache = [(on_host(k), on_host(v)) for k, v in self.cpu_cache]
+            if self.cpu_boundary is not None:
+                self.cpu_boundary = on_host(self.cpu_boundary)
 
     def empty_boundary(self) -> torch.Tensor:
         """A device tensor shaped like the boundary cache, uninitialised."""
