@@ -1,15 +1,18 @@
 """A stage that cannot be replaced: the pipeline goes on at PP - 1 and grows back to PP.
 
-The mp backend at PP = 3 (the middle stage lost) and PP = 2 (the first stage lost: the last
-stage becomes the only one), and Ray at PP = 2 (the new actor cannot be placed). Starting a
-stage process is made to fail in the test process (the engine runs in it: at mp PP = 3 the new
-process dies at start-up, at PP = 2 it cannot be started at all) and a stage is SIGKILLed with
-requests in flight: the engine re-forms the survivors with an even split, and every request
-(greedy and seeded) finishes with the tokens of the fault-free run. While starting stages
-still fails, growing back fails with one log line and changes nothing; once it works again the
-engine grows back -- on demand (`LLMEngine.grow_pipeline`) at PP = 3, by itself after
-VLLM_PP_REGROW_INTERVAL_S at PP = 2 -- with requests in flight, to the original split, and
-outputs match again."""
+The mp backend at PP = 3 (the middle stage lost, then the first, then the last) and PP = 2
+(the first stage lost: the last stage becomes the only one), and Ray at PP = 2 (the new actor
+cannot be placed). Starting a stage process is made to fail in the test process (the engine
+runs in it: at mp PP = 3 the new process dies at start-up, at PP = 2 it cannot be started at
+all) and a stage is SIGKILLed with requests in flight. With the boundary caches (the default)
+ONE neighbour takes the lost stage's layers and only their KV is replayed, on it alone: the
+work is the lost stage's share of a full recompute, and every request (greedy and seeded)
+finishes with the tokens of the fault-free run (greedy ones: HF's). When the neighbour cannot
+hold the blocks in use with its new layers (a tiny KV space), the engine takes the even split
+and recomputes in full, and says why. While starting stages still fails, growing back fails
+with one log line and changes nothing; once it works again the engine grows back -- on demand
+(`LLMEngine.grow_pipeline`) at PP = 3, by itself after VLLM_PP_REGROW_INTERVAL_S at PP = 2 --
+with requests in flight, to the original split, and outputs match again."""
 
 from __future__ import annotations
 
@@ -80,13 +83,23 @@ def refuse_new_stages(monkeypatch, executor, how: str) -> list[int]:
     return tried
 
 
-def assert_pipeline(llm: LLM, pp: int) -> None:
-    """The engine runs `pp` stages, numbered in order, with the even split, all alive."""
+def merged(pp: int, lost: int) -> list[tuple[int, int]]:
+    """Layer ranges after stage `lost` of the even split over `pp` stages left and its
+    neighbour (the previous stage; for the first, the next) took its layers."""
+    ranges = even(pp)
+    into = lost - 1 if lost > 0 else 1
+    joined = (min(ranges[lost][0], ranges[into][0]), max(ranges[lost][1], ranges[into][1]))
+    return [joined if r == into else span for r, span in enumerate(ranges) if r != lost]
+
+
+def assert_pipeline(llm: LLM, pp: int, layers: list[tuple[int, int]] | None = None) -> None:
+    """The engine runs `pp` stages, numbered in order, with `layers` (default: the even
+    split), all alive."""
     engine = llm.llm_engine
     infos = engine.get_stage_infos()
     assert engine.parallel_config.pipeline_parallel_size == pp
     assert [(i.rank, i.pp_rank) for i in infos] == [(r, r) for r in range(pp)]
-    assert [i.layers for i in infos] == even(pp)
+    assert [i.layers for i in infos] == (layers if layers is not None else even(pp))
     assert [i.is_first for i in infos] == [r == 0 for r in range(pp)]
     assert [i.is_last for i in infos] == [r == pp - 1 for r in range(pp)]
     assert not any(gone(i.pid) for i in infos)
@@ -95,6 +108,27 @@ def assert_pipeline(llm: LLM, pp: int) -> None:
     assert not scheduler.in_flight and not scheduler.has_unfinished_seqs()
     manager = scheduler.block_manager
     assert manager.get_num_free_gpu_blocks() == manager.num_total_gpu_blocks
+
+
+def assert_local_rebuild(event, old_pp: int, logged: str) -> None:
+    """The lost layers were rebuilt on the neighbour that took them: the work is the lost
+    stage's share of a full recompute (every committed token through one old stage's
+    layers), plus requests the rollback re-queued, through every layer."""
+    extra = event.extra
+    assert extra["stage_recovery"] == "shrink (local)", extra
+    assert extra["replayed_tokens"] > 0, extra
+    in_full = extra["recomputed_tokens"] - extra["replayed_tokens"]
+    share = extra["full_path_token_stages"] // old_pp
+    assert extra["recomputed_token_stages"] == share + in_full * (old_pp - 1), extra
+    assert extra["recomputed_token_stages"] < extra["full_path_token_stages"], extra
+    assert "merged into stage" in logged and "replayed through those layers only" in logged
+    assert "Shrinking the pipeline: every request is recomputed in full" not in logged
+
+
+def greedy_match_hf(outputs: list[list[int]], expected: list[list[int]]) -> None:
+    """The greedy requests of PARAMS (every other one) produced HF's greedy tokens."""
+    for i in range(0, len(PROMPTS), 2):
+        assert outputs[i] == expected[i % len(tiny_models.PROMPTS)], i
 
 
 def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monkeypatch, caplog):
@@ -117,13 +151,13 @@ def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monk
     assert outputs == reference
     assert tried and tried[0] == victim
     # PP - 1 stages: the survivors' own processes, renumbered in order, the layers split evenly.
-    assert_pipeline(llm, pp - 1)
+    assert_pipeline(llm, pp - 1, merged(pp, victim))
     assert [i.pid for i in eng.get_stage_infos()] == survivors
     event = eng.fault_events[-1]
     assert event.ranks == [victim]
-    assert event.extra["stage_recovery"] == "shrink", event.extra
-    assert event.extra["pipeline_parallel_size"] == pp - 1
     logged = caplog.text
+    assert_local_rebuild(event, pp, logged)
+    assert event.extra["pipeline_parallel_size"] == pp - 1
     assert (
         f"Pipeline shrunk from PP={pp} to PP={pp - 1} after stage {victim} could not be "
         "replaced" in logged
@@ -140,7 +174,7 @@ def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monk
     with caplog.at_level("INFO", logger="vllm"):
         assert eng.grow_pipeline() is False
     assert caplog.text.count(f"Growing the pipeline back to PP={pp} failed") == 1
-    assert_pipeline(llm, pp - 1)
+    assert_pipeline(llm, pp - 1, merged(pp, victim))
     assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
 
     # Stages can be started again: back to PP with the original split, requests in flight.
@@ -168,6 +202,150 @@ def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monk
     assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
 
 
+@pytest.mark.parametrize("lost", ["first", "last"])
+def test_first_or_last_stage_lost_rebuilds_only_its_layers(
+    engine, lost, monkeypatch, caplog, hf_reference
+):
+    """mp PP = 3 -> 2 with the first stage lost (the second takes its layers and the
+    embedding, replaying them from the token ids) and with the last one lost (the middle
+    one takes them and the lm_head, replaying them from its own boundary rows); then back
+    to PP = 3."""
+    llm, reference = engine
+    eng = llm.llm_engine
+    pp = eng.parallel_config.pipeline_parallel_size
+    if (eng.parallel_config.distributed_executor_backend, pp) != ("mp", 3):
+        pytest.skip("mp PP = 3 only")
+    victim = 0 if lost == "first" else pp - 1
+    monkeypatch.setenv("VLLM_PP_REGROW_INTERVAL_S", "3600")
+    refuse_new_stages(monkeypatch, eng.executor, "dies")
+    thread = after_steps(llm, 5, lambda: kill_stage_pid(llm, victim, signal.SIGKILL))
+    with caplog.at_level("INFO", logger="vllm"):
+        outputs = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+    thread.join(timeout=60)
+    assert outputs == reference
+    greedy_match_hf(outputs, hf_reference("llama-gqa-tied"))
+    assert_pipeline(llm, pp - 1, merged(pp, victim))
+    assert_local_rebuild(eng.fault_events[-1], pp, caplog.text)
+    assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
+    monkeypatch.undo()
+    assert eng.grow_pipeline() is True
+    assert_pipeline(llm, pp)
+    assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
+
+
+def test_swapped_and_parallel_sampled_groups_come_back_with_the_local_rebuild(
+    tiny_model_dirs, monkeypatch, caplog
+):
+    """mp PP = 3 -> 2, the middle stage lost, with chunked prefill, prefix caching, a small
+    cache that swaps and n = 2 seeded sampling: swapped groups are swapped in before the
+    merged stage's host tensors are re-made (the swap space shrinks to what it holds with
+    its new layers), and outputs equal the fault-free run."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        if i % 3 == 0
+        else SamplingParams(temperature=1.0, seed=i, max_tokens=40, n=2 if i % 3 == 2 else 1)
+        for i in range(len(PROMPTS))
+    ]
+    llm = LLM(
+        tiny_model_dirs["llama-gqa-untied"],
+        pipeline_parallel_size=3,
+        distributed_executor_backend="mp",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=256,
+        max_num_seqs=16,
+        enable_prefix_caching=True,
+        block_size=4,
+        num_gpu_blocks_override=64,
+        swap_space=0.01,
+        max_model_len=128,
+        disable_log_stats=True,
+    )
+
+    def samples(outputs) -> list[list[list[int]]]:
+        return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+    try:
+        eng = llm.llm_engine
+        reference = samples(llm.generate(PROMPTS, params, use_tqdm=False))
+        host_blocks = eng.cache_config.num_cpu_blocks
+        monkeypatch.setenv("VLLM_PP_REGROW_INTERVAL_S", "3600")
+        refuse_new_stages(monkeypatch, eng.executor, "dies")
+        for i, prompt in enumerate(PROMPTS):
+            eng.add_request(str(i), prompt, params[i])
+        finished: dict[str, list[list[int]]] = {}
+        killed = False
+        swapped_for = 0  # steps in a row with a group swapped out
+        with caplog.at_level("INFO", logger="vllm"):
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        finished[out.request_id] = [list(c.token_ids) for c in out.outputs]
+                swapped_for = swapped_for + 1 if eng.scheduler.swapped else 0
+                free = eng.scheduler.block_manager.get_num_free_gpu_blocks()
+                if not killed and swapped_for > 3 and free >= 12:
+                    # Swapped out a few steps ago: still swapped when the failure is found,
+                    # with room to come back with the replay.
+                    kill_stage_pid(llm, 1, signal.SIGKILL)
+                    killed = True
+        assert killed, "no group was ever swapped out"
+        outputs = [finished[str(i)] for i in range(len(PROMPTS))]
+        assert outputs == reference
+        assert_pipeline(llm, 2, merged(3, 1))
+        event = eng.fault_events[-1]
+        assert_local_rebuild(event, 3, caplog.text)
+        assert event.extra["swapped_in_requests"] > 0, event.extra
+        # The merged stage holds fewer host blocks with 4 layers: the pool follows it.
+        assert eng.cache_config.num_gpu_blocks == 64
+        assert eng.cache_config.num_cpu_blocks < host_blocks
+        bm = eng.scheduler.block_manager
+        assert bm.num_total_cpu_blocks == eng.cache_config.num_cpu_blocks
+        assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
+        assert samples(llm.generate(PROMPTS, params, use_tqdm=False)) == reference
+    finally:
+        llm.shutdown()
+
+
+def test_a_neighbour_that_cannot_hold_the_blocks_in_use_takes_the_full_path(
+    tiny_model_dirs, monkeypatch, caplog
+):
+    """mp PP = 3 with a tiny KV space (40 blocks of 16 tokens per 2-layer stage, boundary
+    rows included): with the lost middle stage's layers its neighbour would hold 24, fewer
+    than the 16 requests use 15 steps in. The engine takes the even split and recomputes
+    every request, says why, and outputs equal the fault-free run."""
+    # Bytes of one block of a non-last 2-layer stage of the tiny LLaMA (fp32): K and V of
+    # 2 KV heads x 16 per token per layer, plus a 64-wide boundary row per token.
+    block_bytes = 16 * (2 * 2 * 2 * 16 + 64) * 4
+    llm = LLM(
+        tiny_model_dirs["llama-gqa-tied"],
+        pipeline_parallel_size=3,
+        distributed_executor_backend="mp",
+        kv_cache_space=40 * block_bytes / 2**30,
+        max_model_len=128,
+        disable_log_stats=True,
+    )
+    try:
+        eng = llm.llm_engine
+        assert eng.cache_config.num_gpu_blocks == 40
+        reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+        monkeypatch.setenv("VLLM_PP_REGROW_INTERVAL_S", "3600")
+        refuse_new_stages(monkeypatch, eng.executor, "dies")
+        thread = after_steps(llm, 15, lambda: kill_stage_pid(llm, 1, signal.SIGKILL))
+        with caplog.at_level("INFO", logger="vllm"):
+            outputs = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+        thread.join(timeout=60)
+        assert outputs == reference
+        assert_pipeline(llm, 2)  # the even split
+        extra = eng.fault_events[-1].extra
+        assert extra["stage_recovery"] == "shrink", extra
+        assert extra["recomputed_token_stages"] == extra["full_path_token_stages"] * 2 // 3
+        assert (
+            "Shrinking the pipeline: every request is recomputed in full (with its new "
+            "layers stage 0 holds 24 device" in caplog.text
+        )
+    finally:
+        llm.shutdown()
+
+
 def test_a_tp_stage_leaves_with_all_its_ranks_and_comes_back(tiny_model_dirs, hf_reference):
     """TP = 2 x PP = 2 (mp): one TP rank of the last stage is killed and cannot be replaced;
     both ranks of that stage leave (PP = 1, TP = 2), then come back on grow_pipeline. Greedy
@@ -193,7 +371,8 @@ def test_a_tp_stage_leaves_with_all_its_ranks_and_comes_back(tiny_model_dirs, hf
             infos = eng.get_stage_infos()
             assert [(i.rank, i.pp_rank, i.tp_rank) for i in infos] == [(0, 0, 0), (1, 0, 1)]
             assert [i.layers for i in infos] == [(0, NUM_LAYERS)] * 2
-            assert eng.fault_events[-1].extra["stage_recovery"] == "shrink"
+            # Each TP rank of stage 0 replayed its shard of the last stage's layers.
+            assert eng.fault_events[-1].extra["stage_recovery"] == "shrink (local)"
         assert eng.grow_pipeline() is True
         infos = eng.get_stage_infos()
         assert [(i.rank, i.pp_rank, i.tp_rank) for i in infos] == [
@@ -249,6 +428,6 @@ def test_a_replacement_that_dies_in_the_rendezvous_still_leaves_a_pipeline(
         thread.join(timeout=60)
         assert token_ids(outputs) == reference
         assert engine.parallel_config.pipeline_parallel_size == 1
-        assert engine.fault_events[-1].extra["stage_recovery"] == "shrink"
+        assert engine.fault_events[-1].extra["stage_recovery"] == "shrink (local)"
     finally:
         llm.shutdown()

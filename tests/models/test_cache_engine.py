@@ -120,3 +120,33 @@ def test_a_rank_that_left_its_groups_still_applies_a_steps_block_operations():
     with pytest.raises(RuntimeError, match="left its process groups"):
         Worker.execute_model(rank, request)  # type: ignore[arg-type]
     assert (key[9] == 5.0).all() and (cache.cpu_cache[0][1][2] == 6.0).all()
+
+
+def test_add_layers_keeps_the_mapped_blocks_and_shrinks_the_pools():
+    """A stage taking over a lost neighbour's layers: its own layers' KV and boundary rows
+    stay (the mapped blocks below the new count), the gained layers get tensors of their
+    own, before or after its own, and both pools shrink to the counts given."""
+    cache = CacheEngine(
+        2, 2, 8, BLOCK_SIZE, BLOCKS, 8, torch.float32, torch.device("cpu"), boundary_width=16
+    )
+    cache.reserve(20)
+    for layer, (key, value) in enumerate(cache.gpu_cache):
+        key[3].fill_(1.0 + layer)
+        value[3].fill_(-1.0 - layer)
+    assert cache.gpu_boundary is not None
+    cache.gpu_boundary[3].fill_(9.0)
+    gained = cache.add_layers([(1, 16)], before=False, num_gpu_blocks=32, num_cpu_blocks=4)
+    assert len(cache.gpu_cache) == len(cache.cpu_cache) == 3
+    assert cache.gpu_cache[2] is gained[0]
+    assert gained[0][0].shape == (32, BLOCK_SIZE, 1, 16)
+    assert cache.cpu_cache[2][0].shape == (4, BLOCK_SIZE, 1, 16)
+    assert all(t.shape[0] == 32 for pair in cache.gpu_cache for t in pair)
+    assert all(t.shape[0] == 4 for pair in cache.cpu_cache for t in pair)
+    assert (cache.gpu_cache[0][0][3] == 1.0).all() and (cache.gpu_cache[1][1][3] == -2.0).all()
+    assert (cache.gpu_boundary[3] == 9.0).all() and cache.gpu_boundary.shape[0] == 32
+    assert (gained[0][0][:20] == 0).all()  # mapped as far as the kept tensors are
+    assert cache.num_gpu_blocks == 32 and cache.reserved_blocks == 20
+    before = cache.add_layers([(2, 8)], before=True, num_gpu_blocks=32, num_cpu_blocks=4)
+    assert cache.gpu_cache[0] is before[0] and len(cache.gpu_cache) == 4
+    cache.drop_boundary()
+    assert cache.gpu_boundary is None and cache.cpu_boundary is None

@@ -200,3 +200,35 @@ def test_reset_frees_everything() -> None:
     assert bm.get_num_free_cpu_blocks() == 2
     with pytest.raises(KeyError):
         bm.get_block_table(seq)
+
+
+def test_shrink_keeps_every_table_when_no_block_in_use_is_above_the_new_count() -> None:
+    bm = BlockSpaceManager(block_size=4, num_gpu_blocks=16, num_cpu_blocks=8)
+    first = _admit(bm, _group("a", 8))  # blocks 0, 1
+    second = _admit(bm, _group("b", 4))  # block 2
+    assert bm.why_not_shrink(2, 8) == "gpu block 2 is in use, beyond 2 blocks"
+    assert bm.shrink(2, 8) is not None
+    assert bm.num_total_gpu_blocks == 16  # refused: nothing changed
+    assert bm.shrink(3, 4) is None
+    assert (bm.num_total_gpu_blocks, bm.num_total_cpu_blocks) == (3, 4)
+    assert bm.get_block_table(first) == [0, 1] and bm.get_block_table(second) == [2]
+    assert bm.get_num_free_gpu_blocks() == 0 and bm.get_num_free_cpu_blocks() == 4
+    bm.free(second)
+    assert bm.get_num_free_gpu_blocks() == 1
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        bm.shrink(4, 4)
+
+
+def test_allocator_truncate_drops_free_and_parked_blocks_above() -> None:
+    allocator = _BlockAllocator("gpu", 8)
+    forgotten: list[int] = []
+    allocator.keep_cached = lambda block: True
+    allocator.on_evict = forgotten.append
+    blocks = [allocator.allocate() for _ in range(6)]  # 0..5
+    allocator.free(blocks[5])  # parked in the evictor
+    allocator.free(blocks[1])
+    allocator.truncate(5)
+    assert forgotten == [5]
+    assert allocator.num_free() == 1  # block 1 (parked); 5, 6 and 7 are gone
+    assert allocator.first_in_use_from(0) == 0
+    assert allocator.high_water == 5

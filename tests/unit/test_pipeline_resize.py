@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm.distributed.pipeline_resize import stages_of, with_stages, without_stages
+from vllm.distributed.pipeline_resize import merged_split, stages_of, with_stages, without_stages
 
 # Torch-free unit tests: part of `make test-fast`.
 pytestmark = pytest.mark.fast
@@ -67,3 +67,19 @@ def test_stages_come_back_as_the_last_ones():
 
 def test_stages_of_ranks():
     assert stages_of([5, 1, 0], 2) == [0, 2]
+
+
+def test_a_lost_stage_goes_to_one_neighbour_and_the_others_keep_their_ranges():
+    # The previous stage takes a middle or last stage's layers; the first stage's go to the
+    # next one, which becomes the first.
+    assert merged_split([2, 2, 2], 1) == ([4, 2], 0)
+    assert merged_split([2, 2, 2], 2) == ([2, 4], 1)
+    assert merged_split([2, 2, 2], 0) == ([4, 2], 0)
+    assert merged_split([8, 8, 7, 7], 2) == ([8, 15, 7], 1)
+    assert merged_split([3, 3], 1) == ([6], 0)
+
+
+@pytest.mark.parametrize("sizes, lost", [([2, 2], 2), ([2, 2], -1), ([6], 0)])
+def test_merged_split_names_lost_stage(sizes, lost):
+    with pytest.raises(ValueError, match="lost_stage"):
+        merged_split(sizes, lost)

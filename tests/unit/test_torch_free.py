@@ -47,6 +47,7 @@ TORCH_FREE_MODULES = [
     "vllm.engine.stop_checker",
     "vllm.transformers_utils.gguf_config",
     "vllm.distributed.pipeline_resize",
+    "vllm.engine.merge_rebuild",
 ]
 
 

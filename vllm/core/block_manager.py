@@ -97,6 +97,26 @@ class _BlockAllocator:
                 self.on_evict(block)
             heapq.heappush(self._free, block)
 
+    def first_in_use_from(self, num_blocks: int) -> int | None:
+        """The lowest block at or above `num_blocks` that is referenced (None: none is)."""
+        return next(
+            (b for b in range(num_blocks, self.num_blocks) if self._ref_counts[b] > 0), None
+        )
+
+    def truncate(self, num_blocks: int) -> None:
+        """Keep blocks [0, num_blocks) only; none above may be referenced (parked ones are
+        forgotten)."""
+        assert self.first_in_use_from(num_blocks) is None, "a block in use would be lost"
+        for block in [b for b in self.evictor if b >= num_blocks]:
+            del self.evictor[block]
+            if self.on_evict is not None:
+                self.on_evict(block)
+        self._free = [b for b in self._free if b < num_blocks]
+        heapq.heapify(self._free)
+        del self._ref_counts[num_blocks:]
+        self.num_blocks = num_blocks
+        self.high_water = min(self.high_water, num_blocks)
+
     def ref_count(self, block: int) -> int:
         self._check(block)
         return self._ref_counts[block]
@@ -157,6 +177,32 @@ class BlockSpaceManager:
         self.num_total_cpu_blocks = num_cpu_blocks
         self.watermark_blocks = int(self.watermark * num_gpu_blocks)
         self.reset()
+
+    def shrink(self, num_gpu_blocks: int, num_cpu_blocks: int) -> str | None:
+        """Fewer blocks, every table kept (a stage that took over more layers holds fewer):
+        done when no block in use is at or above the new counts, else why not (nothing
+        changes). ValueError naming the count when it would grow."""
+        why = self.why_not_shrink(num_gpu_blocks, num_cpu_blocks)
+        if why is not None:
+            return why
+        self._gpu.truncate(num_gpu_blocks)
+        self._cpu.truncate(num_cpu_blocks)
+        self.num_total_gpu_blocks = num_gpu_blocks
+        self.num_total_cpu_blocks = num_cpu_blocks
+        self.watermark_blocks = int(self.watermark * num_gpu_blocks)
+        return None
+
+    def why_not_shrink(self, num_gpu_blocks: int, num_cpu_blocks: int) -> str | None:
+        """Why `shrink` to these counts cannot keep every table (None: it can)."""
+        counts = ((self._gpu, num_gpu_blocks, "num_gpu_blocks"),
+                  (self._cpu, num_cpu_blocks, "num_cpu_blocks"))  # fmt: skip
+        for allocator, count, name in counts:
+            if not 0 <= count <= allocator.num_blocks:
+                raise ValueError(f"{name} must be in [0, {allocator.num_blocks}], got {count}.")
+            block = allocator.first_in_use_from(count)
+            if block is not None:
+                return f"{allocator.device} block {block} is in use, beyond {count} blocks"
+        return None
 
     def reset(self) -> None:
         """Forget every table and cached block and mark all blocks of both devices free."""

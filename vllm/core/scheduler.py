@@ -293,6 +293,17 @@ class Scheduler:
         self.block_manager.resize(num_gpu_blocks, num_cpu_blocks)
         self._kv_blocks_bound = self._bound_running_blocks()
 
+    def shrink_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> str | None:
+        """The stages' caches will hold fewer blocks, keeping the groups' blocks (a stage
+        took over a lost neighbour's layers): None when done, else why not (nothing
+        changed). Only with nothing in flight."""
+        if self.in_flight:
+            raise RuntimeError("shrink_kv_cache: steps in flight")
+        why = self.block_manager.shrink(num_gpu_blocks, num_cpu_blocks)
+        if why is None:
+            self._kv_blocks_bound = self._bound_running_blocks()
+        return why
+
     def _index_last(self, group: SequenceGroup) -> None:
         """Move an in-flight group to the end of `in_flight`, which thus lists the aborted
         groups in the order they were aborted, and the groups with deferred frees in the

@@ -61,3 +61,20 @@ def with_stages(pp: int, tp: int, num_stages: int) -> PipelineResize:
 def stages_of(ranks: list[int], tp: int) -> list[int]:
     """The stages (pp ranks) holding `ranks`, in order."""
     return sorted({r // tp for r in ranks})
+
+
+def merged_split(sizes: list[int], lost_stage: int) -> tuple[list[int], int]:
+    """The layer split after stage `lost_stage` of `sizes` left and ONE neighbour took its
+    layers: the previous stage, or for the first stage the next one (which becomes the
+    first). Every other stage keeps its range, so its KV stays valid. Returns (the new
+    sizes, the new number of the stage that took the layers). ValueError naming
+    `lost_stage` when it is not a stage, or the last one left."""
+    if len(sizes) < 2 or not 0 <= lost_stage < len(sizes):
+        raise ValueError(
+            f"lost_stage must be a stage of a pipeline of >= 2 stages, got {lost_stage!r} "
+            f"of {len(sizes)}."
+        )
+    merged = lost_stage - 1 if lost_stage > 0 else 0
+    new = [n for stage, n in enumerate(sizes) if stage != lost_stage]
+    new[merged] += sizes[lost_stage]
+    return new, merged

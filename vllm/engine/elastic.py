@@ -4,12 +4,22 @@ engine serves.
 **Shrink.** When replacing a failed stage fails (`StageRecovery`: the new process cannot be
 started, dies at start-up, or the restart deadline passes) and another stage is left, the
 failed stage's ranks leave the pipeline (`executor.remove_stages`): the survivors are
-renumbered in stage order, re-form the process groups at the smaller size, take an even split
-of the layers (loading only the layers each gains) and re-size their KV caches. Every request
-is recomputed with the tokens it has (`Scheduler.requeue_all`; the layers moved, so no stage's
-KV is valid), the block manager takes the new minimum, and what depends on the pipeline's
-size follows (micro-batches in flight, scheduling ahead, boundary caches: all read the
-parallel config's `pipeline_parallel_size`). It is the failure's recovery: a fault event.
+renumbered in stage order and re-form the process groups at the smaller size. Then, two ways:
+- **local** (`stage_recovery="shrink (local)"`: the stages keep boundary caches and the
+  recovery rolled the groups back to their committed state, one stage lost, no LoRA): ONE
+  neighbour takes the lost stage's layers (the previous stage; for the first stage, the next
+  one), every other stage keeps its range, KV and swap copies, and only the gained layers'
+  KV is replayed, on that neighbour alone, from its own boundary rows or the token ids
+  (`vllm.engine.merge_rebuild`). Work: the committed tokens x one old stage's layers.
+- **full** (`stage_recovery="shrink"`): an even split of the layers (each survivor loads
+  only the layers it gains), caches re-sized at the new minimum, every request recomputed
+  with the tokens it has (`Scheduler.requeue_all`). Also the fallback, logged with the
+  reason, when the neighbour cannot hold the engine's blocks in use with its new layers, or
+  the replay fails.
+What depends on the pipeline's size follows (micro-batches in flight, scheduling ahead,
+boundary caches: all read the parallel config's `pipeline_parallel_size`). It is the failure's
+recovery: a fault event. The automatic or on-demand re-split (`vllm.engine.reshape`) can even
+the merged split out later.
 
 **Grow back.** While smaller than configured, the engine tries to get the missing stages back
 between steps at most every VLLM_PP_REGROW_INTERVAL_S, or when asked
@@ -30,9 +40,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm import envs
+from vllm.core.stage_rollback import RollbackPlan
 from vllm.distributed.pipeline_resize import stages_of
+from vllm.engine.merge_rebuild import MergeRebuild, NotLocal, rebuild_merged_stage, refusal
 from vllm.executor.stage_supervisor import FaultEvent, StageFailedError
 from vllm.logger import init_logger
+from vllm.step_delta import BlockOps
 
 if TYPE_CHECKING:
     from vllm.engine.llm_engine import LLMEngine
@@ -103,10 +116,21 @@ class ElasticPipeline:
 
     # -- shrink --------------------------------------------------------------------------------
 
-    def shrink(self, error: StageFailedError, event: FaultEvent, why: str) -> None:
+    def shrink(
+        self,
+        error: StageFailedError,
+        event: FaultEvent,
+        why: str,
+        plan: RollbackPlan | None = None,
+        committed_at_fault: dict[int, int] | None = None,
+        unsent: list[BlockOps] | None = None,
+    ) -> None:
         """The stages of `error` could not be replaced (`why`): the pipeline goes on without
-        them. Called by the recovery with nothing in flight; raises when re-forming fails
-        (the caller ends the engine)."""
+        them. Called by the recovery with nothing in flight; `plan`: how it rolled the groups
+        back for a stage-local rebuild (None: it did not), `committed_at_fault`: each
+        sequence's tokens with KV at the failure, `unsent`: block operations of steps no rank
+        got (applied before the local rebuild). Raises when re-forming fails (the caller
+        ends the engine)."""
         engine = self.engine
         pc = engine.parallel_config
         old_pp = pc.pipeline_parallel_size
@@ -114,24 +138,53 @@ class ElasticPipeline:
         stages = stages_of(error.ranks, pc.tensor_parallel_size)
         if old_pp == self.configured_pp:
             self._restore_partition = pc.pp_layer_partition
-        # The layers move between stages: no stage's KV is valid afterwards.
-        requeued = engine.scheduler.requeue_all()
-        seconds = engine.executor.remove_stages(error.ranks)
+        started = time.monotonic()
+        rebuilt: MergeRebuild | None = None
+        not_local = refusal(engine, plan, len(stages))
+        requeued: list[str] = []
+        if not_local is None:
+            assert plan is not None
+            engine.executor.remove_stages(error.ranks, merge=True)
+            try:
+                rebuilt = rebuild_merged_stage(engine, plan, unsent or [])
+            except NotLocal as exc:
+                not_local = str(exc)
+            except Exception as exc:
+                not_local = f"rebuilding the lost layers failed ({type(exc).__name__}: {exc})"
+                logger.error("Shrinking the pipeline: %s", not_local)
+            if rebuilt is None:
+                requeued = engine.scheduler.requeue_all()
+                engine.executor.split_evenly()
+        else:
+            # The layers move between stages: no stage's KV is valid afterwards.
+            requeued = engine.scheduler.requeue_all()
+            engine.executor.remove_stages(error.ranks)
+        if not_local is not None and plan is not None:
+            logger.warning(
+                "Shrinking the pipeline: every request is recomputed in full (%s)", not_local
+            )
+        seconds = time.monotonic() - started
         resize = PipelineResizeEvent(
             "shrink", old_pp, pc.pipeline_parallel_size, old_split, [], seconds
         )
-        self._after_resize(resize)
-        # Requests re-queued by the recovery's rollback are in the waiting queue already.
-        resize.recomputed_requests = max(len(requeued), event.requeued_requests)
-        tokens = event.extra.get("full_path_token_stages", 0) // old_pp
+        self._after_resize(resize, keep_blocks=rebuilt is not None)
         event.recovery_s = seconds
         event.extra.update(
-            stage_recovery="shrink",
-            pipeline_parallel_size=pc.pipeline_parallel_size,
-            layer_split=resize.new_split,
-            recomputed_tokens=tokens,
-            recomputed_token_stages=tokens * pc.pipeline_parallel_size,
+            pipeline_parallel_size=pc.pipeline_parallel_size, layer_split=resize.new_split
         )
+        if rebuilt is not None:
+            assert plan is not None
+            resize.recomputed_requests = len(plan.recomputed)
+            self._account_local(event, plan, rebuilt, committed_at_fault or {}, old_pp)
+        else:
+            # Requests re-queued by the recovery's rollback are in the waiting queue already.
+            resize.recomputed_requests = max(len(requeued), event.requeued_requests)
+            tokens = event.extra.get("full_path_token_stages", 0) // old_pp
+            event.extra.update(
+                stage_recovery="shrink",
+                recomputed_tokens=tokens,
+                recomputed_token_stages=tokens * pc.pipeline_parallel_size,
+            )
         self._next_attempt = time.monotonic() + _regrow_interval_s()
         logger.warning(
             "Pipeline shrunk from PP=%d to PP=%d after stage %s could not be replaced (%s); "
@@ -140,6 +193,48 @@ class ElasticPipeline:
             old_pp, pc.pipeline_parallel_size, ", ".join(map(str, stages)), why, old_split,
             resize.new_split, seconds, resize.num_gpu_blocks, resize.recomputed_requests,
             self.configured_pp, _regrow_interval_s(),
+        )  # fmt: skip
+
+    def _account_local(
+        self,
+        event: FaultEvent,
+        plan: RollbackPlan,
+        rebuilt: MergeRebuild,
+        committed_at_fault: dict[int, int],
+        old_pp: int,
+    ) -> None:
+        """The fault's figures and log line after the lost layers were rebuilt locally."""
+        for request_id, reason in plan.recomputed.items():
+            logger.warning("Request %s: recomputed in full (%s)", request_id, reason)
+        # Groups re-queued by the rollback re-prefill every token they had KV for through
+        # every layer (a prompt that was in flight had none: it computes nothing again).
+        requeued = [g for g in self.engine.scheduler.waiting if g.request_id in plan.recomputed]
+        in_full = sum(
+            committed_at_fault.get(seq.seq_id, 0)
+            for group in requeued
+            for seq in group.get_unfinished_seqs()
+        )
+        replayed = rebuilt.replayed_tokens
+        event.extra.update(
+            stage_recovery="shrink (local)",
+            merged_into=rebuilt.stage,
+            replayed_tokens=replayed,
+            swapped_in_requests=rebuilt.swapped_in,
+            recomputed_requests=dict(plan.recomputed),
+            recomputed_tokens=replayed + in_full,
+            # In stage-equivalents of the old pipeline, as `full_path_token_stages` (tokens x
+            # old PP): a replayed token ran the lost stage's layers once (1 stage); a token
+            # recomputed in full runs every layer (old PP stages).
+            recomputed_token_stages=replayed + in_full * old_pp,
+        )
+        logger.info(
+            "Stage %d's layers [%d, %d) merged into stage %d (now layers [%d, %d)): %d tokens "
+            "of %d requests replayed through those layers only, on that stage, in %d replay "
+            "step(s) (%d swapped requests swapped in with it); every other stage kept its "
+            "layers and KV; %d requests recomputed in full",
+            rebuilt.lost_stage, *rebuilt.lost_layers, rebuilt.stage, *rebuilt.layers,
+            replayed, rebuilt.requests, rebuilt.replay_steps, rebuilt.swapped_in,
+            len(plan.recomputed),
         )  # fmt: skip
 
     # -- grow back -----------------------------------------------------------------------------
@@ -210,10 +305,14 @@ class ElasticPipeline:
 
     # -- shared --------------------------------------------------------------------------------
 
-    def _after_resize(self, resize: PipelineResizeEvent | None) -> None:
-        """What follows the pipeline's size on the engine's side, once the stages re-formed."""
+    def _after_resize(self, resize: PipelineResizeEvent | None, keep_blocks: bool = False) -> None:
+        """What follows the pipeline's size on the engine's side, once the stages re-formed.
+        `keep_blocks`: the groups kept their blocks (the block manager is already sized)."""
         engine = self.engine
-        num_gpu_blocks = engine.reshaper.resize_block_manager()
+        if keep_blocks:
+            num_gpu_blocks = engine.scheduler.block_manager.num_total_gpu_blocks
+        else:
+            num_gpu_blocks = engine.reshaper.resize_block_manager()
         engine._configure_pipelining()
         engine.loras.resync()  # stages that loaded new layers install the adapters again
         engine.reshaper.restart_window()

@@ -134,7 +134,7 @@ class StageRecovery:
             why = f"replacing the stage failed ({type(exc).__name__}: {exc})"
             if not engine.elastic.can_shrink(error):
                 engine._fail(error, why)
-            self._shrink_instead(error, event, why)
+            self._shrink_instead(error, event, why, plan, committed, unsent)
             return
         assert event.recovery_s is not None
         tp = engine.parallel_config.tensor_parallel_size
@@ -188,12 +188,21 @@ class StageRecovery:
             event.extra["caught_up_s"], event.extra.get("stage_recovery"), len(targets),
         )  # fmt: skip
 
-    def _shrink_instead(self, error: StageFailedError, event: FaultEvent, why: str) -> None:
+    def _shrink_instead(
+        self,
+        error: StageFailedError,
+        event: FaultEvent,
+        why: str,
+        plan: RollbackPlan | None,
+        committed: dict[int, int],
+        unsent: list[BlockOps],
+    ) -> None:
         """The failed stages could not be replaced: the pipeline goes on without them
-        (`vllm.engine.elastic`), or the engine ends when even that fails."""
+        (`vllm.engine.elastic`: with `plan`, rebuilding only the lost layers' KV where it
+        can), or the engine ends when even that fails."""
         engine = self.engine
         try:
-            engine.elastic.shrink(error, event, why)
+            engine.elastic.shrink(error, event, why, plan, committed, unsent)
         except Exception as exc:
             logger.error("Going on without stage(s) %s failed: %s", error.ranks, exc)
             engine._fail(error, f"{why}, and so did going on without it ({exc})")

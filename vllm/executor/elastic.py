@@ -5,7 +5,12 @@ one cannot be replaced (PP N -> N-1) and come back later (the engine's side:
 Leaving (`remove_stages`): the failed stage's ranks are stopped, the survivors are renumbered
 in stage order (`vllm.distributed.pipeline_resize`), re-form the process groups at the smaller
 size (a new rendezvous), take an even split of the layers over the stages left (each loads
-only the layers it gains: `Worker.reshape`) and re-size their KV caches.
+only the layers it gains: `Worker.reshape`) and re-size their KV caches. Or, with `merge`, ONE
+neighbour takes the lost stage's layers (`merged_split`) and every other survivor keeps its
+range, KV and all: the neighbour loads only those layers (`Worker.merge_layers`) and says how
+many blocks it can hold; the engine then grows its cache (`grow_merged_cache`), replays the
+gained layers' KV (`replay_gained_layers`) and ends it (`finish_merge`), or takes the even
+split after all (`split_evenly`).
 
 Coming back, in two calls so the engine touches its requests only once the new processes run:
 `start_stages` starts the new stages' ranks (appended as the last stages) up to a built
@@ -27,13 +32,32 @@ from dataclasses import dataclass, replace
 
 from vllm import envs
 from vllm.config import EngineConfig
-from vllm.distributed.pipeline_resize import PipelineResize, with_stages, without_stages
+from vllm.distributed.pipeline_resize import (
+    PipelineResize,
+    merged_split,
+    with_stages,
+    without_stages,
+)
 from vllm.executor.base import StageProcessExecutor
 from vllm.executor.rank_calls import Calls
 from vllm.logger import init_logger
+from vllm.step_delta import ReplayRequest
 from vllm.worker.stage_report import StageInfo
 
 logger = init_logger("vllm.executor.elastic")
+
+
+@dataclass
+class MergedStage:
+    """The stage that took over a lost stage's layers (`remove_stages` with `merge`)."""
+
+    stage: int  # its number in the smaller pipeline
+    lost_stage: int  # the lost stage's number in the old pipeline
+    lost_layers: tuple[int, int]  # [start, end) it took over
+    layers: tuple[int, int]  # its range now
+    # (device, host) blocks it can hold with its new layers, within its own budget.
+    num_gpu_blocks: int
+    num_cpu_blocks: int
 
 
 @dataclass
@@ -50,6 +74,8 @@ class ElasticStageExecutor(StageProcessExecutor):
     module docstring)."""
 
     _started: _StartedStages | None = None
+    # Set by `remove_stages(merge=True)` until `finish_merge` / `split_evenly`.
+    merged: MergedStage | None = None
 
     @abstractmethod
     def _stop_ranks(self, ranks: list[int]) -> None:
@@ -116,13 +142,16 @@ class ElasticStageExecutor(StageProcessExecutor):
 
     # ---- stages leave ------------------------------------------------------------------------
 
-    def remove_stages(self, ranks: list[int]) -> float:
+    def remove_stages(self, ranks: list[int], merge: bool = False) -> float:
         """The stages holding `ranks` leave the pipeline with all their TP ranks; the others
-        go on with an even split of the layers (see the module docstring). Returns the seconds
-        it took. The pipeline must be empty and the engine recomputes every request."""
+        go on with an even split of the layers, or with `merge` (one stage lost) a neighbour
+        takes its layers and `merged` says which and how many blocks it can hold (see the
+        module docstring). Returns the seconds it took. The pipeline must be empty; the
+        engine recomputes every request, or with `merge` rebuilds the gained layers' KV."""
         started = time.monotonic()
         pc = self.parallel_config
         plan = without_stages(pc.pipeline_parallel_size, pc.tensor_parallel_size, ranks)
+        old_sizes = self.model_config.get_pp_layer_sizes(pc)
         budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
         self.watch.arm(armed=False)  # set-up: no heartbeat timeout until it is over
         self._stop_ranks(plan.leaving)
@@ -130,10 +159,65 @@ class ElasticStageExecutor(StageProcessExecutor):
         self.calls.forget()
         self._renumber(plan.order)
         pc.pipeline_parallel_size = plan.new_pp
-        pc.pp_layer_partition = None  # an even split over the stages left
         self._regroup(plan, self._regroup_init_method(budget), budget)
-        self.reshape_pipeline(self.model_config.get_pp_layer_sizes(pc))
+        if merge:
+            self._merge_lost_stage(plan, old_sizes)
+        else:
+            self.split_evenly()
         return time.monotonic() - started
+
+    def split_evenly(self) -> None:
+        """Every stage takes its range under an even split of the layers, caches re-made at
+        the new minimum (the engine recomputes every request)."""
+        self.merged = None
+        self.parallel_config.pp_layer_partition = None
+        self.reshape_pipeline(self.model_config.get_pp_layer_sizes(self.parallel_config))
+
+    def _merge_lost_stage(self, plan: PipelineResize, old_sizes: list[int]) -> None:
+        """A neighbour of the lost stage takes its layers; the others keep theirs."""
+        lost_stages = sorted({r // plan.tp for r in plan.leaving})
+        if len(lost_stages) != 1:
+            raise ValueError(f"merge takes one lost stage, got stages {lost_stages}.")
+        lost = lost_stages[0]
+        sizes, stage = merged_split(old_sizes, lost)
+        start = sum(old_sizes[:lost])
+        lost_layout = (start, start + old_sizes[lost], lost == 0, lost == plan.old_pp - 1)
+        self.parallel_config.pp_layer_partition = ",".join(str(n) for n in sizes)
+        # Loading layers is set-up: it may hold a rank's GIL for a while outside any step.
+        with self._heartbeat_timeout_lifted():
+            blocks = self._run_workers("merge_layers", sizes, lost_layout)
+        self._refresh_stage_infos()
+        taken = [b for b in blocks if b is not None]
+        first = sum(sizes[:stage])
+        self.merged = MergedStage(
+            stage, lost, (lost_layout[0], lost_layout[1]), (first, first + sizes[stage]),
+            min(b[0] for b in taken), min(b[1] for b in taken),
+        )  # fmt: skip
+
+    def _merged_ranks(self) -> list[int]:
+        assert self.merged is not None, "remove_stages(merge=True) first"
+        tp = self.parallel_config.tensor_parallel_size
+        return [self.merged.stage * tp + i for i in range(tp)]
+
+    def grow_merged_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """The merged stage's cache gets the gained layers, every tensor at these counts
+        (at most the engine's): the engine's block counts from now on."""
+        with self._heartbeat_timeout_lifted():
+            self._call_ranks(
+                self._merged_ranks(), "grow_merged_cache", num_gpu_blocks, num_cpu_blocks
+            )
+        self.cache_config.num_gpu_blocks = num_gpu_blocks
+        self.cache_config.num_cpu_blocks = num_cpu_blocks
+
+    def replay_gained_layers(self, request: ReplayRequest, timeout_s: float) -> None:
+        """One replay step of the merged stage's gained layers (every rank applies the
+        swap-ins), within `timeout_s`; StageFailedError when a rank fails it."""
+        self._run_workers_within("replay_gained_layers", timeout_s, request)
+
+    def finish_merge(self) -> None:
+        """The gained layers have their KV (or the engine recomputes everything)."""
+        self._call_ranks(self._merged_ranks(), "finish_merge")
+        self.merged = None
 
     # ---- stages come back --------------------------------------------------------------------
 

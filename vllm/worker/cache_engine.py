@@ -101,6 +101,102 @@ class CacheEngine:
                 (num_cpu_blocks, block_size, boundary_width), dtype=dtype, pin_memory=pin
             )
 
+    def _device_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return huge_page_empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def add_layers(
+        self,
+        layer_shapes: list[tuple[int, int]],
+        before: bool,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+    ) -> list[KVCache]:
+        """This stage took over a lost neighbour's layers (`vllm.engine.elastic`): new KV
+        tensors, device and host, for `layer_shapes` (placed before this stage's own layers
+        when `before`, else after), and every tensor at `num_gpu_blocks` / `num_cpu_blocks`
+        blocks. The first device blocks of the tensors kept (its own layers' KV and boundary
+        rows) are kept; none may be in use above the new counts. The swap space must hold
+        nothing in use when its count shrinks. Returns the new layers' device caches
+        (garbage until written)."""
+        if num_gpu_blocks > self.num_gpu_blocks or num_cpu_blocks > self._num_cpu_blocks():
+            raise ValueError(
+                f"num_gpu_blocks/num_cpu_blocks may only shrink ({self.num_gpu_blocks}, "
+                f"{self._num_cpu_blocks()}), got ({num_gpu_blocks}, {num_cpu_blocks})."
+            )
+        sample = self._device_tensors()[0]
+        dtype, block_size = sample.dtype, sample.shape[1]
+        pin = self.device.type == "cuda"
+        if num_gpu_blocks < self.num_gpu_blocks or num_cpu_blocks < self._num_cpu_blocks():
+            self._shrink(num_gpu_blocks, num_cpu_blocks)
+        gained_gpu: list[KVCache] = []
+        gained_cpu: list[KVCache] = []
+        for heads, size in layer_shapes:
+            shape = (num_gpu_blocks, block_size, heads, size)
+            pair = (self._device_tensor(shape, dtype), self._device_tensor(shape, dtype))
+            for tensor in pair:
+                # The blocks the kept tensors have mapped (`reserve`): mapped here too, and
+                # never garbage where attention masks.
+                tensor[: self.reserved_blocks].zero_()
+            gained_gpu.append(pair)
+            host = (num_cpu_blocks, block_size, heads, size)
+            gained_cpu.append(
+                (
+                    torch.empty(host, dtype=dtype, pin_memory=pin),
+                    torch.empty(host, dtype=dtype, pin_memory=pin),
+                )
+            )
+        if before:
+            self.gpu_cache = gained_gpu + self.gpu_cache
+            self.cpu_cache = gained_cpu + self.cpu_cache
+        else:
+            self.gpu_cache = self.gpu_cache + gained_gpu
+            self.cpu_cache = self.cpu_cache + gained_cpu
+        return gained_gpu
+
+    def _num_cpu_blocks(self) -> int:
+        return self._host_tensors()[0].shape[0] if self._host_tensors() else 0
+
+    def _shrink(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """The tensors of a device whose count shrinks, cut to their first blocks in tensors
+        of that size (the memory of the larger ones is given back). Device blocks are copied
+        as far as they are mapped (the rest holds nothing yet); host blocks are not: every
+        swapped group was swapped in before (`vllm.engine.merge_rebuild`), so the swap space
+        holds nothing in use."""
+        copied = min(self.reserved_blocks, num_gpu_blocks)
+
+        def on_device(tensor: torch.Tensor) -> torch.Tensor:
+            new = self._device_tensor((num_gpu_blocks, *tensor.shape[1:]), tensor.dtype)
+            new[:copied].copy_(tensor[:copied])
+            return new
+
+        def on_host(tensor: torch.Tensor) -> torch.Tensor:
+            shape = (num_cpu_blocks, *tensor.shape[1:])
+            return torch.empty(shape, dtype=tensor.dtype, pin_memory=self.device.type == "cuda")
+
+        if num_gpu_blocks < self.num_gpu_blocks:
+            self.gpu_cache = [(on_device(k), on_device(v)) for k, v in self.gpu_cache]
+            if self.gpu_boundary is not None:
+                self.gpu_boundary = on_device(self.gpu_boundary)
+            self.num_gpu_blocks = num_gpu_blocks
+            self.reserved_blocks = copied
+        if num_cpu_blocks < self._num_cpu_blocks():
+            self.cpu_cache = [(on_host(k), on_host(v)) for k, v in self.cpu_cache]
+            if self.cpu_boundary is not None:
+                self.cpu_boundary = on_host(self.cpu_boundary)
+
+    def empty_boundary(self) -> torch.Tensor:
+        """A device tensor shaped like the boundary cache, uninitialised."""
+        assert self.gpu_boundary is not None, "no boundary cache on this stage"
+        return self._device_tensor(tuple(self.gpu_boundary.shape), self.gpu_boundary.dtype)
+
+    def drop_boundary(self) -> None:
+        """This stage became the last one: it sends nothing downstream, so it keeps no
+        boundary rows."""
+        self.gpu_boundary = None
+        self.cpu_boundary = None
+
     def _device_tensors(self) -> list[torch.Tensor]:
         """Every paged device tensor: each layer's keys and values, then the boundary."""
         tensors = [t for pair in self.gpu_cache for t in pair]

@@ -30,6 +30,8 @@ from vllm.worker.model_runner import ModelRunner
 from vllm.worker.profiler import StageProfiler
 from vllm.worker.request_table import RequestTable, StepRows
 from vllm.worker.sampled_ids import SampledIdChannel
+from vllm.worker.stage_merge import GainedLayers, load_gained, replay_gained
+from vllm.worker.stage_merge import finish as finish_merge
 from vllm.worker.stage_report import StageInfo, StageStats, StageTimers
 
 logger = logging.getLogger("vllm.worker")
@@ -58,6 +60,8 @@ class Worker:
         self.num_threads = num_threads
         self.cache_engine: CacheEngine | None = None
         self._pending_send: Any = None
+        # Layers taken over from a lost neighbour, until their KV is replayed (merge_layers).
+        self._gained: GainedLayers | None = None
         # First and last stage: the requests the step records told this stage (with their
         # seeded generators), and the channel of sampled ids from the last stage to the
         # first (asynchronous pipeline).
@@ -173,6 +177,7 @@ class Worker:
         self.parallel_config.pp_layer_partition = ",".join(str(n) for n in layer_split)
         old, new = self.layout, self._stage_layout()
         self.cache_engine = None  # sized for the old layer count
+        self._gained = None
         # A stage keeping its layers keeps its runner: its structured-output matchers of the
         # held requests go (they are sent again in full).
         self.model_runner.drop_requests(self.request_table.request_ids())
@@ -188,6 +193,83 @@ class Worker:
             )  # fmt: skip
         self.timers.abort()
         return self.determine_num_available_blocks()
+
+    # -- taking over a lost neighbour's layers (vllm.worker.stage_merge) ----------------------
+
+    def merge_layers(
+        self, layer_split: list[int], lost: tuple[int, int, bool, bool]
+    ) -> tuple[int, int] | None:
+        """The pipeline lost a stage (its `StageLayout` fields: `lost`) and ONE neighbour
+        takes its layers (`layer_split`). A stage whose range is unchanged keeps everything
+        and returns None; the one taking them loads only them (its own module, KV, swap
+        copies and boundary rows stay) and returns the (device, host) blocks it can hold
+        with its new layers, like `determine_num_available_blocks`. Its cache grows in
+        `grow_merged_cache`."""
+        self.parallel_config.pp_layer_partition = ",".join(str(n) for n in layer_split)
+        old, new = self.layout, self._stage_layout()
+        if new == old:
+            return None
+        lost_layout = StageLayout(*lost)
+        default_shape = (self._num_kv_heads(), self.model_config.get_head_size())
+        runner, self._gained = load_gained(
+            self.model_config, self.model_runner.model, old, lost_layout, new,
+            self.cache_config.block_size, self.device, default_shape,
+        )  # fmt: skip
+        self.layout, self.model_runner = new, runner
+        self.timers.abort()
+        logger.info(
+            "rank %d: layers [%d, %d) -> [%d, %d) (took over [%d, %d): loaded only those)",
+            self.rank, old.start_layer, old.end_layer, new.start_layer, new.end_layer,
+            lost_layout.start_layer, lost_layout.end_layer,
+        )  # fmt: skip
+        return self.determine_num_available_blocks()
+
+    def grow_merged_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """The stage that took over layers (`merge_layers`): KV tensors for them, device and
+        host, and every tensor at the engine's (possibly smaller) block counts."""
+        gained, cache = self._gained, self.cache_engine
+        assert gained is not None and cache is not None, "merge_layers first"
+        model = gained.runner.model
+        if hasattr(model, "kv_cache_shapes"):
+            shapes = list(model.kv_cache_shapes())
+        else:
+            shape = (self._num_kv_heads(), self.model_config.get_head_size())
+            shapes = [shape] * gained.runner.layout.num_layers
+        gained.kv = cache.add_layers(shapes, gained.before, num_gpu_blocks, num_cpu_blocks)
+        if cache.gpu_boundary is not None and not self.layout.is_last and not gained.before:
+            # Made here, outside inference mode: it becomes the boundary cache, written
+            # by every later step.
+            gained.boundary_out = cache.empty_boundary()
+        self.cache_config.num_gpu_blocks = num_gpu_blocks
+        self.cache_config.num_cpu_blocks = num_cpu_blocks
+
+    def replay_gained_layers(self, request: ReplayRequest) -> None:
+        """One replay step of the layers this stage took over (`vllm.worker.stage_merge`):
+        every rank applies the block operations (as `replay_stages`); the stage that took
+        them runs only them on the committed tokens from data it holds. Nothing is sent or
+        sampled."""
+        assert self.cache_engine is not None, "initialize_cache() first"
+        cache = self.cache_engine
+        for ops in request.unsent_block_ops:
+            self._apply_block_ops(request.kv_blocks_bound, ops)
+        self._apply_block_ops(request.kv_blocks_bound, BlockOps(request.blocks_to_swap_in))
+        if not request.groups or self._gained is None:
+            return
+        try:
+            replay_gained(
+                self._gained, cache, StepRows.of(request.groups),
+                self.model_config.get_hidden_size(),
+            )  # fmt: skip
+        except BaseException as exc:
+            self._leave_groups_after(exc)
+            raise
+
+    def finish_merge(self) -> None:
+        """The layers taken over have their KV: the boundary cache holds what this stage
+        sends downstream now (none on a stage that became the last one)."""
+        gained, self._gained = self._gained, None
+        if gained is not None and self.cache_engine is not None:
+            finish_merge(gained, self.cache_engine, self.layout.is_last)
 
     # -- LoRA adapters (the engine's registry, mirrored on every rank) ------------------------
 
