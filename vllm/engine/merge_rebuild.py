@@ -65,6 +65,14 @@ def rebuild_merged_stage(
     merged = executor.merged
     assert merged is not None, "remove_stages(merge=True) first"
     sched = engine.scheduler
+    # The merged stage holds nothing for the gained layers of a swapped group, and one with
+    # no room to come back with the replay would need a round of its own (as a replaced
+    # stage's: `StageRecovery._rebuild_swapped_in_rounds`): recomputed instead, here rare.
+    for group in plan.swap_rounds:
+        plan.recomputed[group.request_id] = "swapped, and no room to swap it in with the replay"
+        sched.swapped.remove(group)
+    sched.requeue(plan.swap_rounds)
+    plan.swap_rounds = []
     cc = engine.cache_config
     assert cc.num_gpu_blocks is not None and cc.num_cpu_blocks is not None
     num_gpu = min(cc.num_gpu_blocks, merged.num_gpu_blocks)
@@ -83,10 +91,8 @@ def rebuild_merged_stage(
     # rank: the merged stage's host tensors may be re-made below, and hold nothing for the
     # gained layers anyway (the replay writes them).
     if plan.blocks_to_swap_in or unsent:
-        request = ReplayRequest(
-            rebuild_stages=[], blocks_to_swap_in=plan.blocks_to_swap_in,
-            kv_blocks_bound=sched.kv_blocks_bound(), unsent_block_ops=unsent,
-        )  # fmt: skip
+        before = [*unsent, BlockOps(swap_in=plan.blocks_to_swap_in)]
+        request = ReplayRequest([], kv_blocks_bound=sched.kv_blocks_bound(), before=before)
         executor.replay_gained_layers(request, pc.step_deadline_s(0))
     executor.grow_merged_cache(num_gpu, num_cpu)  # the engine's block counts from now on
     if shrinks:

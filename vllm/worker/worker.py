@@ -250,19 +250,19 @@ class Worker:
         sampled."""
         assert self.cache_engine is not None, "initialize_cache() first"
         cache = self.cache_engine
-        for ops in request.unsent_block_ops:
+        for ops in request.before:
             self._apply_block_ops(request.kv_blocks_bound, ops)
-        self._apply_block_ops(request.kv_blocks_bound, BlockOps(request.blocks_to_swap_in))
-        if not request.groups or self._gained is None:
-            return
-        try:
-            replay_gained(
-                self._gained, cache, StepRows.of(request.groups),
-                self.model_config.get_hidden_size(),
-            )  # fmt: skip
-        except BaseException as exc:
-            self._leave_groups_after(exc)
-            raise
+        if request.groups and self._gained is not None:
+            try:
+                replay_gained(
+                    self._gained, cache, StepRows.of(request.groups),
+                    self.model_config.get_hidden_size(),
+                )  # fmt: skip
+            except BaseException as exc:
+                self._leave_groups_after(exc)
+                raise
+        for ops in request.after:
+            self._apply_block_ops(request.kv_blocks_bound, ops)
 
     def finish_merge(self) -> None:
         """The layers taken over have their KV: the boundary cache holds what this stage
