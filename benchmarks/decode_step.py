@@ -1,6 +1,6 @@
 """Where one batch-1 decode step of the bundled GGUF goes (the quantized path, one thread).
 
-    python -m benchmarks.decode_step [--repeats 3] [--profile] [--no-matmul]
+    python -m benchmarks.decode_step [--repeats 3] [--profile] [--no-matmul] [--layer-op-ab]
 
 The step is timed as compare_llamacpp times it: per prompt (the first 4 of
 benchmarks/prompts.txt), the process CPU time of prompt + 33 tokens minus that of prompt + 1
@@ -11,7 +11,11 @@ per repeat, then the best, with the greedy token ids (compare two trees: they mu
 calls per step (record_shapes off: shapes are those of T = 1).
 --no-matmul: the GGUF matmuls replaced by a copy of a zero [T, N] output (tokens become
 meaningless): the step without them, i.e. attention, norms, RoPE, Python, engine, sampler,
-and how much of it is the model's forward.
+and how much of it is the model's forward. The stub replaces the Python-side kernel, so it
+also turns off the one-op layer (csrc/decode_layer.cpp calls the matmul kernel from C++).
+--layer-op-ab: each repeat times the step with the one-op layer and then with the same kernels
+called one by one from Python (llama_decode.USE_LAYER_OP), in the same process; prints the
+medians, their ratio, and whether the greedy ids are equal.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--no-matmul", action="store_true")
+    parser.add_argument("--layer-op-ab", action="store_true")
     args = parser.parse_args()
     os.environ["VLLM_CPU_THREADS_PER_STAGE"] = "1"
     import torch
 
     from vllm import LLM, SamplingParams
     from vllm import _custom_ops as ops
-    from vllm.model_executor.models import llama
+    from vllm.model_executor.models import llama, llama_decode
     from vllm.transformers_utils.gguf_config import resolve_model
 
     torch.set_num_threads(1)
@@ -56,6 +61,7 @@ def main() -> None:
             return zeros.setdefault(shape, torch.zeros(shape, dtype=x.dtype)).clone()
 
         ops.gguf_linear = no_matmul  # type: ignore[assignment]
+        llama_decode.USE_LAYER_OP = False
     llm = LLM(model=model, dtype="float32", max_model_len=1024, kv_cache_space=0.5)
     full = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -100,6 +106,9 @@ def main() -> None:
             calls = event.count / runs
             print(f"{event.key[:55]:55s} {event.self_cpu_time_total / 1e3:12.1f} {calls:11.1f}")
         return
+    if args.layer_op_ab:
+        layer_op_ab(run, full, first, steps, args.repeats)
+        return
     best = float("inf")
     tokens: list[list[int]] = []
     for _ in range(args.repeats):
@@ -117,6 +126,30 @@ def main() -> None:
     print(f"best {best:.2f} ms ({1e3 / best:.1f} tok/s); load average {os.getloadavg()[0]:.1f}")
     if not args.no_matmul:
         print(f"tokens {tokens}")
+
+
+def layer_op_ab(run: Any, full: Any, first: Any, steps: int, repeats: int) -> None:
+    """Alternate the step with and without the one-op layer; medians and their ratio."""
+    import statistics
+
+    from vllm.model_executor.models import llama_decode
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    tokens: dict[bool, list[list[int]]] = {}
+    for _ in range(repeats):
+        for use_op in (True, False):
+            llama_decode.USE_LAYER_OP = use_op
+            one, _ = run(first)
+            many, tokens[use_op] = run(full)
+            times[use_op].append((many - one) / steps * 1e3)
+    llama_decode.USE_LAYER_OP = True
+    for use_op, label in ((True, "one op per layer"), (False, "kernel by kernel")):
+        runs = ", ".join(f"{t:.2f}" for t in times[use_op])
+        print(f"{label}: median {statistics.median(times[use_op]):.2f} ms ({runs})")
+    ratio = statistics.median(times[True]) / statistics.median(times[False])
+    equal = tokens[True] == tokens[False]
+    print(f"one op / kernel by kernel: {ratio:.3f}x; greedy ids equal: {equal}")
+    print(f"load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

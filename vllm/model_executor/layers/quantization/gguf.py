@@ -299,6 +299,15 @@ class GGUFWeight(nn.Module):
 
         return matmul, self._single_max_tokens
 
+    def decode_blocks(self) -> tuple[torch.Tensor, int, bool] | None:
+        """For the decode fast path's one-op layer (csrc/decode_layer.cpp): (blocks [N,
+        row_bytes], ggml type, whether the kernel `decode_matmul` calls is the int8-activation
+        one), or None when `decode_matmul` is."""
+        qtype, kernel = self._single_qtype, self._single_kernel
+        if qtype is None or kernel is None:
+            return None
+        return self.part0, qtype, kernel is ops.gguf_linear_q8
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, dequantized -> [T, K] in dtype (an embedding lookup:
         the values the dense embedding would hold)."""
