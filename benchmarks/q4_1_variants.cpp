@@ -21,7 +21,10 @@
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #define INLINE TARGET inline __attribute__((always_inline))
 
-enum Variant { kCurrent, kShuffleLow, kShuffleBoth, kConvert, kMagic, kYmmPerm2, kNoUnpack, kFmaOnly };
+enum Variant {
+  kCurrent, kShuffleLow, kShuffleBoth, kConvert, kMagic, kYmmPerm2, kHybrid, kHybridMagic,
+  kNoUnpack, kFmaOnly
+};
 
 // table[idx] as two 256-bit two-table lookups of 8 weights each.
 INLINE __m512 ymm_lookup(__m512i idx, __m512 table) {
@@ -81,6 +84,20 @@ INLINE void tile(const uint8_t* w, int64_t row_bytes, int64_t k, const float* x,
             w0 = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(lo, magic)), big), dv, mv);
             w1 = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(hi, magic)), big), dv, mv);
           }
+        } else if constexpr (V == kHybrid || V == kHybridMagic) {
+          // Weights 0-15 looked up (vpermps), 16-31 converted and FMA'd: the same value
+          // fl(d * q + m) both ways, one lookup less on the shuffle pipes, one FMA more.
+          const __m512i q = _mm512_cvtepu8_epi32(raw);
+          w0 = _mm512_permutexvar_ps(q, _mm512_fmadd_ps(base, dv, mv));
+          const __m512i hi = _mm512_srli_epi32(q, 4);  // < 16: no mask needed
+          __m512 f1;
+          if constexpr (V == kHybrid) {
+            f1 = _mm512_cvtepi32_ps(hi);
+          } else {
+            f1 = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(hi, _mm512_set1_epi32(0x4B000000))),
+                               _mm512_set1_ps(8388608.0f));
+          }
+          w1 = _mm512_fmadd_ps(f1, dv, mv);
         } else if constexpr (V == kFmaOnly) {
           w0 = dv;
           w1 = mv;
@@ -152,6 +169,8 @@ int main(int argc, char** argv) {
       {"no table: convert + FMA per weight", gemv<kConvert, 8>, true},
       {"no table: 2^23 trick + FMA per weight", gemv<kMagic, 8>, true},
       {"two-table 256-bit vpermt2ps", gemv<kYmmPerm2, 8>, true},
+      {"hybrid: low half vpermps, high half convert + FMA", gemv<kHybrid, 8>, true},
+      {"hybrid, high half by the 2^23 trick", gemv<kHybridMagic, 8>, true},
       {"floor: table + vpermps, no unpacking", gemv<kNoUnpack, 8>, false},
       {"floor: the two FMAs per block alone", gemv<kFmaOnly, 8>, false},
   };
