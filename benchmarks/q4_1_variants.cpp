@@ -59,7 +59,8 @@ INLINE void tile(const uint8_t* w, int64_t row_bytes, int64_t k, const float* x,
     for (int r = 0; r < RT; ++r) {
       const uint8_t* row = w + r * row_bytes;
       _mm512_store_ps(d[r], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * b0)));
-      _mm512_store_ps(m[r], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + 2 * blocks + 2 * b0)));
+      const uint8_t* mins = row + 2 * blocks;
+      _mm512_store_ps(m[r], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mins + 2 * b0)));
     }
     for (int64_t j = 0; j < n; ++j) {
       const int64_t b = b0 + j;
@@ -81,8 +82,10 @@ INLINE void tile(const uint8_t* w, int64_t row_bytes, int64_t k, const float* x,
           } else {  // float(q) as (2^23 + q) - 2^23: an add instead of a conversion
             const __m512i magic = _mm512_set1_epi32(0x4B000000);
             const __m512 big = _mm512_set1_ps(8388608.0f);
-            w0 = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(lo, magic)), big), dv, mv);
-            w1 = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(hi, magic)), big), dv, mv);
+            const __m512 f0 = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(lo, magic)), big);
+            const __m512 f1 = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(hi, magic)), big);
+            w0 = _mm512_fmadd_ps(f0, dv, mv);
+            w1 = _mm512_fmadd_ps(f1, dv, mv);
           }
         } else if constexpr (V == kHybrid || V == kHybridMagic) {
           // Weights 0-15 looked up (vpermps), 16-31 converted and FMA'd: the same value
@@ -94,8 +97,8 @@ INLINE void tile(const uint8_t* w, int64_t row_bytes, int64_t k, const float* x,
           if constexpr (V == kHybrid) {
             f1 = _mm512_cvtepi32_ps(hi);
           } else {
-            f1 = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(hi, _mm512_set1_epi32(0x4B000000))),
-                               _mm512_set1_ps(8388608.0f));
+            const __m512i biased = _mm512_or_si512(hi, _mm512_set1_epi32(0x4B000000));
+            f1 = _mm512_sub_ps(_mm512_castsi512_ps(biased), _mm512_set1_ps(8388608.0f));
           }
           w1 = _mm512_fmadd_ps(f1, dv, mv);
         } else if constexpr (V == kFmaOnly) {
@@ -186,7 +189,8 @@ int main(int argc, char** argv) {
         const auto t0 = std::chrono::steady_clock::now();
         for (int c = 0; c < copies; ++c)
           row.fn(ws[streamed ? c : 0].data(), n, k, x.data(), out.data());
-        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const auto t1 = std::chrono::steady_clock::now();
+        const double s = std::chrono::duration<double>(t1 - t0).count();
         best[streamed] = std::min(best[streamed], s / copies);
       }
     row.fn(ws[0].data(), n, k, x.data(), out.data());

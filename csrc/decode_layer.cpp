@@ -3,7 +3,7 @@
 // arguments, from C++. The kernels are the same functions (ops.h), so the results are
 // bit-identical; what goes away is the Python between them: at batch 1 a layer's ~14 us of
 // non-matmul kernels came with ~12 op dispatches, 6 output allocations and 6 views or slices
-// from Python (~1.5-4 us each), about a tenth of a batch-1 step (docs/PERFORMANCE.md,
+// from Python (~1.5-4 us each): 6-12% of a batch-1 step in the A/B runs (docs/PERFORMANCE.md,
 // "One op per decoder layer").
 
 #include <ATen/ATen.h>
