@@ -69,6 +69,27 @@ void lora_apply(at::Tensor& out, const at::Tensor& x, const at::Tensor& lora_a,
                 const at::Tensor& scale, const at::Tensor& ranks,
                 c10::IntArrayRef slice_offsets);
 
+// One LLaMA decoder layer of a decode step whose four matmuls are GGUF blocks
+// (decode_layer.cpp): the kernel calls of llama_decode.py's LayerPlan.run, in its order. hidden
+// [T, hidden] contiguous; first: the input norm is rms_norm(hidden) and hidden is the residual
+// (pass it as residual too), else fused_add_rms_norm(hidden, residual). Then qkv, RoPE (the
+// caches [max_position, D]), KV write, decode attention, o, fused add + post norm, gate_up,
+// SiLU-and-mul, down. qtypes / int8: per matmul (qkv, o, gate_up, down) the ggml type and
+// whether it takes gguf_linear_q8. Returns the MLP output [T, hidden]; hidden, residual and
+// the caches are written in place as the separate kernels write them.
+at::Tensor decode_layer_gguf(at::Tensor& hidden, at::Tensor& residual, bool first,
+                             const at::Tensor& in_norm, double in_eps,
+                             const at::Tensor& post_norm, double post_eps,
+                             const at::Tensor& qkv_w, const at::Tensor& o_w,
+                             const at::Tensor& gate_up_w, const at::Tensor& down_w,
+                             c10::IntArrayRef qtypes, c10::IntArrayRef int8,
+                             const at::Tensor& positions, const at::Tensor& cos_cache,
+                             const at::Tensor& sin_cache, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_size, at::Tensor& key_cache,
+                             at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                             const at::Tensor& block_tables, const at::Tensor& context_lens,
+                             double scale, int64_t sliding_window, double soft_cap);
+
 // The instruction set the attention kernel runs with ("avx512", "avx2" or "generic"), and a
 // way to lower it so tests can check every variant on one machine.
 std::string cpu_isa();

@@ -31,6 +31,13 @@ TORCH_LIBRARY(vllm_pp, m) {
   m.def(
       "lora_apply(Tensor(a!) out, Tensor x, Tensor lora_a, Tensor lora_b_t, Tensor tokens, "
       "Tensor slots, Tensor scale, Tensor ranks, int[] slice_offsets) -> ()");
+  m.def(
+      "decode_layer_gguf(Tensor(a!) hidden, Tensor(b!) residual, bool first, Tensor in_norm, "
+      "float in_eps, Tensor post_norm, float post_eps, Tensor qkv_w, Tensor o_w, "
+      "Tensor gate_up_w, Tensor down_w, int[] qtypes, int[] int8, Tensor positions, "
+      "Tensor cos_cache, Tensor sin_cache, int num_heads, int num_kv_heads, int head_size, "
+      "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor context_lens, float scale, int sliding_window, float soft_cap) -> Tensor");
   // No tensor arguments, so these cannot dispatch on a device: register them for all.
   m.def("cpu_isa() -> str", &vllm_pp::cpu_isa);
   m.def("set_cpu_isa(str isa) -> ()", &vllm_pp::set_cpu_isa);
@@ -49,6 +56,7 @@ TORCH_LIBRARY_IMPL(vllm_pp, CPU, m) {
   m.impl("gguf_linear_q8", &vllm_pp::gguf_linear_q8);
   m.impl("gguf_quantize_q8", &vllm_pp::gguf_quantize_q8);
   m.impl("lora_apply", &vllm_pp::lora_apply);
+  m.impl("decode_layer_gguf", &vllm_pp::decode_layer_gguf);
 }
 
 // An empty module: everything is reached through torch.ops.vllm_pp.

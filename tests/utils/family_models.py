@@ -330,3 +330,16 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+def quantize_as_shipped(gguf_name: str, array: Any) -> tuple[Any, int] | None:
+    """A `write_gguf` quantizer storing a model the way the bundled SmolLM2 GGUF is: the
+    decoder layers' matrices Q4_1, the other matrices (embedding, lm_head) Q8_0, vectors F32."""
+    import gguf
+
+    if array.ndim != 2:
+        return None
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    if gguf_name.startswith("blk."):
+        qtype = gguf.GGMLQuantizationType.Q4_1
+    return gguf.quants.quantize(array.astype(np.float32), qtype), int(qtype)

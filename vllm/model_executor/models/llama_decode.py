@@ -8,7 +8,9 @@ matmuls, docs/PERFORMANCE.md).
 (decodes only, the token count against every matmul's limit, dtypes, kernels available) and
 returns each layer's `LayerPlan` (built once per layer from what depends only on the layer:
 LLaMA's plain layer, kernel-ready weights), or None for the general path. A plan calls the same
-kernels with the same arguments as the general path, so results are bit-identical.
+kernels with the same arguments as the general path, so results are bit-identical. A layer
+whose four matmuls are GGUF blocks makes those calls from C++ in one op
+(`torch.ops.vllm_pp.decode_layer_gguf`, csrc/decode_layer.cpp) when the built extension has it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ DTYPE = torch.float32
 # Packed dense matmuls have no token limit of their own; the fast path is for small steps.
 DENSE_MAX_TOKENS = 32
 _LINEAR_TYPES = (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear)
+# Whether a plan with GGUF blocks runs as the one C++ op (the same kernels, so the same bits);
+# tests switch it off to compare against the kernel-by-kernel sequence.
+USE_LAYER_OP = True
 
 
 def _decode_matmul(linear: nn.Module) -> tuple[Matmul, int] | None:
@@ -62,6 +67,15 @@ def _decode_matmul(linear: nn.Module) -> tuple[Matmul, int] | None:
     return matmul, DENSE_MAX_TOKENS
 
 
+def _decode_blocks(linear: nn.Module) -> tuple[torch.Tensor, int, bool] | None:
+    """(blocks, ggml type, int8 kernel) of a linear `_decode_matmul` calls GGUF's block
+    kernel for, else None."""
+    quant = getattr(linear, "quant", None)
+    if type(linear) not in _LINEAR_TYPES or quant is None or _decode_matmul(linear) is None:
+        return None
+    return quant.decode_blocks()
+
+
 def _norm_ok(norm: nn.Module) -> bool:
     return type(norm) is RMSNorm and norm.weight.dtype == DTYPE and norm.weight.is_cpu
 
@@ -71,6 +85,17 @@ class LayerPlan:
 
     def __init__(self, layer: nn.Module, matmuls: list[tuple[Matmul, int]]) -> None:
         attn = layer.self_attn
+        linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        blocks = [_decode_blocks(linear) for linear in linears]
+        # The one-op layer's weights (qkv, o, gate_up, down), ggml types and int8 flags, when
+        # all four are GGUF blocks and the extension has the op.
+        self.blocks: tuple[list[torch.Tensor], list[int], list[int]] | None = None
+        if _decode_layer is not None and all(b is not None for b in blocks):
+            self.blocks = (
+                [b[0] for b in blocks if b is not None],
+                [b[1] for b in blocks if b is not None],
+                [int(b[2]) for b in blocks if b is not None],
+            )
         (self.qkv, _), (self.o, _), (self.gate_up, _), (self.down, _) = matmuls
         self.max_tokens = min(limit for _, limit in matmuls)
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
@@ -126,6 +151,8 @@ class LayerPlan:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """LlamaDecoderLayer.forward for a decode step: hidden [T, hidden] (and residual, as
         there; both may be overwritten in place) -> (MLP output [T, hidden], residual)."""
+        if self.blocks is not None and USE_LAYER_OP:
+            return self._run_op(step, hidden, residual, kv_cache)
         if residual is None:
             residual = hidden
             h = ops.rms_norm(hidden, self.in_norm, self.in_eps)
@@ -161,6 +188,51 @@ class LayerPlan:
         act = torch.empty(t, gate_up.shape[1] // 2, dtype=gate_up.dtype)  # [T, I]
         _silu_and_mul(act, gate_up)
         return self.down(act), residual
+
+    def _run_op(
+        self,
+        step: DecodeStep,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run` as one C++ op: the same kernel calls, made from decode_layer.cpp."""
+        assert self.blocks is not None and _decode_layer is not None
+        (qkv, o, gate_up, down), qtypes, int8 = self.blocks
+        first = residual is None
+        # The first layer's residual is its input: decode_layer_gguf then reads only hidden.
+        stream = hidden if residual is None else residual
+        key_cache, value_cache = kv_cache
+        out = _decode_layer(
+            hidden,
+            stream,
+            first,
+            self.in_norm,
+            self.in_eps,
+            self.post_norm,
+            self.post_eps,
+            qkv,
+            o,
+            gate_up,
+            down,
+            qtypes,
+            int8,
+            step.positions,
+            self.cos,
+            self.sin,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            key_cache,
+            value_cache,
+            step.slot_mapping,
+            step.block_tables,
+            step.context_lens,
+            self.scale,
+            self.window,
+            self.soft_cap,
+        )  # [T, hidden]
+        return out, stream
 
 
 def _modules_of(layer: nn.Module) -> tuple[nn.Module | None, ...]:
@@ -201,11 +273,16 @@ _rotary: Callable[..., None]
 _write_kv: Callable[..., None]
 _attention: Callable[..., None]
 _silu_and_mul: Callable[..., None]
+# The one-op layer (csrc/decode_layer.cpp); None when the built extension predates it.
+_decode_layer: Callable[..., torch.Tensor] | None = None
 
 
 def _bind_kernels() -> None:
-    global _fused_add_rms_norm, _rotary, _write_kv, _attention, _silu_and_mul
+    global _fused_add_rms_norm, _rotary, _write_kv, _attention, _silu_and_mul, _decode_layer
     kernels = torch.ops.vllm_pp
+    _decode_layer = (
+        kernels.decode_layer_gguf.default if hasattr(kernels, "decode_layer_gguf") else None
+    )
     _fused_add_rms_norm = kernels.fused_add_rms_norm.default
     _rotary = kernels.rotary_embedding.default
     _write_kv = kernels.write_to_kv_cache.default

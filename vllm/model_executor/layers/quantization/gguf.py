@@ -299,6 +299,16 @@ class GGUFWeight(nn.Module):
 
         return matmul, self._single_max_tokens
 
+    def decode_blocks(self) -> tuple[torch.Tensor, int, bool] | None:
+        """For the decode fast path's one-op layer (csrc/decode_layer.cpp): (blocks [N,
+        row_bytes], ggml type, whether the kernel `decode_matmul` calls is the int8-activation
+        one), or None when `decode_matmul` is or calls something else than the two C++ block
+        kernels the op can call itself (a replaced kernel, e.g. a benchmark's stub)."""
+        qtype, kernel = self._single_qtype, self._single_kernel
+        if qtype is None or kernel not in (ops.gguf_linear, ops.gguf_linear_q8):
+            return None
+        return self.part0, qtype, kernel is ops.gguf_linear_q8
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, dequantized -> [T, K] in dtype (an embedding lookup:
         the values the dense embedding would hold)."""
