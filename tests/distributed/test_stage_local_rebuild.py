@@ -262,3 +262,51 @@ def test_prompts_in_flight_run_again_and_are_not_counted_as_recomputed(tiny_mode
         assert_work_is_the_rebuilt_share(extra, 2)
     finally:
         llm.shutdown()
+
+
+def test_a_whole_prompt_in_flight_keeps_its_cached_prefix(tiny_model_dirs, caplog):
+    """Classic scheduling with prefix caching, killed before a step with a prompt that took
+    a prefix from the cache: that prompt runs again from the waiting queue, but its cached
+    prefix is replayed on the new stage (not recomputed through every stage) and stays
+    cached; outputs equal the fault-free run."""
+    llm = start_engine(
+        tiny_model_dirs[MODEL],
+        "mp",
+        2,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=128,
+        max_num_seqs=4,
+    )
+    try:
+        reference = outputs_of(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+        queue = llm.llm_engine.batch_queue
+        submit = queue.submit
+        fired: list[int] = []
+
+        def submit_after_a_kill(scheduler_outputs, *args, **kwargs):
+            hit = any(
+                group.is_prefill() and seq.data.get_num_computed_tokens() > 0
+                for group in scheduler_outputs.scheduled_seq_groups
+                for seq in group.get_unfinished_seqs()
+            )
+            if hit and not fired:
+                fired.append(kill_stage_pid(llm, 1, signal.SIGKILL))
+                time.sleep(0.5)
+            return submit(scheduler_outputs, *args, **kwargs)
+
+        queue.submit = submit_after_a_kill  # type: ignore[method-assign]
+        try:
+            with caplog.at_level("INFO", logger="vllm"):
+                outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        finally:
+            del queue.submit
+        assert fired, "no prompt took a prefix from the cache"
+        assert outputs_of(outputs) == reference
+        (event,) = llm.llm_engine.fault_events
+        extra = event.extra
+        assert extra["stage_recovery"] == "local", extra
+        assert "the KV it had was rebuilt and stays in the prefix cache" in caplog.text
+        assert extra["recomputed_tokens"] == extra["replayed_tokens"], extra
+        assert_work_is_the_rebuilt_share(extra, 2)
+    finally:
+        llm.shutdown()

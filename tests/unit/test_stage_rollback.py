@@ -13,15 +13,27 @@ from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.block_manager import AllocStatus
 from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler
-from vllm.core.stage_rollback import end_swap_round, next_swap_round, roll_back_for_replay
+from vllm.core.stage_rollback import (
+    end_swap_round,
+    next_swap_round,
+    requeue_after_replay,
+    roll_back_for_replay,
+)
 from vllm.engine.stage_replay import replay_steps, replay_tokens
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 
 pytestmark = pytest.mark.fast
 
 
-def _scheduler(chunked: bool = False, num_cpu_blocks: int = 8) -> Scheduler:
-    cache = CacheConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=num_cpu_blocks)
+def _scheduler(
+    chunked: bool = False, num_cpu_blocks: int = 8, prefix_caching: bool = False
+) -> Scheduler:
+    cache = CacheConfig(
+        block_size=4,
+        num_gpu_blocks=32,
+        num_cpu_blocks=num_cpu_blocks,
+        enable_prefix_caching=prefix_caching,
+    )
     config = SchedulerConfig(
         max_num_batched_tokens=64,
         max_num_seqs=8,
@@ -144,6 +156,29 @@ def test_a_swapped_group_with_no_room_stays_swapped_and_is_rebuilt_in_a_round():
     assert len(bm.get_block_table(big_seq)) == big_blocks and bm.num_swapped_blocks(c) == 2
     assert bm.get_num_free_cpu_blocks() == host
     assert list(sched.running) == [big] and list(sched.swapped) == [c]
+
+
+def test_a_whole_prompt_in_flight_with_a_cached_prefix_keeps_that_prefix():
+    """Classic scheduling runs a prompt whole, so one in flight waits again; but the prefix it
+    took from the cache is committed KV: it is replayed with the others and then re-queued,
+    so the prefix stays cached (valid on the rebuilt stage too) and is not computed again."""
+    sched = _scheduler(prefix_caching=True)
+    _add(sched, "a", 10)
+    _run_once(sched)  # a's prompt is computed and its 2 full blocks cached
+    twin = _add(sched, "twin", 10)  # the same 10 tokens: 8 of them come from the cache
+    _, out = sched.schedule(1)
+    sched.commit_step(out)
+    assert twin.is_in_flight()
+    twin_seq = twin.get_seqs()[0]
+    assert twin_seq.data.get_num_computed_tokens() == 8
+    plan = roll_back_for_replay(sched)
+    assert not plan.recomputed and set(plan.requeue_after) == {"twin"}
+    assert twin in plan.replayed
+    steps = replay_steps(plan.replayed, sched.block_manager, 64)
+    assert replay_tokens(steps) == 10 + 8  # a's committed tokens, twin's cached prefix
+    assert requeue_after_replay(sched, plan) == [twin]
+    assert list(sched.waiting) == [twin] and twin not in sched.running
+    assert sched.block_manager.num_cached_tokens(twin) == 8
 
 
 def test_stage_recovery_flag():

@@ -10,8 +10,9 @@ submission failed reach no rank and are applied before the replay
 (`BatchQueue.unsent_block_ops`). So every survivor holds the blocks the scheduler's tables
 name. The steps in flight at the failure are lost: their groups are rolled back to their
 committed state, keeping their blocks. Recomputed in full instead:
-- a prompt that classic scheduling runs whole (or several diverged samples, never chunked):
-  it is rescheduled as a new prompt anyway (it has at most a cached prefix computed);
+- a prompt that classic scheduling runs whole (or several diverged samples, never chunked)
+  runs again from the waiting queue; when it has committed KV (a cached prefix) that is
+  replayed with the others first, so it stays in the prefix cache (`requeue_after`);
 - a swapped group that max_loras keeps from being swapped in with the replay (the replaced
   stage's copy of its blocks is garbage and only a replay brings it back).
 A swapped group with no room to come back now stays swapped and is rebuilt in a round of its
@@ -50,6 +51,10 @@ class RollbackPlan:
     # Swapped groups with no room to come back (blocks or max_num_seqs): they stay swapped and
     # are rebuilt in rounds that swap some in, replay them and swap them out again.
     swap_rounds: list[SequenceGroup] = field(default_factory=list)
+    # Request id -> why it runs again from the waiting queue (its prompt runs whole) although
+    # it has committed KV (a cached prefix): replayed with the others, then re-queued, so
+    # that KV stays in the prefix cache, valid on every stage (`requeue_after_replay`).
+    requeue_after: dict[str, str] = field(default_factory=dict)
 
 
 def roll_back_for_replay(sched: Scheduler) -> RollbackPlan:
@@ -67,6 +72,9 @@ def roll_back_for_replay(sched: Scheduler) -> RollbackPlan:
         why = _why_recompute(group, chunked)
         if why is None:
             kept.append(group)
+        elif any(seq.data.get_num_computed_tokens() for seq in group.get_unfinished_seqs()):
+            kept.append(group)
+            plan.requeue_after[group.request_id] = why
         else:
             plan.recomputed[group.request_id] = why
             recompute.append(group)
@@ -96,6 +104,29 @@ def roll_back_for_replay(sched: Scheduler) -> RollbackPlan:
     bm.drop_free_cached_blocks()
     plan.replayed = list(sched.running)
     return plan
+
+
+def requeue_after_replay(sched: Scheduler, plan: RollbackPlan) -> list[SequenceGroup]:
+    """After the replay: the groups of `plan.requeue_after` wait again (their blocks freed,
+    their replayed prefix left in the prefix cache); returns them."""
+    groups = [g for g in sched.running if g.request_id in plan.requeue_after]
+    for group in groups:
+        sched.running.remove(group)
+    sched.requeue(groups)
+    return groups
+
+
+def log_rollback(plan: RollbackPlan) -> None:
+    """One warning per request that did not simply keep its KV."""
+    for request_id, why in plan.recomputed.items():
+        logger.warning("Request %s: recomputed in full (%s)", request_id, why)
+    for request_id, why in plan.requeue_after.items():
+        logger.warning(
+            "Request %s: runs again from the waiting queue (%s); the KV it had was rebuilt "
+            "and stays in the prefix cache",
+            request_id,
+            why,
+        )
 
 
 def _why_recompute(group: SequenceGroup, chunked: bool) -> str | None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm import envs
-from vllm.core.stage_rollback import RollbackPlan
+from vllm.core.stage_rollback import RollbackPlan, log_rollback
 from vllm.distributed.pipeline_resize import stages_of
 from vllm.engine.merge_rebuild import MergeRebuild, NotLocal, rebuild_merged_stage, refusal
 from vllm.executor.stage_supervisor import FaultEvent, StageFailedError
@@ -204,8 +204,7 @@ class ElasticPipeline:
         old_pp: int,
     ) -> None:
         """The fault's figures and log line after the lost layers were rebuilt locally."""
-        for request_id, reason in plan.recomputed.items():
-            logger.warning("Request %s: recomputed in full (%s)", request_id, reason)
+        log_rollback(plan)
         # Groups re-queued by the rollback re-prefill every token they had KV for through
         # every layer (a prompt that was in flight had none: it computes nothing again).
         requeued = [g for g in self.engine.scheduler.waiting if g.request_id in plan.recomputed]

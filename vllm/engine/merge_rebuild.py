@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllm.core.stage_rollback import RollbackPlan
+from vllm.core.stage_rollback import RollbackPlan, requeue_after_replay
 from vllm.engine.stage_replay import replay_steps, replay_tokens
 from vllm.step_delta import BlockOps, ReplayRequest
 
@@ -107,6 +107,7 @@ def rebuild_merged_stage(
         )
         executor.replay_gained_layers(request, pc.step_deadline_s(num_tokens))
     executor.finish_merge()
+    requeue_after_replay(sched, plan)
     return MergeRebuild(
         merged.stage, merged.lost_stage, merged.lost_layers, merged.layers,
         replay_tokens(steps), len(steps), len(groups), len(plan.swapped_in), num_gpu,

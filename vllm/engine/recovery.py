@@ -24,7 +24,9 @@ from vllm import envs
 from vllm.core.stage_rollback import (
     RollbackPlan,
     end_swap_round,
+    log_rollback,
     next_swap_round,
+    requeue_after_replay,
     roll_back_for_replay,
 )
 from vllm.engine.stage_replay import replay_steps, replay_tokens
@@ -243,6 +245,7 @@ class StageRecovery:
                 before = [*unsent, BlockOps(swap_in=plan.blocks_to_swap_in)] if first else []
                 self._replay(ReplayRequest(stages, step, sched.kv_blocks_bound(), before))
             replayed += self._rebuild_swapped_in_rounds(plan, stages)
+            requeue_after_replay(sched, plan)
         except Exception as exc:
             logger.error(
                 "Stage-local rebuild failed (%s: %s); recomputing every request in full",
@@ -260,8 +263,7 @@ class StageRecovery:
             event.extra["recomputed_tokens"] = full
             event.extra["recomputed_token_stages"] = full * pp
             return
-        for request_id, why in plan.recomputed.items():
-            logger.warning("Request %s: recomputed in full (%s)", request_id, why)
+        log_rollback(plan)
         requeued = [g for g in sched.waiting if g.request_id in plan.recomputed]
         # A prompt that was in flight had no KV yet: it runs again, but computes nothing again.
         recomputed_full = sum(
