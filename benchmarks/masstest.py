@@ -591,6 +591,15 @@ def summarize(
         "faults_caught_up": len(caught_up),
         "recomputed_token_stages": sum(f.extra.get("recomputed_token_stages", 0) for f in faults),
         "full_path_token_stages": sum(f.extra.get("full_path_token_stages", 0) for f in faults),
+        # The largest share of its full path one fault recomputed (issue target: 1/PP).
+        "max_fault_share": max(
+            (
+                f.extra["recomputed_token_stages"] / f.extra["full_path_token_stages"]
+                for f in faults
+                if f.extra.get("full_path_token_stages")
+            ),
+            default=None,
+        ),
         "errors": len(errors),
     }
     return summary
