@@ -22,12 +22,14 @@ import pytest
 
 from tests.utils import tiny_models
 from tests.utils.faults import (
+    SWAPPING_ENGINE_KW,
     after_steps,
     engine_with_reference,
     gone,
     greedy_and_seeded,
     kill_stage_pid,
     step_with_actions,
+    swapping_params,
     token_ids,
 )
 from vllm import LLM, SamplingParams
@@ -240,25 +242,12 @@ def test_swapped_and_parallel_sampled_groups_come_back_with_the_local_rebuild(
     cache that swaps and n = 2 seeded sampling: swapped groups are swapped in before the
     merged stage's host tensors are re-made (the swap space shrinks to what it holds with
     its new layers), and outputs equal the fault-free run."""
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-        if i % 3 == 0
-        else SamplingParams(temperature=1.0, seed=i, max_tokens=40, n=2 if i % 3 == 2 else 1)
-        for i in range(len(PROMPTS))
-    ]
+    params = swapping_params(len(PROMPTS))
     llm = LLM(
         tiny_model_dirs["llama-gqa-untied"],
         pipeline_parallel_size=3,
         distributed_executor_backend="mp",
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=256,
-        max_num_seqs=16,
-        enable_prefix_caching=True,
-        block_size=4,
-        num_gpu_blocks_override=64,
-        swap_space=0.01,
-        max_model_len=128,
-        disable_log_stats=True,
+        **SWAPPING_ENGINE_KW,
     )
 
     def samples(outputs) -> list[list[list[int]]]:

@@ -15,31 +15,19 @@ import time
 import pytest
 
 from tests.utils import tiny_models
-from tests.utils.faults import after_steps, gone, kill_stage_pid
-from vllm import LLM, SamplingParams
+from tests.utils.faults import (
+    SWAPPING_ENGINE_KW,
+    after_steps,
+    gone,
+    kill_stage_pid,
+    swapping_params,
+)
+from vllm import LLM
 
 PROMPTS = tiny_models.PROMPTS * 2
-PARAMS = [
-    SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    if i % 3 == 0
-    else SamplingParams(temperature=1.0, seed=i, max_tokens=40, n=2 if i % 3 == 2 else 1)
-    for i in range(len(PROMPTS))
-]
-# Small blocks and cache: n=2 groups are swapped out (preempted) around the fault.
-ENGINE_KW = dict(
-    enable_chunked_prefill=True,
-    # Large enough for samples that diverged before a full recompute (never chunked: a group
-    # of several sequences over the budget is ignored, a limit of the full path).
-    max_num_batched_tokens=256,
-    max_num_seqs=16,
-    enable_prefix_caching=True,
-    block_size=4,
-    num_gpu_blocks_override=64,
-    swap_space=0.01,
-    max_model_len=128,
-    disable_log_stats=True,
-    max_stage_restarts=8,  # one engine per layout takes up to 6 kills
-)
+PARAMS = swapping_params(len(PROMPTS))
+# One engine per layout takes up to 6 kills.
+ENGINE_KW = {**SWAPPING_ENGINE_KW, "max_stage_restarts": 8}
 
 
 def outputs_of(outputs) -> list[list[list[int]]]:

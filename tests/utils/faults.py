@@ -113,3 +113,31 @@ def step_with_actions(
             assert len(engine.batch_queue) > 0, f"no batch in flight after step {step}"
             actions[step]()
     return [outputs[str(i)] for i in range(len(prompts))]
+
+
+def swapping_params(count: int) -> list[SamplingParams]:
+    """A third greedy, a third seeded, a third seeded with n = 2 (40 tokens, no EOS): parallel
+    samples that a small cache swaps out."""
+    return [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        if i % 3 == 0
+        else SamplingParams(temperature=1.0, seed=i, max_tokens=40, n=2 if i % 3 == 2 else 1)
+        for i in range(count)
+    ]
+
+
+# Small blocks and cache: with `swapping_params` n = 2 groups are swapped out (preempted)
+# around a fault; chunked prefill and prefix caching on.
+SWAPPING_ENGINE_KW = dict(
+    enable_chunked_prefill=True,
+    # Large enough for samples that diverged before a full recompute (never chunked: a group
+    # of several sequences over the budget is ignored, a limit of the full path).
+    max_num_batched_tokens=256,
+    max_num_seqs=16,
+    enable_prefix_caching=True,
+    block_size=4,
+    num_gpu_blocks_override=64,
+    swap_space=0.01,
+    max_model_len=128,
+    disable_log_stats=True,
+)
