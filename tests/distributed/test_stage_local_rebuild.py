@@ -10,7 +10,6 @@ the recovery's work in token-stages is at most 1/PP of a full recompute's for th
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 
@@ -19,6 +18,7 @@ from tests.utils.faults import (
     SWAPPING_ENGINE_KW,
     after_steps,
     gone,
+    kill_before_a_step,
     kill_stage_pid,
     swapping_params,
 )
@@ -136,24 +136,14 @@ def test_blocks_a_lost_step_moved_stay_with_the_survivors(engine, pause_s, caplo
     llm, reference = engine
     eng = llm.llm_engine
     pp = eng.parallel_config.pipeline_parallel_size
-    queue = eng.batch_queue
-    submit = queue.submit
-    fired: list[int] = []
-
-    def submit_after_a_kill(scheduler_outputs, *args, **kwargs):
-        moves = scheduler_outputs.blocks_to_copy or scheduler_outputs.blocks_to_swap_out
-        if moves and not fired:
-            fired.append(kill_stage_pid(llm, pp - 1, signal.SIGKILL))
-            time.sleep(pause_s)
-        return submit(scheduler_outputs, *args, **kwargs)
-
-    queue.submit = submit_after_a_kill  # type: ignore[method-assign]
     events_before = len(eng.fault_events)
-    try:
+
+    def moves_blocks(out) -> bool:
+        return bool(out.blocks_to_copy or out.blocks_to_swap_out)
+
+    with kill_before_a_step(llm, pp - 1, moves_blocks, pause_s) as fired:
         with caplog.at_level("INFO", logger="vllm"):
             outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    finally:
-        del queue.submit
     assert fired, "no step copied or swapped a block"
     assert outputs_of(outputs) == reference
     (event,) = eng.fault_events[events_before:]
@@ -174,20 +164,10 @@ def test_swapped_requests_with_no_room_are_rebuilt_in_rounds(engine, monkeypatch
     eng = llm.llm_engine
     pp = eng.parallel_config.pipeline_parallel_size
     monkeypatch.setattr(rollback, "_room_to_swap_in", lambda sched, group: False)
-    queue = eng.batch_queue
-    submit = queue.submit
-    fired: list[int] = []
-
-    def submit_after_a_kill(scheduler_outputs, *args, **kwargs):
-        if scheduler_outputs.blocks_to_swap_out and not fired:
-            fired.append(kill_stage_pid(llm, 0, signal.SIGKILL))
-            time.sleep(0.5)
-        return submit(scheduler_outputs, *args, **kwargs)
-
-    monkeypatch.setattr(queue, "submit", submit_after_a_kill)
     events_before = len(eng.fault_events)
-    with caplog.at_level("INFO", logger="vllm"):
-        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    with kill_before_a_step(llm, 0, lambda out: bool(out.blocks_to_swap_out), 0.5) as fired:
+        with caplog.at_level("INFO", logger="vllm"):
+            outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert fired, "no step swapped a request out"
     assert outputs_of(outputs) == reference
     (event,) = eng.fault_events[events_before:]
@@ -267,27 +247,17 @@ def test_a_whole_prompt_in_flight_keeps_its_cached_prefix(tiny_model_dirs, caplo
     )
     try:
         reference = outputs_of(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
-        queue = llm.llm_engine.batch_queue
-        submit = queue.submit
-        fired: list[int] = []
 
-        def submit_after_a_kill(scheduler_outputs, *args, **kwargs):
-            hit = any(
+        def takes_a_cached_prefix(out) -> bool:
+            return any(
                 group.is_prefill() and seq.data.get_num_computed_tokens() > 0
-                for group in scheduler_outputs.scheduled_seq_groups
+                for group in out.scheduled_seq_groups
                 for seq in group.get_unfinished_seqs()
             )
-            if hit and not fired:
-                fired.append(kill_stage_pid(llm, 1, signal.SIGKILL))
-                time.sleep(0.5)
-            return submit(scheduler_outputs, *args, **kwargs)
 
-        queue.submit = submit_after_a_kill  # type: ignore[method-assign]
-        try:
+        with kill_before_a_step(llm, 1, takes_a_cached_prefix, 0.5) as fired:
             with caplog.at_level("INFO", logger="vllm"):
                 outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-        finally:
-            del queue.submit
         assert fired, "no prompt took a prefix from the cache"
         assert outputs_of(outputs) == reference
         (event,) = llm.llm_engine.fault_events

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import psutil
 
@@ -51,6 +53,30 @@ def after_steps(llm: LLM, steps: int, action) -> threading.Thread:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
+
+
+@contextlib.contextmanager
+def kill_before_a_step(
+    llm: LLM, rank: int, when: Callable[[Any], bool], pause_s: float = 0.0
+) -> Iterator[list[int]]:
+    """While inside: the first step whose SchedulerOutputs `when` accepts is submitted only
+    after `rank` was SIGKILLed and `pause_s` passed (long enough, and the engine knows the
+    rank is gone, so the submission fails). Yields the killed pid, once there is one."""
+    queue = llm.llm_engine.batch_queue
+    submit = queue.submit
+    fired: list[int] = []
+
+    def submit_after_a_kill(scheduler_outputs: Any, *args: Any, **kwargs: Any) -> None:
+        if not fired and when(scheduler_outputs):
+            fired.append(kill_stage_pid(llm, rank, signal.SIGKILL))
+            time.sleep(pause_s)
+        submit(scheduler_outputs, *args, **kwargs)
+
+    queue.submit = submit_after_a_kill  # type: ignore[method-assign]
+    try:
+        yield fired
+    finally:
+        del queue.submit
 
 
 def gone(pid: int) -> bool:
