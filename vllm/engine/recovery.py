@@ -226,8 +226,6 @@ class StageRecovery:
         engine = self.engine
         sched = engine.scheduler
         pp = engine.parallel_config.pipeline_parallel_size
-        for request_id, why in plan.recomputed.items():
-            logger.warning("Request %s: recomputed in full (%s)", request_id, why)
         groups = [g for g in plan.replayed if not g.is_finished()]
         steps = replay_steps(groups, sched.block_manager, sched.budget.max_num_batched_tokens)
         replayed = replay_tokens(steps)
