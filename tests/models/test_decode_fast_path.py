@@ -6,7 +6,6 @@ the kernels disabled)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from tests.utils import family_models, tiny_models
@@ -25,7 +24,6 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str | None]]:
     """kind -> (model, tokenizer): tiny dense LLaMA, Qwen2 and Qwen3, and a LLaMA 3 stored as
     a GGUF of Q4_1 linears and a Q8_0 embedding and lm_head."""
-    import gguf
 
     root = str(tmp_path_factory.mktemp("fast_path"))
     dense = tiny_models.build_dirs(root, ("llama-gqa-untied",), tiny_models.build_model)
@@ -33,16 +31,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str
         root, ("qwen2", "qwen3", "llama3"), family_models.build_family
     )
 
-    def quantize(name: str, array: np.ndarray) -> tuple[np.ndarray, int] | None:
-        if array.ndim != 2:
-            return None
-        qtype = gguf.GGMLQuantizationType.Q8_0
-        if name.startswith("blk."):
-            qtype = gguf.GGMLQuantizationType.Q4_1
-        return gguf.quants.quantize(array.astype(np.float32), qtype), int(qtype)
-
     llama3 = families["llama3"]
-    path = family_models.write_gguf(llama3, f"{root}/tiny-q4_1.gguf", "llama3", None, quantize)
+    path = family_models.write_gguf(
+        llama3, f"{root}/tiny-q4_1.gguf", "llama3", None, family_models.quantize_as_shipped
+    )
     return {
         "llama": (dense["llama-gqa-untied"], None),
         "qwen2": (families["qwen2"], None),
