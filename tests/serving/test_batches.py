@@ -758,3 +758,77 @@ def test_file_quota_and_expires_after(keyed):
         one.files.content(first.id)
     assert first.id not in [f.id for f in one.files.list()]
     assert store.sweep() == [first.id] and not os.path.exists(store.data_path(first.id))
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the server and whatever processes it started (no shutdown code runs)."""
+    import psutil
+
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()
+    proc.wait()
+    for child in children:
+        if child.is_running():
+            child.kill()
+
+
+@pytest.mark.slow  # four server processes
+def test_sigkill_during_batch_and_restart_exactly_once(tiny_model_dirs, tmp_path, server):
+    """A server SIGKILLed at random points of a batch (three times, fixed seed) and restarted
+    on the same state directory each time finishes it: every input line in the output exactly
+    once, the journal whole lines only, and each line's text that of the same batch run on a
+    server that never crashed (greedy)."""
+    import random
+
+    from vllm.entrypoints.openai.batch_store import read_journal
+
+    rng = random.Random(42)
+    state = str(tmp_path / "state")
+    n = 40
+    data = long_lines(n, 16, "k")
+    proc, url = _start_server(tiny_model_dirs[KIND], state)
+    try:
+        client = _client(url)
+        upload = client.files.create(file=("k.jsonl", data), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+        )
+        for kill in range(3):
+            # A random number of lines more, then a random moment: the kill can land while a
+            # line is recorded, between lines, or while the counts are saved.
+            target = client.batches.retrieve(batch.id).request_counts.completed
+            target += rng.randint(2, 6)
+            deadline = time.time() + 240
+            while client.batches.retrieve(batch.id).request_counts.completed < target:
+                assert time.time() < deadline, f"no progress before kill {kill}"
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 0.5))
+            _kill(proc)
+            journal = state + f"/batches/{batch.id}.results"
+            recorded, _, _ = read_journal(journal)
+            print(f"kill {kill}: {len(recorded)} of {n} lines recorded")
+            proc, url = _start_server(tiny_model_dirs[KIND], state)
+            client = _client(url)
+        resumed = wait_batch(client, batch.id)
+        assert resumed.status == "completed", resumed
+        assert resumed.request_counts.completed == n and resumed.request_counts.failed == 0
+        outputs = read_jsonl(client.files.content(resumed.output_file_id).text)
+        assert _stop(proc) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+    assert [o["custom_id"] for o in outputs] == [f"k-{i}" for i in range(n)]
+    with open(journal, "rb") as f:
+        rows = f.read().split(b"\n")
+    assert rows[-1] == b"", "the journal ends inside a record"
+    assert sorted(json.loads(row)["line"] for row in rows[:-1]) == list(range(n))  # once each
+
+    # The same batch on the shared server, which never crashed.
+    reference = server.client()
+    upload = reference.files.create(file=("k.jsonl", data), purpose="batch")
+    batch = reference.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    done = wait_batch(reference, batch.id)
+    wanted = read_jsonl(reference.files.content(done.output_file_id).text)
+    assert [choice_text(o) for o in outputs] == [choice_text(o) for o in wanted]
