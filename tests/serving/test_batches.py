@@ -784,8 +784,13 @@ def test_sigkill_during_batch_and_restart_exactly_once(tiny_model_dirs, tmp_path
 
     rng = random.Random(42)
     state = str(tmp_path / "state")
-    n = 40
-    data = long_lines(n, 16, "k")
+    n = 32
+    # Lengths that differ, so lines finish (and are recorded) at different moments.
+    rows = [
+        line(f"k-{i}", "/v1/completions", completion_body(i, 4 + i % 7, ignore_eos=True))
+        for i in range(n)
+    ]
+    data = ("\n".join(rows) + "\n").encode()
     proc, url = _start_server(tiny_model_dirs[KIND], state)
     try:
         client = _client(url)

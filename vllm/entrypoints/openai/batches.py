@@ -28,9 +28,11 @@ started on it serves no batch API (503) rather than run the same lines twice.
 Ownership: with API keys (`--api-key`), each file and batch belongs to the key that created it
 (`request.state.api_key_id`, set by the server's authentication), and every other key gets 404
 for it, in listings too, as OpenAI answers for an id you cannot see; a batch's output files
-belong to the batch's owner. Without keys everything is shared by every client. Uploaded files
-count against a quota per key (or, without keys, for the whole server): `--max-files-per-key`
-files and `--max-file-bytes-per-key` bytes, a 429 `insufficient_quota` naming the limit beyond.
+belong to the batch's owner. Without keys everything is shared by every client; an object
+created while the server had no key belongs to no key, so once keys are set no client sees it.
+Uploaded files (not a batch's output files) count against a quota per key (or, without keys,
+for the whole server): `--max-files-per-key` files and `--max-file-bytes-per-key` bytes, a 429
+`insufficient_quota` naming the limit beyond; expired and deleted files do not count.
 
 Expiry: OpenAI's `expires_after` on `POST /v1/files` (multipart fields `expires_after[anchor]`
 = `created_at`, `expires_after[seconds]` from 3600 to 2592000) sets the file's `expires_at`,
