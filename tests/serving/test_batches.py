@@ -574,8 +574,11 @@ def test_torn_journal_record_is_repaired_on_resume(tmp_path):
     store.append_result("c", 0, {"y": 0})
     with open(store.results_path("c"), "ab") as f:
         f.write(b"\0" * 64)
+    leftover = os.path.join(store.files_dir, ".tmp-half-written")
+    open(leftover, "wb").close()  # an atomic write the crash cut short
 
     resumed = BatchStore(str(tmp_path))  # a restarted server
+    assert not os.path.exists(leftover)
     resumed.append_result("b", 1, {"x": 1})
     resumed.append_result("b", 3, {"x": 3})
     resumed.append_result("c", 1, {"y": 1})

@@ -170,6 +170,10 @@ class BatchStore:
         for name in os.listdir(self.batches_dir):
             if name.endswith(".results"):
                 repair_journal(os.path.join(self.batches_dir, name))
+        for directory in (self.files_dir, self.batches_dir):  # a crash's half-written copies
+            for name in os.listdir(directory):
+                if name.startswith(".tmp-"):
+                    os.unlink(os.path.join(directory, name))
 
     def _load(self, directory: str) -> dict[str, dict[str, Any]]:
         objects = {}
