@@ -9,6 +9,7 @@ every custom_id must appear exactly once."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -559,3 +560,283 @@ def test_run_batch_reads_and_writes_urls(tmp_path):
     write_output(str(local), ['{"y": 1}'])
     assert local.read_text() == '{"y": 1}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]
+
+
+def test_torn_journal_record_is_repaired_on_resume(tmp_path):
+    """A journal whose last record a crash tore (or filled with zeros, as a power loss can)
+    is cut back to its whole records when the store opens again, so the records appended on
+    resume are whole lines and every one of them reads back."""
+    store = BatchStore(str(tmp_path))
+    store.append_result("b", 0, {"x": 0})
+    store.append_result("b", 2, {"x": 2})
+    with open(store.results_path("b"), "ab") as f:
+        f.write(b'{"line": 1, "out')
+    store.append_result("c", 0, {"y": 0})
+    with open(store.results_path("c"), "ab") as f:
+        f.write(b"\0" * 64)
+    leftover = os.path.join(store.files_dir, ".tmp-half-written")
+    open(leftover, "wb").close()  # an atomic write the crash cut short
+
+    resumed = BatchStore(str(tmp_path))  # a restarted server
+    assert not os.path.exists(leftover)
+    resumed.append_result("b", 1, {"x": 1})
+    resumed.append_result("b", 3, {"x": 3})
+    resumed.append_result("c", 1, {"y": 1})
+    assert resumed.load_results("b") == {i: {"x": i} for i in range(4)}
+    assert resumed.load_results("c") == {0: {"y": 0}, 1: {"y": 1}}
+    for batch_id in ("b", "c"):
+        with open(resumed.results_path(batch_id), "rb") as f:
+            rows = f.read().split(b"\n")
+        assert rows[-1] == b"" and all(json.loads(row) for row in rows[:-1])
+
+
+def test_store_quota_expiry_sweep_and_owners(tmp_path):
+    """Quotas count one owner's live uploads; an expired file is gone at once and the sweep
+    removes its bytes; owners survive a restart and never appear in the API objects."""
+    from vllm.entrypoints.openai.batch_store import FileQuota, QuotaExceededError
+
+    store = BatchStore(str(tmp_path))
+    quota = FileQuota(max_files=2, max_bytes=10)
+    now = int(time.time())
+    store.add_file(b"abcd", "a", "batch", owner="k1", quota=quota)
+    old = store.add_file(b"abcd", "b", "batch", owner="k1", expires_at=now + 3600, quota=quota)
+    with pytest.raises(QuotaExceededError, match="--max-files-per-key"):
+        store.add_file(b"a", "c", "batch", owner="k1", quota=quota)
+    store.add_file(b"abcdefgh", "d", "batch", owner="k2", quota=quota)  # k2 has its own
+    with pytest.raises(QuotaExceededError, match="--max-file-bytes-per-key"):
+        store.add_file(b"abc", "e", "batch", owner="k2", quota=quota)
+    # Past its expiry the file is invisible at once and no longer counts...
+    later = now + 3601
+    assert store.live_file(old["id"], now=now) is not None
+    assert store.live_file(old["id"], now=later) is None
+    assert store.sweep(now=later) == [old["id"]]  # ...and the sweep deletes it from disk
+    assert not os.path.exists(store.data_path(old["id"]))
+    assert old["id"] not in store.files and old["id"] not in BatchStore(str(tmp_path)).files
+    store.add_file(b"x", "f", "batch", owner="k1", quota=quota)
+
+    reopened = BatchStore(str(tmp_path))
+    assert sorted(reopened.owners.values()) == ["k1", "k1", "k2"]
+    assert all("_owner" not in f and "owner" not in f for f in reopened.files.values())
+
+
+def test_several_api_keys_parsed(tmp_path, monkeypatch):
+    """--api-key takes several keys (vLLM's `--api-key K1 K2`, or the flag repeated), plus one
+    per line of --api-key-file; VLLM_API_KEY only when neither is given."""
+    from vllm.entrypoints.openai.api_server import api_keys_from_args, make_arg_parser
+
+    parser = make_arg_parser()
+    monkeypatch.setenv("VLLM_API_KEY", "env")
+    key_file = tmp_path / "keys"
+    key_file.write_text("# team keys\nk3\n\n  k4  \n")
+    args = parser.parse_args(
+        [
+            "--model",
+            "m",
+            "--api-key",
+            "k1",
+            "k2",
+            "--api-key",
+            "k1",
+            "--api-key-file",
+            str(key_file),
+        ]
+    )
+    assert api_keys_from_args(args) == ["k1", "k2", "k3", "k4"]
+    assert api_keys_from_args(parser.parse_args(["--model", "m"])) == ["env"]
+    with pytest.raises(ValueError, match="--api-key"):
+        api_keys_from_args(parser.parse_args(["--model", "m", "--api-key", " "]))
+
+
+KEYS = ("key-one", "key-two")
+
+
+@pytest.fixture(scope="module")
+def keyed(server, tmp_path_factory):
+    """A second app on the shared engine with two API keys and a small file quota."""
+    from vllm.entrypoints.openai.batch_store import FileQuota
+
+    srv = ServerThread(
+        server.engine,
+        api_key=list(KEYS),
+        batch_state_dir=str(tmp_path_factory.mktemp("keyed_state")),
+        file_quota=FileQuota(max_files=3, max_bytes=100_000),
+    )
+    yield srv
+    srv.stop(shutdown_engine=False)
+
+
+def test_files_and_batches_scoped_to_their_key(keyed):
+    """Either key is accepted; each key sees only its own files and batches (another key's
+    id is a 404 on every route, as OpenAI answers), a batch's output belongs to its owner."""
+    import openai
+
+    from vllm.entrypoints.openai.api_server import api_key_id
+
+    one, two = (keyed.client(api_key=k) for k in KEYS)
+    with pytest.raises(openai.AuthenticationError):
+        keyed.client(api_key="key-three").files.list()
+    data = long_lines(3, 2, "s")
+    upload = one.files.create(file=("s.jsonl", data), purpose="batch")
+    store = keyed.server.config.app.state.batches.store
+    # The owner is the key's non-secret id: 16 hex digits of its SHA-256.
+    assert store.owners[upload.id] == api_key_id(KEYS[0])
+    assert api_key_id(KEYS[0]) == hashlib.sha256(KEYS[0].encode()).hexdigest()[:16]
+    assert [f.id for f in one.files.list()] == [upload.id]
+    assert two.files.list().data == []
+    for call in (
+        lambda: two.files.retrieve(upload.id),
+        lambda: two.files.content(upload.id),
+        lambda: two.files.delete(upload.id),
+        lambda: two.batches.create(
+            input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    batch = one.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    assert two.batches.list().data == [] and [b.id for b in one.batches.list()] == [batch.id]
+    for call in (lambda: two.batches.retrieve(batch.id), lambda: two.batches.cancel(batch.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    done = wait_batch(one, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 3
+    assert len(read_jsonl(one.files.content(done.output_file_id).text)) == 3
+    with pytest.raises(openai.NotFoundError):
+        two.files.content(done.output_file_id)
+    assert one.files.delete(upload.id).deleted
+
+
+def test_file_quota_and_expires_after(keyed):
+    """Uploads past the quota get a 429 naming the flag; expires_after (OpenAI's range) sets
+    expires_at, output_expires_after the output's; an expired file is a 404 and swept."""
+    import openai
+
+    one = keyed.client(api_key=KEYS[1])
+    row = line("q-0", "/v1/completions", completion_body(0, 2)) + "\n"
+    first = one.files.create(
+        file=("q.jsonl", row.encode()),
+        purpose="batch",
+        expires_after={"anchor": "created_at", "seconds": 3600},
+    )
+    assert first.expires_at == first.created_at + 3600
+    bad_values = [
+        {"anchor": "created_at", "seconds": 60},
+        {"anchor": "last_active_at", "seconds": 3600},
+        {"anchor": "created_at", "seconds": 2592001},
+    ]
+    for bad in bad_values:
+        with pytest.raises(openai.BadRequestError, match="expires_after") as err:
+            one.files.create(file=("q.jsonl", row.encode()), purpose="batch", expires_after=bad)
+        assert err.value.body["param"] == "expires_after"
+    headers = {"Authorization": f"Bearer {KEYS[1]}"}
+    extra = httpx.post(
+        keyed.url + "/v1/files",
+        headers=headers,
+        files={"file": ("q.jsonl", row.encode())},
+        data={"purpose": "batch", "expiry": "soon"},
+    )
+    assert extra.status_code == 400 and extra.json()["param"] == "expiry"
+    big = one.files.create(file=("q.jsonl", row.encode() * 400), purpose="batch")
+    with pytest.raises(openai.RateLimitError, match="--max-file-bytes-per-key"):
+        one.files.create(file=("q.jsonl", row.encode() * 300), purpose="batch")
+    one.files.create(file=("q.jsonl", row.encode()), purpose="batch")
+    with pytest.raises(openai.RateLimitError, match="--max-files-per-key"):
+        one.files.create(file=("q.jsonl", row.encode()), purpose="batch")
+    one.files.delete(big.id)  # room again
+
+    batch = one.batches.create(
+        input_file_id=first.id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )
+    output = one.files.retrieve(wait_batch(one, batch.id).output_file_id)
+    assert output.expires_at == output.created_at + 7200
+    # Expire the upload (its clock moved past expires_at): a 404 at once, gone after a sweep.
+    store = keyed.server.config.app.state.batches.store
+    store.files[first.id]["expires_at"] = int(time.time()) - 1
+    with pytest.raises(openai.NotFoundError):
+        one.files.content(first.id)
+    assert first.id not in [f.id for f in one.files.list()]
+    assert store.sweep() == [first.id] and not os.path.exists(store.data_path(first.id))
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the server and whatever processes it started (no shutdown code runs)."""
+    import psutil
+
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()
+    proc.wait()
+    for child in children:
+        if child.is_running():
+            child.kill()
+
+
+@pytest.mark.slow  # four server processes
+def test_sigkill_during_batch_and_restart_exactly_once(tiny_model_dirs, tmp_path, server):
+    """A server SIGKILLed at random points of a batch (three times, fixed seed) and restarted
+    on the same state directory each time finishes it: every input line in the output exactly
+    once, the journal whole lines only, and each line's text that of the same batch run on a
+    server that never crashed (greedy)."""
+    import random
+
+    from vllm.entrypoints.openai.batch_store import read_journal
+
+    rng = random.Random(42)
+    state = str(tmp_path / "state")
+    n = 32
+    # Lengths that differ, so lines finish (and are recorded) at different moments.
+    rows = [
+        line(f"k-{i}", "/v1/completions", completion_body(i, 4 + i % 7, ignore_eos=True))
+        for i in range(n)
+    ]
+    data = ("\n".join(rows) + "\n").encode()
+    proc, url = _start_server(tiny_model_dirs[KIND], state)
+    try:
+        client = _client(url)
+        upload = client.files.create(file=("k.jsonl", data), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+        )
+        for kill in range(3):
+            # A random number of lines more, then a random moment: the kill can land while a
+            # line is recorded, between lines, or while the counts are saved.
+            target = client.batches.retrieve(batch.id).request_counts.completed
+            target += rng.randint(2, 6)
+            deadline = time.time() + 240
+            while client.batches.retrieve(batch.id).request_counts.completed < target:
+                assert time.time() < deadline, f"no progress before kill {kill}"
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 0.5))
+            _kill(proc)
+            journal = state + f"/batches/{batch.id}.results"
+            recorded, _, _ = read_journal(journal)
+            print(f"kill {kill}: {len(recorded)} of {n} lines recorded")
+            proc, url = _start_server(tiny_model_dirs[KIND], state)
+            client = _client(url)
+        resumed = wait_batch(client, batch.id)
+        assert resumed.status == "completed", resumed
+        assert resumed.request_counts.completed == n and resumed.request_counts.failed == 0
+        outputs = read_jsonl(client.files.content(resumed.output_file_id).text)
+        assert _stop(proc) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+    assert [o["custom_id"] for o in outputs] == [f"k-{i}" for i in range(n)]
+    with open(journal, "rb") as f:
+        rows = f.read().split(b"\n")
+    assert rows[-1] == b"", "the journal ends inside a record"
+    assert sorted(json.loads(row)["line"] for row in rows[:-1]) == list(range(n))  # once each
+
+    # The same batch on the shared server, which never crashed.
+    reference = server.client()
+    upload = reference.files.create(file=("k.jsonl", data), purpose="batch")
+    batch = reference.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    done = wait_batch(reference, batch.id)
+    wanted = read_jsonl(reference.files.content(done.output_file_id).text)
+    assert [choice_text(o) for o in outputs] == [choice_text(o) for o in wanted]

@@ -536,19 +536,24 @@ def test_sigterm_drains_within_the_timeout(tiny_model_dirs, backend):
 def test_api_key_sources_and_limit_flags(tmp_path, monkeypatch):
     """The key from --api-key, else --api-key-file (out of `ps`), else VLLM_API_KEY; the
     limit flags reach ServerLimits."""
-    from vllm.entrypoints.openai.api_server import _api_key, limits_from_args, make_arg_parser
+    from vllm.entrypoints.openai.api_server import (
+        api_keys_from_args,
+        limits_from_args,
+        make_arg_parser,
+    )
 
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
     parser = make_arg_parser()
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
-    assert _api_key(parser.parse_args(["--model", "m"])) == "from-env"
+    assert api_keys_from_args(parser.parse_args(["--model", "m"])) == ["from-env"]
     args = parser.parse_args(["--model", "m", "--api-key-file", str(key_file)])
-    assert _api_key(args) == "from-file"
-    assert _api_key(parser.parse_args(["--model", "m", "--api-key", "flag"])) == "flag"
+    assert api_keys_from_args(args) == ["from-file"]
+    flag = parser.parse_args(["--model", "m", "--api-key", "flag"])
+    assert api_keys_from_args(flag) == ["flag"]
     key_file.write_text("\n")
     with pytest.raises(ValueError, match="empty"):
-        _api_key(args)
+        api_keys_from_args(args)
     limits = limits_from_args(
         parser.parse_args(
             [

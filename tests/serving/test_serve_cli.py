@@ -21,7 +21,7 @@ def test_api_server_flags_include_the_engine_flags():
          "--disable-log-requests"]
     )  # fmt: skip
     assert (args.pipeline_parallel_size, args.tensor_parallel_size) == (2, 1)
-    assert (args.port, args.api_key, args.max_num_seqs) == (9, "k", 8)
+    assert (args.port, args.api_key, args.max_num_seqs) == (9, ["k"], 8)  # nargs="+"
     assert args.enforce_eager and args.disable_log_requests and args.served_model_name == ["x"]
 
 

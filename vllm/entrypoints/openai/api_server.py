@@ -7,8 +7,10 @@ Routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /healt
 /metrics, /tokenize, /detokenize, /v1/files and /v1/batches (batches.py), /v1/admin/pipeline
 and /v1/admin/reshape_pipeline (admin.py: the layer split, changed while serving); with
 VLLM_ALLOW_RUNTIME_LORA_UPDATING, /v1/load_lora_adapter and /v1/unload_lora_adapter
-(serving_models.py). With `--api-key` (or VLLM_API_KEY) the /v1 routes need
-`Authorization: Bearer KEY`.
+(serving_models.py). With `--api-key` (one or more keys, or VLLM_API_KEY) the /v1 routes need
+`Authorization: Bearer KEY` with any of the keys; the request then carries a stable, non-secret
+id of the key it used (`request.state.api_key_id`, see `api_key_id`), by which /v1/files and
+/v1/batches keep each key's objects apart.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import asyncio
 import hashlib
 import secrets
+from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -31,7 +34,8 @@ from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from vllm.entrypoints.health import health_response
 from vllm.entrypoints.openai.admin import attach_admin_routes
 from vllm.entrypoints.openai.batch_lines import BatchLineRunner
-from vllm.entrypoints.openai.batches import add_batch_args, attach_batches
+from vllm.entrypoints.openai.batch_store import FileQuota
+from vllm.entrypoints.openai.batches import add_batch_args, attach_batches, file_quota_from_args
 from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
 from vllm.entrypoints.openai.lora_modules import add_lora_args, lora_requests
 from vllm.entrypoints.openai.protocol import (
@@ -62,7 +66,7 @@ logger = init_logger("vllm.entrypoints.openai.api_server")
 def build_app(
     engine: AsyncLLMEngine,
     served_model_names: list[str] | None = None,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     chat_template: str | None = None,
     limits: ServerLimits | None = None,
     enable_auto_tool_choice: bool = False,
@@ -70,11 +74,13 @@ def build_app(
     reasoning_parser: str | None = None,
     batch_state_dir: str | None = None,
     batch_max_concurrency: int | None = None,
+    file_quota: FileQuota | None = None,
     return_tokens_as_token_ids: bool = False,
     response_role: str = "assistant",
     lora_requests: list[LoRARequest] | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `engine` under `served_model_names` (default: the model)."""
+    """The FastAPI app serving `engine` under `served_model_names` (default: the model);
+    `api_key` is one key or several, any of which a request may present."""
     names = served_model_names or [engine.engine.served_model_name]
     limits = limits or ServerLimits()
     scheduler_config = engine.engine.scheduler_config
@@ -150,17 +156,22 @@ def build_app(
             )
         return await call_next(request)
 
-    if api_key:
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    if any(not isinstance(k, str) or not k for k in keys):
+        raise ValueError("--api-key: every key must be a non-empty string.")
+    if keys:
         open_paths = {"/health", "/version"}
         if limits.allow_unauthenticated_metrics:
             open_paths.add("/metrics")
         # Compared as digests: compare_digest needs equal-length inputs to be constant-time.
-        wanted = hashlib.sha256(api_key.encode()).digest()
+        wanted = [hashlib.sha256(k.encode()).digest() for k in keys]
 
         @app.middleware("http")
         async def authenticate(request: Request, call_next: Any) -> Any:
+            key_id = _authorized_key_id(request.headers.get("Authorization", ""), wanted)
+            request.state.api_key_id = key_id
             if request.method != "OPTIONS" and request.url.path not in open_paths:
-                if not _authorized(request.headers.get("Authorization", ""), wanted):
+                if key_id is None:
                     return JSONResponse({"error": "Unauthorized"}, status_code=401)
             return await call_next(request)
 
@@ -263,18 +274,28 @@ def build_app(
         scheduler_config.max_num_seqs,
         batch_state_dir,
         batch_max_concurrency,
+        file_quota,
     )
     return app
 
 
-def _authorized(header: str, wanted_digest: bytes) -> bool:
-    """`Authorization: Bearer KEY`, the scheme in any case (RFC 7235), the key compared in
-    constant time."""
+def api_key_id(key: str) -> str:
+    """A stable id of an API key that does not reveal it: the first 16 hex digits of its
+    SHA-256 (what /v1/files and /v1/batches record as an object's owner)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _authorized_key_id(header: str, wanted_digests: list[bytes]) -> str | None:
+    """The id of the key in `Authorization: Bearer KEY` (the scheme in any case, RFC 7235)
+    if it is one of the keys, else None. Every key is compared, in constant time, so the
+    time taken says nothing about which key (or how much of one) matched."""
     scheme, _, token = header.strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    digest = hashlib.sha256(token.strip().encode()).digest()
-    return secrets.compare_digest(digest, wanted_digest)
+    token = token.strip()
+    digest = hashlib.sha256(token.encode()).digest()
+    matched = False
+    for wanted in wanted_digests:
+        matched |= secrets.compare_digest(digest, wanted)
+    return api_key_id(token) if matched and scheme.lower() == "bearer" else None
 
 
 class BodySizeLimit:
@@ -341,15 +362,20 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     parser.add_argument(
         "--api-key",
         type=str,
+        nargs="+",
+        action="extend",
         default=None,
-        help="If given, every route but /health and /version needs this key as "
-        "'Authorization: Bearer KEY' (default: env VLLM_API_KEY, which keeps it out of ps).",
+        help="If provided, the server will require one of these keys to be presented in the "
+        "header ('Authorization: Bearer KEY') on every route but /health and /version; "
+        "several keys as '--api-key K1 K2' or a repeated flag (default: env VLLM_API_KEY, "
+        "which keeps the key out of ps).",
     )
     parser.add_argument(
         "--api-key-file",
         type=str,
         default=None,
-        help="Read the API key from this file (its first line), so it is not on the command line.",
+        help="Read API keys from this file, one per line (blank lines and lines starting with "
+        "'#' skipped), so they are not on the command line; adds to --api-key.",
     )
     parser.add_argument(
         "--allow-unauthenticated-metrics",
@@ -452,18 +478,25 @@ def build_engine(args: argparse.Namespace) -> AsyncLLMEngine:
     return AsyncLLMEngine.from_engine_args(AsyncEngineArgs.from_cli_args(args))
 
 
-def _api_key(args: argparse.Namespace) -> str | None:
-    """--api-key, else --api-key-file's first line, else VLLM_API_KEY."""
-    if args.api_key:
-        return str(args.api_key)
+def api_keys_from_args(args: argparse.Namespace) -> list[str]:
+    """--api-key's keys and --api-key-file's (one per line); with neither, VLLM_API_KEY (one
+    key, as vLLM reads it). Empty: the server needs no key."""
+    raw = args.api_key
+    keys = [raw] if isinstance(raw, str) else list(raw or ())
+    if any(not k.strip() for k in keys):
+        raise ValueError("--api-key: a key must not be empty.")
+    keys = [k.strip() for k in keys]
     path = getattr(args, "api_key_file", None)
     if path:
         with open(path, encoding="utf-8") as f:
-            key = f.readline().strip()
-        if not key:
-            raise ValueError(f"--api-key-file {path} is empty.")
-        return key
-    return envs.get_str("VLLM_API_KEY") or None
+            from_file = [k.strip() for k in f if k.strip() and not k.lstrip().startswith("#")]
+        if not from_file:
+            raise ValueError(f"--api-key-file {path} is empty (it holds no key).")
+        keys += from_file
+    if not keys:
+        env_key = envs.get_str("VLLM_API_KEY")
+        keys = [env_key] if env_key else []
+    return list(dict.fromkeys(keys))  # each key once, in the order given
 
 
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
@@ -546,7 +579,7 @@ async def serve(args: argparse.Namespace, engine: AsyncLLMEngine | None = None) 
     app = build_app(
         engine,
         names,
-        _api_key(args),
+        api_keys_from_args(args),
         args.chat_template,
         limits,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -554,6 +587,7 @@ async def serve(args: argparse.Namespace, engine: AsyncLLMEngine | None = None) 
         reasoning_parser=args.reasoning_parser,
         batch_state_dir=getattr(args, "batch_state_dir", None),
         batch_max_concurrency=getattr(args, "batch_max_concurrency", None),
+        file_quota=file_quota_from_args(args),
         return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
         response_role=getattr(args, "response_role", "assistant"),
         lora_requests=loras,

@@ -24,6 +24,20 @@ batch and runs only the lines with no recorded output, so each line appears exac
 output. Output files have ids derived from the batch's, so an interrupted finalization simply
 writes them again. One server at a time owns a state directory (a lock file); a second one
 started on it serves no batch API (503) rather than run the same lines twice.
+
+Ownership: with API keys (`--api-key`), each file and batch belongs to the key that created it
+(`request.state.api_key_id`, set by the server's authentication), and every other key gets 404
+for it, in listings too, as OpenAI answers for an id you cannot see; a batch's output files
+belong to the batch's owner. Without keys everything is shared by every client; an object
+created while the server had no key belongs to no key, so once keys are set no client sees it.
+Uploaded files (not a batch's output files) count against a quota per key (or, without keys,
+for the whole server): `--max-files-per-key` files and `--max-file-bytes-per-key` bytes, a 429
+`insufficient_quota` naming the limit beyond; expired and deleted files do not count.
+
+Expiry: OpenAI's `expires_after` on `POST /v1/files` (multipart fields `expires_after[anchor]`
+= `created_at`, `expires_after[seconds]` from 3600 to 2592000) sets the file's `expires_at`,
+and `output_expires_after` on `POST /v1/batches` the same for the batch's output and error
+files. An expired file answers 404 at once; a sweep (every `_SWEEP_INTERVAL_S`) deletes it.
 """
 
 from __future__ import annotations
@@ -53,7 +67,12 @@ from vllm.entrypoints.openai.batch_lines import (
     BatchRequestOutput,
     parse_lines,
 )
-from vllm.entrypoints.openai.batch_store import BatchStore, default_state_dir
+from vllm.entrypoints.openai.batch_store import (
+    BatchStore,
+    FileQuota,
+    QuotaExceededError,
+    default_state_dir,
+)
 from vllm.entrypoints.openai.protocol import random_uuid
 from vllm.entrypoints.openai.serving_engine import error_response
 from vllm.logger import init_logger
@@ -65,6 +84,20 @@ _ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 _WINDOW = re.compile(r"^([1-9][0-9]*)([smh])$")
 _WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600}
 _SAVE_INTERVAL_S = 0.5  # request_counts are persisted at most this often while lines run
+_SWEEP_INTERVAL_S = 60.0  # expired files are removed from disk at least this often
+# OpenAI's range of `expires_after.seconds` (files) and `output_expires_after.seconds`.
+MIN_EXPIRES_AFTER_S = 3600
+MAX_EXPIRES_AFTER_S = 30 * 24 * 3600
+DEFAULT_MAX_FILES_PER_KEY = 1000
+DEFAULT_MAX_FILE_BYTES_PER_KEY = 1 << 30
+_UPLOAD_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
+_BATCH_FIELDS = (
+    "input_file_id",
+    "endpoint",
+    "completion_window",
+    "metadata",
+    "output_expires_after",
+)
 
 
 def add_batch_args(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +116,28 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
         help="Most /v1/batches lines in the engine at once, all batches together (default: "
         "half of --max-num-seqs), so interactive requests keep the other slots.",
     )
+    parser.add_argument(
+        "--max-files-per-key",
+        type=int,
+        default=DEFAULT_MAX_FILES_PER_KEY,
+        help="Most files one API key (without --api-key: all clients together) may keep "
+        "uploaded in /v1/files; expired and deleted files do not count.",
+    )
+    parser.add_argument(
+        "--max-file-bytes-per-key",
+        type=int,
+        default=DEFAULT_MAX_FILE_BYTES_PER_KEY,
+        help="Most bytes of uploaded files one API key (without --api-key: all clients "
+        "together) may keep in /v1/files (default: 1 GiB).",
+    )
+
+
+def file_quota_from_args(args: argparse.Namespace) -> FileQuota:
+    """The FileQuota of `--max-files-per-key` and `--max-file-bytes-per-key`."""
+    return FileQuota(
+        max_files=getattr(args, "max_files_per_key", DEFAULT_MAX_FILES_PER_KEY),
+        max_bytes=getattr(args, "max_file_bytes_per_key", DEFAULT_MAX_FILE_BYTES_PER_KEY),
+    )
 
 
 def parse_completion_window(value: Any) -> int:
@@ -94,6 +149,22 @@ def parse_completion_window(value: Any) -> int:
             f"got {value!r}."
         )
     return int(match.group(1)) * _WINDOW_UNITS[match.group(2)]
+
+
+def parse_expires_after(anchor: Any, seconds: Any, field: str) -> int:
+    """Seconds of OpenAI's `{anchor: "created_at", seconds: N}` (N from 3600 to 2592000)."""
+    if anchor != "created_at":
+        raise ValueError(f"{field}.anchor must be 'created_at', got {anchor!r}.")
+    if isinstance(seconds, str) and seconds.strip().isdigit():
+        seconds = int(seconds)  # a multipart field is text
+    if not isinstance(seconds, int) or isinstance(seconds, bool):
+        raise ValueError(f"{field}.seconds must be an integer, got {seconds!r}.")
+    if not MIN_EXPIRES_AFTER_S <= seconds <= MAX_EXPIRES_AFTER_S:
+        raise ValueError(
+            f"{field}.seconds must be between {MIN_EXPIRES_AFTER_S} (1 hour) and "
+            f"{MAX_EXPIRES_AFTER_S} (30 days), got {seconds}."
+        )
+    return seconds
 
 
 def parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
@@ -157,10 +228,17 @@ class _StateDirLock:
 class BatchManager:
     """Runs the batches of one store on the server's engine (see the module docstring)."""
 
-    def __init__(self, store: BatchStore, runner: BatchLineRunner, max_concurrency: int) -> None:
+    def __init__(
+        self,
+        store: BatchStore,
+        runner: BatchLineRunner,
+        max_concurrency: int,
+        quota: FileQuota | None = None,
+    ) -> None:
         self.store = store
         self.runner = runner
         self.max_concurrency = max_concurrency
+        self.quota = quota or FileQuota(DEFAULT_MAX_FILES_PER_KEY, DEFAULT_MAX_FILE_BYTES_PER_KEY)
         # Shared by all batches: the cap on batch lines in the engine (binds to the server's
         # event loop on first use).
         self._semaphore = asyncio.Semaphore(max_concurrency)
@@ -170,23 +248,46 @@ class BatchManager:
         # holds the last saved version).
         self._live: dict[str, dict[str, Any]] = {}
         self._stopping = False
+        self._sweeper: asyncio.Task | None = None
 
-    def get(self, batch_id: str) -> dict[str, Any] | None:
-        """The batch as it is now (its counts up to date), or None."""
+    def visible(self, object_id: str, viewer: str | None) -> bool:
+        """Whether the client with key id `viewer` may see a file or batch: its owner's key,
+        or any client when the server has no keys (`viewer` None)."""
+        return viewer is None or self.store.owners.get(object_id) == viewer
+
+    def get(self, batch_id: str, viewer: str | None = None) -> dict[str, Any] | None:
+        """The batch as it is now (its counts up to date), or None (also when `viewer` may
+        not see it)."""
         batch = self._live.get(batch_id) or self.store.batches.get(batch_id)
-        return copy.deepcopy(batch) if batch is not None else None
+        if batch is None or not self.visible(batch_id, viewer):
+            return None
+        return copy.deepcopy(batch)
 
-    def all_batches(self) -> list[dict[str, Any]]:
-        return [b for b in map(self.get, list(self.store.batches)) if b is not None]
+    def all_batches(self, viewer: str | None = None) -> list[dict[str, Any]]:
+        return [b for b in (self.get(i, viewer) for i in list(self.store.batches)) if b]
+
+    def file(self, file_id: str, viewer: str | None) -> dict[str, Any] | None:
+        """The file, or None if it does not exist, has expired or `viewer` may not see it."""
+        file = self.store.live_file(file_id)
+        return file if file is not None and self.visible(file_id, viewer) else None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Resume every batch a previous server left unfinished."""
+        """Resume every batch a previous server left unfinished; start the expiry sweep."""
         for batch in list(self.store.batches.values()):
             if batch["status"] in _ACTIVE:
                 logger.info("Resuming batch %s (%s)", batch["id"], batch["status"])
                 self._drive(batch["id"])
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.store.sweep)
+            except OSError:  # a disk error: try again at the next round
+                logger.exception("Removing expired files failed")
+            await asyncio.sleep(_SWEEP_INTERVAL_S)
 
     async def stop(self) -> None:
         """Abort the lines in flight (unrecorded: they run again after a restart) and stop."""
@@ -194,6 +295,8 @@ class BatchManager:
             return
         self._stopping = True
         tasks = list(self._drivers.values())
+        if self._sweeper is not None:
+            tasks.append(self._sweeper)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -205,7 +308,16 @@ class BatchManager:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def create(self, body: dict[str, Any]) -> dict[str, Any] | JSONResponse:
+    async def create(
+        self, body: dict[str, Any], owner: str | None = None
+    ) -> dict[str, Any] | JSONResponse:
+        """A new batch owned by the key id `owner` (None: the server has no keys)."""
+        unknown = sorted(set(body) - set(_BATCH_FIELDS))
+        if unknown:
+            return error_response(
+                f"Unknown field(s) {', '.join(unknown)}; a batch takes {', '.join(_BATCH_FIELDS)}.",
+                param=unknown[0],
+            )
         endpoint = body.get("endpoint")
         if endpoint == EMBEDDINGS:
             return error_response(
@@ -224,8 +336,24 @@ class BatchManager:
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             return error_response("metadata must be an object.", param="metadata")
+        output_expires_after = body.get("output_expires_after")
+        if output_expires_after is not None:
+            if not isinstance(output_expires_after, dict):
+                return error_response(
+                    "output_expires_after must be an object {anchor, seconds}.",
+                    param="output_expires_after",
+                )
+            try:
+                seconds = parse_expires_after(
+                    output_expires_after.get("anchor"),
+                    output_expires_after.get("seconds"),
+                    "output_expires_after",
+                )
+            except ValueError as exc:
+                return error_response(str(exc), param="output_expires_after")
+            output_expires_after = {"anchor": "created_at", "seconds": seconds}
         file_id = body.get("input_file_id")
-        file = self.store.files.get(file_id) if isinstance(file_id, str) else None
+        file = self.file(file_id, owner) if isinstance(file_id, str) else None
         if file is None or not isinstance(file_id, str):
             return _not_found("File", str(file_id), "input_file_id")
         if file["purpose"] != "batch":
@@ -257,14 +385,18 @@ class BatchManager:
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": metadata,
         }
+        if output_expires_after is not None:
+            batch["output_expires_after"] = output_expires_after
         data = await asyncio.to_thread(self.store.read_file, file_id)
-        await asyncio.to_thread(self.store.create_batch, batch, data)
+        await asyncio.to_thread(self.store.create_batch, batch, data, owner)
         self._drive(batch["id"])
         return batch
 
-    async def cancel(self, batch_id: str) -> dict[str, Any] | JSONResponse:
+    async def cancel(
+        self, batch_id: str, viewer: str | None = None
+    ) -> dict[str, Any] | JSONResponse:
         batch = self._live.get(batch_id) or self.store.batches.get(batch_id)
-        if batch is None:
+        if batch is None or not self.visible(batch_id, viewer):
             return _not_found("Batch", batch_id, "batch_id")
         if batch["status"] == "cancelling":
             return copy.deepcopy(batch)
@@ -399,6 +531,9 @@ class BatchManager:
             self._output_lines, batch["id"], items, final == "expired"
         )
         batch_id = batch["id"]
+        expires_after = batch.get("output_expires_after")
+        # The output files belong to the batch's owner; they expire when it asked.
+        expires_at = int(time.time()) + expires_after["seconds"] if expires_after else None
         for kind, lines in (("output", ok_lines), ("error", error_lines)):
             if lines:
                 data = ("\n".join(lines) + "\n").encode()
@@ -408,6 +543,8 @@ class BatchManager:
                     f"{batch_id}_{kind}.jsonl",
                     f"batch_{kind}",
                     f"file-{batch_id}-{kind}",
+                    self.store.owners.get(batch_id),
+                    expires_at,
                 )
                 batch[f"{kind}_file_id"] = file["id"]
         batch["request_counts"].update(completed=len(ok_lines), failed=len(error_lines))
@@ -454,6 +591,11 @@ def _ok(output: dict[str, Any]) -> bool:
     return bool(response.get("status_code") == 200)
 
 
+def _viewer(request: Request) -> str | None:
+    """The id of the API key the request was authenticated with (None: no keys are set)."""
+    return getattr(request.state, "api_key_id", None)
+
+
 def build_router(manager: BatchManager | None, unavailable: str = "") -> APIRouter:
     """The /v1/files and /v1/batches routes (503 `unavailable` when `manager` is None)."""
     router = APIRouter()
@@ -478,6 +620,13 @@ def build_router(manager: BatchManager | None, unavailable: str = "") -> APIRout
             fields = await asyncio.to_thread(parse_multipart, content_type, body)
         except ValueError as exc:
             return error_response(str(exc), param="file")
+        unknown = sorted(set(fields) - set(_UPLOAD_FIELDS))
+        if unknown:
+            return error_response(
+                f"Unknown field(s) {', '.join(unknown)}; an upload takes "
+                f"{', '.join(_UPLOAD_FIELDS)}.",
+                param=unknown[0],
+            )
         purpose = fields.get("purpose", (None, b""))[1].decode("utf-8", "replace")
         if purpose != "batch":
             return error_response(
@@ -486,43 +635,76 @@ def build_router(manager: BatchManager | None, unavailable: str = "") -> APIRout
             )
         if "file" not in fields:
             return error_response("file is required.", param="file")
+        expires_at = None
+        if "expires_after[anchor]" in fields or "expires_after[seconds]" in fields:
+            anchor = fields.get("expires_after[anchor]", (None, b""))[1].decode("utf-8", "replace")
+            seconds = fields.get("expires_after[seconds]", (None, b""))[1].decode(
+                "utf-8", "replace"
+            )
+            try:
+                expires_at = int(time.time()) + parse_expires_after(
+                    anchor, seconds, "expires_after"
+                )
+            except ValueError as exc:
+                return error_response(str(exc), param="expires_after")
         filename, data = fields["file"]
-        obj = await asyncio.to_thread(
-            manager.store.add_file, data, filename or "upload.jsonl", purpose
-        )
+        try:
+            obj = await asyncio.to_thread(
+                manager.store.add_file,
+                data,
+                filename or "upload.jsonl",
+                purpose,
+                owner=_viewer(request),
+                expires_at=expires_at,
+                quota=manager.quota,
+            )
+        except QuotaExceededError as exc:
+            return error_response(
+                str(exc), err_type="insufficient_quota", status=HTTPStatus.TOO_MANY_REQUESTS
+            )
         return JSONResponse(obj)
 
     @router.get("/v1/files")
     async def list_files(
-        purpose: str | None = None, limit: int = 10000, after: str | None = None
+        request: Request, purpose: str | None = None, limit: int = 10000, after: str | None = None
     ) -> Any:
         if (error := disabled()) is not None or manager is None:
             return error
-        files = [f for f in manager.store.files.values() if purpose in (None, f["purpose"])]
+        viewer = _viewer(request)
+        files = [
+            f
+            for f in map(lambda i: manager.file(i, viewer), list(manager.store.files))
+            if f is not None and purpose in (None, f["purpose"])
+        ]
         return JSONResponse(_page(files, limit, after))
 
     @router.get("/v1/files/{file_id}")
-    async def retrieve_file(file_id: str) -> Any:
+    async def retrieve_file(request: Request, file_id: str) -> Any:
         if (error := disabled()) is not None or manager is None:
             return error
-        file = manager.store.files.get(file_id)
+        file = manager.file(file_id, _viewer(request))
         return JSONResponse(file) if file else _not_found("File", file_id, "file_id")
 
     @router.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str) -> Any:
+    async def delete_file(request: Request, file_id: str) -> Any:
         if (error := disabled()) is not None or manager is None:
             return error
-        if not await asyncio.to_thread(manager.store.delete_file, file_id):
+        if manager.file(file_id, _viewer(request)) is None or not await asyncio.to_thread(
+            manager.store.delete_file, file_id
+        ):
             return _not_found("File", file_id, "file_id")
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     @router.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str) -> Any:
+    async def file_content(request: Request, file_id: str) -> Any:
         if (error := disabled()) is not None or manager is None:
             return error
-        if file_id not in manager.store.files:
+        if manager.file(file_id, _viewer(request)) is None:
             return _not_found("File", file_id, "file_id")
-        data = await asyncio.to_thread(manager.store.read_file, file_id)
+        try:
+            data = await asyncio.to_thread(manager.store.read_file, file_id)
+        except FileNotFoundError:  # deleted or swept meanwhile
+            return _not_found("File", file_id, "file_id")
         return Response(data, media_type="application/octet-stream")
 
     @router.post("/v1/batches")
@@ -535,27 +717,27 @@ def build_router(manager: BatchManager | None, unavailable: str = "") -> APIRout
             return error_response("The body must be a JSON object.")
         if not isinstance(body, dict):
             return error_response("The body must be a JSON object.")
-        result = await manager.create(body)
+        result = await manager.create(body, _viewer(request))
         return result if isinstance(result, JSONResponse) else JSONResponse(result)
 
     @router.get("/v1/batches")
-    async def list_batches(limit: int = 20, after: str | None = None) -> Any:
+    async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> Any:
         if (error := disabled()) is not None or manager is None:
             return error
-        return JSONResponse(_page(manager.all_batches(), limit, after))
+        return JSONResponse(_page(manager.all_batches(_viewer(request)), limit, after))
 
     @router.get("/v1/batches/{batch_id}")
-    async def retrieve_batch(batch_id: str) -> Any:
+    async def retrieve_batch(request: Request, batch_id: str) -> Any:
         if (error := disabled()) is not None or manager is None:
             return error
-        batch = manager.get(batch_id)
+        batch = manager.get(batch_id, _viewer(request))
         return JSONResponse(batch) if batch else _not_found("Batch", batch_id, "batch_id")
 
     @router.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str) -> Any:
+    async def cancel_batch(request: Request, batch_id: str) -> Any:
         if (error := disabled()) is not None or manager is None:
             return error
-        result = await manager.cancel(batch_id)
+        result = await manager.cancel(batch_id, _viewer(request))
         return result if isinstance(result, JSONResponse) else JSONResponse(result)
 
     return router
@@ -567,6 +749,7 @@ def attach_batches(
     max_num_seqs: int,
     state_dir: str | None = None,
     max_concurrency: int | None = None,
+    quota: FileQuota | None = None,
 ) -> BatchManager | None:
     """Add the batch routes to `app`, the manager starting and stopping with it; None (and
     503 routes) if another server holds the state directory."""
@@ -584,7 +767,7 @@ def attach_batches(
         app.include_router(build_router(None, message))
         return None
     concurrency = max_concurrency if max_concurrency is not None else max(1, max_num_seqs // 2)
-    manager = BatchManager(BatchStore(root), runner, concurrency)
+    manager = BatchManager(BatchStore(root), runner, concurrency, quota)
     app.state.batches = manager
     app.include_router(build_router(manager))
 
