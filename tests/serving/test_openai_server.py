@@ -144,6 +144,23 @@ def test_raw_sse_format_ends_with_done(server):
     assert lines[-1] == "data: [DONE]"
 
 
+def test_completion_cut_inside_a_multibyte_character_keeps_its_bytes(server):
+    """max_tokens cuts the output inside a character (only the first token of an emoji's
+    bytes is allowed): the text, whole or streamed, equals decoding the token ids."""
+    tokenizer = server.engine.engine.get_tokenizer()
+    head = tokenizer.encode("\U0001f600", add_special_tokens=False)[0]  # 3 of its 4 bytes
+    kw = dict(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0,
+        extra_body={"allowed_token_ids": [head]},
+    )  # fmt: skip
+    expected = tokenizer.decode([head] * 3)
+    assert expected.endswith("\ufffd")
+    choice = server.client().completions.create(**kw).choices[0]
+    assert (choice.text, choice.finish_reason) == (expected, "length")
+    chunks = server.client().completions.create(stream=True, **kw)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+
+
 def test_n_choices_seeded_streamed_equals_whole(server):
     client = server.client()
     kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=1.0, n=3, seed=11)
