@@ -96,6 +96,9 @@ def chat_prompt(tokenizer: Any, request: Any, chat_template: str | None = None) 
     tools = getattr(request, "tools", None)
     if tools:  # as vLLM: the template sees the tools even with tool_choice "none"
         extra["tools"] = tools
+    effort = getattr(request, "reasoning_effort", None)
+    if effort is not None:  # as vLLM: a template that knows it (gpt-oss's) reads it
+        extra.setdefault("reasoning_effort", effort)
     try:
         return tokenizer.apply_chat_template(
             messages,
@@ -161,6 +164,26 @@ def chat_logprobs(
             )
         )
     return ChatCompletionLogProbs(content=content)
+
+
+def reply_role(request: ChatCompletionRequest, response_role: str) -> str:
+    """The reply's role (vLLM's get_chat_request_role): the server's response role after a
+    generation prompt, else the last message's (the model continues that message)."""
+    if request.add_generation_prompt or not request.messages:
+        return response_role
+    role = request.messages[-1].get("role")
+    return role if isinstance(role, str) else response_role
+
+
+def echoed_content(request: ChatCompletionRequest, role: str) -> str:
+    """vLLM's chat `echo`: the last message's content, put before the reply when that message
+    has the reply's role (the reply continues it); "" otherwise."""
+    if not request.echo or not request.messages:
+        return ""
+    last = request.messages[-1]
+    if last.get("role") != role:
+        return ""
+    return _text_content(last.get("content"))
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -257,13 +280,17 @@ class OpenAIServingChat(OpenAIServing):
         tools: _ToolMode,
     ) -> ChatCompletionResponse:
         choices = []
+        role = reply_role(request, self.response_role)
+        echo = echoed_content(request, role)
         for out in final.outputs:
             reasoning, content, calls, finish = tools.split(out.text, out.finish_reason)
+            if echo:
+                content = echo + (content or "")
             choices.append(
                 ChatCompletionResponseChoice(
                     index=out.index,
                     message=ChatMessage(
-                        role=self.response_role,
+                        role=role,
                         content=content,
                         reasoning_content=reasoning,
                         tool_calls=calls,
@@ -323,9 +350,14 @@ class OpenAIServingChat(OpenAIServing):
 
         prompt_tokens, completion_tokens = num_prompt_tokens, 0
 
-        # vLLM's first chunk per choice carries the role only.
+        # vLLM's first chunk per choice carries the role only; with `echo`, the echoed
+        # content follows it.
+        role = reply_role(request, self.response_role)
+        echo = echoed_content(request, role)
         for index in range(request.n):
-            yield chunk(index, DeltaMessage(role=self.response_role, content=""))
+            yield chunk(index, DeltaMessage(role=role, content=""))
+            if echo:
+                yield chunk(index, DeltaMessage(content=echo))
         finished: set[int] = set()
         texts: dict[int, str] = {}  # each choice's whole text so far
         streamed: dict[int, int] = {}  # characters of its content already sent
@@ -477,14 +509,21 @@ class _ToolMode:
             return reasoning, text, [], finish_reason
         if self.forced:
             calls = forced_tool_calls(text, self.mode, self.name)
-            if not calls:  # cut short (max_tokens): hand back the text
+            if self.mode == "named":
+                # The output is the call's arguments, whole or cut by max_tokens (then
+                # truncated, finish_reason "length": vLLM's and OpenAI's answer).
+                return reasoning, None, calls, finish_reason
+            if not calls:  # a required list cut short (max_tokens): hand back the text
                 return reasoning, text, [], finish_reason
             # vLLM: a named choice finishes with "stop", a required one with "tool_calls".
             return reasoning, None, calls, finish_reason if self.mode == "named" else "tool_calls"
         if self.parser is not None:
             info = self.parser.extract_tool_calls(text, self.request)
             if info.tools_called:
-                return reasoning, info.content, info.tool_calls, "tool_calls"
+                calls = info.tool_calls
+                if getattr(self.request, "parallel_tool_calls", None) is False:
+                    calls = calls[:1]  # OpenAI: at most one call per turn
+                return reasoning, info.content, calls, "tool_calls"
         return reasoning, text, [], finish_reason
 
 

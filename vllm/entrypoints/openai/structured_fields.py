@@ -22,6 +22,16 @@ UNSUPPORTED_FIELDS = (
 )
 
 
+# vLLM's `guided_decoding_backend="backend:option,option"` spelling: option -> the
+# StructuredOutputsParams field it sets.
+BACKEND_OPTIONS = {
+    "no-fallback": "disable_fallback",
+    "disable-any-whitespace": "disable_any_whitespace",
+    "no-additional-properties": "disable_additional_properties",
+}
+BACKENDS = ("auto", "xgrammar")
+
+
 class StructuredFieldError(ValueError):
     """A constraint field the server refuses; `param` names it (the 400's `param`)."""
 
@@ -38,6 +48,30 @@ def check_unsupported(extra: dict[str, Any]) -> None:
     modalities = extra.get("modalities")
     if modalities is not None and list(modalities) != ["text"]:
         raise StructuredFieldError("only the 'text' modality is supported.", "modalities")
+
+
+def backend_options(value: str | None) -> dict[str, bool]:
+    """The options of a `guided_decoding_backend` value (`xgrammar:no-fallback,...`), as
+    StructuredOutputsParams fields; a 400 names the field for another backend or option."""
+    if value is None:
+        return {}
+    name, _, spec = value.partition(":")
+    if name not in BACKENDS:
+        raise StructuredFieldError(
+            f"guided_decoding_backend {name!r} is not available; this server uses 'xgrammar' "
+            f"({', '.join(repr(b) for b in BACKENDS)} allowed).",
+            "guided_decoding_backend",
+        )
+    options: dict[str, bool] = {}
+    for option in filter(None, (o.strip() for o in spec.split(","))):
+        if option not in BACKEND_OPTIONS:
+            raise StructuredFieldError(
+                f"guided_decoding_backend option {option!r} is not supported; allowed: "
+                f"{', '.join(sorted(BACKEND_OPTIONS))}.",
+                "guided_decoding_backend",
+            )
+        options[BACKEND_OPTIONS[option]] = True
+    return options
 
 
 def _response_format_constraint(response_format: Any) -> dict[str, Any]:
@@ -102,7 +136,13 @@ def structured_outputs_from_request(
             given[key] = value
             sources.append(f"guided_{key}")
     if request.guided_whitespace_pattern is not None:
-        options["whitespace_pattern"] = request.guided_whitespace_pattern
+        raise StructuredFieldError(
+            "guided_whitespace_pattern is not supported by the xgrammar backend (vLLM's "
+            "outlines option); send structured_outputs.disable_any_whitespace=true for JSON "
+            "without whitespace.",
+            "guided_whitespace_pattern",
+        )
+    options.update(backend_options(getattr(request, "guided_decoding_backend", None)))
     if request.response_format is not None:
         constraint = _response_format_constraint(request.response_format)
         if constraint:

@@ -102,16 +102,18 @@ def tool_schema(request: ChatCompletionRequest, mode: str, name: str | None) -> 
 
 
 def forced_tool_calls(text: str, mode: str, name: str | None) -> list[ToolCall]:
-    """The tool calls of an output constrained by `tool_schema` (empty if it was cut short)."""
-    try:
-        value = json.loads(text, strict=False)
-    except ValueError:
-        return []  # cut short (max_tokens)
+    """The tool calls of an output constrained by `tool_schema`: a named choice's one call
+    (its arguments truncated when max_tokens cut them), a required list's calls (empty if it
+    was cut short)."""
     if mode == "named":
         assert name is not None
         # The output is the arguments: kept as generated (as vLLM), so a stream of it
         # reassembles to the same text.
         return [ToolCall(function=FunctionCall(name=name, arguments=text))]
+    try:
+        value = json.loads(text, strict=False)
+    except ValueError:
+        return []  # cut short (max_tokens)
     calls = []
     for item in value if isinstance(value, list) else []:
         if isinstance(item, dict) and isinstance(item.get("name"), str):
