@@ -46,9 +46,11 @@ from vllm.entrypoints.openai.serving_engine import (
     sse,
 )
 from vllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
+from vllm.entrypoints.openai.tool_streaming import ToolCallStreamer
 from vllm.entrypoints.openai.tools import (
     forced_tool_calls,
     messages_for_template,
+    required_calls,
     tool_choice_mode,
     tool_schema,
 )
@@ -363,6 +365,7 @@ class OpenAIServingChat(OpenAIServing):
         streamed: dict[int, int] = {}  # characters of its content already sent
         streamed_r: dict[int, int] = {}  # characters of its reasoning already sent
         named_ids: dict[int, str] = {}  # the tool-call id of each choice (named tool_choice)
+        streamers: dict[int, ToolCallStreamer] = {}  # each choice's calls sent so far
         try:
             async for output in stream:
                 prompt_tokens = len(output.prompt_token_ids)
@@ -425,11 +428,22 @@ class OpenAIServingChat(OpenAIServing):
                                 stop_reason=out.stop_reason,
                             )
                         continue
+                    streamer = streamers.setdefault(out.index, ToolCallStreamer())
                     if not final:
-                        # Content streams until it may be opening a tool call (or always
-                        # for a forced choice); from there it is held until the choice ends
-                        # and the parser reads it.
-                        if tools.streams_content(content or ""):
+                        # Content streams until it may be opening a tool call; once calls
+                        # begin (a JSON format, or a required choice's list), the content
+                        # before them goes out, then each call's name and its arguments as
+                        # they are generated. Other formats hold the rest to the end.
+                        partial = tools.partial_calls(content or "")
+                        if partial is not None:
+                            begin, found = partial
+                            if begin > sent:
+                                streamed[out.index] = begin
+                                yield chunk(out.index, DeltaMessage(content=content[sent:begin]))
+                            deltas = streamer.deltas(found)
+                            if deltas:
+                                yield chunk(out.index, DeltaMessage(tool_calls=deltas))
+                        elif tools.streams_content(content or ""):
                             streamed[out.index] = len(content or "")
                             if content and len(content) > sent:
                                 yield chunk(out.index, DeltaMessage(content=content[sent:]))
@@ -437,7 +451,9 @@ class OpenAIServingChat(OpenAIServing):
                     if content is not None and len(content) > sent:
                         yield chunk(out.index, DeltaMessage(content=content[sent:]))
                     if calls:
-                        yield chunk(out.index, DeltaMessage(tool_calls=_tool_call_deltas(calls)))
+                        deltas = streamer.finish(calls)
+                        if deltas:
+                            yield chunk(out.index, DeltaMessage(tool_calls=deltas))
                     yield chunk(
                         out.index,
                         DeltaMessage(content=""),
@@ -497,6 +513,22 @@ class _ToolMode:
             return False
         return self.parser is None or not self.parser.may_start_tool_call(content)
 
+    def partial_calls(self, content: str) -> tuple[int, list[tuple[str | None, str]]] | None:
+        """(where the calls begin in `content`, (name, arguments so far) of each) while the
+        output grows; None when nothing can be sent as a call yet."""
+        if self.mode == "required":
+            begin, found = 0, required_calls(content)
+        elif self.parser is not None:
+            partial = self.parser.partial_calls(content)
+            if partial is None:
+                return None
+            begin, found = partial
+        else:
+            return None
+        if getattr(self.request, "parallel_tool_calls", None) is False:
+            found = found[:1]
+        return begin, [(call.name, call.arguments) for call in found]
+
     def split(
         self, text: str, finish_reason: str | None, final: bool = True
     ) -> tuple[str | None, str | None, list[ToolCall], str | None]:
@@ -513,10 +545,12 @@ class _ToolMode:
                 # The output is the call's arguments, whole or cut by max_tokens (then
                 # truncated, finish_reason "length": vLLM's and OpenAI's answer).
                 return reasoning, None, calls, finish_reason
-            if not calls:  # a required list cut short (max_tokens): hand back the text
+            if finish_reason == "length":  # cut: the calls so far, as a stream sent them
+                return reasoning, None, calls, finish_reason
+            if not calls:
                 return reasoning, text, [], finish_reason
             # vLLM: a named choice finishes with "stop", a required one with "tool_calls".
-            return reasoning, None, calls, finish_reason if self.mode == "named" else "tool_calls"
+            return reasoning, None, calls, "tool_calls"
         if self.parser is not None:
             info = self.parser.extract_tool_calls(text, self.request)
             if info.tools_called:
@@ -525,16 +559,3 @@ class _ToolMode:
                     calls = calls[:1]  # OpenAI: at most one call per turn
                 return reasoning, info.content, calls, "tool_calls"
         return reasoning, text, [], finish_reason
-
-
-def _tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
-    """Each call as one delta: id, type, name and the whole arguments text."""
-    return [
-        DeltaToolCall(
-            index=i,
-            id=call.id,
-            type="function",
-            function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
-        )
-        for i, call in enumerate(calls)
-    ]
