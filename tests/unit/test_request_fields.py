@@ -42,6 +42,10 @@ def _param_of(request, *args) -> str | None:
         ({"store": True}, "store"),
         ({"metadata": {"k": 1}}, "metadata"),
         ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),
+        ({"continue_final_message": True}, "continue_final_message"),
+        ({"priority": 5}, "priority"),
+        ({"bad_words": ["x"]}, "bad_words"),
+        ({"cache_salt": "s"}, "cache_salt"),
     ],
 )
 def test_chat_fields_refused_by_name(fields, param):
@@ -137,3 +141,21 @@ def test_responses_fields_honoured():
     )
     request.check_stateless()
     assert request.reasoning_effort == "high" and request.include_obfuscation
+
+
+def test_continue_final_message_reaches_the_template():
+    """vLLM's continue_final_message: the last (assistant) message is left open."""
+    from vllm.entrypoints.openai.serving_chat import chat_prompt
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, **kw):
+            return repr((messages[-1]["content"], kw["continue_final_message"]))
+
+    request = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+        add_generation_prompt=False,
+        continue_final_message=True,
+        priority=0,
+    )
+    request.to_sampling_params()
+    assert chat_prompt(Tokenizer(), request) == repr(("Hel", True))

@@ -216,6 +216,7 @@ class _SamplingFields(OpenAIBaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM: per request, as the server flag
     _structured_param: str = PrivateAttr(default="structured_outputs")
 
     @model_validator(mode="before")
@@ -330,6 +331,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = 0
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: the reply continues the last message
+    add_special_tokens: bool = False  # vLLM: the template already holds them
     echo: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -363,6 +366,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, tool_schema: dict[str, Any] | None = None) -> SamplingParams:
         """`tool_schema`: the JSON schema a `required` or named tool_choice imposes."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParameterError(  # vLLM's check and message
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
+            )
         check_reasoning_effort(self.reasoning_effort)
         check_verbosity(self.verbosity)
         check_service_tier(self.service_tier)

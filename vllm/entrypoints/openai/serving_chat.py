@@ -106,6 +106,7 @@ def chat_prompt(tokenizer: Any, request: Any, chat_template: str | None = None) 
             messages,
             tokenize=False,
             add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=getattr(request, "continue_final_message", False),
             chat_template=template,
             **extra,
         )
@@ -132,7 +133,8 @@ async def render_chat(
     def render() -> tuple[str, list[int]]:
         prompt = work.render_sync(lambda: chat_prompt(tokenizer, request, chat_template))
         # The template holds the BOS token where the model wants one (as LLM.chat).
-        return prompt, work.encode_sync(prompt, False, "messages")
+        special = bool(getattr(request, "add_special_tokens", False))
+        return prompt, work.encode_sync(prompt, special, "messages")
 
     return await work.run(render)
 
@@ -270,7 +272,7 @@ class OpenAIServingChat(OpenAIServing):
             out.logprobs,
             self.tokenizer,
             request.top_logprobs or 0,
-            self.return_tokens_as_token_ids,
+            self.token_ids_as_text(request),
         )
 
     def _response(

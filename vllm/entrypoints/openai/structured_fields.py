@@ -19,6 +19,15 @@ UNSUPPORTED_FIELDS = (
     "audio",
     "prediction",
     "web_search_options",
+    # vLLM extras this server does not implement (each would change the output or its
+    # guarantees if dropped).
+    "bad_words",
+    "logits_processors",
+    "documents",
+    "mm_processor_kwargs",
+    "cache_salt",
+    "kv_transfer_params",
+    "vllm_xargs",
 )
 
 
@@ -45,6 +54,12 @@ def check_unsupported(extra: dict[str, Any]) -> None:
     for name in UNSUPPORTED_FIELDS:
         if extra.get(name) is not None:
             raise StructuredFieldError(f"{name} is not supported by this server.", name)
+    if extra.get("priority") not in (None, 0):  # vLLM's default priority is the only one
+        raise StructuredFieldError(
+            "priority is not supported: this server schedules first come, first served "
+            "(send 0 or omit it).",
+            "priority",
+        )
     modalities = extra.get("modalities")
     if modalities is not None and list(modalities) != ["text"]:
         raise StructuredFieldError("only the 'text' modality is supported.", "modalities")
