@@ -213,6 +213,14 @@ _VARS = (
         forward=False,  # read by the API server only
     ),
     EnvVar(
+        "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH",
+        "0",
+        bool,
+        "1 keeps the OpenAI server running after its engine died (every request then gets a "
+        "500 and /health a 503); by default the server shuts down, as vLLM's does.",
+        forward=False,  # read by the API server only
+    ),
+    EnvVar(
         "VLLM_API_KEY",
         "",
         str,

@@ -161,13 +161,36 @@ def test_abort_and_duplicate_ids(engine):
         with pytest.raises(ValueError, match="already exists"):
             await engine.generate("Hello", params, "long").__anext__()
         await engine.abort("long")
-        rest = [o async for o in gen]  # the stream ends
+        rest = []
+        with pytest.raises(asyncio.CancelledError):  # vLLM's contract for an aborted stream
+            async for o in gen:
+                rest.append(o)
         await settle(engine)
         return first, rest
 
     first, rest = asyncio.run(main())
     assert len(first.outputs[0].token_ids) == 1
     assert len(rest) < 399
+    assert_no_leaks(engine)
+
+
+def test_abort_raises_cancelled_error_in_the_consumer(engine):
+    """vLLM's test_cancellation: aborting a request while a task consumes its stream raises
+    CancelledError in that task, after exactly the outputs it had seen."""
+    params = SamplingParams(temperature=0, min_tokens=13, max_tokens=13)
+
+    async def main():
+        seen = 0
+        with pytest.raises(asyncio.CancelledError):
+            async for out in engine.generate("test2", params, "cancel-me"):
+                assert not out.finished
+                seen += 1
+                if seen == 5:
+                    await engine.abort("cancel-me")
+        await settle(engine)
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(main(), WAIT)) == 5
     assert_no_leaks(engine)
 
 

@@ -162,6 +162,43 @@ def test_raw_stream_has_event_lines(server):
         assert json.loads(data[6:])["type"] == event[7:]
 
 
+def test_obfuscation_pads_delta_events_when_asked(server):
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 3, "stream": True}
+    options = {"stream_options": {"include_obfuscation": True}}
+    for extra, padded in (({}, False), (options, True)):
+        with httpx.stream(
+            "POST", server.url + "/v1/responses", json={**body, **extra}, timeout=60
+        ) as r:
+            events = [
+                json.loads(b.split("\n")[1][6:]) for b in r.read().decode().split("\n\n") if b
+            ]
+        deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+        assert deltas
+        for e in deltas:
+            assert ("obfuscation" in e) == padded
+            if padded:
+                assert (len(e["delta"]) + len(e["obfuscation"])) % 32 == 0
+
+
+def test_truncation_auto_drops_the_oldest_items(server):
+    """OpenAI's truncation="auto": an input longer than the context loses items from its
+    start (the instructions stay); "disabled" (the default) is a 400."""
+    long = "apple banana cherry " * 60  # ~180 tokens: two of them and more do not fit 512
+    items = [
+        {"role": "user", "content": long},
+        {"role": "assistant", "content": long},
+        {"role": "user", "content": long + QUESTION},
+    ]
+    kw = dict(model=MODEL, instructions="Be brief.", max_output_tokens=4, temperature=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().responses.create(input=items, **kw)
+    assert info.value.body["param"] == "input"
+    cut = server.client().responses.create(input=items, truncation="auto", **kw)
+    kept = server.client().responses.create(input=items[1:], **kw)  # the first item went
+    assert cut.output_text == kept.output_text and cut.truncation == "auto"
+    assert cut.usage.input_tokens == kept.usage.input_tokens
+
+
 def test_text_format_json_schema(server, reference):
     # A random model loops on JSON whitespace; vLLM's structured_outputs extra turns it off.
     structured = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)

@@ -144,6 +144,40 @@ def test_raw_sse_format_ends_with_done(server):
     assert lines[-1] == "data: [DONE]"
 
 
+def test_completion_cut_inside_a_multibyte_character_keeps_its_bytes(server):
+    """max_tokens cuts the output inside a character (only the first token of an emoji's
+    bytes is allowed): the text, whole or streamed, equals decoding the token ids."""
+    tokenizer = server.engine.engine.get_tokenizer()
+    head = tokenizer.encode("\U0001f600", add_special_tokens=False)[0]  # 3 of its 4 bytes
+    kw = dict(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0,
+        extra_body={"allowed_token_ids": [head]},
+    )  # fmt: skip
+    expected = tokenizer.decode([head] * 3)
+    assert expected.endswith("\ufffd")
+    choice = server.client().completions.create(**kw).choices[0]
+    assert (choice.text, choice.finish_reason) == (expected, "length")
+    chunks = server.client().completions.create(stream=True, **kw)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+
+
+def test_chat_echo_puts_the_continued_message_first(server):
+    """vLLM's chat echo: a reply that continues the last message (same role, no generation
+    prompt) starts with that message's content, streamed or not."""
+    messages = CHAT + [{"role": "assistant", "content": "The capital is"}]
+    kw = dict(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0,
+        extra_body={"add_generation_prompt": False},
+    )  # fmt: skip
+    plain = server.client().chat.completions.create(**kw).choices[0].message
+    kw["extra_body"] = {"add_generation_prompt": False, "echo": True}
+    echoed = server.client().chat.completions.create(**kw).choices[0].message
+    assert echoed.role == "assistant"
+    assert echoed.content == "The capital is" + plain.content
+    chunks = list(server.client().chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == echoed.content
+
+
 def test_n_choices_seeded_streamed_equals_whole(server):
     client = server.client()
     kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=1.0, n=3, seed=11)

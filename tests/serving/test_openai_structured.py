@@ -308,8 +308,25 @@ def test_forced_tool_choice_arguments_parse_streamed_or_not(client, choice):
     content, streamed, finish = _streamed(client, pieces=pieces, **kw)
     assert streamed == calls and not content
     assert finish == response.choices[0].finish_reason
-    if choice == "named":  # the arguments stream as they are generated
-        assert len(pieces) > 2 and pieces[0].id and pieces[0].function.name == "get_time"
+    # The arguments stream as they are generated: id and name first, then pieces.
+    assert len(pieces) > 2 and pieces[0].id and pieces[0].function.name == calls[0][0]
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])
+
+
+def test_named_tool_call_cut_by_max_tokens_is_still_a_tool_call(client):
+    """vLLM and OpenAI: arguments cut by max_tokens come back truncated in the tool call,
+    finish_reason "length", never as plain content."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(
+        model=MODEL, messages=USER, tools=TOOLS, tool_choice=named, temperature=0,
+        max_tokens=3, extra_body=NO_WS,
+    )  # fmt: skip
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content
+    [(name, arguments)] = _calls(choice.message)
+    assert name == "get_weather" and arguments.startswith("{") and arguments != "{}"
+    content, streamed, finish = _streamed(client, **kw)
+    assert (content, streamed, finish) == ("", [(name, arguments)], "length")
 
 
 @pytest.mark.parametrize("parser, regex", [("hermes", HERMES_CALL), ("llama3_json", LLAMA_CALL)])
@@ -330,9 +347,13 @@ def test_auto_tool_call_round_trip(servers, parser, regex):
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
     assert message.tool_calls[0].id and message.tool_calls[0].type == "function"
-    content, streamed, finish = _streamed(client, **kw)
+    pieces: list = []
+    content, streamed, finish = _streamed(client, pieces=pieces, **kw)
     assert streamed == [(name, arguments)] and finish == "tool_calls"
     assert (content or None) == message.content
+    # Incremental: the id and name first, then the arguments as they are generated.
+    assert pieces[0].id and pieces[0].function.name == name and len(pieces) > 3
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])
     call_id = message.tool_calls[0].id
     history = USER + [
         {

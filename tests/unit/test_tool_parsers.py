@@ -152,3 +152,58 @@ def test_reasoning_parsers(name, text, expected):
         assert (reasoning or "").startswith(last_r) and content.startswith(last_c), text[:end]
         last_r, last_c = reasoning or "", content
     assert (last_r or None, last_c) == (expected[0] or None, expected[1])
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        (
+            "hermes",
+            'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}"}}\n'
+            '</tool_call><tool_call>{"arguments": {"a": [1, {"b": 2}]}, "name": "get_time"}'
+            "</tool_call>",
+        ),
+        (
+            "llama3_json",
+            '{"name": "get_weather", "parameters": {"city":"Paris"}}; '
+            '{"name": "get_time", "parameters": {}}',
+        ),
+        ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "X"}}]'),
+    ],
+)
+def test_streamed_tool_call_pieces_add_up_to_the_whole(name, text):
+    """Every prefix of the output gives calls whose arguments extend what earlier prefixes
+    gave; the pieces the streamer sends add up to the whole output's calls (raw text)."""
+    from vllm.entrypoints.openai.tool_streaming import ToolCallStreamer
+
+    parser = ToolParserManager.get_tool_parser(name)(None)
+    whole = parser.extract_tool_calls(text, None)
+    streamer = ToolCallStreamer()
+    pieces = []
+    for end in range(len(text) + 1):
+        partial = parser.partial_calls(text[:end])
+        if partial is not None:
+            pieces += streamer.deltas([(c.name, c.arguments) for c in partial[1]])
+    pieces += streamer.finish(whole.tool_calls)
+    calls: dict[int, list[str]] = {}
+    for piece in pieces:
+        entry = calls.setdefault(piece.index, ["", ""])
+        entry[0] += piece.function.name or ""
+        entry[1] += piece.function.arguments or ""
+    assert [tuple(calls[i]) for i in sorted(calls)] == [
+        (c.function.name, c.function.arguments) for c in whole.tool_calls
+    ]
+    assert len(pieces) > 2 * len(whole.tool_calls)  # more than one piece per call
+    assert all(json.loads(c.function.arguments) is not None for c in whole.tool_calls)
+
+
+def test_required_output_cut_short_keeps_the_calls_so_far():
+    text = '[{"name": "get_weather", "parameters": {"city": "Ro'
+    calls = forced_tool_calls(text, "required", None)
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Ro')
+    ]
+    named = forced_tool_calls('{"city": "Ro', "named", "get_weather")
+    assert [(c.function.name, c.function.arguments) for c in named] == [
+        ("get_weather", '{"city": "Ro')
+    ]

@@ -8,7 +8,8 @@ batch queue keeps up to `pipeline_parallel_size` micro-batches in flight while r
 and leave: a request added during a step joins the next micro-batch the engine schedules.
 
 Outputs go back to each request's own event loop with `call_soon_threadsafe`. A caller that
-stops iterating (a cancelled task, a closed generator) aborts its request. If the engine
+stops iterating (a cancelled task, a closed generator) aborts its request; a request aborted
+with `abort()` raises `asyncio.CancelledError` in the iteration still consuming it. If the engine
 raises, every pending request fails with AsyncEngineDeadError (the cause chained) and so does
 every later call: no wait is left without an end.
 """
@@ -355,7 +356,8 @@ class AsyncLLMEngine:
         )
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
-        """Abort requests (their generate() iterations end)."""
+        """Abort requests: a generate() iteration still consuming one raises
+        `asyncio.CancelledError` (as vLLM's does)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         await self._engine_abort(ids)
 
@@ -471,7 +473,9 @@ class AsyncLLMEngine:
                 stream = self._streams.pop(rid, None)
                 self._forget(rid)
                 if stream is not None:
-                    stream.finish()
+                    # vLLM's contract: a consumer still iterating an aborted request gets
+                    # CancelledError, so it cannot mistake the cut output for a whole one.
+                    stream.finish(asyncio.CancelledError(f"Request {rid} was aborted."))
             if not self.engine.has_unfinished_requests():
                 self.engine.do_log_stats()  # no step will refresh the gauges now
 

@@ -156,6 +156,38 @@ def detokenize_incrementally(
     return new_text
 
 
+def flush_detokenizer(
+    info: TokenizerInfo,
+    seq: Sequence,
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+    drop_last_token: bool = False,
+) -> str:
+    """The text held back at the end of a finished `seq`: the tokens after its read offset
+    that ended inside a multi-byte character. Decoded as a full decode renders them
+    (U+FFFD for the incomplete bytes), so the output text equals decoding its token ids.
+    `drop_last_token`: the last token is a stop token whose text is not output."""
+    if seq.tokens is None:
+        return ""
+    end = len(seq.tokens)
+    last_skipped = skip_special_tokens and seq.get_last_token_id() in info.special_ids
+    if drop_last_token and not last_skipped:  # a skipped token never entered seq.tokens
+        end -= 1
+    if seq.read_offset >= end:
+        return ""
+    window = seq.tokens[seq.prefix_offset : end]
+    read_index = seq.read_offset - seq.prefix_offset
+    prefix_text = _convert_tokens_to_string(
+        info, window[:read_index], skip_special_tokens, spaces_between_special_tokens
+    )
+    full_text = _convert_tokens_to_string(
+        info, window, skip_special_tokens, spaces_between_special_tokens
+    )
+    seq.prefix_offset = seq.read_offset
+    seq.read_offset = end
+    return full_text[len(prefix_text) :]
+
+
 def decode_prompt_logprobs(
     info: TokenizerInfo,
     prompt_token_ids: list[int],

@@ -14,6 +14,7 @@ from vllm.engine.detokenizer import (
     decode_candidate,
     decode_prompt_logprobs,
     detokenize_incrementally,
+    flush_detokenizer,
 )
 from vllm.engine.stop_checker import check_stop
 from vllm.outputs import RequestOutput
@@ -165,3 +166,13 @@ class OutputProcessor:
         if want_text:
             sample.logprobs[sample.output_token].decoded_token = new_text
         check_stop(seq, params, len(new_text), self.max_model_len)
+        if seq.is_finished() and not isinstance(seq.stop_reason, str):
+            # A cut inside a multi-byte character: the held-back bytes are part of the
+            # output (a stop string's cut already dropped everything after it).
+            stop_token = seq.status == SequenceStatus.FINISHED_STOPPED
+            drop = stop_token and not params.include_stop_str_in_output
+            held = flush_detokenizer(info, seq, skip, spaces, drop)
+            seq.output_text += held
+            if want_text and held:
+                logprob = sample.logprobs[sample.output_token]
+                logprob.decoded_token = (logprob.decoded_token or "") + held

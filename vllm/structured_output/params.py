@@ -43,9 +43,11 @@ class StructuredOutputsParams:
 
     None set means no constraint (the server fills the object in from `response_format` or
     the tool choice). `disable_any_whitespace` forbids whitespace between JSON tokens (some
-    models loop on it);
-    `disable_fallback`, `disable_additional_properties` and `whitespace_pattern` are accepted
-    for compatibility (one backend: there is nothing to fall back to)."""
+    models loop on it); `disable_additional_properties` closes every object of a JSON schema
+    that does not say `additionalProperties` itself (vLLM's guidance option);
+    `disable_fallback` holds by construction (one backend: nothing to fall back to).
+    `whitespace_pattern` (vLLM's outlines option) is refused: xgrammar takes no whitespace
+    regex."""
 
     json: str | dict[str, Any] | Any | None = None
     regex: str | None = None
@@ -77,6 +79,11 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
             if not self.choice:
                 raise ValueError("structured_outputs.choice must not be empty")
+        if self.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported by the xgrammar "
+                "backend; use disable_any_whitespace=True for JSON without whitespace."
+            )
         for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -158,6 +165,33 @@ class GuidedDecodingParams:
         )
 
 
+# JSON Schema keywords whose value is a schema, a list of schemas, or a name -> schema map.
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of `schema` where every object schema that does not set `additionalProperties`
+    gets `false` (vLLM's disable_additional_properties); const / enum values are untouched."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = close_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(item) for item in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 class GrammarSpec(NamedTuple):
     """What the grammar engine compiles: a kind (`json`, `json_object`, `regex`, `grammar`,
     `structural_tag`) and its text. Hashable: the compile cache's key."""
@@ -191,7 +225,10 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
     EBNF alternative of literals, as in vLLM's xgrammar backend)."""
     any_ws = not params.disable_any_whitespace
     if params.json is not None:
-        return GrammarSpec("json", _schema_text(params.json), any_ws)
+        schema = params.json
+        if params.disable_additional_properties:
+            schema = close_objects(_json.loads(schema) if isinstance(schema, str) else schema)
+        return GrammarSpec("json", _schema_text(schema), any_ws)
     if params.json_object:
         return GrammarSpec("json_object", "", any_ws)
     if params.regex is not None:

@@ -136,6 +136,9 @@ def build_app(
 
     @app.exception_handler(AsyncEngineDeadError)
     async def engine_dead(_: Request, exc: AsyncEngineDeadError) -> JSONResponse:
+        on_death = getattr(app.state, "on_engine_death", None)
+        if on_death is not None:  # vLLM: a request that finds the engine dead stops the server
+            on_death()
         return error_response(
             str(exc), err_type="InternalServerError", status=HTTPStatus.INTERNAL_SERVER_ERROR
         )
@@ -444,6 +447,12 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         choices=["debug", "info", "warning", "error", "critical", "trace"],
         help="Log level for uvicorn.",
     )
+    parser.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="vLLM's flag: run the OpenAI frontend in the engine's process. Always so here "
+        "(the stages are their own processes or Ray actors), so it changes nothing.",
+    )
     add_lora_args(parser)
     return AsyncEngineArgs.add_cli_args(parser)
 
@@ -554,6 +563,10 @@ class GracefulServer:
     async def serve(self) -> None:
         await self.server.serve()
 
+    def request_exit(self) -> None:
+        """Begin the shutdown, as SIGTERM does (from the event loop's thread)."""
+        self.server.should_exit = True
+
 
 async def serve(args: argparse.Namespace, engine: AsyncLLMEngine | None = None) -> None:
     """Run the server until SIGTERM/SIGINT, then drain (--shutdown-timeout) and shut the
@@ -604,11 +617,45 @@ async def serve(args: argparse.Namespace, engine: AsyncLLMEngine | None = None) 
     host = args.host or "0.0.0.0"
     logger.info("Serving %s on http://%s:%d", engine.engine.served_model_name, host, args.port)
     server = GracefulServer(config, app, engine, limits.shutdown_timeout_s)
+    watchdog = EngineWatchdog(engine, server)
+    app.state.on_engine_death = watchdog.check
+    watch = asyncio.ensure_future(watchdog.run())
     try:
         await server.serve()
     finally:
+        watch.cancel()
         engine.shutdown()  # a second call is a no-op
         app.state.work.shutdown()
+    if watchdog.fired:
+        raise SystemExit(1)  # the engine died: a supervisor must see a failure
+
+
+class EngineWatchdog:
+    """vLLM's engine-death shutdown: once the engine's loop has failed, the server logs it and
+    stops (a drain that ends every open stream with the error, then exit status 1), unless
+    VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set. Checked every `interval_s` and whenever a request
+    finds the engine dead; /health answers 503 from the failure until the port closes."""
+
+    def __init__(self, engine: AsyncLLMEngine, server: GracefulServer, interval_s: float = 1.0):
+        self.engine = engine
+        self.server = server
+        self.interval_s = interval_s
+        self.fired = False
+
+    def check(self) -> bool:
+        """Stop the server if the engine is dead (True when it did or had)."""
+        if self.fired:
+            return True
+        if not self.engine.errored or envs.get_bool("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"):
+            return False
+        logger.critical("AsyncLLMEngine has failed, terminating server process")
+        self.fired = True
+        self.server.request_exit()
+        return True
+
+    async def run(self) -> None:
+        while not self.check():
+            await asyncio.sleep(self.interval_s)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,6 +15,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from vllm.entrypoints.openai.openai_fields import (
+    check_metadata,
+    check_reasoning_effort,
+    check_service_tier,
+    check_store,
+    check_verbosity,
+)
 from vllm.entrypoints.openai.structured_fields import (
     check_unsupported,
     structured_outputs_from_request,
@@ -209,6 +216,7 @@ class _SamplingFields(OpenAIBaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM: per request, as the server flag
     _structured_param: str = PrivateAttr(default="structured_outputs")
 
     @model_validator(mode="before")
@@ -231,12 +239,6 @@ class _SamplingFields(OpenAIBaseModel):
         prompt_logprobs: int | None = None,
     ) -> Any:
         check_unsupported(self.model_extra or {})
-        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
-            raise ParameterError(
-                f"guided_decoding_backend {self.guided_decoding_backend!r} is not available; "
-                "this server uses 'xgrammar'.",
-                "guided_decoding_backend",
-            )
         structured, self._structured_param = structured_outputs_from_request(self, tool_schema)
         for token, bias in (self.logit_bias or {}).items():
             # OpenAI's range (vLLM clamps; a value outside it is a client's mistake).
@@ -329,12 +331,23 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = 0
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: the reply continues the last message
+    add_special_tokens: bool = False  # vLLM: the template already holds them
     echo: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True
+    # OpenAI fields that change no token here: honoured as OpenAI means them (a template
+    # kwarg, the one tier and verbosity this server has, hints) or a 400 (openai_fields.py).
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None  # a routing hint: one server has nothing to route
+    safety_identifier: str | None = None  # an end-user id for abuse monitoring, as `user`
 
     @field_validator("messages")
     @classmethod
@@ -353,6 +366,16 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, tool_schema: dict[str, Any] | None = None) -> SamplingParams:
         """`tool_schema`: the JSON schema a `required` or named tool_choice imposes."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParameterError(  # vLLM's check and message
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
+            )
+        check_reasoning_effort(self.reasoning_effort)
+        check_verbosity(self.verbosity)
+        check_service_tier(self.service_tier)
+        check_store(self.store)
+        check_metadata(self.metadata)
         if self.top_logprobs and not self.logprobs:
             raise ParameterError("top_logprobs needs logprobs=true.", "top_logprobs")
         # 0 is a value (refused as below 1), not "no limit".

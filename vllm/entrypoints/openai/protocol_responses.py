@@ -10,6 +10,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllm.entrypoints.openai.openai_fields import (
+    FieldError,
+    check_metadata,
+    check_reasoning_effort,
+    check_service_tier,
+    check_verbosity,
+)
 from vllm.entrypoints.openai.protocol import (
     JsonSchemaResponseFormat,
     ParameterError,
@@ -74,12 +81,13 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     parallel_tool_calls: bool | None = None
-    reasoning: dict[str, Any] | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    stream_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None  # an end-user id for abuse monitoring, as `user`
+    prompt_cache_key: str | None = None  # a routing hint: one server has nothing to route
+    # Honoured with OpenAI's meaning, or a 400 naming them (check_stateless).
+    reasoning: dict[str, Any] | None = None  # effort -> the template's reasoning_effort
+    truncation: Literal["auto", "disabled"] | None = None  # auto: drop the oldest items
+    service_tier: str | None = None  # this server's one tier: "auto" / "default"
+    stream_options: dict[str, Any] | None = None  # include_obfuscation
     # vLLM's extras, as on the other routes.
     seed: int | None = None
     top_k: int | None = None
@@ -105,6 +113,49 @@ class ResponsesRequest(BaseModel):
             raise ParameterError(
                 "Stream options can only be defined when `stream=True`.", "stream_options"
             )
+        unknown = set(self.stream_options or {}) - {"include_obfuscation"}
+        if unknown:
+            raise ParameterError(
+                f"stream_options has unknown fields {sorted(unknown)}; allowed: "
+                "include_obfuscation.",
+                "stream_options",
+            )
+        obfuscation = (self.stream_options or {}).get("include_obfuscation")
+        if obfuscation is not None and not isinstance(obfuscation, bool):
+            raise ParameterError(
+                "stream_options.include_obfuscation must be a boolean.", "stream_options"
+            )
+        reasoning = dict(self.reasoning or {})
+        unknown = set(reasoning) - {"effort", "summary", "generate_summary"}
+        if unknown:
+            raise ParameterError(
+                f"reasoning has unknown fields {sorted(unknown)}; allowed: effort, summary.",
+                "reasoning",
+            )
+        if reasoning.get("summary") is not None or reasoning.get("generate_summary") is not None:
+            raise ParameterError(
+                "reasoning.summary is not supported: this server writes no reasoning "
+                "summaries (omit it or send null).",
+                "reasoning",
+            )
+        try:
+            check_reasoning_effort(reasoning.get("effort"), "reasoning")
+            check_service_tier(self.service_tier)
+            check_metadata(self.metadata)
+            if self.text is not None:
+                check_verbosity(self.text.verbosity, "text")
+        except FieldError as exc:
+            raise ParameterError(str(exc), exc.param) from None
+
+    @property
+    def reasoning_effort(self) -> str | None:
+        """`reasoning.effort`, given to the chat template as `reasoning_effort` (as vLLM)."""
+        return (self.reasoning or {}).get("effort")
+
+    @property
+    def include_obfuscation(self) -> bool:
+        """OpenAI's stream obfuscation (random padding on delta events), when asked for."""
+        return bool((self.stream_options or {}).get("include_obfuscation"))
 
     def messages(self) -> list[dict[str, str]]:
         """The conversation as chat messages: `instructions` as the system message first,
@@ -244,11 +295,17 @@ def response_object(
             True if request.parallel_tool_calls is None else request.parallel_tool_calls
         ),
         "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None},
-        "service_tier": request.service_tier or "auto",
+        "reasoning": {"effort": request.reasoning_effort, "summary": None},
+        # The tier that served it (OpenAI reports the one used): this server has one.
+        "service_tier": "default",
+        "prompt_cache_key": request.prompt_cache_key,
+        "safety_identifier": request.safety_identifier,
         "store": False,
         "temperature": 1.0 if request.temperature is None else request.temperature,
-        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
+        "text": {
+            "format": fmt.model_dump(by_alias=True, exclude_none=True),
+            "verbosity": "medium",
+        },
         "tool_choice": request.tool_choice or "auto",
         "tools": [],
         "top_p": 1.0 if request.top_p is None else request.top_p,

@@ -46,9 +46,11 @@ from vllm.entrypoints.openai.serving_engine import (
     sse,
 )
 from vllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
+from vllm.entrypoints.openai.tool_streaming import ToolCallStreamer
 from vllm.entrypoints.openai.tools import (
     forced_tool_calls,
     messages_for_template,
+    required_calls,
     tool_choice_mode,
     tool_schema,
 )
@@ -96,11 +98,15 @@ def chat_prompt(tokenizer: Any, request: Any, chat_template: str | None = None) 
     tools = getattr(request, "tools", None)
     if tools:  # as vLLM: the template sees the tools even with tool_choice "none"
         extra["tools"] = tools
+    effort = getattr(request, "reasoning_effort", None)
+    if effort is not None:  # as vLLM: a template that knows it (gpt-oss's) reads it
+        extra.setdefault("reasoning_effort", effort)
     try:
         return tokenizer.apply_chat_template(
             messages,
             tokenize=False,
             add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=getattr(request, "continue_final_message", False),
             chat_template=template,
             **extra,
         )
@@ -127,7 +133,8 @@ async def render_chat(
     def render() -> tuple[str, list[int]]:
         prompt = work.render_sync(lambda: chat_prompt(tokenizer, request, chat_template))
         # The template holds the BOS token where the model wants one (as LLM.chat).
-        return prompt, work.encode_sync(prompt, False, "messages")
+        special = bool(getattr(request, "add_special_tokens", False))
+        return prompt, work.encode_sync(prompt, special, "messages")
 
     return await work.run(render)
 
@@ -161,6 +168,26 @@ def chat_logprobs(
             )
         )
     return ChatCompletionLogProbs(content=content)
+
+
+def reply_role(request: ChatCompletionRequest, response_role: str) -> str:
+    """The reply's role (vLLM's get_chat_request_role): the server's response role after a
+    generation prompt, else the last message's (the model continues that message)."""
+    if request.add_generation_prompt or not request.messages:
+        return response_role
+    role = request.messages[-1].get("role")
+    return role if isinstance(role, str) else response_role
+
+
+def echoed_content(request: ChatCompletionRequest, role: str) -> str:
+    """vLLM's chat `echo`: the last message's content, put before the reply when that message
+    has the reply's role (the reply continues it); "" otherwise."""
+    if not request.echo or not request.messages:
+        return ""
+    last = request.messages[-1]
+    if last.get("role") != role:
+        return ""
+    return _text_content(last.get("content"))
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -245,7 +272,7 @@ class OpenAIServingChat(OpenAIServing):
             out.logprobs,
             self.tokenizer,
             request.top_logprobs or 0,
-            self.return_tokens_as_token_ids,
+            self.token_ids_as_text(request),
         )
 
     def _response(
@@ -257,13 +284,17 @@ class OpenAIServingChat(OpenAIServing):
         tools: _ToolMode,
     ) -> ChatCompletionResponse:
         choices = []
+        role = reply_role(request, self.response_role)
+        echo = echoed_content(request, role)
         for out in final.outputs:
             reasoning, content, calls, finish = tools.split(out.text, out.finish_reason)
+            if echo:
+                content = echo + (content or "")
             choices.append(
                 ChatCompletionResponseChoice(
                     index=out.index,
                     message=ChatMessage(
-                        role=self.response_role,
+                        role=role,
                         content=content,
                         reasoning_content=reasoning,
                         tool_calls=calls,
@@ -323,14 +354,20 @@ class OpenAIServingChat(OpenAIServing):
 
         prompt_tokens, completion_tokens = num_prompt_tokens, 0
 
-        # vLLM's first chunk per choice carries the role only.
+        # vLLM's first chunk per choice carries the role only; with `echo`, the echoed
+        # content follows it.
+        role = reply_role(request, self.response_role)
+        echo = echoed_content(request, role)
         for index in range(request.n):
-            yield chunk(index, DeltaMessage(role=self.response_role, content=""))
+            yield chunk(index, DeltaMessage(role=role, content=""))
+            if echo:
+                yield chunk(index, DeltaMessage(content=echo))
         finished: set[int] = set()
         texts: dict[int, str] = {}  # each choice's whole text so far
         streamed: dict[int, int] = {}  # characters of its content already sent
         streamed_r: dict[int, int] = {}  # characters of its reasoning already sent
         named_ids: dict[int, str] = {}  # the tool-call id of each choice (named tool_choice)
+        streamers: dict[int, ToolCallStreamer] = {}  # each choice's calls sent so far
         try:
             async for output in stream:
                 prompt_tokens = len(output.prompt_token_ids)
@@ -393,11 +430,22 @@ class OpenAIServingChat(OpenAIServing):
                                 stop_reason=out.stop_reason,
                             )
                         continue
+                    streamer = streamers.setdefault(out.index, ToolCallStreamer())
                     if not final:
-                        # Content streams until it may be opening a tool call (or always
-                        # for a forced choice); from there it is held until the choice ends
-                        # and the parser reads it.
-                        if tools.streams_content(content or ""):
+                        # Content streams until it may be opening a tool call; once calls
+                        # begin (a JSON format, or a required choice's list), the content
+                        # before them goes out, then each call's name and its arguments as
+                        # they are generated. Other formats hold the rest to the end.
+                        partial = tools.partial_calls(content or "")
+                        if partial is not None:
+                            begin, found = partial
+                            if begin > sent:
+                                streamed[out.index] = begin
+                                yield chunk(out.index, DeltaMessage(content=content[sent:begin]))
+                            deltas = streamer.deltas(found)
+                            if deltas:
+                                yield chunk(out.index, DeltaMessage(tool_calls=deltas))
+                        elif tools.streams_content(content or ""):
                             streamed[out.index] = len(content or "")
                             if content and len(content) > sent:
                                 yield chunk(out.index, DeltaMessage(content=content[sent:]))
@@ -405,7 +453,9 @@ class OpenAIServingChat(OpenAIServing):
                     if content is not None and len(content) > sent:
                         yield chunk(out.index, DeltaMessage(content=content[sent:]))
                     if calls:
-                        yield chunk(out.index, DeltaMessage(tool_calls=_tool_call_deltas(calls)))
+                        deltas = streamer.finish(calls)
+                        if deltas:
+                            yield chunk(out.index, DeltaMessage(tool_calls=deltas))
                     yield chunk(
                         out.index,
                         DeltaMessage(content=""),
@@ -465,6 +515,22 @@ class _ToolMode:
             return False
         return self.parser is None or not self.parser.may_start_tool_call(content)
 
+    def partial_calls(self, content: str) -> tuple[int, list[tuple[str | None, str]]] | None:
+        """(where the calls begin in `content`, (name, arguments so far) of each) while the
+        output grows; None when nothing can be sent as a call yet."""
+        if self.mode == "required":
+            begin, found = 0, required_calls(content)
+        elif self.parser is not None:
+            partial = self.parser.partial_calls(content)
+            if partial is None:
+                return None
+            begin, found = partial
+        else:
+            return None
+        if getattr(self.request, "parallel_tool_calls", None) is False:
+            found = found[:1]
+        return begin, [(call.name, call.arguments) for call in found]
+
     def split(
         self, text: str, finish_reason: str | None, final: bool = True
     ) -> tuple[str | None, str | None, list[ToolCall], str | None]:
@@ -477,25 +543,21 @@ class _ToolMode:
             return reasoning, text, [], finish_reason
         if self.forced:
             calls = forced_tool_calls(text, self.mode, self.name)
-            if not calls:  # cut short (max_tokens): hand back the text
+            if self.mode == "named":
+                # The output is the call's arguments, whole or cut by max_tokens (then
+                # truncated, finish_reason "length": vLLM's and OpenAI's answer).
+                return reasoning, None, calls, finish_reason
+            if finish_reason == "length":  # cut: the calls so far, as a stream sent them
+                return reasoning, None, calls, finish_reason
+            if not calls:
                 return reasoning, text, [], finish_reason
             # vLLM: a named choice finishes with "stop", a required one with "tool_calls".
-            return reasoning, None, calls, finish_reason if self.mode == "named" else "tool_calls"
+            return reasoning, None, calls, "tool_calls"
         if self.parser is not None:
             info = self.parser.extract_tool_calls(text, self.request)
             if info.tools_called:
-                return reasoning, info.content, info.tool_calls, "tool_calls"
+                calls = info.tool_calls
+                if getattr(self.request, "parallel_tool_calls", None) is False:
+                    calls = calls[:1]  # OpenAI: at most one call per turn
+                return reasoning, info.content, calls, "tool_calls"
         return reasoning, text, [], finish_reason
-
-
-def _tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
-    """Each call as one delta: id, type, name and the whole arguments text."""
-    return [
-        DeltaToolCall(
-            index=i,
-            id=call.id,
-            type="function",
-            function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
-        )
-        for i, call in enumerate(calls)
-    ]

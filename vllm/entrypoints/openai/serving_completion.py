@@ -193,7 +193,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         ids, steps = _echo_logprobs(final, ids, steps)
                         offset = 0
                     logprobs = completion_logprobs(
-                        ids, steps, self.tokenizer, offset, self.return_tokens_as_token_ids
+                        ids, steps, self.tokenizer, offset, self.token_ids_as_text(request)
                     )
                 choices.append(
                     CompletionResponseChoice(
@@ -268,7 +268,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             ids, steps = _echo_logprobs(output, ids, steps)
                             start = 0
                         logprobs = completion_logprobs(
-                            ids, steps, self.tokenizer, start, self.return_tokens_as_token_ids
+                            ids, steps, self.tokenizer, start, self.token_ids_as_text(request)
                         )
                     offsets[index] = offsets.get(index, 0) + len(text)
                     if out.finish_reason is not None:

@@ -174,6 +174,13 @@ class OpenAIServing:
         """vLLM 0.5.5's name for the engine."""
         return self.engine
 
+    def token_ids_as_text(self, request: Any) -> bool:
+        """Logprob tokens named 'token_id:N': the server's flag, or the request's own
+        `return_tokens_as_token_ids` (vLLM's per-request extra)."""
+        return self.return_tokens_as_token_ids or bool(
+            getattr(request, "return_tokens_as_token_ids", None)
+        )
+
     def check_context(self, num_prompt_tokens: int, params: SamplingParams, param: str) -> None:
         """Refuse (400, vLLM's and OpenAI's messages) a prompt that does not fit the context,
         or a max_tokens / min_tokens that the context cannot hold after the prompt."""

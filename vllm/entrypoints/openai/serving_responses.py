@@ -6,6 +6,7 @@ its stream of typed events (`response.created` ... `response.output_text.delta` 
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -34,6 +35,14 @@ from vllm.entrypoints.openai.serving_engine import (
 from vllm.outputs import RequestOutput
 
 
+def _padding(delta: str) -> str:
+    """OpenAI's stream obfuscation: random characters that bring a delta event's text up to a
+    multiple of 32 characters (at least 8 added), so its size says little about the text."""
+    size = 32 - (len(delta) % 32)
+    size = size + 32 if size < 8 else size
+    return secrets.token_urlsafe(size)[:size]
+
+
 def _status(finish_reason: str | None) -> tuple[str, str | None]:
     """(status, incomplete reason) of a finished output: cut by the token limit is
     `incomplete` with reason `max_output_tokens`, as OpenAI reports it."""
@@ -56,9 +65,7 @@ class OpenAIServingResponses(OpenAIServing):
         try:
             request.check_stateless()
             params = request.to_sampling_params()
-            chat = SimpleNamespace(messages=request.messages(), add_generation_prompt=True)
-            prompt, token_ids = await render_chat(self.work, chat, self.chat_template)
-            self.check_context(len(token_ids), params, "input")
+            prompt, token_ids = await self._render(request, params)
         except ParameterError as exc:
             if exc.param == "max_tokens":  # this API's name for it
                 exc = ParameterError(str(exc), "max_output_tokens")
@@ -100,6 +107,29 @@ class OpenAIServingResponses(OpenAIServing):
         )
         return JSONResponse(body)
 
+    async def _render(self, request: ResponsesRequest, params: Any) -> tuple[str, list[int]]:
+        """The prompt and its ids; with `truncation="auto"`, OpenAI's rule when it does not fit
+        the context: drop input items from the beginning (the instructions stay, and at
+        least the last item)."""
+        messages = request.messages()
+        while True:
+            chat = SimpleNamespace(
+                messages=messages,
+                add_generation_prompt=True,
+                reasoning_effort=request.reasoning_effort,
+            )
+            prompt, token_ids = await render_chat(self.work, chat, self.chat_template)
+            try:
+                self.check_context(len(token_ids), params, "input")
+                return prompt, token_ids
+            except ParameterError:
+                first = next(
+                    (i for i, m in enumerate(messages) if m["role"] != "system"), len(messages)
+                )
+                if request.truncation != "auto" or first >= len(messages) - 1:
+                    raise
+                messages = messages[:first] + messages[first + 1 :]
+
     async def _stream(
         self,
         request: ResponsesRequest,
@@ -133,13 +163,17 @@ class OpenAIServingResponses(OpenAIServing):
         text = ""
         generated = 0
         finish_reason = None
+        obfuscate = request.include_obfuscation
         try:
             async for output in stream:
                 out = output.outputs[0]
                 generated += len(out.token_ids)
                 if out.text:
                     text += out.text
-                    yield event("response.output_text.delta", **where, delta=out.text, logprobs=[])
+                    pad = {"obfuscation": _padding(out.text)} if obfuscate else {}
+                    yield event(
+                        "response.output_text.delta", **where, delta=out.text, logprobs=[], **pad
+                    )
                 if out.finish_reason is not None:
                     finish_reason = out.finish_reason
         except Exception as exc:  # after the headers: OpenAI's error event, then stop

@@ -19,7 +19,26 @@ UNSUPPORTED_FIELDS = (
     "audio",
     "prediction",
     "web_search_options",
+    # vLLM extras this server does not implement (each would change the output or its
+    # guarantees if dropped).
+    "bad_words",
+    "logits_processors",
+    "documents",
+    "mm_processor_kwargs",
+    "cache_salt",
+    "kv_transfer_params",
+    "vllm_xargs",
 )
+
+
+# vLLM's `guided_decoding_backend="backend:option,option"` spelling: option -> the
+# StructuredOutputsParams field it sets.
+BACKEND_OPTIONS = {
+    "no-fallback": "disable_fallback",
+    "disable-any-whitespace": "disable_any_whitespace",
+    "no-additional-properties": "disable_additional_properties",
+}
+BACKENDS = ("auto", "xgrammar")
 
 
 class StructuredFieldError(ValueError):
@@ -35,9 +54,39 @@ def check_unsupported(extra: dict[str, Any]) -> None:
     for name in UNSUPPORTED_FIELDS:
         if extra.get(name) is not None:
             raise StructuredFieldError(f"{name} is not supported by this server.", name)
+    if extra.get("priority") not in (None, 0):  # vLLM's default priority is the only one
+        raise StructuredFieldError(
+            "priority is not supported: this server schedules first come, first served "
+            "(send 0 or omit it).",
+            "priority",
+        )
     modalities = extra.get("modalities")
     if modalities is not None and list(modalities) != ["text"]:
         raise StructuredFieldError("only the 'text' modality is supported.", "modalities")
+
+
+def backend_options(value: str | None) -> dict[str, bool]:
+    """The options of a `guided_decoding_backend` value (`xgrammar:no-fallback,...`), as
+    StructuredOutputsParams fields; a 400 names the field for another backend or option."""
+    if value is None:
+        return {}
+    name, _, spec = value.partition(":")
+    if name not in BACKENDS:
+        raise StructuredFieldError(
+            f"guided_decoding_backend {name!r} is not available; this server uses 'xgrammar' "
+            f"({', '.join(repr(b) for b in BACKENDS)} allowed).",
+            "guided_decoding_backend",
+        )
+    options: dict[str, bool] = {}
+    for option in filter(None, (o.strip() for o in spec.split(","))):
+        if option not in BACKEND_OPTIONS:
+            raise StructuredFieldError(
+                f"guided_decoding_backend option {option!r} is not supported; allowed: "
+                f"{', '.join(sorted(BACKEND_OPTIONS))}.",
+                "guided_decoding_backend",
+            )
+        options[BACKEND_OPTIONS[option]] = True
+    return options
 
 
 def _response_format_constraint(response_format: Any) -> dict[str, Any]:
@@ -102,7 +151,13 @@ def structured_outputs_from_request(
             given[key] = value
             sources.append(f"guided_{key}")
     if request.guided_whitespace_pattern is not None:
-        options["whitespace_pattern"] = request.guided_whitespace_pattern
+        raise StructuredFieldError(
+            "guided_whitespace_pattern is not supported by the xgrammar backend (vLLM's "
+            "outlines option); send structured_outputs.disable_any_whitespace=true for JSON "
+            "without whitespace.",
+            "guided_whitespace_pattern",
+        )
+    options.update(backend_options(getattr(request, "guided_decoding_backend", None)))
     if request.response_format is not None:
         constraint = _response_format_constraint(request.response_format)
         if constraint:

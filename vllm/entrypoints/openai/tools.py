@@ -14,6 +14,7 @@ from vllm.entrypoints.openai.protocol import (
     ParameterError,
     ToolCall,
 )
+from vllm.entrypoints.openai.tool_parsers.json_calls import PartialCall, scan_calls
 
 
 def _functions(request: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
@@ -102,22 +103,29 @@ def tool_schema(request: ChatCompletionRequest, mode: str, name: str | None) -> 
 
 
 def forced_tool_calls(text: str, mode: str, name: str | None) -> list[ToolCall]:
-    """The tool calls of an output constrained by `tool_schema` (empty if it was cut short)."""
-    try:
-        value = json.loads(text, strict=False)
-    except ValueError:
-        return []  # cut short (max_tokens)
+    """The tool calls of an output constrained by `tool_schema`: a named choice's one call, a
+    required list's calls (arguments truncated when max_tokens cut them)."""
     if mode == "named":
         assert name is not None
         # The output is the arguments: kept as generated (as vLLM), so a stream of it
         # reassembles to the same text.
         return [ToolCall(function=FunctionCall(name=name, arguments=text))]
-    calls = []
-    for item in value if isinstance(value, list) else []:
-        if isinstance(item, dict) and isinstance(item.get("name"), str):
-            arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
-            calls.append(ToolCall(function=FunctionCall(name=item["name"], arguments=arguments)))
-    return calls
+    # The list's calls with their arguments as generated (what a stream sends piece by
+    # piece); cut by max_tokens, the calls named so far, the last one's arguments truncated.
+    return [
+        ToolCall(
+            function=FunctionCall(
+                name=call.name, arguments=call.arguments if call.has_arguments else "{}"
+            )
+        )
+        for call in required_calls(text)
+        if call.name is not None
+    ]
+
+
+def required_calls(text: str) -> list[PartialCall]:
+    """The calls of a `required` choice's output (`[{"name", "parameters"}, ...]`), so far."""
+    return scan_calls(text, ("parameters",))
 
 
 def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -33,4 +33,11 @@ class HermesToolParser(ToolParser):
         except (ValueError, AttributeError):
             return ExtractedToolCallInformation(False, [], model_output)
         content = model_output[: model_output.find("<tool_call>")]
-        return ExtractedToolCallInformation(True, calls, content if content.strip() else None)
+        info = ExtractedToolCallInformation(True, calls, content if content.strip() else None)
+        return self.with_raw_arguments(model_output, info)
+
+    def call_segments(self, text: str) -> tuple[int, list[str]] | None:
+        begin = text.find("<tool_call>")
+        if begin < 0:
+            return None
+        return begin, [closed or open_ for closed, open_ in _BLOCK.findall(text)]

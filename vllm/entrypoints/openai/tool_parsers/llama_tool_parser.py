@@ -46,7 +46,18 @@ class Llama3JsonToolParser(ToolParser):
                 calls.append(make_tool_call(obj.get("name"), args))
         except (ValueError, AttributeError):
             return ExtractedToolCallInformation(False, [], model_output)
-        return ExtractedToolCallInformation(bool(calls), calls, None)
+        return self.with_raw_arguments(
+            model_output, ExtractedToolCallInformation(bool(calls), calls, None)
+        )
+
+    def call_segments(self, text: str) -> tuple[int, list[str]] | None:
+        begin = len(text) - len(text.lstrip())
+        body = text[begin:]
+        if body.startswith("<|python_tag|>"):
+            body = body[len("<|python_tag|>") :]
+        if not body.lstrip().startswith("{"):
+            return None
+        return begin, [body]
 
     def may_start_tool_call(self, text: str) -> bool:
         # Only an output that *starts* with the JSON (or the tag) is a tool call.

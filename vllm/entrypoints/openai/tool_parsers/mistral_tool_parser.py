@@ -29,4 +29,11 @@ class MistralToolParser(ToolParser):
             calls = [make_tool_call(item.get("name"), item.get("arguments")) for item in items]
         except (ValueError, AttributeError):
             return ExtractedToolCallInformation(False, [], model_output)
-        return ExtractedToolCallInformation(True, calls, content if content.strip() else None)
+        info = ExtractedToolCallInformation(True, calls, content if content.strip() else None)
+        return self.with_raw_arguments(model_output, info)
+
+    def call_segments(self, text: str) -> tuple[int, list[str]] | None:
+        begin = text.find(BOT)
+        if begin < 0:
+            return None
+        return begin, [text[begin + len(BOT) :]]
