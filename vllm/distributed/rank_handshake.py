@@ -152,6 +152,22 @@ def _exactly(sock: socket.socket, n: int) -> bytes:
     return b"".join(parts)
 
 
+def _expect_magic(sock: socket.socket) -> None:
+    """Read the rank's protocol tag, refusing at the first byte that differs (a peer speaking
+    another protocol may send less than a whole tag and then wait)."""
+    hello = b""
+    while len(hello) < len(MAGIC):
+        chunk = sock.recv(len(MAGIC) - len(hello))
+        if not chunk:
+            raise EOFError("the rank closed the connection during the rank handshake")
+        hello += chunk
+        if not MAGIC.startswith(hello):
+            raise _refuse(
+                f"the rank does not speak {MAGIC.strip().decode()!r} (it sent {hello[:24]!r}; "
+                "an engine and ranks from different versions?)"
+            )
+
+
 def _refuse(problem: str) -> AuthenticationError:
     return AuthenticationError(f"rank handshake refused: {problem}")
 
@@ -179,12 +195,7 @@ def rank_handshake(
         reply = _exactly(sock, NONCE_BYTES + TAG_BYTES)
         nonce_e, engine_tag = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
     else:
-        hello = _exactly(sock, len(MAGIC))
-        if hello != MAGIC:
-            raise _refuse(
-                f"the rank does not speak {MAGIC.strip().decode()!r} (it sent {hello[:24]!r}; "
-                "an engine and ranks from different versions?)"
-            )
+        _expect_magic(sock)
         nonce_r = _exactly(sock, NONCE_BYTES)
         nonce_e = os.urandom(NONCE_BYTES)
     transcript = MAGIC + nonce_r + nonce_e

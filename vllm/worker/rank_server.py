@@ -78,6 +78,7 @@ class VerbTable:
 
     def call(self, verb: str, args: tuple, kwargs: dict) -> Any:
         spec = self._verbs.get(verb) if isinstance(verb, str) else None
+        verb = verb.value if isinstance(verb, Verb) else verb  # its name in what is said
         if spec is None:
             raise UnknownVerbError(verb, list(self._verbs))
         if len(args) > len(spec.params):
