@@ -27,7 +27,13 @@ from vllm.distributed.serialization import (
 from vllm.executor.base import ExecutorBase
 from vllm.executor.rank_calls import RankCallError, RankCalls, connect_to_rank
 from vllm.lora.registry import LoRARegistry
-from vllm.worker.rank_server import WorkerHost, accept_authenticated, serve_calls
+from vllm.worker.rank_server import (
+    VerbSpec,
+    VerbTable,
+    WorkerHost,
+    accept_authenticated,
+    serve_calls,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -370,5 +376,21 @@ def test_a_ray_actor_is_given_and_gives_back_public_keys_only():
         beat.send_bytes(struct.pack("!Q", 7))
         assert struct.unpack("!Qd", beat.recv_bytes())[0] == 7
         beat.close()
+    finally:
+        calls.close()
+
+
+def test_the_engine_refuses_code_in_a_ranks_reply():
+    """A compromised rank answers with a function: the engine does not load it, and the rank
+    is lost at once, naming why."""
+    calls = RankCalls(1)
+    engine_end, rank_end = multiprocessing.Pipe(duplex=True)
+    rank_host = VerbTable({"get_stage_info": VerbSpec(lambda: lambda: os.system("true"))})
+    threading.Thread(target=serve_calls, args=(rank_end, rank_host), daemon=True).start()
+    calls.attach(0, engine_end)
+    try:
+        with pytest.raises(RankCallError, match="its reply was refused .*user code") as info:
+            calls.wait_for(0, calls.broadcast(Verb.GET_STAGE_INFO, [0]), 10.0)
+        assert info.value.lost
     finally:
         calls.close()

@@ -25,6 +25,9 @@ Threat model
   but cannot inject, alter, reorder or replay a message: the receiver closes the connection
   at the first tag that does not verify. A recorded handshake replayed to a new connection
   fails (the other end's nonce is new).
+- **Not covered here.** The stages' own torch.distributed traffic (hidden states between
+  stages, and the TCP rendezvous store when the ranks span nodes) is torch's, unauthenticated
+  and in the clear: run multi-node pipelines on a network only the cluster reaches.
 
 The handshake (server: the rank, which speaks first; K = HKDF-SHA256 of the X25519 shared
 secret, salted with both nonces, bound to both public keys)::

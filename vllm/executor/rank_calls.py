@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 
 from vllm.distributed.rank_handshake import HandshakeKey, rank_handshake
 from vllm.distributed.rank_verbs import Verb
-from vllm.distributed.serialization import RefusedGlobalError, dumps_message, loads_message
+from vllm.distributed.serialization import dumps_message, loads_message
 from vllm.logger import init_logger
 from vllm.worker.rank_server import LAST_WORDS
 
@@ -265,20 +265,14 @@ class RankCalls:
         watched) when the connection is gone."""
         try:
             call_id, ok, value = loads_message(conn.recv_bytes())
-        except (EOFError, OSError, AuthenticationError, RefusedGlobalError) as exc:
-            if isinstance(exc, (AuthenticationError, RefusedGlobalError)):
-                # A reply that fails its check or names a refused class: the rank (or the
-                # connection) is not to be trusted any more.
-                logger.error("Rank %d: %s; its connection is closed", rank, exc)
-            with self._cond:
-                current = self._rank_of(conn, rank)
-                if current is None:
-                    return False  # replaced meanwhile
-                self._conns[current] = None
-                watched_proc = self._procs[current] is not None
-            conn.close()
-            if not watched_proc:
-                self._mark_lost(current, None, "its connection closed (the process is gone?)")
+        except (AuthenticationError, pickle.UnpicklingError) as exc:
+            # A reply that fails its HMAC check or names a refused class (RefusedGlobalError),
+            # or is no pickle at all: the connection is
+            # not to be trusted any more, whatever its process does.
+            self._connection_gone(rank, conn, f"its reply was refused ({exc})", refused=True)
+            return False
+        except (EOFError, OSError):
+            self._connection_gone(rank, conn, "its connection closed (the process is gone?)")
             return False
         with self._cond:
             # Read under the old numbering perhaps (`renumber` meanwhile): the connection says.
@@ -289,6 +283,22 @@ class RankCalls:
                 self._results[found][call_id] = (ok, value)
                 self._cond.notify_all()
         return True
+
+    def _connection_gone(
+        self, rank: int, conn: Connection, problem: str, refused: bool = False
+    ) -> None:
+        """`conn` (`rank`'s, unless renumbered or replaced meanwhile) is closed; its rank is
+        lost now when it was `refused` or has no process watched (else the process's exit
+        says what happened)."""
+        with self._cond:
+            current = self._rank_of(conn, rank)
+            if current is None:
+                return  # replaced meanwhile
+            self._conns[current] = None
+            proc = self._procs[current]
+        conn.close()
+        if refused or proc is None:
+            self._mark_lost(current, proc, problem)
 
     def _rank_of(self, conn: Connection, guess: int) -> int | None:
         """The rank `conn` belongs to now (`guess` first), None if it is no rank's (under the
