@@ -54,7 +54,7 @@ class CallHandler(Protocol):
 
 
 # A parameter's name and the types its value may have.
-Param = tuple[str, "type | tuple[type, ...]"]
+Param = tuple[str, type | tuple[type, ...]]
 
 
 @dataclass(frozen=True)
@@ -162,10 +162,12 @@ class WorkerHost:
                     ("pipeline_parallel_size", optional_int),
                 ),
             ),
-            (Verb.RESHAPE, VerbSpec(self.reshape, (("layer_split", list),))),
+            (Verb.RESHAPE, VerbSpec(self.reshape, (("layer_split", (list, tuple)),))),
             (
                 Verb.MERGE_LAYERS,
-                on_worker(Verb.MERGE_LAYERS, ("layer_split", list), ("lost", tuple)),
+                on_worker(
+                    Verb.MERGE_LAYERS, ("layer_split", (list, tuple)), ("lost", (tuple, list))
+                ),
             ),
             (Verb.GROW_MERGED_CACHE, on_worker(Verb.GROW_MERGED_CACHE, *blocks)),
             (
@@ -175,7 +177,9 @@ class WorkerHost:
             (Verb.FINISH_MERGE, on_worker(Verb.FINISH_MERGE)),
             (
                 Verb.SYNC_LORAS,
-                on_worker(Verb.SYNC_LORAS, ("lora_config", LoRAConfig), ("requests", list)),
+                on_worker(
+                    Verb.SYNC_LORAS, ("lora_config", LoRAConfig), ("requests", (list, tuple))
+                ),
             ),
             (Verb.ADD_LORA, on_worker(Verb.ADD_LORA, ("request", LoRARequest))),
             (Verb.REMOVE_LORA, on_worker(Verb.REMOVE_LORA, ("lora_id", int))),
