@@ -13,9 +13,17 @@ from typing import Any
 
 import pytest
 
+from vllm.distributed.rank_handshake import HandshakeKey
 from vllm.executor import rank_calls
 from vllm.executor.rank_calls import RankCallError, RankCalls, RankCallTimeout, connect_to_rank
-from vllm.worker.rank_server import CallsThread, WorkerHost, say_last_words, serve_calls
+from vllm.worker.rank_server import (
+    CallsThread,
+    VerbSpec,
+    VerbTable,
+    WorkerHost,
+    say_last_words,
+    serve_calls,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -45,10 +53,30 @@ class _Echo:
         self.conn.close()
 
 
-def _serve_on_thread(calls: RankCalls, rank: int) -> WorkerHost:
+class _EchoHost:
+    """A stand-in WorkerHost: the same fixed table of verbs, with the echo's."""
+
+    def __init__(self) -> None:
+        self.worker = _Echo()
+        anything = ("x", object)
+        params: dict[str, tuple] = {
+            "step": (anything,),
+            "apply": (("fn", object), anything),
+            "sleep": (("s", (int, float)),),
+            "fail": (),
+            "vanish": (),
+        }
+        self.table = VerbTable(
+            {verb: VerbSpec(getattr(self.worker, verb), p) for verb, p in params.items()}
+        )
+
+    def call(self, verb: str, args: tuple, kwargs: dict) -> Any:
+        return self.table.call(verb, args, kwargs)
+
+
+def _serve_on_thread(calls: RankCalls, rank: int) -> _EchoHost:
     engine_end, rank_end = multiprocessing.Pipe(duplex=True)
-    host = WorkerHost()
-    host.worker = _Echo()
+    host = _EchoHost()
     host.worker.conn = rank_end
     thread = threading.Thread(target=serve_calls, args=(rank_end, host), daemon=True)
     thread.start()
@@ -229,17 +257,17 @@ def test_what_pickle_refuses_goes_through_cloudpickle(two_ranks):
 
 
 def test_tcp_connection_needs_the_key():
-    host = WorkerHost()
-    host.worker = _Echo()
+    host = _EchoHost()
     first = []
     calls_thread = CallsThread(host, first=lambda: first.append(threading.get_ident()))
-    address = calls_thread.listen("127.0.0.1", b"k" * 32)
+    engine = HandshakeKey()
+    ip, port, rank_public = calls_thread.listen("127.0.0.1", engine.public)
     with pytest.raises(multiprocessing.AuthenticationError):
-        connect_to_rank(address, b"x" * 32, timeout=10.0)
+        connect_to_rank((ip, port), HandshakeKey(), rank_public, timeout=10.0)
     # A stranger is turned away; the engine holding the key is served.
     calls = RankCalls(1)
     try:
-        calls.attach(0, connect_to_rank(address, b"k" * 32, timeout=10.0))
+        calls.attach(0, connect_to_rank((ip, port), engine, rank_public, timeout=10.0))
         assert calls.wait_for(0, calls.broadcast("step", [0], "hello"), 10.0) == "hello"
         # The calls run on the thread that ran `first` (the Ray actor imports torch there).
         call_id = calls.broadcast("apply", [0], lambda _: threading.get_ident(), None)
@@ -251,16 +279,17 @@ def test_tcp_connection_needs_the_key():
 def test_a_silent_stranger_does_not_hold_up_the_engine():
     """Connections that say nothing, or send garbage, before the engine connects: each is
     handled on its own thread with a deadline, so the engine is served at once."""
-    host = WorkerHost()
-    host.worker = _Echo()
-    address = CallsThread(host).listen("127.0.0.1", b"k" * 32)
+    host = _EchoHost()
+    engine = HandshakeKey()
+    ip, port, rank_public = CallsThread(host).listen("127.0.0.1", engine.public)
+    address = (ip, port)
     silent = socket.create_connection(address)
     garbage = socket.create_connection(address)
     garbage.sendall(b"\x7f\xff\xff\xff" + b"x" * 64)  # a 2 GiB "message": refused
     calls = RankCalls(1)
     try:
         started = time.monotonic()
-        calls.attach(0, connect_to_rank(address, b"k" * 32, timeout=5.0))
+        calls.attach(0, connect_to_rank(address, engine, rank_public, timeout=5.0))
         assert time.monotonic() - started < 2.0
         assert calls.wait_for(0, calls.broadcast("step", [0], "hello"), 10.0) == "hello"
     finally:
@@ -276,7 +305,8 @@ def test_the_engine_gives_up_on_a_rank_that_never_answers():
     try:
         started = time.monotonic()
         with pytest.raises(OSError):
-            connect_to_rank(server.getsockname()[:2], b"k" * 32, timeout=1.0)
+            key = HandshakeKey()
+            connect_to_rank(server.getsockname()[:2], key, HandshakeKey().public, timeout=1.0)
         assert time.monotonic() - started < 3.0
     finally:
         server.close()
@@ -294,8 +324,7 @@ def test_a_process_that_ended_before_a_renumber_is_found_by_identity(monkeypatch
     hosts = []
     for rank in range(3):
         engine_end, rank_end = multiprocessing.Pipe(duplex=True)
-        host = WorkerHost()
-        host.worker = _Echo()
+        host = _EchoHost()
         threading.Thread(target=serve_calls, args=(rank_end, host), daemon=True).start()
         calls.attach(rank, engine_end, process=procs[rank])
         hosts.append(host)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 from vllm import envs
 
@@ -73,53 +71,3 @@ def set_no_delay(sock: socket.socket) -> None:
     """Small messages (a decode step's delta, a result) must leave at once, not wait for
     Nagle's algorithm."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class _FramedSocket:
-    """`send_bytes` / `recv_bytes` with multiprocessing.Connection's framing (a 4-byte
-    big-endian length, then the bytes) over a socket that keeps its timeout: the challenge
-    functions need only these two, and a peer that stalls then raises socket.timeout instead
-    of blocking forever (a Connection reads its descriptor without any deadline)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-
-    def send_bytes(self, data: bytes) -> None:
-        self.sock.sendall(struct.pack("!i", len(data)) + data)
-
-    def recv_bytes(self, maxlength: int | None = None) -> bytes:
-        (size,) = struct.unpack("!i", self._exactly(4))
-        if size < 0 or (maxlength is not None and size > maxlength):
-            raise OSError(f"handshake message of {size} bytes refused")
-        return self._exactly(size)
-
-    def _exactly(self, n: int) -> bytes:
-        parts, got = [], 0
-        while got < n:
-            chunk = self.sock.recv(n - got)
-            if not chunk:
-                raise EOFError("connection closed during the handshake")
-            parts.append(chunk)
-            got += len(chunk)
-        return b"".join(parts)
-
-
-def authenticated_connection(
-    sock: socket.socket, authkey: bytes, timeout: float, server_side: bool
-) -> Connection:
-    """Prove to each other that both ends hold `authkey` (multiprocessing's HMAC challenge,
-    both ways) within `timeout` seconds, then hand the socket over as a blocking Connection.
-    Raises multiprocessing.AuthenticationError for a wrong key, OSError or EOFError for a peer
-    that stalls or leaves; the caller closes `sock` then."""
-    sock.settimeout(timeout)
-    framed = _FramedSocket(sock)
-    if server_side:
-        deliver_challenge(framed, authkey)  # type: ignore[arg-type]
-        answer_challenge(framed, authkey)  # type: ignore[arg-type]
-    else:
-        answer_challenge(framed, authkey)  # type: ignore[arg-type]
-        deliver_challenge(framed, authkey)  # type: ignore[arg-type]
-    set_no_delay(sock)
-    # Connection reads the descriptor directly: it must be back in blocking mode.
-    sock.settimeout(None)
-    return Connection(sock.detach())

@@ -15,6 +15,7 @@ from typing import Any, Literal, overload
 from vllm import envs
 from vllm.config import EngineConfig
 from vllm.distributed.net_utils import get_file_init_method
+from vllm.distributed.rank_verbs import UnknownVerbError, Verb
 from vllm.executor.rank_calls import Calls, RankCalls
 from vllm.executor.stage_supervisor import StageFailedError, StageFailure, local_process_problem
 from vllm.executor.stage_watch import HeartbeatStats, StageWatch
@@ -58,7 +59,7 @@ class ExecutorBase(ABC):
 
     def _refresh_stage_infos(self) -> None:
         """Ask every rank where it runs and what it holds; log one line per stage."""
-        infos: list[StageInfo] = self._run_workers("get_stage_info")
+        infos: list[StageInfo] = self._run_workers(Verb.GET_STAGE_INFO)
         # Keep what the executor already knows of each rank (e.g. its Ray node id).
         known: list[StageInfo] = getattr(self, "stage_infos", None) or infos
         for entry, info in zip(known, infos):
@@ -75,14 +76,28 @@ class ExecutorBase(ABC):
     def _init_workers(self) -> None: ...
 
     @abstractmethod
-    def _run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def _run_workers(self, method: Verb, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every worker and return their results in rank order."""
+
+    def collective_rpc(
+        self, method: Verb, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Run `method`, one of the ranks' verbs (`vllm.distributed.rank_verbs.Verb`), on
+        every rank with `args` and `kwargs`; their results in rank order (vLLM's
+        `collective_rpc`, its methods limited to the verbs a rank answers). UnknownVerbError
+        for any other name, before anything is sent."""
+        if not isinstance(method, Verb):
+            try:
+                method = Verb(method)
+            except ValueError:
+                raise UnknownVerbError(method, [verb.value for verb in Verb]) from None
+        return self._run_workers(method, *args, **(kwargs or {}))
 
     def _init_cache(self, per_stage: list[tuple[int, int]] | None = None) -> None:
         """Every stage sizes its cache from its own layers (`per_stage`, asked for when not
         given); the engine uses the minimum."""
         if per_stage is None:
-            per_stage = self._run_workers("determine_num_available_blocks")
+            per_stage = self._run_workers(Verb.DETERMINE_NUM_AVAILABLE_BLOCKS)
         num_gpu = min(b[0] for b in per_stage)
         num_cpu = min(b[1] for b in per_stage)
         logger.info("# GPU blocks: %d, # CPU blocks: %d", num_gpu, num_cpu)
@@ -104,7 +119,7 @@ class ExecutorBase(ABC):
             )
         self.cache_config.num_gpu_blocks = num_gpu
         self.cache_config.num_cpu_blocks = num_cpu
-        self._run_workers("initialize_cache", num_gpu, num_cpu)
+        self._run_workers(Verb.INITIALIZE_CACHE, num_gpu, num_cpu)
 
     def reshape_pipeline(self, layer_split: list[int]) -> None:
         """Re-split the decoder layers over the same stages while serving: every stage takes
@@ -115,25 +130,25 @@ class ExecutorBase(ABC):
         blocks) leaves the stages with the new layers but no cache: the caller re-splits
         back."""
         self.parallel_config.pp_layer_partition = ",".join(str(n) for n in layer_split)
-        per_stage = self._run_workers("reshape", layer_split)
+        per_stage = self._run_workers(Verb.RESHAPE, layer_split)
         self._refresh_stage_infos()
         self._init_cache(per_stage)
 
     def get_stage_stats(self, reset: bool = True) -> list[StageStats]:
         """Per rank: compute / receive / send / idle seconds since the last reset."""
-        return self._run_workers("get_stage_stats", reset)
+        return self._run_workers(Verb.GET_STAGE_STATS, reset)
 
     def start_profile(self, trace_dir: str) -> None:
         """Start torch.profiler on every rank; traces go to `trace_dir`."""
-        self._run_workers("start_profile", trace_dir)
+        self._run_workers(Verb.START_PROFILE, trace_dir)
 
     def stop_profile(self) -> list[str]:
         """Stop the profilers; every rank writes its trace. Returns the ops tables' paths."""
-        return [path for path in self._run_workers("stop_profile") if path]
+        return [path for path in self._run_workers(Verb.STOP_PROFILE) if path]
 
     def get_stage_memory(self) -> list[dict[str, Any]]:
         """Peak memory per stage, in rank order."""
-        return self._run_workers("get_memory_stats")
+        return self._run_workers(Verb.GET_MEMORY_STATS)
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -344,9 +359,9 @@ class StageProcessExecutor(ExecutorBase):
         """New ranks that joined the groups: load their layers, give them caches of the
         engine's size and record (and log) where they run."""
         num_gpu, num_cpu = self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks
-        self._call_ranks(ranks, "load_model", timeout=budget)
-        self._call_ranks(ranks, "initialize_cache", num_gpu, num_cpu, timeout=budget)
-        infos = self._call_ranks(ranks, "get_stage_info", timeout=budget)
+        self._call_ranks(ranks, Verb.LOAD_MODEL, timeout=budget)
+        self._call_ranks(ranks, Verb.INITIALIZE_CACHE, num_gpu, num_cpu, timeout=budget)
+        infos = self._call_ranks(ranks, Verb.GET_STAGE_INFO, timeout=budget)
         for rank, info in zip(ranks, infos):
             self.stage_infos[rank].update_from(info)
             logger.info("Replaced %s", self.stage_infos[rank].describe())
@@ -376,20 +391,20 @@ class StageProcessExecutor(ExecutorBase):
             return self.calls.wait_all(ranks, call_id, timeout)
 
     def _call_ranks(
-        self, ranks: list[int], method: str, *args: Any, timeout: float | None = None
+        self, ranks: list[int], method: Verb, *args: Any, timeout: float | None = None
     ) -> list[Any]:
         """Call `method` on the workers of `ranks` and return their results in that order."""
         call_id = self._submit({r: (method, args, {}) for r in ranks})
         return self._wait_calls(ranks, call_id, timeout)
 
-    def _run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def _run_workers(self, method: Verb, *args: Any, **kwargs: Any) -> list[Any]:
         ranks = list(range(self.parallel_config.world_size))
         return self._wait_calls(ranks, self._submit({r: (method, args, kwargs) for r in ranks}))
 
     def replay(self, request: ReplayRequest, timeout_s: float) -> None:
-        self._run_workers_within("replay_stages", timeout_s, request)
+        self._run_workers_within(Verb.REPLAY_STAGES, timeout_s, request)
 
-    def _run_workers_within(self, method: str, timeout_s: float, *args: Any) -> list[Any]:
+    def _run_workers_within(self, method: Verb, timeout_s: float, *args: Any) -> list[Any]:
         ranks = list(range(self.parallel_config.world_size))
         call_id = self._submit({r: (method, args, {}) for r in ranks})
         return self._wait_calls(ranks, call_id, timeout_s)
@@ -397,7 +412,7 @@ class StageProcessExecutor(ExecutorBase):
     def _submit_step(self, request: ExecuteModelRequest, num_tokens: int) -> StepFuture:
         requests = self._requests_per_rank(request)
         call_id = self._submit(
-            {rank: ("execute_model", (req,), {}) for rank, req in enumerate(requests)}
+            {rank: (Verb.EXECUTE_MODEL, (req,), {}) for rank, req in enumerate(requests)}
         )
         deadline_s = self.parallel_config.step_deadline_s(num_tokens)
         return StepFuture(call_id, lambda: self._wait_step(call_id, deadline_s))

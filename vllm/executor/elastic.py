@@ -38,6 +38,7 @@ from vllm.distributed.pipeline_resize import (
     with_stages,
     without_stages,
 )
+from vllm.distributed.rank_verbs import Verb
 from vllm.executor.base import StageProcessExecutor
 from vllm.executor.rank_calls import Calls
 from vllm.logger import init_logger
@@ -127,15 +128,15 @@ class ElasticStageExecutor(StageProcessExecutor):
         earlier rendezvous whose new rank died in it (a replacement that failed there), which
         ends only at that timeout -- it can be longer than `budget` with a large
         max_num_batched_tokens, and then a pipeline that could go on would end."""
-        calls: dict[int, tuple[str, tuple, dict]] = {
+        calls: dict[int, tuple[Verb, tuple, dict]] = {
             new: (
-                "rejoin_process_groups",
+                Verb.REJOIN_PROCESS_GROUPS,
                 (init_method,),
                 {"rank": new, "pipeline_parallel_size": plan.new_pp},
             )
             for new in plan.staying
         }
-        calls.update({new: ("init_device", (), {}) for new in plan.joining})
+        calls.update({new: (Verb.INIT_DEVICE, (), {}) for new in plan.joining})
         tokens = self.scheduler_config.max_num_batched_tokens
         wait = budget + self.parallel_config.comm_timeout_s(tokens)
         self._wait_calls(list(calls), self._submit(calls), wait)
@@ -185,7 +186,7 @@ class ElasticStageExecutor(StageProcessExecutor):
         self.parallel_config.pp_layer_partition = ",".join(str(n) for n in sizes)
         # Loading layers is set-up: it may hold a rank's GIL for a while outside any step.
         with self._heartbeat_timeout_lifted():
-            blocks = self._run_workers("merge_layers", sizes, lost_layout)
+            blocks = self._run_workers(Verb.MERGE_LAYERS, sizes, lost_layout)
         self._refresh_stage_infos()
         taken = [b for b in blocks if b is not None]
         first = sum(sizes[:stage])
@@ -204,7 +205,7 @@ class ElasticStageExecutor(StageProcessExecutor):
         (at most the engine's): the engine's block counts from now on."""
         with self._heartbeat_timeout_lifted():
             self._call_ranks(
-                self._merged_ranks(), "grow_merged_cache", num_gpu_blocks, num_cpu_blocks
+                self._merged_ranks(), Verb.GROW_MERGED_CACHE, num_gpu_blocks, num_cpu_blocks
             )
         self.cache_config.num_gpu_blocks = num_gpu_blocks
         self.cache_config.num_cpu_blocks = num_cpu_blocks
@@ -212,11 +213,11 @@ class ElasticStageExecutor(StageProcessExecutor):
     def replay_gained_layers(self, request: ReplayRequest, timeout_s: float) -> None:
         """One replay step of the merged stage's gained layers (every rank applies the
         swap-ins), within `timeout_s`; StageFailedError when a rank fails it."""
-        self._run_workers_within("replay_gained_layers", timeout_s, request)
+        self._run_workers_within(Verb.REPLAY_GAINED_LAYERS, timeout_s, request)
 
     def finish_merge(self) -> None:
         """The gained layers have their KV (or the engine recomputes everything)."""
-        self._call_ranks(self._merged_ranks(), "finish_merge")
+        self._call_ranks(self._merged_ranks(), Verb.FINISH_MERGE)
         self.merged = None
 
     # ---- stages come back --------------------------------------------------------------------
@@ -264,7 +265,7 @@ class ElasticStageExecutor(StageProcessExecutor):
         pc.pipeline_parallel_size = plan.new_pp
         pc.pp_layer_partition = partition
         self._regroup(plan, init_method, budget)
-        self._call_ranks(plan.joining, "load_model", timeout=budget)
+        self._call_ranks(plan.joining, Verb.LOAD_MODEL, timeout=budget)
         self.reshape_pipeline(self.model_config.get_pp_layer_sizes(pc))
         pc.pp_layer_partition = partition  # as configured ("auto" stays "auto")
         return time.monotonic() - started

@@ -35,6 +35,7 @@ from typing import Any, Iterator
 
 from vllm import envs
 from vllm.config import EngineConfig
+from vllm.distributed.rank_verbs import Verb
 from vllm.executor.elastic import ElasticStageExecutor
 from vllm.executor.rank_calls import Calls, RankCallError
 from vllm.executor.stage_supervisor import StageFailedError, StageFailure
@@ -165,8 +166,8 @@ class MultiprocessingExecutor(ElasticStageExecutor):
         ranks = list(range(world))
         self._wait_calls(ranks, self._submit(self._init_worker_calls(ranks, init_method)))
         # Process-group rendezvous needs every rank at once: send all, then wait.
-        self._run_workers("init_device")
-        self._run_workers("load_model")
+        self._run_workers(Verb.INIT_DEVICE)
+        self._run_workers(Verb.LOAD_MODEL)
         self.refill_spares()
 
     def _start_process(self, rank: int | None) -> _Process:
@@ -233,7 +234,7 @@ class MultiprocessingExecutor(ElasticStageExecutor):
         config = engine_config or self.engine_config
         # local_rank: a spare learns its device here (one node: the rank is the local rank).
         return {
-            rank: ("init_worker", (config,), dict(kwargs, rank=rank, local_rank=rank))
+            rank: (Verb.INIT_WORKER, (config,), dict(kwargs, rank=rank, local_rank=rank))
             for rank in ranks
         }
 
@@ -259,8 +260,8 @@ class MultiprocessingExecutor(ElasticStageExecutor):
         init_method = self._local_init_method()
         self._wait_calls(ranks, self._submit(self._init_worker_calls(ranks, init_method)), budget)
         # Process-group rendezvous needs every rank at once: send all, then wait.
-        calls: dict[int, tuple[str, tuple, dict]] = {r: ("init_device", (), {}) for r in ranks}
-        calls.update({r: ("rejoin_process_groups", (init_method,), {}) for r in survivors})
+        calls: dict[int, tuple[Verb, tuple, dict]] = {r: (Verb.INIT_DEVICE, (), {}) for r in ranks}
+        calls.update({r: (Verb.REJOIN_PROCESS_GROUPS, (init_method,), {}) for r in survivors})
         self._wait_calls(list(calls), self._submit(calls), budget)
         self._load_replacements(ranks, budget)
         return time.monotonic() - started
@@ -329,7 +330,7 @@ class MultiprocessingExecutor(ElasticStageExecutor):
             live = [rank for rank, proc in enumerate(slots) if proc is not None and proc.is_alive()]
             self.calls.forget()  # errors of earlier steps do not matter any more
             try:
-                call_id = self.calls.broadcast("shutdown", live)
+                call_id = self.calls.broadcast(Verb.SHUTDOWN, live)
                 self.calls.wait_all(live, call_id, max(deadline - time.monotonic(), 1e-3))
             except RankCallError as err:  # gone already, or stuck: terminated below
                 if err.rank in live and not err.lost:

@@ -25,11 +25,13 @@ import queue
 import socket
 import threading
 import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping
 
-from vllm.distributed.net_utils import authenticated_connection
-from vllm.distributed.serialization import dumps_message
+from vllm.distributed.rank_handshake import HandshakeKey, rank_handshake
+from vllm.distributed.rank_verbs import Verb
+from vllm.distributed.serialization import dumps_message, loads_message
 from vllm.logger import init_logger
 from vllm.worker.rank_server import LAST_WORDS
 
@@ -38,8 +40,9 @@ logger = init_logger(__name__)
 # A rank that is lost is noticed within this many seconds, whatever the call's deadline.
 _POLL_S = 0.5
 
-# One call as sent to `ranks`: rank -> (method, args, kwargs).
-Calls = Mapping[int, tuple[str, tuple, dict]]
+# One call as sent to `ranks`: rank -> (verb, args, kwargs). The engine names its calls by
+# `Verb`; any other name is the rank's to refuse (`UnknownVerbError`).
+Calls = Mapping[int, tuple[Verb | str, tuple, dict]]
 
 
 class RankCallError(RuntimeError):
@@ -67,12 +70,15 @@ class RankCallTimeout(RankCallError):
     """A call did not return within its deadline (every rank still alive)."""
 
 
-def connect_to_rank(address: tuple[str, int], authkey: bytes, timeout: float) -> Connection:
+def connect_to_rank(
+    address: tuple[str, int], key: HandshakeKey, rank_public: bytes, timeout: float
+) -> Connection:
     """The engine's end of a rank's TCP connection (see `rank_server.CallsThread`): connected
-    and authenticated both ways within `timeout` seconds, or an error."""
+    and authenticated both ways within `timeout` seconds (`rank_handshake`: the engine's
+    `key` against the rank's public key `rank_public`), or an error."""
     sock = socket.create_connection(address, timeout=timeout)
     try:
-        return authenticated_connection(sock, authkey, timeout, server_side=False)
+        return rank_handshake(sock, key, rank_public, timeout, server_side=False)
     except BaseException:
         sock.close()
         raise
@@ -258,17 +264,15 @@ class RankCalls:
         """Read one result from `conn`; False (and the rank lost, unless its process is
         watched) when the connection is gone."""
         try:
-            call_id, ok, value = pickle.loads(conn.recv_bytes())
+            call_id, ok, value = loads_message(conn.recv_bytes())
+        except (AuthenticationError, pickle.UnpicklingError) as exc:
+            # A reply that fails its HMAC check or names a refused class (RefusedGlobalError),
+            # or is no pickle at all: the connection is
+            # not to be trusted any more, whatever its process does.
+            self._connection_gone(rank, conn, f"its reply was refused ({exc})", refused=True)
+            return False
         except (EOFError, OSError):
-            with self._cond:
-                current = self._rank_of(conn, rank)
-                if current is None:
-                    return False  # replaced meanwhile
-                self._conns[current] = None
-                watched_proc = self._procs[current] is not None
-            conn.close()
-            if not watched_proc:
-                self._mark_lost(current, None, "its connection closed (the process is gone?)")
+            self._connection_gone(rank, conn, "its connection closed (the process is gone?)")
             return False
         with self._cond:
             # Read under the old numbering perhaps (`renumber` meanwhile): the connection says.
@@ -279,6 +283,22 @@ class RankCalls:
                 self._results[found][call_id] = (ok, value)
                 self._cond.notify_all()
         return True
+
+    def _connection_gone(
+        self, rank: int, conn: Connection, problem: str, refused: bool = False
+    ) -> None:
+        """`conn` (`rank`'s, unless renumbered or replaced meanwhile) is closed; its rank is
+        lost now when it was `refused` or has no process watched (else the process's exit
+        says what happened)."""
+        with self._cond:
+            current = self._rank_of(conn, rank)
+            if current is None:
+                return  # replaced meanwhile
+            self._conns[current] = None
+            proc = self._procs[current]
+        conn.close()
+        if refused or proc is None:
+            self._mark_lost(current, proc, problem)
 
     def _rank_of(self, conn: Connection, guess: int) -> int | None:
         """The rank `conn` belongs to now (`guess` first), None if it is no rank's (under the
@@ -331,7 +351,7 @@ class RankCalls:
         that names a lost rank raises with nothing sent, so no rank runs a step another rank
         never gets (the pipeline would fall out of step and wait out a deadline)."""
         payloads: dict[tuple[int, int], bytes] = {}
-        encoded: list[tuple[int, str, bytes]] = []
+        encoded: list[tuple[int, Verb | str, bytes]] = []
         for rank, (method, args, kwargs) in calls.items():
             key = (id(args), id(kwargs))
             payload = payloads.get(key)
@@ -344,10 +364,12 @@ class RankCalls:
             self._last_id = call_id
             for outbox, (_, method, payload) in zip(outboxes, encoded):
                 # A tuple of an int, a str and bytes: plain pickle never refuses it.
-                outbox.put(pickle.dumps((call_id, method, payload), pickle.HIGHEST_PROTOCOL))
+                name = method.value if isinstance(method, Verb) else method
+                envelope = (call_id, name, payload)
+                outbox.put(pickle.dumps(envelope, pickle.HIGHEST_PROTOCOL))
         return call_id
 
-    def broadcast(self, method: str, ranks: list[int], *args: Any, **kwargs: Any) -> int:
+    def broadcast(self, method: Verb | str, ranks: list[int], *args: Any, **kwargs: Any) -> int:
         return self.submit({rank: (method, args, kwargs) for rank in ranks})
 
     def _outbox(self, rank: int) -> _Outbox:

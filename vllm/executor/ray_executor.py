@@ -33,6 +33,8 @@ from ray.util.scheduling_strategies import (
 from vllm import envs
 from vllm.config import EngineConfig
 from vllm.distributed.net_utils import get_distributed_init_method
+from vllm.distributed.rank_handshake import HandshakeKey
+from vllm.distributed.rank_verbs import Verb
 from vllm.executor.elastic import ElasticStageExecutor
 from vllm.executor.rank_calls import (
     Calls,
@@ -87,13 +89,14 @@ class RayExecutor(ElasticStageExecutor):
         tp = self.parallel_config.tensor_parallel_size
         self.stage_infos = [StageInfo(r, r // tp, r % tp) for r in range(world)]
         self._start_calls(world)
-        # Proves to each actor that a connection to it comes from this engine.
-        self._authkey = os.urandom(32)
+        # Proves to each actor that a connection to it comes from this engine: only its
+        # public part is sent through Ray (`rank_handshake`).
+        self._handshake_key = HandshakeKey()
         # Actors started ahead to replace a failed rank (`refill_spares`).
         self.standby: list[Any] = []
         self._start_actors(range(world))
         self._join(range(world), survivors=[])
-        self._run_workers("load_model")
+        self._run_workers(Verb.LOAD_MODEL)
         self.refill_spares()
 
     @property
@@ -156,16 +159,17 @@ class RayExecutor(ElasticStageExecutor):
         for rank, ip, node in zip(ranks, ips, nodes):
             self.stage_infos[rank].ip, self.stage_infos[rank].node_id = ip, node
             logger.info("Rank %d: Ray actor on node %s (id %s)", rank, ip, node[:12])
+        key = self._handshake_key
         addresses = self._wait_all(
-            [self.workers[r].open_calls.remote(self._authkey) for r in ranks], timeout
+            [self.workers[r].open_calls.remote(key.public) for r in ranks], timeout
         )
-        for rank, address in zip(ranks, addresses):
-            self.calls.attach(rank, connect_to_rank(tuple(address), self._authkey, timeout))
+        for rank, (ip, port, rank_public) in zip(ranks, addresses):
+            self.calls.attach(rank, connect_to_rank((ip, port), key, rank_public, timeout))
         beats = self._wait_all(
-            [self.workers[r].open_heartbeat.remote(self._authkey) for r in ranks], timeout
+            [self.workers[r].open_heartbeat.remote(key.public) for r in ranks], timeout
         )
-        for rank, (ip, port, pid, hostname) in zip(ranks, beats):
-            conn = connect_to_rank((ip, port), self._authkey, timeout)
+        for rank, (ip, port, rank_public, pid, hostname) in zip(ranks, beats):
+            conn = connect_to_rank((ip, port), key, rank_public, timeout)
             self.watch.attach(rank, conn, pid, hostname)
 
     def refill_spares(self) -> None:
@@ -217,8 +221,8 @@ class RayExecutor(ElasticStageExecutor):
         init_method = self._regroup_init_method(timeout)
         self._wait_calls(ranks, self._submit(self._init_worker_calls(ranks, init_method)), timeout)
         # Process-group rendezvous needs every rank at once: send all, then wait.
-        calls: dict[int, tuple[str, tuple, dict]] = {r: ("init_device", (), {}) for r in ranks}
-        calls.update({r: ("rejoin_process_groups", (init_method,), {}) for r in survivors})
+        calls: dict[int, tuple[Verb, tuple, dict]] = {r: (Verb.INIT_DEVICE, (), {}) for r in ranks}
+        calls.update({r: (Verb.REJOIN_PROCESS_GROUPS, (init_method,), {}) for r in survivors})
         self._wait_calls(list(calls), self._submit(calls), timeout)
 
     def _regroup_init_method(self, timeout: float) -> str:
@@ -238,7 +242,7 @@ class RayExecutor(ElasticStageExecutor):
             distributed_init_method=init_method,
             num_threads=threads,
         )
-        return {r: ("init_worker", (), dict(kwargs, rank=r)) for r in ranks}
+        return {r: (Verb.INIT_WORKER, (), dict(kwargs, rank=r)) for r in ranks}
 
     # -- an elastic pipeline (vllm.executor.elastic) ------------------------------------------
 
@@ -375,7 +379,7 @@ class RayExecutor(ElasticStageExecutor):
             if graceful:
                 self.calls.forget()  # errors of earlier steps do not matter any more
                 try:
-                    self.calls.wait_all(alive, self.calls.broadcast("shutdown", alive), 10.0)
+                    self.calls.wait_all(alive, self.calls.broadcast(Verb.SHUTDOWN, alive), 10.0)
                 except RankCallError:  # a stuck or dead stage must not block the shutdown
                     logger.warning("a stage did not shut down cleanly; killing its actor")
             self._kill_ranks(alive, grace_s=2.0 if graceful else 0.0)

@@ -38,9 +38,10 @@ class RayWorkerWrapper:
         # Before anything here imports torch: the calls thread must be the one that does.
         self._calls = CallsThread(self._host, first=_import_torch)
 
-    def open_calls(self, authkey: bytes) -> tuple[str, int]:
-        """Listen for the engine's connection (see `rank_calls.CallsThread`)."""
-        return self._calls.listen(self.get_node_ip(), authkey)
+    def open_calls(self, engine_public: bytes) -> tuple[str, int, bytes]:
+        """Listen for the engine's connection (see `rank_server.CallsThread`): the address,
+        and this rank's public key for the handshake (only public keys cross Ray)."""
+        return self._calls.listen(self.get_node_ip(), engine_public)
 
     def get_node_ip(self) -> str:
         from vllm.distributed.net_utils import get_ip
@@ -55,16 +56,17 @@ class RayWorkerWrapper:
 
         return get_open_port()
 
-    def open_heartbeat(self, authkey: bytes) -> tuple[str, int, int, str]:
-        """Listen for the engine's heartbeat connection: (ip, port, this process's pid, its
-        host name) -- the engine watches the process itself when it runs on its node."""
+    def open_heartbeat(self, engine_public: bytes) -> tuple[str, int, bytes, int, str]:
+        """Listen for the engine's heartbeat connection: (ip, port, this listener's public key,
+        this process's pid, its host name) -- the engine watches the process itself when it
+        runs on its node."""
         import socket
 
         from vllm.worker.rank_server import listen_for_heartbeats
 
         ip = self.get_node_ip()
-        port = listen_for_heartbeats(ip, authkey, self._host.busy_s)
-        return ip, port, os.getpid(), socket.gethostname()
+        port, rank_public = listen_for_heartbeats(ip, engine_public, self._host.busy_s)
+        return ip, port, rank_public, os.getpid(), socket.gethostname()
 
     def gc_frozen_objects(self) -> int:
         """How many objects are frozen out of the cyclic GC in this actor (diagnostics)."""

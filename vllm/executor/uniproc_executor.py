@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm import envs
+from vllm.distributed.rank_verbs import Verb
 from vllm.executor.base import ExecutorBase
 from vllm.executor.step_future import StepFuture
 from vllm.step_delta import ExecuteModelRequest
@@ -23,8 +24,9 @@ class UniProcExecutor(ExecutorBase):
         self.worker.init_device()
         self.worker.load_model()
 
-    def _run_workers(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return [getattr(self.worker, method)(*args, **kwargs)]
+    def _run_workers(self, method: Verb, *args: Any, **kwargs: Any) -> list[Any]:
+        # In process: the Worker's method of the verb's name (no connection to guard).
+        return [getattr(self.worker, method.value)(*args, **kwargs)]
 
     def _submit_step(self, request: ExecuteModelRequest, num_tokens: int) -> StepFuture:
         # The only stage runs here and now: the future is complete when it is returned.

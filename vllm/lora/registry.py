@@ -4,9 +4,10 @@ stage process started after a failure serves the same adapters. Imports no torch
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from vllm.config import LoRAConfig
+from vllm.distributed.rank_verbs import Verb
 from vllm.logger import init_logger
 from vllm.lora.peft_config import read_adapter_config
 from vllm.lora.request import LoRARequest
@@ -14,15 +15,23 @@ from vllm.lora.request import LoRARequest
 logger = init_logger("vllm.lora.registry")
 
 
+class RankCaller(Protocol):
+    """What the registry needs of the executor: its verbs run on every rank."""
+
+    def collective_rpc(
+        self, method: Verb, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]: ...
+
+
 class LoRARegistry:
     """Registered adapters by id, mirrored on every rank of the executor."""
 
-    def __init__(self, config: LoRAConfig | None, executor: Any) -> None:
+    def __init__(self, config: LoRAConfig | None, executor: RankCaller) -> None:
         self.config = config
         self.executor = executor
         self.requests: dict[int, LoRARequest] = {}
         if config is not None:
-            self._check_ranks(executor._run_workers("sync_loras", config, []))
+            self._check_ranks(executor.collective_rpc(Verb.SYNC_LORAS, (config, [])))
 
     @property
     def enabled(self) -> bool:
@@ -63,9 +72,9 @@ class LoRARegistry:
                 f"LoRA rank {adapter.rank} is greater than max_lora_rank "
                 f"{self.config.max_lora_rank}."
             )
-        errors = self.executor._run_workers("add_lora", lora_request)
+        errors = self.executor.collective_rpc(Verb.ADD_LORA, (lora_request,))
         if any(errors):
-            self.executor._run_workers("remove_lora", lora_request.lora_int_id)
+            self.executor.collective_rpc(Verb.REMOVE_LORA, (lora_request.lora_int_id,))
             raise ValueError(next(e for e in errors if e))
         self.requests[lora_request.lora_int_id] = lora_request
         logger.info(
@@ -76,7 +85,7 @@ class LoRARegistry:
     def remove(self, lora_id: int) -> bool:
         if self.requests.pop(lora_id, None) is None:
             return False
-        self.executor._run_workers("remove_lora", lora_id)
+        self.executor.collective_rpc(Verb.REMOVE_LORA, (lora_id,))
         return True
 
     def ids(self) -> set[int]:
@@ -86,7 +95,9 @@ class LoRARegistry:
         """After stages were replaced: every rank holds the registered adapters again."""
         if self.config is not None:
             self._check_ranks(
-                self.executor._run_workers("sync_loras", self.config, list(self.requests.values()))
+                self.executor.collective_rpc(
+                    Verb.SYNC_LORAS, (self.config, list(self.requests.values()))
+                )
             )
 
     @staticmethod
