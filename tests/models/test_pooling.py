@@ -37,25 +37,28 @@ def make_llm(model: str, **kwargs) -> LLM:
     return LLM(model, dtype="float32", runner="pooling", **kwargs)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_embed_equals_hf_last_token_normalised(dirs, family):
-    llm = make_llm(dirs[family])
-    try:
-        outputs = llm.embed(PROMPTS, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    references = pm.hf_hidden_states(dirs[family], PROMPTS)
-    assert [o.request_id for o in outputs] == sorted((o.request_id for o in outputs), key=int)
-    for output, ref in zip(outputs, references):
-        assert output.finished and len(output.prompt_token_ids) == ref.shape[0]
-        pm.assert_close(output.outputs.embedding, pm.st_pool(ref, "last", True))
-
-
 @pytest.fixture(scope="module")
 def llama_llm(dirs):
     llm = make_llm(dirs["llama3"])
     yield llm
     llm.shutdown()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_embed_equals_hf_last_token_normalised(request, dirs, family):
+    if family == "llama3":  # the module's shared engine
+        outputs = request.getfixturevalue("llama_llm").embed(PROMPTS, use_tqdm=False)
+    else:
+        llm = make_llm(dirs[family])
+        try:
+            outputs = llm.embed(PROMPTS, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    references = pm.hf_hidden_states(dirs[family], PROMPTS)
+    assert [o.request_id for o in outputs] == sorted((o.request_id for o in outputs), key=int)
+    for output, ref in zip(outputs, references):
+        assert output.finished and len(output.prompt_token_ids) == ref.shape[0]
+        pm.assert_close(output.outputs.embedding, pm.st_pool(ref, "last", True))
 
 
 def test_normalize_off_and_truncation(llama_llm, hidden):
