@@ -321,8 +321,9 @@ class LLMEngine:
             raise ValueError(f"pooling_task must be one of {supported}, got {task!r}.")
         params.verify(task, config)
         pooling_type = getattr(config.pooler_config, "pooling_type", None) or "LAST"
-        # Only LAST pooling may skip a cached prefix: the others read every prompt position.
-        params.skip_reading_prefix_cache = pooling_type != "LAST"
+        # Only an embedder's LAST pooling may skip a cached prefix: the other types read every
+        # prompt position, and a classifier's last non-padding token may lie inside it.
+        params.skip_reading_prefix_cache = pooling_type != "LAST" or config.convert_type != "embed"
         return params
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
