@@ -20,11 +20,35 @@ MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    # Encoder-only (BERT family): pooling models, whole prompts, no KV cache.
+    "BertModel": ("bert", "BertModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "RobertaModel": ("roberta", "RobertaModel"),
+    "RobertaForSequenceClassification": ("roberta", "RobertaForSequenceClassification"),
+    "XLMRobertaModel": ("roberta", "XLMRobertaModel"),
+    "XLMRobertaForSequenceClassification": ("roberta", "XLMRobertaForSequenceClassification"),
 }
+
+# Architectures whose stages attend bidirectionally over each whole prompt and keep no KV.
+ENCODER_ONLY_ARCHS = frozenset(
+    {
+        "BertModel",
+        "BertForSequenceClassification",
+        "RobertaModel",
+        "RobertaForSequenceClassification",
+        "XLMRobertaModel",
+        "XLMRobertaForSequenceClassification",
+    }
+)
 
 
 def get_supported_archs() -> list[str]:
     return list(MODELS)
+
+
+def is_encoder_only(hf_config: Any) -> bool:
+    """Whether the config's (supported) architecture is an encoder-only one."""
+    return check_architecture(hf_config) in ENCODER_ONLY_ARCHS
 
 
 def check_architecture(hf_config: Any) -> str:
