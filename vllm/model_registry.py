@@ -20,7 +20,17 @@ MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
-    # Encoder-only (BERT family): pooling models, whole prompts, no KV cache.
+    # Pooling models (vLLM's pooling runner): decoder stacks without an lm_head ...
+    "LlamaModel": ("llama", "LlamaForCausalLM"),
+    "MistralModel": ("mistral", "MistralForCausalLM"),
+    "Qwen2Model": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3Model": ("qwen3", "Qwen3ForCausalLM"),
+    # ... with a sequence-classification `score` head ...
+    "LlamaForSequenceClassification": ("llama", "LlamaForCausalLM"),
+    "MistralForSequenceClassification": ("mistral", "MistralForCausalLM"),
+    "Qwen2ForSequenceClassification": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForSequenceClassification": ("qwen3", "Qwen3ForCausalLM"),
+    # ... and encoder-only models (bidirectional attention, no KV cache kept).
     "BertModel": ("bert", "BertModel"),
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
     "RobertaModel": ("roberta", "RobertaModel"),
@@ -29,7 +39,26 @@ MODELS: dict[str, tuple[str, str]] = {
     "XLMRobertaForSequenceClassification": ("roberta", "XLMRobertaForSequenceClassification"),
 }
 
-# Architectures whose stages attend bidirectionally over each whole prompt and keep no KV.
+# What a pooling architecture is converted to by default ("embed" or "classify"); every other
+# architecture is a generator (`--convert embed` turns a *ForCausalLM into an embedder).
+POOLING_ARCHS: dict[str, str] = {
+    "LlamaModel": "embed",
+    "MistralModel": "embed",
+    "Qwen2Model": "embed",
+    "Qwen3Model": "embed",
+    "LlamaForSequenceClassification": "classify",
+    "MistralForSequenceClassification": "classify",
+    "Qwen2ForSequenceClassification": "classify",
+    "Qwen3ForSequenceClassification": "classify",
+    "BertModel": "embed",
+    "BertForSequenceClassification": "classify",
+    "RobertaModel": "embed",
+    "RobertaForSequenceClassification": "classify",
+    "XLMRobertaModel": "embed",
+    "XLMRobertaForSequenceClassification": "classify",
+}
+
+# Encoder-only architectures: the whole prompt in one step, bidirectional attention.
 ENCODER_ONLY_ARCHS = frozenset(
     {
         "BertModel",
@@ -44,11 +73,6 @@ ENCODER_ONLY_ARCHS = frozenset(
 
 def get_supported_archs() -> list[str]:
     return list(MODELS)
-
-
-def is_encoder_only(hf_config: Any) -> bool:
-    """Whether the config's (supported) architecture is an encoder-only one."""
-    return check_architecture(hf_config) in ENCODER_ONLY_ARCHS
 
 
 def check_architecture(hf_config: Any) -> str:

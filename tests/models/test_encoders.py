@@ -1,8 +1,11 @@
-"""BERT / RoBERTa / XLM-RoBERTa stage modules against HF transformers (fp32).
+"""BERT / RoBERTa / XLM-RoBERTa against HF transformers (fp32, within 1e-5 max-abs and cosine).
 
-The modules run directly on a hand-packed batch (prompts of different lengths back to back, as
-the engine packs prefills), whole and as two chained stage modules (a PP split): last hidden
-states and classifier logits equal HF's within 1e-5 (max-abs and cosine)."""
+First the stage modules directly, on a hand-packed batch (prompts of different lengths back to
+back, as the engine packs prefills), whole and as two chained stage modules (a PP split): last
+hidden states and classifier logits equal HF's padded batch with its attention_mask. Then
+through the engine: `LLM.embed` (CLS, MEAN) equals sentence-transformers' pooling of HF's
+hidden states, `LLM.score` (1:1, 1:N, N:N) the sigmoid of AutoModelForSequenceClassification's
+logit with the rerank order, `LLM.classify` its softmax; at PP 1, PP 2 and TP 2."""
 
 from __future__ import annotations
 
@@ -19,9 +22,13 @@ TOL = 1e-5
 CPU = torch.device("cpu")
 
 
+# XLM-RoBERTa's embedder is RoBERTa's class under another name: its cross-encoder stands in.
+KINDS = ["bert", "bert-cls", "roberta", "roberta-cls", "xlm-roberta-cls"]
+
+
 @pytest.fixture(scope="module")
 def encoder_dirs(tmp_path_factory):
-    return te.encoder_dirs(str(tmp_path_factory.mktemp("tiny_encoders")))
+    return te.encoder_dirs(str(tmp_path_factory.mktemp("tiny_encoders")), KINDS)
 
 
 def packed_metadata(lens: list[int]) -> InputMetadata:
@@ -66,7 +73,7 @@ def run_stages(stages, encs) -> torch.Tensor:
     return hidden
 
 
-@pytest.mark.parametrize("kind", list(te.KINDS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_stage_modules_equal_hf(kind, encoder_dirs):
     from transformers import AutoTokenizer
 
@@ -89,7 +96,7 @@ def test_stage_modules_equal_hf(kind, encoder_dirs):
             assert_close(got, ref, f"{kind} {layout} sequence {index}")
         if kind.endswith("-cls"):
             with torch.inference_mode():
-                logits = stages[-1].classify(hidden[firsts])
+                logits = stages[-1].classify_head(hidden[firsts])
             assert_close(logits, want_logits, f"{kind} {layout} logits")
 
 
@@ -153,3 +160,110 @@ class _FakeTokenizer:
 
     def __len__(self) -> int:
         return 100
+
+
+# ---- through the engine: LLM.embed / score / classify at PP 1, PP 2 and TP 2 ---------------
+
+
+def hf_reference(model_dir: str, texts: list[str], pairs: list[str] | None = None):
+    """HF's last hidden states of each text (or (text, pair)) and the classifier's logits."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if pairs is None:
+        encs = [dict(tokenizer(t)) for t in texts]
+    else:
+        encs = [dict(tokenizer(t, p)) for t, p in zip(texts, pairs)]
+    return te.hf_outputs(te.load_hf(model_dir), tokenizer, encs)
+
+
+def st_pool(hidden: torch.Tensor, pooling: str) -> torch.Tensor:
+    """sentence-transformers' pooling of one sequence's hidden states, then normalised."""
+    pooled = hidden[0] if pooling == "CLS" else hidden.mean(dim=0)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+def check_embeddings(llm, model_dir: str, pooling: str) -> None:
+    outputs = llm.embed(te.SENTENCES, use_tqdm=False)
+    hidden, _ = hf_reference(model_dir, te.SENTENCES)
+    assert len(outputs) == len(te.SENTENCES)
+    for index, (output, ref) in enumerate(zip(outputs, hidden)):
+        assert len(output.prompt_token_ids) == ref.shape[0]
+        got = torch.tensor(output.outputs.embedding)
+        assert_close(got, st_pool(ref, pooling), f"{pooling} embedding {index}")
+
+
+def check_scores(llm, model_dir: str) -> None:
+    """1:N, N:N and 1:1 scores equal sigmoid(HF's logit) of each pair; the rerank order
+    (documents by descending score) is HF's."""
+    _, logits = hf_reference(model_dir, [te.QUERY] * len(te.DOCUMENTS), te.DOCUMENTS)
+    want = torch.sigmoid(logits[:, 0])  # [N]
+    one_to_n = llm.score(te.QUERY, te.DOCUMENTS, use_tqdm=False)
+    n_to_n = llm.score([te.QUERY] * len(te.DOCUMENTS), te.DOCUMENTS, use_tqdm=False)
+    (one,) = llm.score(te.QUERY, te.DOCUMENTS[2], use_tqdm=False)
+    for outputs in (one_to_n, n_to_n):
+        assert_close(torch.tensor([o.outputs.score for o in outputs]), want, "scores")
+    assert abs(one.outputs.score - want[2].item()) <= TOL
+    got_order = sorted(range(len(one_to_n)), key=lambda i: -one_to_n[i].outputs.score)
+    assert got_order == torch.argsort(want, descending=True).tolist()
+
+
+def make_llm(model_dir: str, **kwargs):
+    from vllm import LLM
+
+    return LLM(model_dir, dtype="float32", disable_log_stats=True, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta"])
+def test_embed_cls_pooling_equals_hf(kind, encoder_dirs):
+    """vLLM's default for BERT-family embedders: the [CLS] / <s> row, normalised."""
+    llm = make_llm(encoder_dirs[kind])
+    try:
+        assert llm.llm_engine.model_config.pooler_config.pooling_type == "CLS"
+        check_embeddings(llm, encoder_dirs[kind], "CLS")
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["bert-cls", "xlm-roberta-cls"])
+def test_cross_encoder_scores_equal_hf(kind, encoder_dirs):
+    llm = make_llm(encoder_dirs[kind])
+    try:
+        check_scores(llm, encoder_dirs[kind])
+    finally:
+        llm.shutdown()
+
+
+def test_classify_equals_hf_softmax(encoder_dirs):
+    model_dir = encoder_dirs["roberta-cls"]
+    llm = make_llm(model_dir)
+    try:
+        outputs = llm.classify(te.SENTENCES, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    _, logits = hf_reference(model_dir, te.SENTENCES)
+    got = torch.tensor([o.outputs.probs for o in outputs])
+    assert_close(got, torch.softmax(logits, dim=-1), "class probabilities")
+
+
+@pytest.mark.parametrize(
+    "kind, parallel, pooler",
+    [
+        ("bert-cls", {"pipeline_parallel_size": 2}, None),
+        ("bert", {"tensor_parallel_size": 2}, "MEAN"),
+    ],
+    ids=["bert-cls-pp2", "bert-mean-tp2"],
+)
+def test_pipeline_and_tensor_parallel_equal_hf(kind, parallel, pooler, encoder_dirs):
+    """Two stages (embeddings and token types on the first, the classifier on the last) score
+    pairs as HF does; two TP ranks (vocabulary rows, q/k/v heads, MLP columns sharded) embed
+    with MEAN pooling (the engine's pooler_config) as sentence-transformers does."""
+    extra = {"pooler_config": {"pooling_type": pooler}} if pooler else {}
+    llm = make_llm(encoder_dirs[kind], distributed_executor_backend="mp", **parallel, **extra)
+    try:
+        if kind.endswith("-cls"):
+            check_scores(llm, encoder_dirs[kind])
+        else:
+            check_embeddings(llm, encoder_dirs[kind], pooler)
+    finally:
+        llm.shutdown()

@@ -23,6 +23,9 @@ KINDS: dict[str, tuple[str, str]] = {
     "xlm-roberta": ("XLMRobertaModel", "bpe"),
     "xlm-roberta-cls": ("XLMRobertaForSequenceClassification", "bpe"),
 }
+# Classifier outputs: one label makes a cross-encoder (vLLM scores only those: a sigmoid of
+# the logit), three a classifier (a softmax over them).
+NUM_LABELS = {"bert-cls": 1, "roberta-cls": 3, "xlm-roberta-cls": 1}
 
 NUM_LAYERS = 4
 
@@ -114,10 +117,10 @@ def encoder_config(kind: str, tokenizer: Any, num_layers: int = NUM_LAYERS) -> A
         pad_token_id=tokenizer.pad_token_id,
         architectures=[arch],
     )
-    if arch.endswith("ForSequenceClassification"):
-        # Three classes: classify's softmax and the argmax order are not trivial.
-        common["id2label"] = {0: "a", 1: "b", 2: "c"}
-        common["label2id"] = {"a": 0, "b": 1, "c": 2}
+    if kind in NUM_LABELS:
+        labels = [f"LABEL_{i}" for i in range(NUM_LABELS[kind])]
+        common["id2label"] = dict(enumerate(labels))
+        common["label2id"] = {label: i for i, label in enumerate(labels)}
     if family == "wordpiece":
         return BertConfig(max_position_embeddings=128, type_vocab_size=2, **common)
     # RoBERTa's positions start at padding_idx + 1: the table holds pad + 1 more rows.

@@ -204,10 +204,6 @@ class BertModel(nn.Module):
 
     # The base model's attribute in HF's head classes, stripped from checkpoint names.
     base_model_prefix = "bert"
-    # What the pooling runner applies by default (vLLM's BERT-family embedding models).
-    default_pooling_type = "CLS"
-    # No decoder KV: the runner passes whole prompts and keeps no cache for this model.
-    is_encoder_only = True
     # Checkpoint tensors of heads this class does not run (HF's pooler, MLM / NSP heads).
     unused_prefixes: tuple[str, ...] = ("pooler.", "cls.", "lm_head.")
 
@@ -374,7 +370,7 @@ class BertForSequenceClassification(BertModel):
     def head_prefixes(self) -> tuple[str, ...]:
         return ("pooler.", "classifier.")
 
-    def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:
+    def classify_head(self, cls_hidden: torch.Tensor) -> torch.Tensor:
         """cls_hidden [B, hidden] (each sequence's first row) -> logits [B, num_labels],
         float32 (before any activation: the pooling runner applies softmax / sigmoid)."""
         pooled = torch.tanh(self.pooler.dense(cls_hidden))

@@ -63,7 +63,7 @@ class RobertaForSequenceClassification(RobertaModel):
     def head_prefixes(self) -> tuple[str, ...]:
         return ("classifier.",)
 
-    def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:
+    def classify_head(self, cls_hidden: torch.Tensor) -> torch.Tensor:
         """cls_hidden [B, hidden] (each sequence's first row) -> logits [B, num_labels],
         float32 (before any activation)."""
         head = self.classifier
