@@ -221,8 +221,27 @@ def test_embed_cls_pooling_equals_hf(kind, encoder_dirs):
     try:
         assert llm.llm_engine.model_config.pooler_config.pooling_type == "CLS"
         check_embeddings(llm, encoder_dirs[kind], "CLS")
+        if kind == "roberta":
+            check_roberta_length_limit(llm)
     finally:
         llm.shutdown()
+
+
+def check_roberta_length_limit(llm) -> None:
+    """Positions from padding_idx + 1: a table of P rows serves P - padding_idx - 1 tokens.
+    A prompt of that length embeds; one token more is refused up front, and the engine
+    serves on."""
+    config = llm.llm_engine.model_config
+    hf_config = config.hf_config
+    limit = hf_config.max_position_embeddings - hf_config.pad_token_id - 1
+    assert config.max_model_len == limit
+    ids = [hf_config.bos_token_id] + [300] * (limit - 2) + [hf_config.eos_token_id]
+    (full,) = llm.embed({"prompt_token_ids": ids}, use_tqdm=False)
+    assert len(full.outputs.embedding) == hf_config.hidden_size
+    with pytest.raises(ValueError, match="maximum model length"):
+        llm.embed({"prompt_token_ids": ids + [300]}, use_tqdm=False)
+    (after,) = llm.embed("Paris", use_tqdm=False)
+    assert len(after.outputs.embedding) == hf_config.hidden_size
 
 
 @pytest.mark.parametrize("kind", ["bert-cls", "xlm-roberta-cls"])
