@@ -15,6 +15,7 @@ import torch
 from tests.utils import tiny_encoders as te
 from vllm.config import ModelConfig
 from vllm.model_executor.input_metadata import InputMetadata
+from vllm.model_executor.models.stage_chain import StageChain
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.weight_utils import load_stage_model
 
@@ -58,7 +59,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def run_stages(stages, encs) -> torch.Tensor:
-    """The stage modules chained on one packed batch: last hidden states [T, hidden]."""
+    """A stage module (or chain) on one packed batch: last hidden states [T, hidden]."""
     lens = [len(e["input_ids"]) for e in encs]
     ids = torch.tensor([t for e in encs for t in e["input_ids"]])
     types = None
@@ -67,10 +68,7 @@ def run_stages(stages, encs) -> torch.Tensor:
     positions = torch.cat([torch.arange(n) for n in lens])
     md = packed_metadata(lens)
     with torch.inference_mode():
-        hidden = stages[0](ids, positions, [], md, token_type_ids=types)
-        for stage in stages[1:]:
-            hidden = stage(None, positions, [], md, hidden_states=hidden)
-    return hidden
+        return stages(ids, positions, [], md, token_type_ids=types)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -80,11 +78,16 @@ def test_stage_modules_equal_hf(kind, encoder_dirs):
     model_dir = encoder_dirs[kind]
     config = ModelConfig(model=model_dir, dtype="float32")
     n = config.get_num_layers()
-    whole = [load_stage_model(config, StageLayout(0, n, True, True), CPU)]
-    split = [
-        load_stage_model(config, StageLayout(0, 1, True, False), CPU),
-        load_stage_model(config, StageLayout(1, n, False, True), CPU),
-    ]
+    whole = load_stage_model(config, StageLayout(0, n, True, True), CPU)
+    # Two stage modules chained as one stage runs them (what a stage that took over its
+    # neighbour's layers runs); the stream between them is what PP 2 sends.
+    split = StageChain(
+        [
+            load_stage_model(config, StageLayout(0, 1, True, False), CPU),
+            load_stage_model(config, StageLayout(1, n, False, True), CPU),
+        ],
+        (config.get_num_kv_heads(), config.get_head_size()),
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     encs = encodings(tokenizer)
     lens = [len(e["input_ids"]) for e in encs]
@@ -96,7 +99,8 @@ def test_stage_modules_equal_hf(kind, encoder_dirs):
             assert_close(got, ref, f"{kind} {layout} sequence {index}")
         if kind.endswith("-cls"):
             with torch.inference_mode():
-                logits = stages[-1].classify_head(hidden[firsts])
+                head = stages.parts[-1] if isinstance(stages, StageChain) else stages
+                logits = head.classify_head(hidden[firsts])
             assert_close(logits, want_logits, f"{kind} {layout} logits")
 
 
