@@ -118,7 +118,7 @@ def _kernel_build() -> dict[str, Any]:
                     ) from exc
                 _warn(
                     f"building the C++ kernels failed ({exc}); installing without them, "
-                    "the engine will use the pure-torch attention."
+                    "the engine will use its pure-torch code (see vllm/_custom_ops.py)."
                 )
                 # Nothing was built: later steps (copying outputs in editable mode) skip it.
                 self.extensions = []
