@@ -84,9 +84,11 @@ def _work_for(current: AsyncLLMEngine) -> BoundedWork:
 
 async def _prompt_input(current: AsyncLLMEngine, prompt: Any) -> Any:
     """The engine input for a text prompt: its token ids, made off the event loop and off
-    the engine thread (a ValueError naming `prompt` when it is too long or not Unicode)."""
+    the engine thread (a ValueError naming `prompt` when it is too long or not Unicode).
+    Anything else (a `{"prompt_token_ids": [...]}` dict, as vLLM's demo takes) goes to the
+    engine as sent: it has nothing to tokenize, and the engine checks it."""
     if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}.")
+        return prompt
     bounded = _work_for(current)
     if bounded.tokenizer is None:  # skip_tokenizer_init: the engine takes the text as is
         return prompt
