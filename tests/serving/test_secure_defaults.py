@@ -121,7 +121,7 @@ ADMIN_CALLS = [
 ]
 
 
-def test_admin_routes_are_refused_without_a_key_or_dev_mode(engine, monkeypatch):
+def test_admin_routes_need_a_key_or_dev_mode(engine, monkeypatch):
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
     with Captured("vllm.entrypoints.openai.api_server") as log:
         srv = ServerThread(engine)
@@ -140,6 +140,17 @@ def test_admin_routes_are_refused_without_a_key_or_dev_mode(engine, monkeypatch)
     infos = [m for m in log.messages(logging.INFO) if m.startswith("Optional routes")]
     assert len(infos) == 1 and "admin (/v1/admin/*) off" in infos[0], log.messages(logging.INFO)
 
+    # With a key they are mounted behind it, and there is nothing to warn about.
+    with Captured("vllm.entrypoints.openai.admin") as log:
+        srv = ServerThread(engine, api_key=KEY)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            assert http.get("/v1/admin/pipeline").status_code == 401
+            assert http.get("/v1/admin/pipeline", headers=AUTH).status_code == 200
+    finally:
+        srv.stop(shutdown_engine=False)
+    assert log.messages(logging.WARNING) == []
+
 
 def test_dev_mode_mounts_the_admin_routes_with_a_warning(engine, monkeypatch):
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
@@ -154,19 +165,6 @@ def test_dev_mode_mounts_the_admin_routes_with_a_warning(engine, monkeypatch):
     warnings = log.messages(logging.WARNING)
     assert any("VLLM_SERVER_DEV_MODE=1 and no API key" in m for m in warnings), warnings
     assert any("admin (/v1/admin/*) mounted" in m for m in log.messages(logging.INFO))
-
-
-def test_an_api_key_mounts_the_admin_routes_behind_it(engine, monkeypatch):
-    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
-    with Captured("vllm.entrypoints.openai.admin") as log:
-        srv = ServerThread(engine, api_key=KEY)
-    try:
-        with httpx.Client(base_url=srv.url, timeout=30) as http:
-            assert http.get("/v1/admin/pipeline").status_code == 401
-            assert http.get("/v1/admin/pipeline", headers=AUTH).status_code == 200
-    finally:
-        srv.stop(shutdown_engine=False)
-    assert log.messages(logging.WARNING) == []  # a key guards them: nothing to warn about
 
 
 def test_openai_server_serves_https_from_vllm_tls_flags(engine, certs):
