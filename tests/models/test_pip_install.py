@@ -159,9 +159,12 @@ def test_pip_install_into_a_venv_with_only_torch(tmp_path, tiny_model_dirs):
 
         # --no-build-isolation builds with the environment's own tools: a new venv has an
         # old setuptools without bdist_wheel (Python 3.11) or none (3.12+).
-        _run([python, "-m", "pip", "install", "-q", "setuptools>=70.1"], elsewhere, env, 300)
+        # --no-compile: no .pyc written at install (half of pip's time for transformers, ray,
+        # pandas...); the imports below compile what they use.
+        pip_install = [python, "-m", "pip", "install", "-q", "--no-compile"]
+        _run([*pip_install, "setuptools>=70.1"], elsewhere, env, 300)
         _run(
-            [python, "-m", "pip", "install", "-q", "--no-build-isolation", str(source)],
+            [*pip_install, "--no-build-isolation", str(source)],
             elsewhere,
             env,
             PIP_TIMEOUT_S,
