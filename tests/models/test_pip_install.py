@@ -133,7 +133,7 @@ def _run(cmd: list[str], cwd: pathlib.Path, env: dict[str, str], timeout: float)
     return result.stdout
 
 
-@pytest.mark.slow  # a virtualenv, a pip install of the runtime dependencies, a server (~150 s)
+@pytest.mark.slow  # a venv, pip installing the runtime dependencies, a server (~240 s, load 7)
 def test_pip_install_into_a_venv_with_only_torch(tmp_path, tiny_model_dirs):
     source = tmp_path / "src"
     venv = tmp_path / "venv"
@@ -159,8 +159,8 @@ def test_pip_install_into_a_venv_with_only_torch(tmp_path, tiny_model_dirs):
 
         # --no-build-isolation builds with the environment's own tools: a new venv has an
         # old setuptools without bdist_wheel (Python 3.11) or none (3.12+).
-        # --no-compile: no .pyc written at install (half of pip's time for transformers, ray,
-        # pandas...); the imports below compile what they use.
+        # --no-compile: no .pyc written for every file of transformers, ray, pandas... at
+        # install; the imports below compile only what they use.
         pip_install = [python, "-m", "pip", "install", "-q", "--no-compile"]
         _run([*pip_install, "setuptools>=70.1"], elsewhere, env, 300)
         _run(
