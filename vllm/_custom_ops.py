@@ -31,10 +31,21 @@ try:
     _LOADED = True
 except (ImportError, OSError) as exc:
     _LOADED = False
-    if isinstance(exc, ModuleNotFoundError) and exc.name == "vllm._C":
-        logger.info("C++ CPU kernels not built (no vllm._C); using the torch code.")
-    else:  # built, but for another torch, or a broken toolchain: worth a warning
-        logger.warning("C++ CPU kernels failed to load (%s); using the torch code.", exc)
+    # A WARNING either way, with what the fallback costs: an install whose build failed
+    # quietly would otherwise look like a working one, only bigger and slower.
+    reason = (
+        "not built (no vllm._C)"
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "vllm._C"
+        else f"failed to load ({exc})"  # built for another torch, or a broken toolchain
+    )
+    logger.warning(
+        "C++ CPU kernels %s; using the torch code instead. This costs: GGUF weights are "
+        "dequantized to dense at load (about 4x the memory of Q4/Q8 blocks) and decode is "
+        "slower; attention, RMSNorm, RoPE, sampling and LoRA run in pure torch. Reinstall "
+        "with torch importable and --no-build-isolation (VLLM_PP_REQUIRE_KERNELS=1 makes a "
+        "failed build an error).",
+        reason,
+    )
 
 # VLLM_PP_DISABLE_KERNELS as read (None: not yet): is_available() runs ~180 times per decode
 # step on the general path, so the variable is parsed once, not per call.

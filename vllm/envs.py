@@ -178,6 +178,14 @@ _VARS = (
         "1 makes setup.py skip building the C++ kernels (build time only).",
         forward=False,
     ),
+    EnvVar(
+        "VLLM_PP_REQUIRE_KERNELS",
+        "0",
+        bool,
+        "1 makes a failed C++ kernel build fail setup.py instead of installing without the "
+        "kernels (build time only; CI sets it).",
+        forward=False,
+    ),
     # Files, logging, serving.
     EnvVar(
         "VLLM_PP_CACHE_DIR",
@@ -218,6 +226,14 @@ _VARS = (
         bool,
         "1 keeps the OpenAI server running after its engine died (every request then gets a "
         "500 and /health a 503); by default the server shuts down, as vLLM's does.",
+        forward=False,  # read by the API server only
+    ),
+    EnvVar(
+        "VLLM_SERVER_DEV_MODE",
+        "0",
+        bool,
+        "1 turns on the server's development routes without an API key: /v1/admin/* (show and "
+        "re-split the pipeline); off, they exist only when an API key is set (else 403).",
         forward=False,  # read by the API server only
     ),
     EnvVar(

@@ -6,6 +6,14 @@
 `{"text": [prompt + output, ...]}` (one per output); with `"stream": true` each update is such
 a JSON object followed by a NUL byte. `GET /health`. A client that leaves aborts its request.
 Bad sampling parameters are a 400 with the ValueError's message (vLLM answers 500).
+
+Hardened as the OpenAI server is, with the same pieces: `--api-key` (or VLLM_API_KEY) makes
+every route but /health need `Authorization: Bearer KEY` (constant-time check, api_key.py);
+`--max-request-body-bytes` refuses a larger body with 413 before it is read; a text prompt is
+capped in characters (bounded_work.py: more than the context can hold is a 400 without
+tokenizing it) and tokenized in BoundedWork's thread pool, off the event loop and off the
+engine thread, so one huge prompt does not stall the other requests. TLS: vLLM's `--ssl-*`
+flags (tls.py).
 """
 
 from __future__ import annotations
@@ -13,17 +21,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from vllm import envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.async_llm_engine import AsyncLLMEngine
+from vllm.entrypoints.api_key import ApiKeyCheck
 from vllm.entrypoints.health import health_response
+from vllm.entrypoints.openai.api_server import BodySizeLimit
+from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
 from vllm.entrypoints.openai.serving_engine import ClientDisconnected, until_disconnected
+from vllm.entrypoints.tls import add_tls_args, scheme, uvicorn_tls_kwargs
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 
@@ -31,9 +43,12 @@ logger = init_logger("vllm.entrypoints.api_server")
 
 TIMEOUT_KEEP_ALIVE = 5  # seconds
 
-app = FastAPI()
+router = APIRouter()
 # The engine /generate uses, set by `init_app` (module globals, as in vLLM's demo).
 engine: AsyncLLMEngine | None = None
+# Tokenization for /generate (the thread pool and prompt cap of the OpenAI server), made for
+# `engine` on first use; `init_app` replaces it with one holding the server's limits.
+work: BoundedWork | None = None
 
 
 def _uuid() -> str:
@@ -42,7 +57,7 @@ def _uuid() -> str:
     return uuid.uuid4().hex
 
 
-@app.get("/health")
+@router.get("/health")
 async def health() -> Response:
     """200 while the engine serves (a JSON body when degraded), 503 once it is dead."""
     if engine is None:
@@ -54,10 +69,38 @@ def _bad_request(message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=400)
 
 
-@app.post("/generate")
+def _work_for(current: AsyncLLMEngine) -> BoundedWork:
+    """The module's BoundedWork, made for `current` with the default limits if none is set
+    (an app served without `init_app`, as vLLM's own tests do)."""
+    global work
+    if work is None:
+        work = BoundedWork(
+            current.engine.get_tokenizer(),
+            current.engine.scheduler_config.max_model_len,
+            ServerLimits(),
+        )
+    return work
+
+
+async def _prompt_input(current: AsyncLLMEngine, prompt: Any) -> Any:
+    """The engine input for a text prompt: its token ids, made off the event loop and off
+    the engine thread (a ValueError naming `prompt` when it is too long or not Unicode).
+    Anything else (a `{"prompt_token_ids": [...]}` dict, as vLLM's demo takes) goes to the
+    engine as sent: it has nothing to tokenize, and the engine checks it."""
+    if not isinstance(prompt, str):
+        return prompt
+    bounded = _work_for(current)
+    if bounded.tokenizer is None:  # skip_tokenizer_init: the engine takes the text as is
+        return prompt
+    token_ids = await bounded.encode(prompt, True, "prompt")
+    return {"prompt": prompt, "prompt_token_ids": token_ids}
+
+
+@router.post("/generate")
 async def generate(request: Request) -> Response:
     """Generate text for `prompt` with the other fields as SamplingParams."""
-    assert engine is not None, "init_app() was not called"
+    current = engine
+    assert current is not None, "init_app() was not called"
     try:
         request_dict = await request.json()
     except ValueError:
@@ -68,9 +111,12 @@ async def generate(request: Request) -> Response:
     stream = bool(request_dict.pop("stream", False))
     try:
         sampling_params = SamplingParams(**request_dict)
+        engine_input = await until_disconnected(request, _prompt_input(current, prompt))
+    except ClientDisconnected:
+        return Response(status_code=499)
     except (TypeError, ValueError) as exc:
         return _bad_request(str(exc))
-    results = engine.generate(prompt, sampling_params, _uuid())
+    results = current.generate(engine_input, sampling_params, _uuid())
 
     def texts(output: Any) -> dict[str, list[str]]:
         head = output.prompt or ""
@@ -107,21 +153,76 @@ async def generate(request: Request) -> Response:
     return JSONResponse(texts(last))
 
 
+# vLLM's module-level app, for serving in-process after setting `engine` (as vLLM's own demo
+# tests do): the routes and the default body limit, no key; `build_app` makes the configured one.
+app = FastAPI()
+app.include_router(router)
+app.add_middleware(BodySizeLimit, max_bytes=ServerLimits().max_request_body_bytes)
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else VLLM_API_KEY (as the OpenAI server reads it)."""
+    return getattr(args, "api_key", None) or envs.get_str("VLLM_API_KEY") or None
+
+
 def build_app(args: argparse.Namespace) -> FastAPI:
-    app.root_path = getattr(args, "root_path", None) or ""
-    return app
+    """A new app with the routes, the key check (if a key is set) and the body-size limit."""
+    built = FastAPI(root_path=getattr(args, "root_path", None) or "")
+    built.include_router(router)
+    key = _api_key(args)
+    if key:
+        check = ApiKeyCheck(key)
+
+        @built.middleware("http")
+        async def authenticate(request: Request, call_next: Any) -> Any:
+            if request.method != "OPTIONS" and request.url.path != "/health":
+                if not check.allows(request.headers.get("Authorization", "")):
+                    return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            return await call_next(request)
+
+    # Outermost: a body over the limit is refused before the key check or a handler reads it.
+    built.add_middleware(BodySizeLimit, max_bytes=_limits(args).max_request_body_bytes)
+    return built
+
+
+def _limits(args: argparse.Namespace) -> ServerLimits:
+    defaults = ServerLimits()
+    size = getattr(args, "max_request_body_bytes", None)
+    if size is not None and size <= 0:
+        raise ValueError(f"--max-request-body-bytes must be positive, got {size}.")
+    return ServerLimits(max_request_body_bytes=size or defaults.max_request_body_bytes)
 
 
 async def init_app(args: argparse.Namespace, llm_engine: AsyncLLMEngine | None = None) -> FastAPI:
     """The app, with `llm_engine` (or one built from the engine flags) behind /generate."""
-    global engine
+    global engine, work
     built = build_app(args)
     engine = (
         llm_engine
         if llm_engine is not None
         else AsyncLLMEngine.from_engine_args(AsyncEngineArgs.from_cli_args(args))
     )
+    work = BoundedWork(
+        engine.engine.get_tokenizer(),
+        engine.engine.scheduler_config.max_model_len,
+        _limits(args),
+    )
     return built
+
+
+def uvicorn_config(args: argparse.Namespace, served: FastAPI, **uvicorn_kwargs: Any) -> Any:
+    """The uvicorn.Config of `served` with the host, port and TLS flags in `args`."""
+    import uvicorn
+
+    return uvicorn.Config(
+        served,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
+        **uvicorn_tls_kwargs(args),
+        **uvicorn_kwargs,
+    )
 
 
 async def run_server(
@@ -130,24 +231,19 @@ async def run_server(
     """Serve until SIGINT/SIGTERM, then shut the engine down."""
     import uvicorn
 
+    uvicorn_tls_kwargs(args)  # bad TLS flags fail before the engine loads
     served = await init_app(args, llm_engine)
-    config = uvicorn.Config(
-        served,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_keep_alive=TIMEOUT_KEEP_ALIVE,
-        ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile,
-        ssl_ca_certs=args.ssl_ca_certs,
-        ssl_cert_reqs=args.ssl_cert_reqs,
-        **uvicorn_kwargs,
-    )
+    config = uvicorn_config(args, served, **uvicorn_kwargs)
+    logger.info("Serving /generate on %s://%s:%d", scheme(args), args.host or "0.0.0.0", args.port)
+    if not _api_key(args):
+        logger.info("No API key (--api-key, VLLM_API_KEY): /generate is open to every client.")
     try:
         await uvicorn.Server(config).serve()
     finally:
         if engine is not None:
             engine.shutdown()
+        if work is not None:
+            work.shutdown()
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
@@ -155,14 +251,19 @@ def make_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="vLLM demo API server (/generate).")
     parser.add_argument("--host", type=str, default=None)
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--ssl-keyfile", type=str, default=None)
-    parser.add_argument("--ssl-certfile", type=str, default=None)
-    parser.add_argument("--ssl-ca-certs", type=str, default=None, help="The CA certificates file")
+    add_tls_args(parser)
     parser.add_argument(
-        "--ssl-cert-reqs",
+        "--api-key",
+        type=str,
+        default=None,
+        help="If given, every route but /health needs this key as 'Authorization: Bearer KEY' "
+        "(default: env VLLM_API_KEY, which keeps it out of ps).",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
         type=int,
-        default=int(ssl.CERT_NONE),
-        help="Whether client certificate is required (see stdlib ssl module's)",
+        default=ServerLimits().max_request_body_bytes,
+        help="Larger request bodies are refused with 413.",
     )
     parser.add_argument(
         "--root-path",

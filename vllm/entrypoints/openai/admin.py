@@ -1,6 +1,12 @@
 """Admin routes of the OpenAI-compatible server: the pipeline's layer split, read and changed
-while serving. Behind the API key like every route but /health and /version (the key
-middleware of `api_server.build_app` covers them).
+while serving.
+
+Off by default: they are mounted only when the server has an API key (the key middleware of
+`api_server.build_app` then guards them like every route but /health and /version) or when the
+operator opts in with vLLM's development-mode switch `VLLM_SERVER_DEV_MODE=1` (then, without a
+key, anyone who reaches the port may re-split the pipeline: a WARNING says so at startup).
+Otherwise every `/v1/admin/*` request gets a 403 that names both ways to turn them on (not a
+bare 404: the routes exist in this server, and the answer says how to reach them).
 
 - `GET /v1/admin/pipeline`: the split (layers per stage) and each rank's stage, layers, host
   and pid.
@@ -14,17 +20,26 @@ middleware of `api_server.build_app` covers them).
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictInt
 
+from vllm import envs
 from vllm.engine.async_llm_engine import AsyncLLMEngine
 from vllm.entrypoints.openai.serving_engine import error_response, server_error
 from vllm.logger import init_logger
 
 logger = init_logger("vllm.entrypoints.openai.admin")
+
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+ADMIN_PREFIX = "/v1/admin"
+ADMIN_OFF_MESSAGE = (
+    "The admin routes (/v1/admin/*) are off: start the server with an API key (--api-key, "
+    f"--api-key-file or VLLM_API_KEY) or set {DEV_MODE_ENV}=1 to turn them on."
+)
 
 
 class ReshapePipelineRequest(BaseModel):
@@ -60,8 +75,35 @@ async def pipeline_view(engine: AsyncLLMEngine) -> dict[str, Any]:
     }
 
 
+def mount_admin_routes(app: FastAPI, engine: AsyncLLMEngine, api_key_set: bool) -> bool:
+    """Add the admin routes to `app` when a key guards them or dev mode is on; otherwise a
+    403 for every `/v1/admin/*` path. Returns whether they were mounted."""
+    dev_mode = envs.get_bool(DEV_MODE_ENV)
+    if not (api_key_set or dev_mode):
+        _refuse_admin_routes(app)
+        return False
+    if not api_key_set:
+        logger.warning(
+            "%s=1 and no API key: the admin routes (%s/*) are open to anyone who can reach "
+            "this server (they re-split the pipeline and show host names and pids). Set "
+            "--api-key, or bind --host 127.0.0.1.",
+            DEV_MODE_ENV,
+            ADMIN_PREFIX,
+        )
+    attach_admin_routes(app, engine)
+    return True
+
+
+def _refuse_admin_routes(app: FastAPI) -> None:
+    @app.api_route(ADMIN_PREFIX + "/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def admin_off(request: Request, path: str) -> JSONResponse:
+        return error_response(
+            ADMIN_OFF_MESSAGE, err_type="PermissionDeniedError", status=HTTPStatus.FORBIDDEN
+        )
+
+
 def attach_admin_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
-    """Add the admin routes to `app`."""
+    """Add the admin routes to `app` (unconditionally: `mount_admin_routes` decides)."""
 
     @app.get("/v1/admin/pipeline")
     async def show_pipeline() -> JSONResponse:

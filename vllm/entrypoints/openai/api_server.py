@@ -4,13 +4,14 @@
     vllm serve MODEL [engine flags]
 
 Routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /version,
-/metrics, /tokenize, /detokenize, /v1/files and /v1/batches (batches.py), /v1/admin/pipeline
-and /v1/admin/reshape_pipeline (admin.py: the layer split, changed while serving); with
-VLLM_ALLOW_RUNTIME_LORA_UPDATING, /v1/load_lora_adapter and /v1/unload_lora_adapter
-(serving_models.py). With `--api-key` (one or more keys, or VLLM_API_KEY) the /v1 routes need
-`Authorization: Bearer KEY` with any of the keys; the request then carries a stable, non-secret
-id of the key it used (`request.state.api_key_id`, see `api_key_id`), by which /v1/files and
-/v1/batches keep each key's objects apart.
+/metrics, /tokenize, /detokenize, /v1/files and /v1/batches (batches.py); with an API key or
+VLLM_SERVER_DEV_MODE=1, /v1/admin/* (admin.py: the layer split, changed while serving; 403
+otherwise); with VLLM_ALLOW_RUNTIME_LORA_UPDATING, /v1/load_lora_adapter and
+/v1/unload_lora_adapter (serving_models.py). TLS: vLLM's --ssl-* flags (tls.py). With
+`--api-key` (one or more keys, or VLLM_API_KEY) the /v1 routes need `Authorization: Bearer KEY`
+with any of the keys; the request then carries a stable, non-secret id of the key it used
+(`request.state.api_key_id`, see `api_key_id`), by which /v1/files and /v1/batches keep each
+key's objects apart.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from vllm import envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from vllm.entrypoints.health import health_response
-from vllm.entrypoints.openai.admin import attach_admin_routes
+from vllm.entrypoints.openai.admin import DEV_MODE_ENV, mount_admin_routes
 from vllm.entrypoints.openai.batch_lines import BatchLineRunner
 from vllm.entrypoints.openai.batch_store import FileQuota
 from vllm.entrypoints.openai.batches import add_batch_args, attach_batches, file_quota_from_args
@@ -56,6 +57,7 @@ from vllm.entrypoints.openai.serving_engine import (
 )
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels, attach_lora_routes
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from vllm.entrypoints.tls import add_tls_args, scheme, uvicorn_tls_kwargs
 from vllm.logger import init_logger
 from vllm.lora.request import LoRARequest
 from vllm.request_failure import RequestFailedError
@@ -213,12 +215,20 @@ def build_app(
             logger.info("Profiler stopped.")
             return Response(status_code=200)
 
-    if envs.get_bool("VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+    runtime_lora = envs.get_bool("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    if runtime_lora:
         # As in vLLM: the routes exist only when allowed (else 404).
         attach_lora_routes(app, models)
 
-    # /v1/admin/pipeline, /v1/admin/reshape_pipeline (admin.py), behind the API key.
-    attach_admin_routes(app, engine)
+    # /v1/admin/* (admin.py): only with an API key or VLLM_SERVER_DEV_MODE=1, else 403.
+    admin = mount_admin_routes(app, engine, api_key_set=bool(keys))
+    logger.info(
+        "Optional routes: admin (/v1/admin/*) %s; runtime LoRA (/v1/load_lora_adapter) %s; "
+        "profiler (/start_profile) %s.",
+        "mounted" if admin else f"off (needs an API key or {DEV_MODE_ENV}=1)",
+        "mounted" if runtime_lora else "off (VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+        "mounted" if envs.get_str("VLLM_TORCH_PROFILER_DIR") else "off (VLLM_TORCH_PROFILER_DIR)",
+    )
 
     @app.get("/v1/models")
     async def show_models() -> JSONResponse:
@@ -362,6 +372,7 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
         parser = argparse.ArgumentParser(description="vLLM OpenAI-compatible API server.")
     parser.add_argument("--host", type=str, default=None, help="Host name (default: all).")
     parser.add_argument("--port", type=int, default=8000, help="Port number.")
+    add_tls_args(parser)
     parser.add_argument(
         "--api-key",
         type=str,
@@ -581,6 +592,7 @@ async def serve(args: argparse.Namespace, engine: AsyncLLMEngine | None = None) 
     # The worker's malloc tuning (never trim) must not reach the API process: at PP=1 the
     # worker runs in this process, and request bodies would then never be returned.
     keep_malloc_defaults_in_this_process()
+    tls = uvicorn_tls_kwargs(args)  # bad TLS flags fail before the engine loads
     engine = engine if engine is not None else build_engine(args)
     engine.max_log_len = getattr(args, "max_log_len", None)
     limits = limits_from_args(args)
@@ -613,9 +625,16 @@ async def serve(args: argparse.Namespace, engine: AsyncLLMEngine | None = None) 
         timeout_keep_alive=5,
         # A backstop: the drain above ends every request first.
         timeout_graceful_shutdown=int(limits.shutdown_timeout_s) + 10,
+        **tls,
     )
     host = args.host or "0.0.0.0"
-    logger.info("Serving %s on http://%s:%d", engine.engine.served_model_name, host, args.port)
+    logger.info(
+        "Serving %s on %s://%s:%d",
+        engine.engine.served_model_name,
+        scheme(args),
+        host,
+        args.port,
+    )
     server = GracefulServer(config, app, engine, limits.shutdown_timeout_s)
     watchdog = EngineWatchdog(engine, server)
     app.state.on_engine_death = watchdog.check
