@@ -42,6 +42,9 @@ class _Step:
     prefills: collections.deque[SequenceGroup] = field(default_factory=collections.deque)
     # In flight, and allowed to run their next decode now (scheduling ahead).
     ahead: list[SequenceGroup] = field(default_factory=list)
+    # In flight with a prefill chunk, and allowed to send their next chunk behind it
+    # (chunked pipelining, `Scheduler.can_pipeline_chunk`).
+    chunks_behind: list[SequenceGroup] = field(default_factory=list)
     scheduled_decodes: list[SequenceGroup] = field(default_factory=list)
     scheduled_prefills: list[SequenceGroup] = field(default_factory=list)
 
@@ -91,6 +94,9 @@ class ChunkedPolicy:
                     prefill_tokens += seq.get_num_new_tokens()
                 else:
                     decode_tokens += 1
+        # Chunks in flight stay counted: the round's prefill work is the same whichever of
+        # its micro-batches carries each chunk (not counting them would halve the chunks of
+        # a prompt's tail, step after step).
         for group in sched.waiting:
             prefill_tokens += sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
         return sched.budget.token_budget(decode_tokens, prefill_tokens)
@@ -104,8 +110,12 @@ class ChunkedPolicy:
         for seq_group in pending:
             if seq_group.is_in_flight() or seq_group.is_finished():
                 sched.running.append(seq_group)
-                if not seq_group.is_finished() and sched.can_go_ahead(seq_group, step.step_no):
+                if seq_group.is_finished():
+                    continue
+                if sched.can_go_ahead(seq_group, step.step_no):
                     step.ahead.append(seq_group)
+                elif seq_group.is_in_flight() and sched.can_pipeline_chunk(seq_group):
+                    step.chunks_behind.append(seq_group)
             elif seq_group.is_prefill():
                 step.prefills.append(seq_group)
             else:
@@ -145,9 +155,14 @@ class ChunkedPolicy:
         )
 
     def _schedule_running_prefills(self, step: _Step) -> None:
-        """The next chunk of each running prefill, while tokens are left."""
-        for seq_group in step.prefills:
-            self.sched.running.append(seq_group)
+        """The next chunk of each running prefill, FCFS while tokens are left: those with
+        no step in flight, and those whose earlier chunks are still in the pipeline (the new
+        chunk follows them through every stage; it needs no new block)."""
+        behind = {id(g) for g in step.chunks_behind}
+        pending = sorted([*step.prefills, *step.chunks_behind], key=lambda g: g.arrival_time)
+        for seq_group in pending:
+            if id(seq_group) not in behind:
+                self.sched.running.append(seq_group)  # in flight: already in `running`
             chunk = _chunk(seq_group, SequenceStatus.RUNNING, step.budget - step.used)
             if chunk > 0:
                 step.take(seq_group, chunk, prefill=True)
@@ -206,9 +221,11 @@ class ChunkedPolicy:
 
 
 def _chunk(seq_group: SequenceGroup, status: SequenceStatus, room: int) -> int:
-    """Tokens of a prefilling group this step can take (0 if none fit)."""
+    """Tokens of a prefilling group this step can take (0 if none fit): the prompt tokens
+    neither computed nor in an earlier chunk still in flight."""
     seqs = seq_group.get_seqs(status=status)
     new_tokens = sum(seq.get_num_new_tokens() for seq in seqs)
+    new_tokens -= seq_group.prefill_tokens_in_flight()
     if len(seqs) == 1:
         return max(0, min(new_tokens, room))
     return new_tokens if new_tokens <= room else 0
