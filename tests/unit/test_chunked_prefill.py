@@ -325,3 +325,31 @@ def test_abort_and_lost_steps_with_several_chunks_in_flight() -> None:
     assert b.get_seqs()[0].data.get_num_computed_tokens() == 8 and not b.is_in_flight()
     rows, _ = schedule_rows(sched, step_no=7)
     assert _chunk_rows(rows) == [("b", 8, 8, False)]
+
+
+def test_long_prefill_token_threshold_caps_one_prompt_per_step() -> None:
+    """vLLM's long_prefill_token_threshold: one prompt takes at most that many tokens of a
+    step; the rest of the budget goes to the next prompt."""
+    cache = CacheConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=8)
+    config = SchedulerConfig(
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        max_model_len=128,
+        enable_chunked_prefill=True,
+        long_prefill_token_threshold=6,
+    )
+    sched = Scheduler(config, cache, MicroBatchBudget.from_config(config))
+    _add(sched, "a", 30, arrival=0.0)
+    _add(sched, "b", 30, arrival=1.0)
+    _add(sched, "c", 30, arrival=2.0)
+    metadata, out = schedule_rows(sched)
+    assert [(m.request_id, m.token_chunk_size) for m in metadata] == [
+        ("a", 6),
+        ("b", 6),
+        ("c", 4),
+    ]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        SchedulerConfig(enable_chunked_prefill=True, long_prefill_token_threshold=-1)
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--long-prefill-token-threshold", "64"]))
+    assert args.long_prefill_token_threshold == 64

@@ -145,6 +145,14 @@ class ChunkedPolicy:
                 step.take(seq_group, group_seqs, prefill=False)
                 step.batch_seqs += group_seqs
 
+    @property
+    def _cap(self) -> int:
+        """Tokens one prompt may take in a step (`long_prefill_token_threshold`, vLLM's; a
+        huge number when unset). Several diverged sequences are never chunked: they are
+        checked against the step's budget only."""
+        cap = self.sched.scheduler_config.long_prefill_token_threshold
+        return cap if cap > 0 else 1 << 62
+
     @staticmethod
     def _decode_fits(step: _Step, group_seqs: int) -> bool:
         # The first group of a batch always fits: the room is a share of the decodes known,
@@ -163,7 +171,7 @@ class ChunkedPolicy:
         for seq_group in pending:
             if id(seq_group) not in behind:
                 self.sched.running.append(seq_group)  # in flight: already in `running`
-            chunk = _chunk(seq_group, SequenceStatus.RUNNING, step.budget - step.used)
+            chunk = _chunk(seq_group, SequenceStatus.RUNNING, step.budget - step.used, self._cap)
             if chunk > 0:
                 step.take(seq_group, chunk, prefill=True)
 
@@ -176,7 +184,9 @@ class ChunkedPolicy:
             num_new_seqs = seq_group.get_max_num_running_seqs()
             is_prefill = seq_group.is_prefill()
             if is_prefill:
-                tokens = _chunk(seq_group, SequenceStatus.SWAPPED, step.budget - step.used)
+                tokens = _chunk(
+                    seq_group, SequenceStatus.SWAPPED, step.budget - step.used, self._cap
+                )
                 if tokens == 0:
                     break
             else:
@@ -200,7 +210,7 @@ class ChunkedPolicy:
             new_tokens = num_prompt_tokens - sched.block_manager.num_cached_tokens(seq_group)
             max_tokens = budget.max_num_batched_tokens
             if len(waiting_seqs) == 1:
-                chunk = min(new_tokens, step.budget - step.used)
+                chunk = min(new_tokens, step.budget - step.used, self._cap)
             elif new_tokens > max_tokens:
                 # Several sequences (diverged before a recompute) are never chunked: if
                 # together they exceed a step's tokens they could never run.
@@ -220,14 +230,15 @@ class ChunkedPolicy:
             num_seqs += num_new_seqs
 
 
-def _chunk(seq_group: SequenceGroup, status: SequenceStatus, room: int) -> int:
+def _chunk(seq_group: SequenceGroup, status: SequenceStatus, room: int, cap: int) -> int:
     """Tokens of a prefilling group this step can take (0 if none fit): the prompt tokens
-    neither computed nor in an earlier chunk still in flight."""
+    neither computed nor in an earlier chunk still in flight, at most `cap` for one
+    sequence."""
     seqs = seq_group.get_seqs(status=status)
     new_tokens = sum(seq.get_num_new_tokens() for seq in seqs)
     new_tokens -= seq_group.prefill_tokens_in_flight()
     if len(seqs) == 1:
-        return max(0, min(new_tokens, room))
+        return max(0, min(new_tokens, room, cap))
     return new_tokens if new_tokens <= room else 0
 
 
