@@ -599,6 +599,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = False
     # Decodes scheduled ahead of their previous step's output (None: where supported).
     async_scheduling: bool | None = None
+    # vLLM's: with chunked prefill, at most this many tokens of one prompt per step (0: no cap
+    # beyond the step's budget), so a long prompt's chunks leave room for other requests.
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -623,6 +626,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than "
                 f"or equal to max_num_seqs ({self.max_num_seqs})."
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0, got "
+                f"{self.long_prefill_token_threshold}."
             )
         if self.preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(

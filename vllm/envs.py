@@ -43,6 +43,14 @@ _VARS = (
         "gives each stage slack against the others' jitter, at smaller batches.",
     ),
     EnvVar(
+        "VLLM_PP_CHUNKED_PIPELINING",
+        "1",
+        bool,
+        "With chunked prefill and several micro-batches: the next chunk of a prompt is "
+        "scheduled while its earlier chunks are still in the pipeline (each stage runs them "
+        "in order), so one long prompt keeps every stage busy; 0 sends one chunk at a time.",
+    ),
+    EnvVar(
         "VLLM_PP_STEP_TIMEOUT_S",
         "60",
         float,

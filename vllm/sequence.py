@@ -368,6 +368,14 @@ class SequenceGroup:
         """Whether a step of this group is inside the pipeline."""
         return bool(self.flights)
 
+    def prefill_tokens_in_flight(self) -> int:
+        """Prompt tokens of this group's prefill chunks inside the pipeline: with chunked
+        pipelining several chunks of one prompt may be in flight at once (each stage runs
+        them in step order), and the next one starts after all of them."""
+        if not self.is_prefill():
+            return 0
+        return sum(flight.num_tokens for flight in self.flights)
+
     def clear_flights(self) -> None:
         """Forget every step in flight and what waited for them (the pipeline was emptied)."""
         self.flights.clear()

@@ -21,7 +21,9 @@ from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 pytestmark = pytest.mark.fast
 
 
-def _scheduler(budget: int, gpu: int = 64, pp: int = 1, caching: bool = False) -> Scheduler:
+def _scheduler(
+    budget: int, gpu: int = 64, pp: int = 1, caching: bool = False, pipeline_chunks: bool = True
+) -> Scheduler:
     cache = CacheConfig(
         block_size=4, num_gpu_blocks=gpu, num_cpu_blocks=8, enable_prefix_caching=caching
     )
@@ -31,7 +33,8 @@ def _scheduler(budget: int, gpu: int = 64, pp: int = 1, caching: bool = False) -
         max_model_len=128,
         enable_chunked_prefill=True,
     )
-    return Scheduler(config, cache, MicroBatchBudget.from_config(config, cohorts=pp))
+    budget_ = MicroBatchBudget.from_config(config, cohorts=pp)
+    return Scheduler(config, cache, budget_, pipeline_chunks=pipeline_chunks)
 
 
 def _add(sched: Scheduler, rid: str, prompt_len: int, arrival: float = 0.0) -> SequenceGroup:
@@ -113,7 +116,8 @@ def test_recompute_preemption_restarts_a_partial_prefill() -> None:
 
 
 def test_pipeline_micro_batches_are_balanced_by_tokens() -> None:
-    sched = _scheduler(budget=64, gpu=256, pp=2)
+    # One chunk of a prompt at a time (VLLM_PP_CHUNKED_PIPELINING=0).
+    sched = _scheduler(budget=64, gpu=256, pp=2, pipeline_chunks=False)
     decoders = [_add(sched, f"d{i}", 2, arrival=float(i)) for i in range(8)]
     while any(g.is_prefill() for g in decoders):
         metadata, _ = schedule_rows(sched)
@@ -232,3 +236,120 @@ def test_vllm_pp_micro_batches_sizes_every_micro_batch_alike(
     d0 = decoders[0]
     for later, allowed in [(1, False), (2, False), (3, False), (4, True)]:
         assert sched.can_go_ahead(d0, step + 1 + later) is allowed
+
+
+def _chunk_rows(metadata) -> list[tuple[str, int, int, bool]]:
+    """(request, chunk start as the stage sees it, chunk size, samples) per prompt row."""
+    rows = []
+    for m in metadata:
+        if m.is_prompt:
+            (data,) = m.seq_data.values()
+            rows.append(
+                (m.request_id, data.get_num_computed_tokens(), m.token_chunk_size, m.do_sample)
+            )
+    return rows
+
+
+def test_chunks_of_one_prompt_are_in_flight_together() -> None:
+    """Chunked pipelining: with two micro-batches the next chunk of a prompt is scheduled
+    while the earlier one is still in the pipeline, starting where that one ends; only the
+    last samples; the KV counts as computed chunk by chunk, in order; decoding starts only
+    once the last chunk is back."""
+    sched = _scheduler(budget=16, gpu=64, pp=2)
+    long = _add(sched, "long", 40)
+    seq = long.get_seqs()[0]
+    # The stage's rows share its sequence objects: read each step's chunk when it is written.
+    first, _ = schedule_rows(sched, step_no=1)
+    assert _chunk_rows(first) == [("long", 0, 8, False)]
+    second, _ = schedule_rows(sched, step_no=2)
+    assert _chunk_rows(second) == [("long", 8, 8, False)]
+    assert [f.num_tokens for f in long.flights] == [8, 8]
+    _return(sched, first)  # the oldest step comes back first
+    assert seq.data.get_num_computed_tokens() == 8 and long.is_in_flight()
+    third, _ = schedule_rows(sched, step_no=3)
+    assert _chunk_rows(third) == [("long", 16, 8, False)]
+    _return(sched, second)
+    _return(sched, third)
+    assert seq.data.get_num_computed_tokens() == 24
+    steps, chunks = [], []
+    for step_no in (4, 5, 6):
+        rows, _ = schedule_rows(sched, step_no=step_no)
+        steps.append(rows)
+        chunks.append(_chunk_rows(rows))
+    # 16 tokens left: two chunks of 8, the second samples; nothing more until they are back.
+    assert chunks == [
+        [("long", 24, 8, False)],
+        [("long", 32, 8, True)],
+        [],
+    ]
+    _return(sched, steps[0])
+    assert long.is_prefill() and not schedule_rows(sched, step_no=6)[1].scheduled_seq_groups
+    _return(sched, steps[1])
+    assert not long.is_prefill() and seq.get_output_len() == 1
+    decode, _ = schedule_rows(sched, step_no=7)
+    assert [(m.request_id, m.is_prompt) for m in decode] == [("long", False)]
+
+
+def test_chunks_in_flight_off_with_one_micro_batch_or_switched_off() -> None:
+    for pp, pipeline_chunks in ((1, True), (2, False)):
+        sched = _scheduler(budget=16, gpu=64, pp=pp, pipeline_chunks=pipeline_chunks)
+        _add(sched, "long", 40)
+        schedule_rows(sched, step_no=1)
+        assert schedule_rows(sched, step_no=2)[1].is_empty()
+
+
+def test_abort_and_lost_steps_with_several_chunks_in_flight() -> None:
+    """An abort while three chunks are in flight frees the blocks only when the last one is
+    back; a pipeline that lost its steps rolls the prompt back to its committed chunks."""
+    sched = _scheduler(budget=16, gpu=64, pp=2)
+    free_before = sched.block_manager.get_num_free_gpu_blocks()
+    _add(sched, "a", 40)
+    steps, starts = [], []
+    for n in (1, 2, 3):
+        rows, _ = schedule_rows(sched, step_no=n)
+        steps.append(rows)
+        starts.append(_chunk_rows(rows)[0][1])
+    assert starts == [0, 8, 16]
+    sched.abort_seq_group("a")
+    for rows in steps[:2]:
+        sched.finish_in_flight([m.request_id for m in rows])
+        assert sched.block_manager.get_num_free_gpu_blocks() < free_before
+    sched.finish_in_flight([m.request_id for m in steps[2]])
+    assert sched.block_manager.get_num_free_gpu_blocks() == free_before
+    assert not sched.in_flight and not sched.has_unfinished_seqs()
+
+    b = _add(sched, "b", 40)
+    steps = [schedule_rows(sched, step_no=n)[0] for n in (4, 5, 6)]
+    _return(sched, steps[0])  # committed: 8 tokens; two chunks are lost with the pipeline
+    sched.drop_steps_in_flight()
+    assert b.get_seqs()[0].data.get_num_computed_tokens() == 8 and not b.is_in_flight()
+    rows, _ = schedule_rows(sched, step_no=7)
+    assert _chunk_rows(rows) == [("b", 8, 8, False)]
+
+
+def test_long_prefill_token_threshold_caps_one_prompt_per_step() -> None:
+    """vLLM's long_prefill_token_threshold: one prompt takes at most that many tokens of a
+    step; the rest of the budget goes to the next prompt."""
+    cache = CacheConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=8)
+    config = SchedulerConfig(
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        max_model_len=128,
+        enable_chunked_prefill=True,
+        long_prefill_token_threshold=6,
+    )
+    sched = Scheduler(config, cache, MicroBatchBudget.from_config(config))
+    _add(sched, "a", 30, arrival=0.0)
+    _add(sched, "b", 30, arrival=1.0)
+    _add(sched, "c", 30, arrival=2.0)
+    metadata, out = schedule_rows(sched)
+    assert [(m.request_id, m.token_chunk_size) for m in metadata] == [
+        ("a", 6),
+        ("b", 6),
+        ("c", 4),
+    ]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        SchedulerConfig(enable_chunked_prefill=True, long_prefill_token_threshold=-1)
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--long-prefill-token-threshold", "64"]))
+    assert args.long_prefill_token_threshold == 64

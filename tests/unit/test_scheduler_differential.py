@@ -18,7 +18,8 @@ must equal the reference's metadata. A decode scheduled ahead carries the token 
 flight will sample (the fake sampler's, fed to the table as the last stage would); it is
 stripped before comparing, as the reference's metadata does not have it yet.
 
-Two differences are intended and mapped here, nowhere else:
+Three differences are intended and mapped here, nowhere else (the third by switching it off:
+chunked pipelining, several chunks of one prompt in flight, is newer than the reference):
 - The reference numbers its own non-empty batches and names the batch a decode scheduled
   ahead depends on by that number (the batch queue then searched for its step); the live
   scheduler is given the batch queue's step number, so `ahead` names steps directly. The
@@ -320,7 +321,9 @@ class Side:
 
 def make_live_scheduler(config: SchedulerConfig, cache: CacheConfig, w: Workload) -> Scheduler:
     budget = MicroBatchBudget.from_config(config, w.cohorts)
-    return Scheduler(config, cache, budget, schedule_ahead=w.lookahead)
+    # The reference sends one chunk of a prompt at a time: chunked pipelining (several
+    # chunks of one prompt in flight, tests/unit/test_chunked_prefill.py) is compared off.
+    return Scheduler(config, cache, budget, schedule_ahead=w.lookahead, pipeline_chunks=False)
 
 
 def schedule_live(sched: Scheduler, step_no: int) -> tuple[list[Any], Any]:
@@ -364,6 +367,7 @@ def _metadata_state(meta: Any) -> dict[str, Any]:
 # `written` (the live step records) is compared through the stage's rows.
 _MAPPED = {
     "scheduled_seq_groups", "ignored_seq_groups", "ahead", "batch_no", "step_no", "written",
+    "chunk_offsets",
 }  # fmt: skip
 
 
@@ -374,6 +378,8 @@ def compare(ref: Side, live: Side, ref_result: Any, live_result: Any, where: str
     ref_fields = {f.name for f in dataclasses.fields(ref_out)} - _MAPPED
     live_fields = {f.name for f in dataclasses.fields(live_out)} - _MAPPED
     assert live_fields == ref_fields, where
+    # Chunked pipelining is off here: no chunk is ever written behind another in flight.
+    assert not live_out.chunk_offsets, where
     for name in sorted(ref_fields):
         assert getattr(live_out, name) == getattr(ref_out, name), f"{where}: {name}"
     # The step a decode scheduled ahead feeds from, and the step number of the batch.

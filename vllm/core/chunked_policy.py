@@ -42,6 +42,9 @@ class _Step:
     prefills: collections.deque[SequenceGroup] = field(default_factory=collections.deque)
     # In flight, and allowed to run their next decode now (scheduling ahead).
     ahead: list[SequenceGroup] = field(default_factory=list)
+    # In flight with a prefill chunk, and allowed to send their next chunk behind it
+    # (chunked pipelining, `Scheduler.can_pipeline_chunk`).
+    chunks_behind: list[SequenceGroup] = field(default_factory=list)
     scheduled_decodes: list[SequenceGroup] = field(default_factory=list)
     scheduled_prefills: list[SequenceGroup] = field(default_factory=list)
 
@@ -91,6 +94,9 @@ class ChunkedPolicy:
                     prefill_tokens += seq.get_num_new_tokens()
                 else:
                     decode_tokens += 1
+        # Chunks in flight stay counted: the round's prefill work is the same whichever of
+        # its micro-batches carries each chunk (not counting them would halve the chunks of
+        # a prompt's tail, step after step).
         for group in sched.waiting:
             prefill_tokens += sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
         return sched.budget.token_budget(decode_tokens, prefill_tokens)
@@ -104,8 +110,12 @@ class ChunkedPolicy:
         for seq_group in pending:
             if seq_group.is_in_flight() or seq_group.is_finished():
                 sched.running.append(seq_group)
-                if not seq_group.is_finished() and sched.can_go_ahead(seq_group, step.step_no):
+                if seq_group.is_finished():
+                    continue
+                if sched.can_go_ahead(seq_group, step.step_no):
                     step.ahead.append(seq_group)
+                elif seq_group.is_in_flight() and sched.can_pipeline_chunk(seq_group):
+                    step.chunks_behind.append(seq_group)
             elif seq_group.is_prefill():
                 step.prefills.append(seq_group)
             else:
@@ -135,6 +145,14 @@ class ChunkedPolicy:
                 step.take(seq_group, group_seqs, prefill=False)
                 step.batch_seqs += group_seqs
 
+    @property
+    def _cap(self) -> int:
+        """Tokens one prompt may take in a step (`long_prefill_token_threshold`, vLLM's; a
+        huge number when unset). Several diverged sequences are never chunked: they are
+        checked against the step's budget only."""
+        cap = self.sched.scheduler_config.long_prefill_token_threshold
+        return cap if cap > 0 else 1 << 62
+
     @staticmethod
     def _decode_fits(step: _Step, group_seqs: int) -> bool:
         # The first group of a batch always fits: the room is a share of the decodes known,
@@ -145,10 +163,15 @@ class ChunkedPolicy:
         )
 
     def _schedule_running_prefills(self, step: _Step) -> None:
-        """The next chunk of each running prefill, while tokens are left."""
-        for seq_group in step.prefills:
-            self.sched.running.append(seq_group)
-            chunk = _chunk(seq_group, SequenceStatus.RUNNING, step.budget - step.used)
+        """The next chunk of each running prefill, FCFS while tokens are left: those with
+        no step in flight, and those whose earlier chunks are still in the pipeline (the new
+        chunk follows them through every stage; it needs no new block)."""
+        behind = {id(g) for g in step.chunks_behind}
+        pending = sorted([*step.prefills, *step.chunks_behind], key=lambda g: g.arrival_time)
+        for seq_group in pending:
+            if id(seq_group) not in behind:
+                self.sched.running.append(seq_group)  # in flight: already in `running`
+            chunk = _chunk(seq_group, SequenceStatus.RUNNING, step.budget - step.used, self._cap)
             if chunk > 0:
                 step.take(seq_group, chunk, prefill=True)
 
@@ -161,7 +184,9 @@ class ChunkedPolicy:
             num_new_seqs = seq_group.get_max_num_running_seqs()
             is_prefill = seq_group.is_prefill()
             if is_prefill:
-                tokens = _chunk(seq_group, SequenceStatus.SWAPPED, step.budget - step.used)
+                tokens = _chunk(
+                    seq_group, SequenceStatus.SWAPPED, step.budget - step.used, self._cap
+                )
                 if tokens == 0:
                     break
             else:
@@ -185,7 +210,7 @@ class ChunkedPolicy:
             new_tokens = num_prompt_tokens - sched.block_manager.num_cached_tokens(seq_group)
             max_tokens = budget.max_num_batched_tokens
             if len(waiting_seqs) == 1:
-                chunk = min(new_tokens, step.budget - step.used)
+                chunk = min(new_tokens, step.budget - step.used, self._cap)
             elif new_tokens > max_tokens:
                 # Several sequences (diverged before a recompute) are never chunked: if
                 # together they exceed a step's tokens they could never run.
@@ -205,12 +230,15 @@ class ChunkedPolicy:
             num_seqs += num_new_seqs
 
 
-def _chunk(seq_group: SequenceGroup, status: SequenceStatus, room: int) -> int:
-    """Tokens of a prefilling group this step can take (0 if none fit)."""
+def _chunk(seq_group: SequenceGroup, status: SequenceStatus, room: int, cap: int) -> int:
+    """Tokens of a prefilling group this step can take (0 if none fit): the prompt tokens
+    neither computed nor in an earlier chunk still in flight, at most `cap` for one
+    sequence."""
     seqs = seq_group.get_seqs(status=status)
     new_tokens = sum(seq.get_num_new_tokens() for seq in seqs)
+    new_tokens -= seq_group.prefill_tokens_in_flight()
     if len(seqs) == 1:
-        return max(0, min(new_tokens, room))
+        return max(0, min(new_tokens, room, cap))
     return new_tokens if new_tokens <= room else 0
 
 

@@ -74,6 +74,9 @@ class SchedulerOutputs:
     # Groups scheduled ahead -> the step number of their step in flight: each of their
     # sequences feeds the token that step samples.
     ahead: dict[str, int] = field(default_factory=dict)
+    # Groups with earlier chunks of their prompt still in flight (chunked pipelining) -> the
+    # prompt tokens those chunks feed: this step's chunk starts after them.
+    chunk_offsets: dict[str, int] = field(default_factory=dict)
     # The step number this batch was scheduled as (0 when it is empty).
     step_no: int = 0
     # The step's records as written, for `Scheduler.commit_step`.
@@ -103,6 +106,7 @@ class Scheduler:
         budget: MicroBatchBudget | None = None,
         schedule_ahead: bool = False,
         max_loras: int | None = None,
+        pipeline_chunks: bool = True,
     ) -> None:
         if cache_config.num_gpu_blocks is None or cache_config.num_cpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks and num_cpu_blocks must be set.")
@@ -111,6 +115,9 @@ class Scheduler:
         self.configure_pipelining(
             budget or MicroBatchBudget.from_config(scheduler_config), schedule_ahead
         )
+        # Chunked pipelining: a prompt's next chunk may be scheduled while earlier ones are in
+        # flight (see `can_pipeline_chunk`).
+        self.pipeline_chunks = pipeline_chunks
         # How many distinct LoRA adapters the running groups may use (None: no LoRA).
         self.lora_admission = LoRAAdmission(max_loras)
         chunked = scheduler_config.enable_chunked_prefill
@@ -375,10 +382,12 @@ class Scheduler:
         for seq_group in out.scheduled_seq_groups:
             seq_group.maybe_set_first_scheduled_time(now)
             chunk = out.token_chunk_sizes[seq_group.request_id]
+            if offset := seq_group.prefill_tokens_in_flight():
+                out.chunk_offsets[seq_group.request_id] = offset
             seq_group.flights.append(Flight(chunk if seq_group.is_prefill() else 1, step_no))
             self.in_flight[seq_group.request_id] = seq_group
         out.written = self.step_writer.write(
-            out.scheduled_seq_groups, out.token_chunk_sizes, out.ahead
+            out.scheduled_seq_groups, out.token_chunk_sizes, out.ahead, out.chunk_offsets
         )
         return out.written.records, out
 
@@ -409,6 +418,22 @@ class Scheduler:
             and seq.get_len() + 1 < max_len
             for seq in seqs
         )
+
+    def can_pipeline_chunk(self, seq_group: SequenceGroup) -> bool:
+        """Whether an in-flight group may get the next chunk of its prompt now (chunked
+        pipelining): chunk k+1 may enter a stage once chunk k has been processed there, and
+        every stage runs the steps in the order they were submitted, so submitting it after
+        chunk k is enough. Only a single prefilling sequence with prompt tokens not yet
+        scheduled (its blocks were allocated at admission); never an aborted group. With
+        one micro-batch there is never a second step in flight to fill."""
+        if not self.pipeline_chunks or self.budget.cohorts < 2:
+            return False
+        if seq_group.abort_pending or seq_group.is_finished():
+            return False
+        seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
+        if len(seqs) != 1 or not seqs[0].is_prefill():
+            return False
+        return seqs[0].get_num_new_tokens() > seq_group.prefill_tokens_in_flight()
 
     def try_schedule_ahead(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> bool:
         """Schedule an in-flight group's next decode if its slots fit (never preempts)."""

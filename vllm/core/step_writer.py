@@ -60,12 +60,17 @@ class StepWriter:
         groups: list[SequenceGroup],
         token_chunk_sizes: dict[str, int],
         ahead: dict[str, int],
+        chunk_offsets: dict[str, int] | None = None,
     ) -> StepRecords:
         """The records of the scheduled `groups`; the sequences of a group in `ahead` feed
-        the token their step in flight samples (`num_pending=1`)."""
+        the token their step in flight samples (`num_pending=1`); a prefill chunk of a group
+        in `chunk_offsets` starts that many tokens after its computed ones (its earlier
+        chunks are still in flight: chunked pipelining)."""
+        offsets = chunk_offsets or {}
         step = StepRecords([], self._reset_pending, [], [])
         for group in groups:
-            step.records.append(self._write_group(group, token_chunk_sizes, ahead, step))
+            offset = offsets.get(group.request_id, 0)
+            step.records.append(self._write_group(group, token_chunk_sizes, ahead, offset, step))
             step.groups.append(group)
         return step
 
@@ -74,6 +79,7 @@ class StepWriter:
         group: SequenceGroup,
         token_chunk_sizes: dict[str, int],
         ahead: dict[str, int],
+        offset: int,
         step: StepRecords,
     ) -> RequestRecord:
         seqs = group.get_seqs(status=SequenceStatus.RUNNING)
@@ -83,10 +89,15 @@ class StepWriter:
         if is_prompt:
             data = seqs[0].data
             # A chunk that stops before the end of the prompt samples nothing.
-            do_sample = data.get_num_computed_tokens() + chunk >= data.get_len()
+            do_sample = data.get_num_computed_tokens() + offset + chunk >= data.get_len()
         held = group.held_generation == self.generation
+        if offset and (not held or len(seqs) != 1):
+            raise RuntimeError(
+                f"request {group.request_id}: a chunk scheduled behind chunks in flight must "
+                "be of one sequence the stages hold"
+            )
         num_pending = 1 if group.request_id in ahead else 0
-        records = tuple(self._write_seq(seq, held, num_pending, step) for seq in seqs)
+        records = tuple(self._write_seq(seq, held, num_pending, offset, step) for seq in seqs)
         if held:
             return CachedRequestData(group.request_id, is_prompt, chunk, do_sample, records)
         if num_pending:
@@ -106,7 +117,7 @@ class StepWriter:
         )
 
     def _write_seq(
-        self, seq: Sequence, group_held: bool, num_pending: int, step: StepRecords
+        self, seq: Sequence, group_held: bool, num_pending: int, offset: int, step: StepRecords
     ) -> NewSeqData | CachedSeqData:
         bm = self.block_manager
         table = bm.get_block_table(seq)
@@ -125,7 +136,7 @@ class StepWriter:
             whole = held.table_epoch != epoch or len(table) < held.num_blocks
             num_tokens = max(length, held.num_tokens) + num_pending
             record = CachedSeqData(
-                seq.seq_id, new_tokens, num_pending, data.get_num_computed_tokens(),
+                seq.seq_id, new_tokens, num_pending, data.get_num_computed_tokens() + offset,
                 data.cumulative_logprob, tuple(table if whole else table[held.num_blocks :]),
                 whole, num_tokens,
             )  # fmt: skip

@@ -57,6 +57,7 @@ class EngineArgs:
     max_logprobs: int = 20
     preemption_mode: str | None = None
     enable_chunked_prefill: bool = False
+    long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = False
     async_scheduling: bool | None = None
     device: str = "auto"
@@ -244,6 +245,13 @@ class EngineArgs:
             action="store_true",
             help="Prefill long prompts in chunks of at most max_num_batched_tokens (default "
             "512 then), batched with the running decodes.",
+        )
+        add(
+            "--long-prefill-token-threshold",
+            type=int,
+            default=d.long_prefill_token_threshold,
+            help="With chunked prefill: at most this many tokens of one prompt per step "
+            "(0: only the step's token budget limits it).",
         )
         add(
             "--async-scheduling",
@@ -455,6 +463,7 @@ class EngineArgs:
             preemption_mode=self.preemption_mode,
             enable_chunked_prefill=enable_chunked_prefill,
             async_scheduling=self.async_scheduling,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
         return EngineConfig(
             model_config=model_config,

@@ -109,6 +109,7 @@ class LLMEngine:
             budget,
             schedule_ahead=async_pipeline,
             max_loras=self.lora_config.max_loras if self.lora_config else None,
+            pipeline_chunks=envs.get_bool("VLLM_PP_CHUNKED_PIPELINING"),
         )
         self.batch_queue = BatchQueue(self.executor, budget.cohorts, async_pipeline)
         self.output_processor = OutputProcessor(
