@@ -43,11 +43,14 @@ from vllm.executor.rank_calls import (
 from vllm.executor.ray_utils import (
     ACTOR_START_TIMEOUT_S,
     RayWorkerWrapper,
+    alive_nodes,
     caller_group_start_error,
     check_tp_groups_on_one_node,
     get_or_create_placement_group,
     group_ranks_by_node,
     init_ray,
+    placement_timeout_s,
+    wait_bundles_placed,
 )
 from vllm.executor.stage_supervisor import (
     StageFailedError,
@@ -112,9 +115,16 @@ class RayExecutor(ElasticStageExecutor):
         env.update(envs.environment_to_forward())
         return env
 
-    def _start_actors(self, ranks: Iterable[int], timeout: float = _SETUP_TIMEOUT_S) -> None:
-        """A new actor for each rank, on that rank's placement-group bundle (Ray moves the
-        bundle to another node with room if its node is gone)."""
+    def _start_actors(
+        self,
+        ranks: Iterable[int],
+        timeout: float = _SETUP_TIMEOUT_S,
+        placement_wait_s: float | None = None,
+    ) -> None:
+        """A new actor for each rank, on that rank's placement-group bundle. A bundle whose
+        node left the cluster is re-placed by Ray on a node with room; it gets
+        `placement_wait_s` (default VLLM_PP_PLACEMENT_TIMEOUT, within `timeout`) to be, else
+        this raises at once (no node has room: the stage cannot come back now)."""
         actor_cls = ray.remote(
             num_cpus=0 if self._use_gpu else 1,
             num_gpus=1 if self._use_gpu else 0,
@@ -122,12 +132,20 @@ class RayExecutor(ElasticStageExecutor):
         env = self._actor_env()
         ranks = list(ranks)
         first_start = len(ranks) == len(self.workers) and not any(self.workers)
+        deadline = time.monotonic() + timeout
+        new_ranks = []
         for rank in ranks:
-            standby = None if first_start else self._take_standby(rank, timeout)
+            remaining = max(deadline - time.monotonic(), 0.0)
+            standby = None if first_start else self._take_standby(rank, remaining)
             if standby is not None:
                 self.workers[rank] = standby
                 logger.info("Rank %d: the standby Ray actor takes it", rank)
-                continue
+            else:
+                new_ranks.append(rank)
+        if not first_start and new_ranks:
+            wait = placement_timeout_s() if placement_wait_s is None else placement_wait_s
+            self._wait_bundles(new_ranks, min(wait, max(deadline - time.monotonic(), 0.0)))
+        for rank in new_ranks:
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group,
                 placement_group_bundle_index=self._bundles[rank],
@@ -135,7 +153,8 @@ class RayExecutor(ElasticStageExecutor):
             self.workers[rank] = actor_cls.options(
                 scheduling_strategy=strategy, runtime_env={"env_vars": env}
             ).remote()
-        start_timeout = timeout if self._owns_pg else min(timeout, ACTOR_START_TIMEOUT_S)
+        remaining = max(deadline - time.monotonic(), 0.0)
+        start_timeout = remaining if self._owns_pg else min(remaining, ACTOR_START_TIMEOUT_S)
         try:
             ips = self._wait_all(
                 [self.workers[r].get_node_ip.remote() for r in ranks], start_timeout
@@ -189,10 +208,29 @@ class RayExecutor(ElasticStageExecutor):
                 ).remote()
             )
 
+    def _wait_bundles(self, ranks: list[int], wait_s: float) -> None:
+        """The bundles of `ranks` reserved on live nodes (within `wait_s`), or a clear
+        error; a rank whose node left the cluster is logged with the node it moves to."""
+        resource = "GPU" if self._use_gpu else "CPU"
+        placed = wait_bundles_placed(
+            self.placement_group, {r: self._bundles[r] for r in ranks}, wait_s, resource
+        )
+        for rank, node in placed.items():
+            old = self.stage_infos[rank].node_id
+            if old and node != old:
+                logger.warning(
+                    "Rank %d: its node (id %s) left the Ray cluster; its placement-group "
+                    "bundle %d now reserved on node id %s",
+                    rank, old[:12], self._bundles[rank], node[:12],
+                )  # fmt: skip
+
     def _take_standby(self, rank: int, timeout: float) -> Any:
         """A standby actor for `rank`, taken out of the pool, when one is up on the node the
-        rank ran on (so a stage's TP ranks stay on one node); None otherwise. A dead one is
-        dropped."""
+        rank ran on (so a stage's TP ranks stay on one node); None otherwise -- at once when
+        that node left the cluster (the standby runs on the driver's node, which cannot have
+        left). A dead one is dropped."""
+        if self.standby and self.stage_infos[rank].node_id not in alive_nodes():
+            return None
         while self.standby:
             actor = self.standby[0]
             try:
@@ -246,7 +284,9 @@ class RayExecutor(ElasticStageExecutor):
         self._kill_ranks(ranks)
 
     def _start_processes(self, ranks: list[int], budget: float) -> None:
-        self._start_actors(ranks, budget)
+        # A stage coming back: no wait for a bundle with no node (that node left and none has
+        # room yet); the engine tries again later instead of stalling its steps meanwhile.
+        self._start_actors(ranks, budget, placement_wait_s=0.0)
         self.refill_spares()
 
     def _renumber_processes(self, order: list[int | None]) -> None:
