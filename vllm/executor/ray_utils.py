@@ -238,12 +238,12 @@ def wait_bundles_placed(
             return {rank: nodes[b] for rank, b in bundles.items()}
         if time.monotonic() >= deadline:
             free = ray.available_resources().get(resource, 0)
+            waited = f"within {timeout:g} s (VLLM_PP_PLACEMENT_TIMEOUT)" if timeout else "now"
             raise RuntimeError(
                 f"the placement-group bundle(s) {[bundles[r] for r in missing]} of rank(s) "
                 f"{missing} have no node: the node they were on left the Ray cluster and no "
-                f"node still there had a {resource} for them within {timeout:g} s "
-                f"({free:g} {resource}s free outside placement groups; "
-                "VLLM_PP_PLACEMENT_TIMEOUT)"
+                f"node still there had a {resource} for them {waited} ({free:g} "
+                f"{resource}s free outside placement groups)"
             )
         time.sleep(0.1)
 
