@@ -10,8 +10,10 @@ kills every process on it, Ray's placement-group bundles there included.
   deadline); growing back fails at once while no node has room and succeeds once a node
   joins. Every generation equals the fault-free one (and HF's), every failure names the lost
   stage's rank, layers, pid and node.
-- Ray Data (`build_processor`, one PP=1 instance): the node of the instance's actor leaves
-  during `map_batches`; the job completes with every row answered once, as without the loss.
+- Ray Data (`build_processor`, one PP=2 instance, its group STRICT_PACK on one 2-CPU node,
+  a spare node): that node -- the instance's actor and both its stages -- leaves during
+  `map_batches`; the actor restarts in its group, re-placed on the spare node, the batch is
+  retried, and the job completes with every row answered once, as without the loss.
 """
 
 from __future__ import annotations
@@ -34,14 +36,13 @@ import ray
 from ray.cluster_utils import Cluster
 
 MB = 2**20
-SMALL = {"num_cpus": 1, "object_store_memory": 80 * MB}
 cluster = Cluster(
     initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 80 * MB}
 )
 nodes = {}
 
-def add_node():
-    node = cluster.add_node(**SMALL)
+def add_node(num_cpus=1):
+    node = cluster.add_node(num_cpus=num_cpus, object_store_memory=80 * MB)
     nodes[node.node_id] = node
     return node.node_id
 
@@ -105,29 +106,14 @@ ENGINE_SCRIPT = CLUSTER + textwrap.dedent(
 
 DATA_SCRIPT = CLUSTER + textwrap.dedent(
     """
-    import psutil
     import ray.data
     from ray.util.placement_group import placement_group_table
     from tests.utils import tiny_models
     from vllm import LLM, SamplingParams
     from vllm.batch import build_processor
 
-    def node_of_process(pid):
-        # The raylet a process descends from names its node (nodes share this machine).
-        for parent in psutil.Process(pid).parents():
-            for arg in parent.cmdline():
-                if arg.startswith("--node_id="):
-                    return arg.split("=", 1)[1]
-        return None
-
-    def instance_actor_node():
-        for proc in psutil.process_iter(["name", "pid"]):
-            if "MapBatches(LLMPredictor)" in (proc.info["name"] or ""):
-                return node_of_process(proc.info["pid"])
-        return None
-
-    for _ in range(3):  # the instance's two stages on two nodes, and a spare
-        add_node()
+    for _ in range(2):  # the instance's node (both stages: STRICT_PACK) and a spare
+        add_node(num_cpus=2)
     ray.init(address=cluster.address)
     cluster.wait_for_nodes()
     prompts = [f"{tiny_models.PROMPTS[i % 4]} {i}" for i in range(int(sys.argv[2]))]
@@ -138,12 +124,14 @@ DATA_SCRIPT = CLUSTER + textwrap.dedent(
     with build_processor(
         sys.argv[1], num_instances=1, pipeline_parallel_size=2, batch_size=4,
         sampling_params=greedy, engine_kwargs=engine, device="cpu",
-        placement_strategy="SPREAD",
     ) as processor:
         for batch in processor(dataset).iter_batches(batch_size=None, batch_format="pandas"):
             rows.extend(batch.to_dict("records"))
-            if not lost:  # the first rows are back: the job runs; its actor's node leaves
-                lost.append(instance_actor_node())
+            if not lost:
+                # The first rows are back, the next batches are running: the node of the
+                # instance (its actor and both stages, in its group) leaves.
+                [group] = processor.placement_groups
+                lost.append(placement_group_table(group)["bundles_to_node_id"][0])
                 remove_node(lost[0])
         group = placement_group_table(processor.placement_groups[0])
     single = LLM(sys.argv[1], **engine)

@@ -12,7 +12,9 @@ On CPU a bundle is {"CPU": c}; on GPU {"GPU": 1, "CPU": c}.
         processor(ray.data.read_text("prompts.txt")).write_parquet("out/")
 
 The placement groups are created from the driver when Ray Data starts each actor and live as
-long as the driver; leaving the `with` block (or `processor.shutdown()`) removes them.
+long as the driver; leaving the `with` block (or `processor.shutdown()`) removes them. When an
+instance's node leaves the cluster, Ray re-places its group on a node with room, restarts the
+actor there (a new engine) and retries the batch it was running.
 """
 
 from __future__ import annotations
@@ -126,6 +128,12 @@ class BatchProcessor:
             num_gpus=1 if self.use_gpu and len(self.bundles) == 1 else 0,
             ray_remote_args_fn=self.scheduling_strategy,
             runtime_env={"env_vars": _actor_env(cpus)},
+            # An instance whose node leaves the cluster (its actor and stages with it) is
+            # restarted in its group -- Ray re-places the group on a node with room -- and
+            # the batch it was running is sent again: no row lost or answered twice. Ray
+            # Data's defaults today; said here so the job does not depend on them.
+            max_restarts=-1,
+            max_task_retries=-1,
         )
 
     def shutdown(self) -> None:

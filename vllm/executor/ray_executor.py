@@ -43,7 +43,6 @@ from vllm.executor.rank_calls import (
 from vllm.executor.ray_utils import (
     ACTOR_START_TIMEOUT_S,
     RayWorkerWrapper,
-    alive_nodes,
     caller_group_start_error,
     check_tp_groups_on_one_node,
     get_or_create_placement_group,
@@ -115,16 +114,11 @@ class RayExecutor(ElasticStageExecutor):
         env.update(envs.environment_to_forward())
         return env
 
-    def _start_actors(
-        self,
-        ranks: Iterable[int],
-        timeout: float = _SETUP_TIMEOUT_S,
-        placement_wait_s: float | None = None,
-    ) -> None:
+    def _start_actors(self, ranks: Iterable[int], timeout: float = _SETUP_TIMEOUT_S) -> None:
         """A new actor for each rank, on that rank's placement-group bundle. A bundle whose
         node left the cluster is re-placed by Ray on a node with room; it gets
-        `placement_wait_s` (default VLLM_PP_PLACEMENT_TIMEOUT, within `timeout`) to be, else
-        this raises at once (no node has room: the stage cannot come back now)."""
+        VLLM_PP_PLACEMENT_TIMEOUT (within `timeout`) to be, else this raises then, not after
+        `timeout` (no node has room: the stage cannot come back now)."""
         actor_cls = ray.remote(
             num_cpus=0 if self._use_gpu else 1,
             num_gpus=1 if self._use_gpu else 0,
@@ -133,18 +127,18 @@ class RayExecutor(ElasticStageExecutor):
         ranks = list(ranks)
         first_start = len(ranks) == len(self.workers) and not any(self.workers)
         deadline = time.monotonic() + timeout
-        new_ranks = []
-        for rank in ranks:
-            remaining = max(deadline - time.monotonic(), 0.0)
-            standby = None if first_start else self._take_standby(rank, remaining)
-            if standby is not None:
-                self.workers[rank] = standby
-                logger.info("Rank %d: the standby Ray actor takes it", rank)
-            else:
-                new_ranks.append(rank)
-        if not first_start and new_ranks:
-            wait = placement_timeout_s() if placement_wait_s is None else placement_wait_s
-            self._wait_bundles(new_ranks, min(wait, max(deadline - time.monotonic(), 0.0)))
+        new_ranks = ranks
+        if not first_start:
+            placed = self._wait_bundles(ranks, min(placement_timeout_s(), timeout))
+            new_ranks = []
+            for rank in ranks:
+                remaining = max(deadline - time.monotonic(), 0.0)
+                standby = self._take_standby(placed[rank], remaining)
+                if standby is not None:
+                    self.workers[rank] = standby
+                    logger.info("Rank %d: the standby Ray actor takes it", rank)
+                else:
+                    new_ranks.append(rank)
         for rank in new_ranks:
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group,
@@ -208,9 +202,10 @@ class RayExecutor(ElasticStageExecutor):
                 ).remote()
             )
 
-    def _wait_bundles(self, ranks: list[int], wait_s: float) -> None:
-        """The bundles of `ranks` reserved on live nodes (within `wait_s`), or a clear
-        error; a rank whose node left the cluster is logged with the node it moves to."""
+    def _wait_bundles(self, ranks: list[int], wait_s: float) -> dict[int, str]:
+        """The node each rank's bundle is reserved on (a live one, within `wait_s`), or a
+        clear error; a rank whose node left the cluster is logged with the node it moves
+        to."""
         resource = "GPU" if self._use_gpu else "CPU"
         placed = wait_bundles_placed(
             self.placement_group, {r: self._bundles[r] for r in ranks}, wait_s, resource
@@ -223,13 +218,14 @@ class RayExecutor(ElasticStageExecutor):
                     "bundle %d now reserved on node id %s",
                     rank, old[:12], self._bundles[rank], node[:12],
                 )  # fmt: skip
+        return placed
 
-    def _take_standby(self, rank: int, timeout: float) -> Any:
-        """A standby actor for `rank`, taken out of the pool, when one is up on the node the
-        rank ran on (so a stage's TP ranks stay on one node); None otherwise -- at once when
-        that node left the cluster (the standby runs on the driver's node, which cannot have
-        left). A dead one is dropped."""
-        if self.standby and self.stage_infos[rank].node_id not in alive_nodes():
+    def _take_standby(self, node_id: str, timeout: float) -> Any:
+        """A standby actor, taken out of the pool, when one is up on `node_id` (where the
+        rank's bundle is: the node it ran on, or the one its bundle moved to when that node
+        left the cluster; a stage's TP ranks stay on one node); None otherwise, at once when
+        that is not the driver's node, where standbys are started. A dead one is dropped."""
+        if self.standby and node_id != ray.get_runtime_context().get_node_id():
             return None
         while self.standby:
             actor = self.standby[0]
@@ -241,7 +237,7 @@ class RayExecutor(ElasticStageExecutor):
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)
                 continue
-            if node != self.stage_infos[rank].node_id:
+            if node != node_id:
                 return None  # another node: a new actor on the rank's own bundle instead
             return self.standby.pop(0)
         return None
@@ -286,7 +282,8 @@ class RayExecutor(ElasticStageExecutor):
     def _start_processes(self, ranks: list[int], budget: float) -> None:
         # A stage coming back: no wait for a bundle with no node (that node left and none has
         # room yet); the engine tries again later instead of stalling its steps meanwhile.
-        self._start_actors(ranks, budget, placement_wait_s=0.0)
+        self._wait_bundles(ranks, 0.0)
+        self._start_actors(ranks, budget)
         self.refill_spares()
 
     def _renumber_processes(self, order: list[int | None]) -> None:
