@@ -113,7 +113,9 @@ _VARS = (
         "VLLM_PP_PLACEMENT_TIMEOUT",
         "30",
         float,
-        "Seconds to wait for the Ray placement group before failing with a clear error.",
+        "Seconds to wait for the Ray placement group before failing with a clear error; "
+        "also how long a bundle whose node left the cluster gets to be re-placed on a node "
+        "with room before its stage leaves the pipeline.",
     ),
     EnvVar(
         "VLLM_PP_ACTOR_START_TIMEOUT",

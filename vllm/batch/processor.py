@@ -12,7 +12,10 @@ On CPU a bundle is {"CPU": c}; on GPU {"GPU": 1, "CPU": c}.
         processor(ray.data.read_text("prompts.txt")).write_parquet("out/")
 
 The placement groups are created from the driver when Ray Data starts each actor and live as
-long as the driver; leaving the `with` block (or `processor.shutdown()`) removes them.
+long as the driver; leaving the `with` block (or `processor.shutdown()`) removes them. When an
+instance's node leaves the cluster, Ray re-places its group on a node with room, restarts the
+actor there (a new engine) and retries the batch it was running (Ray Data's actor fault
+tolerance, on by default).
 """
 
 from __future__ import annotations
@@ -126,6 +129,11 @@ class BatchProcessor:
             num_gpus=1 if self.use_gpu and len(self.bundles) == 1 else 0,
             ray_remote_args_fn=self.scheduling_strategy,
             runtime_env={"env_vars": _actor_env(cpus)},
+            # No max_restarts / max_task_retries here: Ray Data's defaults (-1, -1) restart an
+            # instance whose node left the cluster in its group -- re-placed by Ray on a node
+            # with room -- and send the batch it was running again, so no row is lost or
+            # answered twice; Ray Data deprecates passing them (tests/distributed/
+            # test_ray_node_loss.py holds the behaviour).
         )
 
     def shutdown(self) -> None:

@@ -50,6 +50,8 @@ from vllm.executor.ray_utils import (
     get_or_create_placement_group,
     group_ranks_by_node,
     init_ray,
+    placement_timeout_s,
+    wait_bundles_placed,
 )
 from vllm.executor.stage_supervisor import (
     StageFailedError,
@@ -116,8 +118,10 @@ class RayExecutor(ElasticStageExecutor):
         return env
 
     def _start_actors(self, ranks: Iterable[int], timeout: float = _SETUP_TIMEOUT_S) -> None:
-        """A new actor for each rank, on that rank's placement-group bundle (Ray moves the
-        bundle to another node with room if its node is gone)."""
+        """A new actor for each rank, on that rank's placement-group bundle. A bundle whose
+        node left the cluster is re-placed by Ray on a node with room; it gets
+        VLLM_PP_PLACEMENT_TIMEOUT (within `timeout`) to be, else this raises then, not after
+        `timeout` (no node has room: the stage cannot come back now)."""
         actor_cls = ray.remote(
             num_cpus=0 if self._use_gpu else 1,
             num_gpus=1 if self._use_gpu else 0,
@@ -125,12 +129,20 @@ class RayExecutor(ElasticStageExecutor):
         env = self._actor_env()
         ranks = list(ranks)
         first_start = len(ranks) == len(self.workers) and not any(self.workers)
-        for rank in ranks:
-            standby = None if first_start else self._take_standby(rank, timeout)
-            if standby is not None:
-                self.workers[rank] = standby
-                logger.info("Rank %d: the standby Ray actor takes it", rank)
-                continue
+        deadline = time.monotonic() + timeout
+        new_ranks = ranks
+        if not first_start:
+            placed = self._wait_bundles(ranks, min(placement_timeout_s(), timeout))
+            new_ranks = []
+            for rank in ranks:
+                remaining = max(deadline - time.monotonic(), 0.0)
+                standby = self._take_standby(placed[rank], remaining)
+                if standby is not None:
+                    self.workers[rank] = standby
+                    logger.info("Rank %d: the standby Ray actor takes it", rank)
+                else:
+                    new_ranks.append(rank)
+        for rank in new_ranks:
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group,
                 placement_group_bundle_index=self._bundles[rank],
@@ -138,7 +150,8 @@ class RayExecutor(ElasticStageExecutor):
             self.workers[rank] = actor_cls.options(
                 scheduling_strategy=strategy, runtime_env={"env_vars": env}
             ).remote()
-        start_timeout = timeout if self._owns_pg else min(timeout, ACTOR_START_TIMEOUT_S)
+        remaining = max(deadline - time.monotonic(), 0.0)
+        start_timeout = remaining if self._owns_pg else min(remaining, ACTOR_START_TIMEOUT_S)
         try:
             ips = self._wait_all(
                 [self.workers[r].get_node_ip.remote() for r in ranks], start_timeout
@@ -193,10 +206,31 @@ class RayExecutor(ElasticStageExecutor):
                 ).remote()
             )
 
-    def _take_standby(self, rank: int, timeout: float) -> Any:
-        """A standby actor for `rank`, taken out of the pool, when one is up on the node the
-        rank ran on (so a stage's TP ranks stay on one node); None otherwise. A dead one is
-        dropped."""
+    def _wait_bundles(self, ranks: list[int], wait_s: float) -> dict[int, str]:
+        """The node each rank's bundle is reserved on (a live one, within `wait_s`), or a
+        clear error; a rank whose node left the cluster is logged with the node it moves
+        to."""
+        resource = "GPU" if self._use_gpu else "CPU"
+        placed = wait_bundles_placed(
+            self.placement_group, {r: self._bundles[r] for r in ranks}, wait_s, resource
+        )
+        for rank, node in placed.items():
+            old = self.stage_infos[rank].node_id
+            if old and node != old:
+                logger.warning(
+                    "Rank %d: its node (id %s) left the Ray cluster; its placement-group "
+                    "bundle %d now reserved on node id %s",
+                    rank, old[:12], self._bundles[rank], node[:12],
+                )  # fmt: skip
+        return placed
+
+    def _take_standby(self, node_id: str, timeout: float) -> Any:
+        """A standby actor, taken out of the pool, when one is up on `node_id` (where the
+        rank's bundle is: the node it ran on, or the one its bundle moved to when that node
+        left the cluster; a stage's TP ranks stay on one node); None otherwise, at once when
+        that is not the driver's node, where standbys are started. A dead one is dropped."""
+        if self.standby and node_id != ray.get_runtime_context().get_node_id():
+            return None
         while self.standby:
             actor = self.standby[0]
             try:
@@ -207,7 +241,7 @@ class RayExecutor(ElasticStageExecutor):
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)
                 continue
-            if node != self.stage_infos[rank].node_id:
+            if node != node_id:
                 return None  # another node: a new actor on the rank's own bundle instead
             return self.standby.pop(0)
         return None
@@ -250,6 +284,9 @@ class RayExecutor(ElasticStageExecutor):
         self._kill_ranks(ranks)
 
     def _start_processes(self, ranks: list[int], budget: float) -> None:
+        # A stage coming back: no wait for a bundle with no node (that node left and none has
+        # room yet); the engine tries again later instead of stalling its steps meanwhile.
+        self._wait_bundles(ranks, 0.0)
         self._start_actors(ranks, budget)
         self.refill_spares()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from typing import Any
 
 import ray
@@ -204,3 +205,51 @@ def check_tp_groups_on_one_node(node_ids: list[str], tp_size: int) -> None:
                 start,
                 start + tp_size - 1,
             )
+
+
+def alive_nodes() -> set[str]:
+    """The ids of the Ray nodes the cluster counts as alive now."""
+    return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+
+
+def bundle_nodes(pg: Any, bundles: list[int]) -> dict[int, str]:
+    """The node each of `bundles` of `pg` is reserved on ("" while it has none: its node
+    left the cluster and Ray has not re-placed it yet, or cannot)."""
+    from ray.util.placement_group import placement_group_table
+
+    placed = placement_group_table(pg).get("bundles_to_node_id", {})
+    alive = alive_nodes()
+    return {b: placed[b] if placed.get(b) in alive else "" for b in bundles}
+
+
+def wait_bundles_placed(
+    pg: Any, bundles: dict[int, int], timeout: float, resource: str
+) -> dict[int, str]:
+    """Wait until each rank's bundle (`bundles`: rank -> bundle index) is reserved on a live
+    node, at most `timeout` s (0: look once); returns rank -> node id.
+
+    A bundle whose node leaves the cluster is re-placed by Ray on a node with room -- at once
+    when one has it. An actor started on a bundle that has no node waits for one without
+    end; this raises instead, naming the ranks, so a stage that cannot come back leaves the
+    pipeline (or a return is put off) without waiting for the whole restart deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = bundle_nodes(pg, sorted(set(bundles.values())))
+        missing = [rank for rank, b in bundles.items() if not nodes[b]]
+        if not missing:
+            return {rank: nodes[b] for rank, b in bundles.items()}
+        if time.monotonic() >= deadline:
+            free = ray.available_resources().get(resource, 0)
+            waited = f"within {timeout:g} s (VLLM_PP_PLACEMENT_TIMEOUT)" if timeout else "now"
+            raise RuntimeError(
+                f"the placement-group bundle(s) {[bundles[r] for r in missing]} of rank(s) "
+                f"{missing} have no node: the node they were on left the Ray cluster and no "
+                f"node still there had a {resource} for them {waited} ({free:g} "
+                f"{resource}s free outside placement groups)"
+            )
+        time.sleep(0.1)
+
+
+def placement_timeout_s() -> float:
+    """VLLM_PP_PLACEMENT_TIMEOUT, read now (a bundle's re-placement after a node loss)."""
+    return envs.get_float("VLLM_PP_PLACEMENT_TIMEOUT")

@@ -43,9 +43,13 @@ class StageInfo:
                 setattr(self, f.name, getattr(reported, f.name))
 
     def describe(self) -> str:
-        """'stage 1 (rank 1, layers [15, 30), node host 10.0.0.2, pid 1234)'."""
+        """'stage 1 (rank 1, layers [15, 30), node host 10.0.0.2, pid 1234)'; on Ray the
+        node also by its Ray id ('node host 10.0.0.2 id 5a8ca0f91a7a'), which tells apart
+        nodes that share a host (Ray's simulated clusters, containers)."""
         start, end = self.layers if self.layers is not None else ("?", "?")
         node = f"{self.host or '?'} {self.ip}".rstrip()
+        if self.node_id:
+            node += f" id {self.node_id[:12]}"
         pid = "?" if self.pid is None else self.pid
         where = f"rank {self.rank}, layers [{start}, {end}), node {node}, pid {pid}"
         return f"stage {self.pp_rank} ({where})"
