@@ -4,7 +4,8 @@
     vllm serve MODEL [engine flags]
 
 Routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /version,
-/metrics, /tokenize, /detokenize, /v1/files and /v1/batches (batches.py), /v1/admin/pipeline
+/metrics, /tokenize, /detokenize, /v1/embeddings, /pooling, /classify, /score and /rerank
+(pooling_routes.py), /v1/files and /v1/batches (batches.py), /v1/admin/pipeline
 and /v1/admin/reshape_pipeline (admin.py: the layer split, changed while serving); with
 VLLM_ALLOW_RUNTIME_LORA_UPDATING, /v1/load_lora_adapter and /v1/unload_lora_adapter
 (serving_models.py). With `--api-key` (or VLLM_API_KEY) the /v1 routes need
@@ -34,6 +35,7 @@ from vllm.entrypoints.openai.batch_lines import BatchLineRunner
 from vllm.entrypoints.openai.batches import add_batch_args, attach_batches
 from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
 from vllm.entrypoints.openai.lora_modules import add_lora_args, lora_requests
+from vllm.entrypoints.openai.pooling_routes import attach_pooling_routes
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -255,6 +257,16 @@ def build_app(
             return error_response(message, param="tokens")
         text = await work.run(lambda: tokenizer.decode(request.tokens))
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+    # /v1/embeddings, /pooling, /classify, /score, /rerank (pooling_routes.py).
+    attach_pooling_routes(
+        app,
+        engine,
+        names,
+        work=work,
+        served_loras=models.lora_requests,
+        chat_template=chat_template,
+    )
 
     # /v1/files and /v1/batches (batches.py).
     attach_batches(
