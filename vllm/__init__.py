@@ -23,6 +23,15 @@ _EXPORTS = {
     "TextPrompt": "vllm.inputs",
     "TokensPrompt": "vllm.inputs",
     "PromptInputs": "vllm.inputs",
+    "PoolingParams": "vllm.pooling_params",
+    "PoolingOutput": "vllm.outputs",
+    "PoolingRequestOutput": "vllm.outputs",
+    "EmbeddingOutput": "vllm.outputs",
+    "EmbeddingRequestOutput": "vllm.outputs",
+    "ClassificationOutput": "vllm.outputs",
+    "ClassificationRequestOutput": "vllm.outputs",
+    "ScoringOutput": "vllm.outputs",
+    "ScoringRequestOutput": "vllm.outputs",
 }
 
 __all__ = list(_EXPORTS)

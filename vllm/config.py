@@ -12,6 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm import envs
+from vllm.transformers_utils.pooler_config import (
+    PoolerConfig,
+    default_pooler_config,
+    sentence_transformers_pooling,
+)
+
+__all__ = ["PoolerConfig"]
 
 logger = logging.getLogger("vllm.config")
 
@@ -53,6 +60,18 @@ def resolve_quantization(quantization: str | None, is_gguf: bool) -> str | None:
     return method
 
 
+# vLLM's --convert values, and the older --task values (with the conversion each implies).
+_CONVERT_TYPES = ["auto", "none", "embed", "classify", "reward"]
+_TASKS = {
+    "generate": "none",
+    "embed": "embed",
+    "embedding": "embed",
+    "classify": "classify",
+    "score": "classify",
+    "reward": "reward",
+}
+
+
 @dataclass
 class ModelConfig:
     """Which model to run and how: path, tokenizer, dtype, context length.
@@ -75,6 +94,17 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     quantization: str | None = None
     hf_config: Any = field(default=None, repr=False)
+    # vLLM's runner selection: "generate", "pooling" or "auto" (from the architecture);
+    # `convert` adapts a model to pooling ("embed", "classify", "reward"; "none"/"auto");
+    # `task` is the older single switch ("generate", "embed", "classify", "score", "reward").
+    runner: str = "auto"
+    convert: str = "auto"
+    task: str | None = None
+    # How a pooling model pools (vLLM's --pooler-config; --override-pooler-config is its older
+    # name): a PoolerConfig, a dict or JSON. Resolved over the model's defaults.
+    pooler_config: Any = None
+    override_pooler_config: Any = None
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -90,11 +120,108 @@ class ModelConfig:
             self.hf_config = _load_hf_config(self.model, self.is_gguf, self.trust_remote_code)
         from vllm.model_registry import check_architecture
 
-        check_architecture(self.hf_config)
+        self.architecture = check_architecture(self.hf_config)
+        self._resolve_runner()
         self.dtype = _resolve_dtype(self.dtype, self.hf_config)
         self.max_model_len = _derive_max_model_len(self.hf_config, self.max_model_len)
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+
+    def _resolve_runner(self) -> None:
+        """`runner_type` ("generate" / "pooling"), `convert_type` ("none", "embed",
+        "classify", "reward"), `is_encoder_only`, `pooler_config` (resolved; None for a
+        generator) and the Matryoshka facts, from the flags and the architecture."""
+        from vllm.model_registry import ENCODER_ONLY_ARCHS, POOLING_ARCHS
+
+        runner, convert = self.runner, self.convert
+        if runner not in ("auto", "generate", "pooling"):
+            raise ValueError(
+                f"runner={runner!r} is not supported; choose one of ['auto', 'generate', "
+                "'pooling']."
+            )
+        if convert not in _CONVERT_TYPES:
+            raise ValueError(
+                f"convert={convert!r} is not supported; choose one of {_CONVERT_TYPES}."
+            )
+        arch = self.architecture
+        native = POOLING_ARCHS.get(arch)
+        if self.task not in (None, "auto"):
+            task = self.task
+            if task not in _TASKS:
+                raise ValueError(f"task={task!r} is not supported; choose one of {list(_TASKS)}.")
+            if task == "generate":
+                runner = "generate" if runner == "auto" else runner
+            else:
+                runner = "pooling" if runner == "auto" else runner
+                if convert == "auto":
+                    if task == "score":
+                        convert = native or "embed"
+                    else:
+                        convert = _TASKS[task]
+        if runner == "auto":
+            converted = convert not in ("auto", "none")
+            runner = "pooling" if native is not None or converted else "generate"
+        if runner == "generate":
+            if native is not None:
+                raise ValueError(
+                    f"Model architecture {arch!r} is a pooling model: it has no generation "
+                    "head (use runner='pooling')."
+                )
+            if convert not in ("auto", "none"):
+                raise ValueError(f"convert={convert!r} needs runner='pooling'.")
+            convert = "none"
+        elif convert in ("auto", "none"):
+            convert = native or "embed"
+        if native == "embed" and convert != "embed":
+            raise ValueError(
+                f"Model architecture {arch!r} has no classification head: convert={convert!r} "
+                "is not supported for it (use convert='embed')."
+            )
+        if native is None and convert in ("classify", "reward"):
+            raise ValueError(
+                f"convert={convert!r} needs a *ForSequenceClassification checkpoint (a `score` "
+                f"head); {arch!r} has none. Use convert='embed'."
+            )
+        self.runner_type: str = runner
+        self.convert_type: str = convert
+        self.is_encoder_only = arch in ENCODER_ONLY_ARCHS
+        cfg = self.hf_config
+        dims = getattr(cfg, "matryoshka_dimensions", None)
+        self.matryoshka_dimensions: list[int] | None = list(dims) if dims else None
+        self.is_matryoshka = bool(getattr(cfg, "is_matryoshka", False)) or dims is not None
+        self.num_labels = int(getattr(cfg, "num_labels", 0) or 0) if convert != "embed" else 0
+        if runner != "pooling":
+            if self.pooler_config is not None or self.override_pooler_config is not None:
+                raise ValueError("pooler_config is only for pooling models (runner='pooling').")
+            return
+        user = PoolerConfig.from_any(self.pooler_config)
+        override = PoolerConfig.from_any(self.override_pooler_config)
+        if override is not None:
+            logger.warning("override_pooler_config is deprecated: use pooler_config.")
+            user = override if user is None else user.merged_over(override)
+        defaults = default_pooler_config(convert, self.is_encoder_only)
+        if not self.is_gguf:
+            st = sentence_transformers_pooling(self.model)
+            if st is not None:
+                defaults = st.merged_over(defaults)
+        self.pooler_config = defaults if user is None else user.merged_over(defaults)
+        self.override_pooler_config = None
+
+    @property
+    def is_pooling_model(self) -> bool:
+        return self.runner_type == "pooling"
+
+    @property
+    def supported_tasks(self) -> list[str]:
+        """The pooling tasks this model runs (vLLM's names); [] for a generator."""
+        if self.runner_type != "pooling":
+            return []
+        if self.convert_type == "embed":
+            return ["encode", "embed", "score", "token_embed"]
+        if self.convert_type == "classify":
+            tasks = ["encode", "classify", "token_classify"]
+            return tasks + ["score"] if self.num_labels == 1 else tasks
+        return ["encode", "token_classify"]
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers get the HF config as plain attributes: unpickling a transformers config

@@ -23,6 +23,8 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
     multi_modal_data: NotRequired[Any]
+    # An encoder's segment ids for a pair input (score / rerank); pooling requests only.
+    token_type_ids: NotRequired[list[int]]
 
 
 PromptInputs = str | TextPrompt | TokensPrompt

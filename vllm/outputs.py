@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from vllm.sampling_params import RequestOutputKind
 from vllm.sequence import (
@@ -16,7 +17,21 @@ from vllm.sequence import (
     SequenceStatus,
 )
 
-__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
+__all__ = [
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "Logprob",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "RequestMetrics",
+    "RequestOutput",
+    "ScoringOutput",
+    "ScoringRequestOutput",
+    "output_of_group",
+]
 
 
 @dataclass
@@ -138,3 +153,164 @@ class RequestOutput:
             f"prompt_logprobs={self.prompt_logprobs}, outputs={self.outputs}, "
             f"finished={self.finished}, metrics={self.metrics})"
         )
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled output of one request: `data` is a torch tensor ([hidden] for a sequence
+    pooling, [tokens, hidden] for ALL, [labels] for a classifier), as vLLM's."""
+
+    data: Any
+
+    def __repr__(self) -> str:
+        return f"PoolingOutput(data={self.data!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PoolingOutput):
+            return NotImplemented
+        return bool((self.data == other.data).all())
+
+
+_O = TypeVar("_O")
+
+
+@dataclass
+class PoolingRequestOutput(Generic[_O]):
+    """What `LLM.encode` / `AsyncLLMEngine.encode` return for one request (vLLM's)."""
+
+    request_id: str
+    outputs: _O
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_seq_group(cls, seq_group: SequenceGroup) -> PoolingRequestOutput[PoolingOutput]:
+        """The group's pooled data (None until it finished; an aborted request has none)."""
+        return PoolingRequestOutput(
+            request_id=seq_group.request_id,
+            outputs=PoolingOutput(seq_group.pooled_data),
+            prompt_token_ids=list(seq_group.prompt_token_ids),
+            finished=seq_group.is_finished(),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(request_id={self.request_id!r}, outputs={self.outputs!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, finished={self.finished})"
+        )
+
+
+def _as_list(data: Any) -> list[float]:
+    if data is None:
+        raise ValueError("the request has no pooled data (it was aborted or failed)")
+    values = data.tolist() if hasattr(data, "tolist") else data
+    return [values] if isinstance(values, (int, float)) else list(values)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding vector (vLLM's)."""
+
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> EmbeddingOutput:
+        data = pooling_output.data
+        if data is not None and getattr(data, "ndim", 1) != 1:
+            raise ValueError("pooled_data should be a 1-D embedding vector")
+        return EmbeddingOutput(_as_list(data))
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingOutput(hidden_size={self.hidden_size})"
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """`LLM.embed`'s output for one prompt."""
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput[Any]) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(
+            request_id=request_output.request_id,
+            outputs=EmbeddingOutput.from_base(request_output.outputs),
+            prompt_token_ids=request_output.prompt_token_ids,
+            finished=request_output.finished,
+        )
+
+
+@dataclass
+class ClassificationOutput:
+    """The class probabilities of one prompt (vLLM's)."""
+
+    probs: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> ClassificationOutput:
+        data = pooling_output.data
+        if data is not None and getattr(data, "ndim", 1) != 1:
+            raise ValueError("pooled_data should be a 1-D probability vector")
+        return ClassificationOutput(_as_list(data))
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+    def __repr__(self) -> str:
+        return f"ClassificationOutput(num_classes={self.num_classes})"
+
+
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    """`LLM.classify`'s output for one prompt."""
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput[Any]) -> ClassificationRequestOutput:
+        return ClassificationRequestOutput(
+            request_id=request_output.request_id,
+            outputs=ClassificationOutput.from_base(request_output.outputs),
+            prompt_token_ids=request_output.prompt_token_ids,
+            finished=request_output.finished,
+        )
+
+
+@dataclass
+class ScoringOutput:
+    """The similarity score of one pair (vLLM's)."""
+
+    score: float
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> ScoringOutput:
+        values = _as_list(pooling_output.data)
+        if len(values) != 1:
+            raise ValueError("pooled_data should be a scalar score")
+        return ScoringOutput(float(values[0]))
+
+    def __repr__(self) -> str:
+        return f"ScoringOutput(score={self.score})"
+
+
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    """`LLM.score`'s output for one pair."""
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput[Any]) -> ScoringRequestOutput:
+        return ScoringRequestOutput(
+            request_id=request_output.request_id,
+            outputs=ScoringOutput.from_base(request_output.outputs),
+            prompt_token_ids=request_output.prompt_token_ids,
+            finished=request_output.finished,
+        )
+
+
+# What the engine's step returns per request.
+EngineOutput = RequestOutput | PoolingRequestOutput[Any]
+
+
+def output_of_group(seq_group: SequenceGroup) -> EngineOutput:
+    """The output the engine returns for a group: pooled for a pooling request."""
+    if seq_group.pooling_params is not None:
+        return PoolingRequestOutput.from_seq_group(seq_group)
+    return RequestOutput.from_seq_group(seq_group)

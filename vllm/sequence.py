@@ -11,10 +11,11 @@ import copy
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
+    from vllm.pooling_params import PoolingParams
     from vllm.sampling_params import SamplingParams
 
 
@@ -112,6 +113,9 @@ class SequenceData:
     # seed + index, as vLLM's parallel sampling, so its tokens never depend on which of its
     # siblings are still running (see sampling_metadata.sample_seed).
     sample_index: int = 0
+    # Per prompt token segment ids of an encoder's pair input ([CLS] a [SEP] b [SEP]: 0s then
+    # 1s, as the HF tokenizer builds them); None for everything else.
+    token_type_ids: list[int] | None = None
 
     def get_num_computed_tokens(self) -> int:
         return self._num_computed_tokens
@@ -171,12 +175,15 @@ class Sequence:
         prompt_token_ids: list[int],
         block_size: int,
         eos_token_id: int | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.prompt = prompt
         self.block_size = block_size
         self.eos_token_id = eos_token_id
-        self.data = SequenceData(list(prompt_token_ids), eos_token_id=eos_token_id)
+        self.data = SequenceData(
+            list(prompt_token_ids), eos_token_id=eos_token_id, token_type_ids=token_type_ids
+        )
         self.output_logprobs: SampleLogprobs = []
         self.output_text = ""
         self.status = SequenceStatus.WAITING
@@ -259,6 +266,7 @@ class Sequence:
             self.data._num_computed_tokens,
             self.data._stage,
             self.data.sample_index,
+            self.data.token_type_ids,
         )
         new_seq.output_logprobs = list(self.output_logprobs)
         new_seq.tokens = None if self.tokens is None else list(self.tokens)
@@ -321,8 +329,15 @@ class SequenceGroup:
         sampling_params: SamplingParams,
         arrival_time: float,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
+        # A pooling request (embed, classify, score, encode): its prompt runs through every
+        # stage once and the last stage pools; `sampling_params` is then the engine's
+        # one-token placeholder (scheduling treats it as a prompt that ends after prefill).
+        self.pooling_params = pooling_params
+        # What the last stage pooled for it (a torch tensor; set once, when it finishes).
+        self.pooled_data: Any = None
         # The adapter the request runs with (None: the base model).
         self.lora_request = lora_request
         self.seqs_dict = {seq.seq_id: seq for seq in seqs}
@@ -468,6 +483,9 @@ class SequenceGroupMetadata:
     do_sample: bool = True
     # The request's LoRA adapter id (0: the base model).
     lora_int_id: int = 0
+    # A pooling request's parameters (None: a generation request); the last stage pools its
+    # hidden states instead of sampling.
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if self.token_chunk_size is None:
@@ -496,6 +514,11 @@ class SequenceGroupOutput:
     # Set when the group's own sampling work raised (its logits processor...): the samples
     # are placeholders that keep the stages in step, and the engine fails the request.
     error: str | None = None
+    # A pooling request's pooled data (a torch tensor, on the last chunk of its prompt).
+    pooled: Any = None
+    # With `error`: the request is not at fault (the last stage lost the hidden states of its
+    # earlier chunks, being replaced meanwhile): it is recomputed, not failed.
+    recompute: bool = False
 
 
 # The last stage returns one SequenceGroupOutput per scheduled group, in schedule order.

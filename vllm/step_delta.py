@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from vllm.sequence import SequenceData, SequenceGroupMetadata
 
 if TYPE_CHECKING:
+    from vllm.pooling_params import PoolingParams
     from vllm.sampling_params import SamplingParams
 
 
@@ -67,6 +68,8 @@ class NewRequestData(NamedTuple):
     # For a request with a LoRA adapter, (params, lora_int_id): a request without one pays
     # no byte for LoRA.
     sampling_params: SamplingParams | tuple[SamplingParams, int]
+    # A pooling request's parameters (the last stage pools instead of sampling).
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(NamedTuple):

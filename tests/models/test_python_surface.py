@@ -110,8 +110,9 @@ def test_newer_vllm_keywords_ray_data_passes():
         SamplingParams(structured_outputs={"jsn": {}})
     args = AsyncEngineArgs(model="smollm2", runner="generate", enable_log_requests=False)
     assert args.runner == "generate"
-    with pytest.raises(ValueError, match="runner='pooling'"):
-        AsyncEngineArgs(model="smollm2", runner="pooling")
+    assert AsyncEngineArgs(model="smollm2", runner="pooling").runner == "pooling"
+    with pytest.raises(ValueError, match="runner='pool'"):
+        AsyncEngineArgs(model="smollm2", runner="pool")
 
 
 def test_generate_leaves_a_host_gc_freeze_alone(llm, monkeypatch):

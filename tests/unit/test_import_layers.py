@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
         "vllm.lora.peft_config",
         "vllm.structured_output.lark_to_ebnf",
         "vllm.sampling_params",
+        "vllm.pooling_params",
         "vllm.inputs",
         "vllm.sequence",
         "vllm.step_delta",

@@ -262,8 +262,9 @@ class BlockSpaceManager:
         tokens = prompt_sets[0][0].get_token_ids()
         hashes = self._block_hashes(tokens, getattr(seq_group, "lora_int_id", 0))
         hits: list[int] = []
-        # Prompt logprobs need the logits of every prompt position: nothing may be skipped.
-        if getattr(seq_group.sampling_params, "prompt_logprobs", None) is None:
+        # Prompt logprobs need the logits of every prompt position, MEAN/ALL/STEP pooling the
+        # hidden states of every prompt position: nothing may be skipped.
+        if _reads_prefix_cache(seq_group):
             for block_hash in hashes[: (len(tokens) - 1) // self.block_size]:
                 block = self._hash_to_block.get(block_hash)
                 if block is None or block not in self._computed:
@@ -279,7 +280,7 @@ class BlockSpaceManager:
         waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
         if not hashes or not waiting:
             return False
-        if getattr(seq_group.sampling_params, "prompt_logprobs", None) is not None:
+        if not _reads_prefix_cache(seq_group):
             return False
         index = len(hits)
         if index >= (waiting[0].get_len() - 1) // self.block_size:
@@ -380,7 +381,7 @@ class BlockSpaceManager:
             raise ValueError(
                 f"Out of memory! Need {num_blocks} gpu blocks, {self._gpu.num_free()} free."
             )
-        if hashes and getattr(seq_group.sampling_params, "prompt_logprobs", None) is None:
+        if hashes and _reads_prefix_cache(seq_group):
             self.num_queried_blocks += (prompt_sets[0][0].get_len() - 1) // self.block_size
             self.num_hit_blocks += len(hits)
         for seqs in prompt_sets:
@@ -548,3 +549,12 @@ class BlockSpaceManager:
     def get_num_free_cpu_blocks(self) -> int:
         """Free swap-space blocks."""
         return self._cpu.num_free()
+
+
+def _reads_prefix_cache(seq_group: SequenceGroup) -> bool:
+    """Whether the group may skip a cached prefix: not when every prompt position's output is
+    wanted (prompt logprobs; pooling over every token)."""
+    if getattr(seq_group.sampling_params, "prompt_logprobs", None) is not None:
+        return False
+    pooling = getattr(seq_group, "pooling_params", None)
+    return pooling is None or not pooling.skip_reading_prefix_cache

@@ -270,6 +270,15 @@ class Scheduler:
         and they wait again, by arrival, with the tokens they have."""
         self._requeue(groups, free_blocks=True)
 
+    def recompute_groups(self, groups: list[SequenceGroup]) -> None:
+        """Recompute running groups that are not in flight from their first token (a pooling
+        request whose last stage lost its earlier chunks): blocks freed, sent in full again."""
+        ids = {g.request_id for g in groups}
+        self.running = collections.deque(g for g in self.running if g.request_id not in ids)
+        for group in groups:
+            StepWriter.forget(group)
+        self.requeue(groups)
+
     def requeue_all(self) -> list[str]:
         """Recompute everything: the KV cache of a stage was lost (it was replaced).
 

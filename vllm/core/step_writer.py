@@ -102,6 +102,7 @@ class StepWriter:
             do_sample,
             records,  # type: ignore[arg-type]  # all NewSeqData: the group is not held
             (params, lora_int_id) if lora_int_id else params,
+            group.pooling_params,
         )
 
     def _write_seq(

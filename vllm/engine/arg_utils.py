@@ -15,6 +15,18 @@ from vllm.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.engine.arg_utils")
+
+RUNNER_TYPES = ("auto", "generate", "pooling")
+CONVERT_TYPES = ("auto", "none", "embed", "classify", "reward")
+
+
+def _first_served_name(name: str | list[str] | None) -> str | None:
+    if isinstance(name, (list, tuple)):
+        return str(name[0]) if name else None
+    return name
 
 
 @dataclass
@@ -67,6 +79,24 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Pooling models (vLLM 0.10.2+'s names): the runner, the conversion of the checkpoint,
+    # the older task switch and the pooler's settings (`override_pooler_config`: its older
+    # name, deprecated).
+    runner: str = "auto"
+    convert: str = "auto"
+    task: str | None = None
+    pooler_config: object = None
+    override_pooler_config: object = None
+
+    def __post_init__(self) -> None:
+        if self.runner not in RUNNER_TYPES:
+            raise ValueError(
+                f"runner={self.runner!r} is not supported; choose one of {list(RUNNER_TYPES)}."
+            )
+        if self.convert not in CONVERT_TYPES:
+            raise ValueError(
+                f"convert={self.convert!r} is not supported; choose one of {list(CONVERT_TYPES)}."
+            )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -254,6 +284,39 @@ class EngineArgs:
             "prompt prefix.",
         )
         add(
+            "--runner",
+            type=str,
+            default=d.runner,
+            choices=list(RUNNER_TYPES),
+            help="The model runner: 'generate' (text generation) or 'pooling' (embeddings, "
+            "classification, scores); 'auto' from the architecture.",
+        )
+        add(
+            "--convert",
+            type=str,
+            default=d.convert,
+            choices=list(CONVERT_TYPES),
+            help="Adapt the model to pooling: 'embed', 'classify' or 'reward'.",
+        )
+        add(
+            "--task",
+            type=str,
+            default=d.task,
+            help="Older form of --runner/--convert: generate, embed, classify, score, reward.",
+        )
+        add(
+            "--pooler-config",
+            type=str,
+            default=None,
+            help='The pooler, as JSON: e.g. \'{"pooling_type": "MEAN", "normalize": true}\'.',
+        )
+        add(
+            "--override-pooler-config",
+            type=str,
+            default=None,
+            help="Deprecated name of --pooler-config.",
+        )
+        add(
             "--device",
             type=str,
             default=d.device,
@@ -363,17 +426,34 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             max_logprobs=self.max_logprobs,
             skip_tokenizer_init=self.skip_tokenizer_init,
+            runner=self.runner,
+            convert=self.convert,
+            task=self.task,
+            pooler_config=self.pooler_config,
+            override_pooler_config=self.override_pooler_config,
+            served_model_name=_first_served_name(self.served_model_name),
         )
         # Fails fast (before any worker starts) on pp > layers, a bad partition, or heads that
         # do not split over the TP ranks.
         model_config.get_pp_layer_sizes(parallel_config)
         model_config.verify_with_parallel_config(parallel_config)
+        enable_chunked_prefill = self.enable_chunked_prefill
+        if model_config.is_encoder_only:
+            # vLLM's rule: an encoder attends over the whole prompt at once, and keeps no KV
+            # between steps to share.
+            if enable_chunked_prefill or cache_config.enable_prefix_caching:
+                logger.warning(
+                    "Chunked prefill and prefix caching are not supported for encoder-only "
+                    "models: both are disabled."
+                )
+            enable_chunked_prefill = False
+            cache_config.enable_prefix_caching = False
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,  # type: ignore[arg-type]
             max_num_seqs=self.max_num_seqs,
             max_model_len=model_config.max_model_len,
             preemption_mode=self.preemption_mode,
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_chunked_prefill=enable_chunked_prefill,
             async_scheduling=self.async_scheduling,
         )
         return EngineConfig(
@@ -395,8 +475,7 @@ class AsyncEngineArgs(EngineArgs):
     """Arguments for AsyncLLMEngine: EngineArgs plus the online-serving options."""
 
     disable_log_requests: bool = False
-    # Newer vLLM's names, passed by Ray Data's LLM processor: only text generation runs here.
-    runner: str = "generate"
+    # Newer vLLM's name, passed by Ray Data's LLM processor.
     enable_log_requests: bool = False
     # vLLM 0.5: run the engine in a Ray actor. Here the engine always runs in the server's
     # process (its stages are the Ray actors), so the flag is accepted with a warning.
@@ -413,11 +492,7 @@ class AsyncEngineArgs(EngineArgs):
                 "engine_use_ray: the engine runs in this process; its stages are the Ray "
                 "actors (--distributed-executor-backend ray)."
             )
-        if self.runner not in ("auto", "generate"):
-            raise ValueError(
-                f"runner={self.runner!r} is not supported: this engine only generates text "
-                "(runner='generate' or 'auto')."
-            )
+        super().__post_init__()
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

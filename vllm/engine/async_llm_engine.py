@@ -29,7 +29,8 @@ from vllm.engine.request_tracker import RequestTracker
 from vllm.executor.stage_supervisor import EngineDeadError, EngineHealth
 from vllm.inputs import PromptInputs, parse_prompt
 from vllm.logger import init_logger
-from vllm.outputs import RequestOutput
+from vllm.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
+from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import SamplingParams
 
 logger = init_logger("vllm.engine.async_llm_engine")
@@ -64,7 +65,7 @@ class AsyncStream:
             self.finished = True
             self.put(error if error is not None else _FINISHED)
 
-    async def __aiter__(self) -> AsyncGenerator[RequestOutput, None]:
+    async def __aiter__(self) -> AsyncGenerator[Any, None]:
         while True:
             item = await self._queue.get()
             if item is _FINISHED:
@@ -94,9 +95,9 @@ def _put_all(items: list[tuple[AsyncStream, Any]]) -> None:
 @dataclass
 class _NewRequest:
     stream: AsyncStream
-    prompt: str | None
+    prompt: Any  # the text, or a prompt dict the engine reads whole (token_type_ids)
     prompt_token_ids: list[int] | None
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_time: float
     lora_request: Any = None
 
@@ -332,6 +333,44 @@ class AsyncLLMEngine:
                 self._abort(request_id)
                 self._run_abort_hook([request_id])
 
+    async def encode(
+        self,
+        prompt: PromptInputs,
+        pooling_params: PoolingParams,
+        request_id: str,
+        lora_request: Any = None,
+        *,
+        trace_headers: Any = None,
+        priority: int = 0,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> AsyncGenerator[PoolingRequestOutput[Any], None]:
+        """Yield the pooling request's output (vLLM's `encode`): one `PoolingRequestOutput`,
+        once its prompt went through every stage. `pooling_params.task` says what to pool
+        ("embed", "classify", "score", "encode"; the model's own task when unset). Bad input
+        raises ValueError/TypeError from the first iteration; stopping early aborts it."""
+        if not isinstance(pooling_params, PoolingParams):
+            raise TypeError(
+                f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}."
+            )
+        if priority:
+            raise ValueError("priority: priority scheduling is not supported.")
+        if tokenization_kwargs:
+            raise ValueError("tokenization_kwargs are not supported by this engine.")
+        if request_id is None:
+            raise ValueError("request_id is required.")
+        request_id = str(request_id)
+        stream = self._add_request(request_id, prompt, pooling_params, None, lora_request)
+        done = False
+        try:
+            async for output in stream:
+                done = output.finished
+                yield output
+            done = True
+        finally:
+            if not done:
+                self._abort(request_id)
+                self._run_abort_hook([request_id])
+
     async def add_request(
         self,
         request_id: str,
@@ -381,11 +420,15 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None,
         lora_request: Any = None,
     ) -> AsyncStream:
+        text: Any
         text, token_ids = parse_prompt(prompt)
+        if isinstance(prompt, dict) and "token_type_ids" in prompt:
+            # The engine reads the whole prompt (its segment ids with its tokens).
+            text, token_ids = prompt, None
         stream = AsyncStream(request_id, asyncio.get_running_loop())
         with self._lock:
             if self._errored_with is not None:
@@ -475,7 +518,7 @@ class AsyncLLMEngine:
             if not self.engine.has_unfinished_requests():
                 self.engine.do_log_stats()  # no step will refresh the gauges now
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up per event loop, not one per
         request (a step can finish a token for hundreds of requests)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[AsyncStream, Any]]] = {}

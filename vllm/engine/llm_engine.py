@@ -47,7 +47,8 @@ from vllm.executor.stage_supervisor import (
 from vllm.logger import init_logger
 from vllm.lora.registry import LoRARegistry
 from vllm.lora.request import LoRARequest
-from vllm.outputs import RequestOutput
+from vllm.outputs import EngineOutput, output_of_group
+from vllm.pooling_params import PoolingParams
 from vllm.request_failure import RequestFailedError
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
@@ -125,7 +126,7 @@ class LLMEngine:
         self._grammar_cache: Any = None
         # Outputs made while scheduling (ignored prompts), returned by this or the next step
         # even if the step fails after making them.
-        self._pending_outputs: list[RequestOutput] = []
+        self._pending_outputs: list[EngineOutput] = []
         self.num_steps = 0
         # Stage failures: their events, the restart budget and how each is recovered.
         self.recovery = StageRecovery(self)
@@ -210,12 +211,12 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Any = None,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | PoolingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         *,
         inputs: Any = None,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         trace_headers: Any = None,
         prompt_adapter_request: Any = None,
         lora_request: LoRARequest | None = None,
@@ -231,13 +232,24 @@ class LLMEngine:
             prompt = inputs
         if sampling_params is None:
             sampling_params = params
+        pooling_params: PoolingParams | None = None
+        if isinstance(sampling_params, PoolingParams):
+            pooling_params = self._verify_pooling_params(sampling_params)
+            sampling_params = _pooling_placeholder(pooling_params, self.model_config)
+        elif self.model_config.is_pooling_model and isinstance(sampling_params, SamplingParams):
+            raise ValueError(
+                "LLM.generate() is only supported for generative models. Try passing "
+                "`--runner generate` to use the model as a generative model."
+            )
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(
-                f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}."
+                "sampling_params must be a SamplingParams (or a PoolingParams for a pooling "
+                f"model), got {type(sampling_params).__name__}."
             )
         if isinstance(prompt_token_ids, (int, float)) and not isinstance(prompt_token_ids, bool):
             # vLLM 0.5's positional order: (request_id, inputs, params, arrival_time).
             prompt_token_ids, arrival_time = None, float(prompt_token_ids)
+        token_type_ids = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
         if not isinstance(prompt, str) and prompt is not None and prompt_token_ids is None:
             from vllm.inputs import parse_prompt
 
@@ -252,6 +264,14 @@ class LLMEngine:
             self.tokenizer,
             self.model_config,
         )
+        if token_type_ids is not None:
+            token_type_ids = _check_token_type_ids(token_type_ids, pooling_params, prompt_token_ids)
+        if pooling_params is not None and len(prompt_token_ids) > self.model_config.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
+                f"model length of {self.model_config.max_model_len}. Make sure that "
+                "`max_model_len` is no smaller than the number of text tokens."
+            )
         if sampling_params.structured_outputs is not None:
             self.check_structured_outputs(sampling_params)
         eos = self.eos_token_id
@@ -268,7 +288,12 @@ class LLMEngine:
         # Extra EOS ids of the model's generation_config stop generation too (vLLM does this).
         params.update_from_generation_config(self.generation_config, eos)
         seq = Sequence(
-            self._new_seq_id(), prompt, prompt_token_ids, self.cache_config.block_size, eos
+            self._new_seq_id(),
+            prompt,
+            prompt_token_ids,
+            self.cache_config.block_size,
+            eos,
+            token_type_ids=token_type_ids,
         )
         group = SequenceGroup(
             str(request_id),
@@ -276,8 +301,29 @@ class LLMEngine:
             params,
             arrival_time if arrival_time is not None else time.time(),
             lora_request=lora_request,
+            pooling_params=pooling_params,
         )
         self.scheduler.add_seq_group(group)
+
+    def _verify_pooling_params(self, params: PoolingParams) -> PoolingParams:
+        """The engine's copy of a pooling request's parameters, verified for this model:
+        its task (the model's default when unset) must be one the model runs."""
+        config = self.model_config
+        if not config.is_pooling_model:
+            raise ValueError(
+                "LLM.encode() is only supported for pooling models. Try passing "
+                "`--runner pooling` to use the model as a pooling model."
+            )
+        params = params.clone()
+        supported = config.supported_tasks
+        task = params.task or _default_task(config.convert_type)
+        if task not in supported:
+            raise ValueError(f"pooling_task must be one of {supported}, got {task!r}.")
+        params.verify(task, config)
+        pooling_type = getattr(config.pooler_config, "pooling_type", None) or "LAST"
+        # Only LAST pooling may skip a cached prefix: the others read every prompt position.
+        params.skip_reading_prefix_cache = pooling_type != "LAST"
+        return params
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter on every stage (False if its id is registered already)."""
@@ -469,7 +515,7 @@ class LLMEngine:
         # pipeline will never return: recompute everything in flight, as after an interrupt.
         self._discard_in_flight()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Fill the pipeline with new batches, then finish the oldest one.
 
         Returns the RequestOutputs of the groups in that batch (and of prompts ignored as
@@ -493,14 +539,14 @@ class LLMEngine:
             self._discard_in_flight()
             raise
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[EngineOutput]:
         ignored_groups: list[SequenceGroup] = []
         while not self.batch_queue.is_full():
             with sigint_deferred():
                 records, sched_out = self.scheduler.schedule(self.batch_queue.next_step_no)
                 for group in sched_out.ignored_seq_groups:
                     group.metrics.finished_time = time.time()
-                    self._pending_outputs.append(RequestOutput.from_seq_group(group))
+                    self._pending_outputs.append(output_of_group(group))
                     group.final_output_returned = True
                     ignored_groups.append(group)
                     self._finished_request_ids.append(group.request_id)
@@ -514,7 +560,7 @@ class LLMEngine:
         request_outputs = self._collect_oldest(ignored_groups)
         return self._take_pending_outputs() + request_outputs
 
-    def _collect_oldest(self, ignored_groups: list[SequenceGroup]) -> list[RequestOutput]:
+    def _collect_oldest(self, ignored_groups: list[SequenceGroup]) -> list[EngineOutput]:
         """Wait for the oldest batch in the pipeline and process its tokens."""
         with sigint_deferred():
             sched_out, output = self.batch_queue.collect_oldest()
@@ -536,12 +582,12 @@ class LLMEngine:
         changes."""
         for group, group_output in zip(groups, output or ()):
             error = getattr(group_output, "error", None)
-            if error is None or group.is_finished():
+            if error is None or group.is_finished() or getattr(group_output, "recompute", False):
                 continue
             logger.error("Request %s failed in the last stage: %s", group.request_id, error)
             self._end_as_failed([group], error)
 
-    def _take_pending_outputs(self) -> list[RequestOutput]:
+    def _take_pending_outputs(self) -> list[EngineOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
@@ -559,7 +605,7 @@ class LLMEngine:
                 "Step interrupted: %d in-flight requests re-queued for recompute", len(requeued)
             )
 
-    def _recover(self, error: StageFailedError) -> list[RequestOutput]:
+    def _recover(self, error: StageFailedError) -> list[EngineOutput]:
         """Replace the failed stages and bring their KV back (`vllm.engine.recovery`); or,
         when restarts are used up or replacing fails, abort everything, release the workers
         and raise."""
@@ -585,7 +631,7 @@ class LLMEngine:
         self._finished_request_ids.extend(ids)
         for group in groups:
             group.metrics.finished_time = time.time()
-            self._pending_outputs.append(RequestOutput.from_seq_group(group))
+            self._pending_outputs.append(output_of_group(group))
             group.final_output_returned = True
 
     def _fail(self, error: StageFailedError, why: str) -> None:
@@ -616,6 +662,41 @@ class LLMEngine:
             self.shutdown()
         except Exception:  # interpreter teardown: nothing left to clean up with
             pass
+
+
+def _check_token_type_ids(
+    token_type_ids: Any, pooling_params: PoolingParams | None, prompt_token_ids: list[int]
+) -> list[int]:
+    """A prompt's `token_type_ids` (an encoder's pair input): one int per prompt token (the
+    last ones when the prompt was truncated), for a pooling request only."""
+    if pooling_params is None:
+        raise ValueError("token_type_ids: only pooling requests (score, rerank) take them.")
+    if not isinstance(token_type_ids, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in token_type_ids
+    ):
+        raise TypeError("token_type_ids must be a list of ints.")
+    if len(token_type_ids) < len(prompt_token_ids):
+        raise ValueError(
+            f"token_type_ids has {len(token_type_ids)} entries for {len(prompt_token_ids)} "
+            "prompt tokens."
+        )
+    return list(token_type_ids[len(token_type_ids) - len(prompt_token_ids) :])
+
+
+def _default_task(convert: str) -> str:
+    """The pooling task a request without one runs (the model's main task)."""
+    return {"embed": "embed", "classify": "classify"}.get(convert, "encode")
+
+
+def _pooling_placeholder(params: PoolingParams, model_config: ModelConfig) -> SamplingParams:
+    """What the scheduler sees of a pooling request: a prompt that ends after its prefill
+    (one token at most, never sampled), truncated as `truncate_prompt_tokens` asks."""
+    truncate = params.truncate_prompt_tokens
+    if truncate == -1:
+        truncate = model_config.max_model_len
+    return SamplingParams(
+        max_tokens=1, temperature=0.0, detokenize=False, truncate_prompt_tokens=truncate
+    )
 
 
 def _first_name(name: Any) -> str | None:

@@ -16,7 +16,7 @@ from vllm.engine.detokenizer import (
     detokenize_incrementally,
 )
 from vllm.engine.stop_checker import check_stop
-from vllm.outputs import RequestOutput
+from vllm.outputs import EngineOutput, output_of_group
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.sequence import (
     PromptLogprobs,
@@ -47,7 +47,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.new_seq_id = new_seq_id
 
-    def process(self, groups: list[SequenceGroup], output: SamplerOutput) -> list[RequestOutput]:
+    def process(self, groups: list[SequenceGroup], output: SamplerOutput) -> list[EngineOutput]:
         """Apply one batch's outputs (one per group, in schedule order)."""
         if len(groups) != len(output):
             raise RuntimeError(
@@ -59,7 +59,16 @@ class OutputProcessor:
             # Finished while this batch was inside the pipeline (aborted, or stopped by the
             # step before a step scheduled ahead): the tokens are discarded, and the final
             # output goes out once.
-            if not group.is_finished():
+            if not group.is_finished() and group.pooling_params is not None:
+                if group_output.recompute:
+                    # The last stage lost the request's earlier chunks: it runs again.
+                    self.scheduler.recompute_groups([group])
+                    continue
+                if group.is_prefill():
+                    continue  # a chunk before the end of the prompt: nothing pooled yet
+                self._finish_pooling(group, group_output)
+                group.record_token_time(now)
+            elif not group.is_finished():
                 if group_output.prompt_logprobs is not None:
                     self._add_prompt_logprobs(group, group_output.prompt_logprobs)
                 if group.is_prefill():
@@ -70,11 +79,23 @@ class OutputProcessor:
             if group.is_finished():
                 if not group.final_output_returned:
                     group.final_output_returned = True
-                    results.append(RequestOutput.from_seq_group(group))
-            elif group.sampling_params.output_kind != FINAL_ONLY:
+                    results.append(output_of_group(group))
+            elif group.pooling_params is None and group.sampling_params.output_kind != FINAL_ONLY:
                 # FINAL_ONLY requests (all of LLM.generate's) get no partial outputs built.
-                results.append(RequestOutput.from_seq_group(group))
+                results.append(output_of_group(group))
         return results
+
+    def _finish_pooling(self, group: SequenceGroup, group_output: SequenceGroupOutput) -> None:
+        """A pooling request's prompt went through every stage: it finishes with its pooled
+        data, and its blocks are released."""
+        if group_output.pooled is None:
+            raise RuntimeError(
+                f"request {group.request_id}: the last stage returned no pooled data for it"
+            )
+        group.pooled_data = group_output.pooled
+        for seq in group.get_unfinished_seqs():
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            self.scheduler.free_seq(seq)
 
     def _add_prompt_logprobs(self, group: SequenceGroup, chunk: PromptLogprobs) -> None:
         """Join the prompt logprobs of one prefill chunk; set them once all have arrived (on

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
+from vllm.entrypoints.llm_pooling import PoolingMixin
 from vllm.inputs import is_token_list, parse_prompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -21,8 +22,9 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 PromptType = str | dict[str, Any]
 
 
-class LLM:
-    """Generate text for batches of prompts with continuous batching over a paged KV cache.
+class LLM(PoolingMixin):
+    """Generate text for batches of prompts with continuous batching over a paged KV cache;
+    with a pooling model, embed, classify and score them (`PoolingMixin`).
 
     `LLM(model="smollm2", pipeline_parallel_size=2)` splits the decoder layers over two Ray
     workers. Keyword arguments are EngineArgs fields (vLLM's names).
@@ -195,10 +197,10 @@ class LLM:
             f"{type(params).__name__}."
         )
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
         engine = self.llm_engine
         wanted = set(request_ids)
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, Any] = {}
         bar = tqdm(
             total=len(request_ids),
             desc="Processed prompts",
@@ -213,7 +215,8 @@ class LLM:
                         continue
                     finished[output.request_id] = output
                     in_toks += len(output.prompt_token_ids)
-                    out_toks += sum(len(o.token_ids) for o in output.outputs)
+                    if isinstance(output, RequestOutput):  # a pooling output has none
+                        out_toks += sum(len(o.token_ids) for o in output.outputs)
                     bar.update(1)
                     elapsed = bar.format_dict["elapsed"] or 1e-9
                     bar.set_postfix_str(
@@ -262,7 +265,7 @@ def _final_only(params_list: list[SamplingParams]) -> list[SamplingParams]:
 
 @contextlib.contextmanager
 def _abort_unfinished_on_error(
-    engine: LLMEngine, request_ids: list[str], finished: dict[str, RequestOutput]
+    engine: LLMEngine, request_ids: list[str], finished: dict[str, Any]
 ) -> Iterator[None]:
     """If generate() is left by an exception (Ctrl-C included), its unfinished requests are
     aborted: nobody will collect them, and the next generate() must not run them."""

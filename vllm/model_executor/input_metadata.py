@@ -38,6 +38,9 @@ class InputMetadata:
     # [num_prefills] int64: tokens of each prefill sequence at this step (cached, in this step
     # and in later chunks): rope variants that switch on the sequence length see it (rotary.py).
     prefill_total_lens: torch.Tensor | None = None
+    # [num_tokens] int64: each token's segment id for encoder pair inputs (None: none). Read
+    # by the first stage's embeddings only, so it is not sent down the pipeline.
+    token_type_ids: torch.Tensor | None = None
     # Python copies of small tensors, derived once per step so layers do not sync per call.
     _prefill_lens_list: list[int] | None = field(default=None, repr=False)
     _decode_max_len: int | None = field(default=None, repr=False)

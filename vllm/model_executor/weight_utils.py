@@ -141,7 +141,7 @@ def load_stage_model(
 ) -> nn.Module:
     """Construct this stage's module in the engine dtype on `device` and load its weights."""
     start = time.perf_counter()
-    model_cls = get_model_class(model_config.hf_config)
+    model_cls = get_model_class(model_config.hf_config, model_config)
     dtype = get_torch_dtype(model_config.dtype)
     quantized = model_config.quantization == "gguf" and device.type == "cpu"
     with _default_dtype(dtype), torch.device(device), gguf_quant.quantized_linears(quantized):

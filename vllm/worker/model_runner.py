@@ -15,6 +15,7 @@ from vllm.distributed import parallel_state as ps
 from vllm.lora.worker_manager import StageLoRAManager, token_lora_ids
 from vllm.model_executor.input_metadata import InputMetadata
 from vllm.model_executor.layers.attention import KVCache
+from vllm.model_executor.layers.pooler import PoolingBuffer, PoolingStateLost, pool
 from vllm.model_executor.layers.sampler import Sampler
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.sampling_metadata import build_sampling_metadata
@@ -31,6 +32,7 @@ def prepare_inputs(
     decodes), into input_ids [T], positions [T] and the attention metadata."""
     input_ids: list[int] = []
     positions: list[int] = []
+    type_ids: list[int] = []  # token_type_ids (encoder pair inputs), when a prompt has them
     slots: list[int] = []
     prefill_lens: list[int] = []
     prefill_contexts: list[int] = []
@@ -58,6 +60,10 @@ def prepare_inputs(
                 length = meta.token_chunk_size
             tokens = data.get_token_ids()[start : start + length]
             table = meta.block_tables[seq_id]
+            if data.token_type_ids is not None:
+                # Placed at the token's index in the batch (a decode's is filled with 0 below).
+                type_ids.extend([0] * (len(input_ids) - len(type_ids)))
+                type_ids.extend(data.token_type_ids[start : start + length])
             input_ids.extend(tokens)
             positions.extend(range(start, start + length))
             slots.extend(
@@ -96,6 +102,9 @@ def prepare_inputs(
     md._prefill_lens_list = prefill_lens
     md._prefill_context_list = prefill_contexts
     md._decode_max_len = max(context_lens, default=0)
+    if type_ids:
+        type_ids.extend([0] * (len(input_ids) - len(type_ids)))
+        md.token_type_ids = long_tensor(type_ids)  # [T]
     return long_tensor(input_ids), long_tensor(positions), md
 
 
@@ -121,11 +130,14 @@ class ModelRunner:
         self._structured: StructuredOutputState | None = None
         # This stage's LoRA adapters (enable_lora; set by the worker), else None.
         self.lora_manager: StageLoRAManager | None = None
+        # Last stage: the earlier chunks' hidden states of chunked pooling prompts.
+        self.pooling_buffer = PoolingBuffer()
 
     def drop_requests(self, request_ids: list[str]) -> None:
-        """Finished requests: forget their structured-output state."""
+        """Finished requests: forget their structured-output state and pooling chunks."""
         if self._structured is not None:
             self._structured.drop(request_ids)
+        self.pooling_buffer.drop(request_ids)
 
     def _structured_state(self, metadata_list: list[SequenceGroupMetadata]) -> Any:
         """The structured-output state when this step has a constrained group (and this rank
@@ -161,6 +173,10 @@ class ModelRunner:
         if to_send is not None:
             return to_send, None
         assert rows is not None
+        if any(meta.pooling_params is not None for meta in rows.groups):
+            if ps.get_tensor_model_parallel_rank() != 0:
+                return None, None  # the TP driver pools (every rank has the full rows)
+            return None, self._pool(hidden, rows)
         sampling_md = build_sampling_metadata(
             rows.layout, rows.order, generators if generators is not None else {}, self.device
         )
@@ -181,6 +197,59 @@ class ModelRunner:
             structured.apply(logits, sampling_md)
         return None, self.sampler(logits, sampling_md)
 
+    def _pool(self, hidden: torch.Tensor, rows: StepRows) -> SamplerOutput:
+        """The pooled outputs of a step of pooling requests (one per group, scheduler order):
+        a chunk before the end of its prompt is kept (`PoolingBuffer`); the last one pools
+        with the chunks kept. hidden: [T, H], the prefills' tokens in `rows.layout` order."""
+        spans: dict[str, tuple[int, int, int]] = {}  # request id -> (offset, start, length)
+        offset = 0
+        for meta in rows.layout:
+            if not meta.is_prompt or meta.pooling_params is None or len(meta.seq_data) != 1:
+                raise RuntimeError(
+                    f"request {meta.request_id}: a pooling step holds only pooling prompts"
+                )
+            data = next(iter(meta.seq_data.values()))
+            length = meta.token_chunk_size or data.get_num_uncomputed_tokens()
+            spans[meta.request_id] = (offset, data.get_num_computed_tokens(), length)
+            offset += length
+        config = self.model_config
+        pooler = getattr(config, "pooler_config", None)
+        pooling_type = getattr(pooler, "pooling_type", None) or "LAST"
+        head = getattr(self.model, "classify_head", None)
+        if not getattr(self.model, "has_classifier", head is not None):
+            head = None
+        pad_id = getattr(getattr(config, "hf_config", None), "pad_token_id", None)
+        outputs: SamplerOutput = []
+        for meta in rows.groups:
+            offset, start, length = spans[meta.request_id]
+            chunk = hidden[offset : offset + length]  # [n, H]
+            if not meta.do_sample:  # an earlier chunk: kept until the last one arrives
+                if pooling_type != "LAST":
+                    self.pooling_buffer.add(meta.request_id, start, chunk)
+                outputs.append(SequenceGroupOutput([]))
+                continue
+            first, joined = self.pooling_buffer.take(meta.request_id, start, chunk)
+            data = next(iter(meta.seq_data.values()))
+            try:
+                pooled = pool(
+                    joined,
+                    first,
+                    data.prompt_token_ids,
+                    meta.pooling_params,
+                    pooling_type,
+                    head,
+                    pad_id,
+                )
+            except PoolingStateLost as error:
+                outputs.append(SequenceGroupOutput([], error=str(error), recompute=True))
+                continue
+            with torch.inference_mode(False):
+                # A normal tensor of its own: a view would pickle the whole step's storage,
+                # and an inference tensor refuses in-place use in the caller's code.
+                pooled = pooled.to("cpu").clone()
+            outputs.append(SequenceGroupOutput([], pooled=pooled))
+        return outputs
+
     def _forward(
         self,
         kv_caches: list[KVCache],
@@ -196,7 +265,12 @@ class ModelRunner:
             if self.lora_manager is not None:
                 lora_ids = token_lora_ids(rows.layout, md._prefill_lens_list or [], self.device)
                 self.lora_manager.activate(lora_ids)
-            hidden = self.model(input_ids, positions, kv_caches, md)
+            if md.token_type_ids is not None:  # an encoder's pair input (score / rerank)
+                hidden = self.model(
+                    input_ids, positions, kv_caches, md, token_type_ids=md.token_type_ids
+                )
+            else:
+                hidden = self.model(input_ids, positions, kv_caches, md)
         else:
             assert received is not None
             positions = received["positions"]

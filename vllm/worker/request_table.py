@@ -23,6 +23,7 @@ from vllm.step_delta import (
 )
 
 if TYPE_CHECKING:
+    from vllm.pooling_params import PoolingParams
     from vllm.sampling_params import SamplingParams
 
 
@@ -56,6 +57,7 @@ class _Held:
     seqs: dict[int, SequenceData]
     tables: dict[int, list[int]]
     lora_int_id: int = 0
+    pooling_params: PoolingParams | None = None
 
 
 class RequestTable:
@@ -85,7 +87,9 @@ class RequestTable:
             # Whatever the stage held of this request is stale (it was preempted, or the
             # stages forgot it): the record replaces it.
             self.drop([request_id])
-            held = self._requests[request_id] = _Held(params, {}, {}, lora_int_id)
+            held = self._requests[request_id] = _Held(
+                params, {}, {}, lora_int_id, record.pooling_params
+            )
         else:
             found = self._requests.get(request_id)
             if found is None:
@@ -120,6 +124,7 @@ class RequestTable:
             token_chunk_size=record.token_chunk_size,
             do_sample=record.do_sample,
             lora_int_id=held.lora_int_id,
+            pooling_params=held.pooling_params,
         )
 
     def _apply_seq(
@@ -190,4 +195,5 @@ def _copy(src: SequenceData) -> SequenceData:
     return SequenceData(
         list(src.prompt_token_ids), list(src.output_token_ids), src.cumulative_logprob,
         src.eos_token_id, src.get_num_computed_tokens(), src.stage, src.sample_index,
+        src.token_type_ids,
     )  # fmt: skip
