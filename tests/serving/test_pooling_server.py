@@ -14,6 +14,7 @@ import base64
 import json
 import os
 import shutil
+import time
 from typing import Any
 
 import httpx
@@ -90,11 +91,13 @@ def hf_embed(embed_dir):
 
     model = AutoModel.from_pretrained(embed_dir, dtype=torch.float32).eval()
 
-    def embed(ids: list[int], dims: int | None = None) -> np.ndarray:
+    def embed(ids: list[int], dims: int | None = None, normalize: bool = True) -> np.ndarray:
         with torch.inference_mode():
             hidden = model(torch.tensor([ids])).last_hidden_state[0, -1]  # [hidden]
         if dims is not None:
             hidden = hidden[:dims]
+        if not normalize:
+            return hidden.numpy()
         return torch.nn.functional.normalize(hidden, dim=-1).numpy()
 
     return embed
@@ -257,6 +260,55 @@ def test_token_usage_and_truncation_limits(embed_server):
         )
 
 
+def test_pooling_route_gives_the_pooler_output(embed_server, tokenizer, hf_embed):
+    ids = tokenizer.encode(TEXTS[1])
+    raw = post(embed_server, "/pooling", {"input": TEXTS[1], "normalize": False})
+    assert raw.status_code == 200, raw.text
+    body = raw.json()
+    assert body["object"] == "list" and body["data"][0]["object"] == "pooling"
+    # "encode" on a last-token embedder, not normalised: the hidden state as it is.
+    close(body["data"][0]["data"], hf_embed(ids, normalize=False), atol=1e-4)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    embed = post(embed_server, "/pooling", {"input": [ids], "task": "embed"}).json()
+    close(embed["data"][0]["data"], hf_embed(ids))
+    packed = post(
+        embed_server, "/pooling", {"input": TEXTS[1], "task": "embed", "encoding_format": "base64"}
+    ).json()
+    vector = np.frombuffer(base64.b64decode(packed["data"][0]["data"]), dtype="<f4")
+    close(vector, hf_embed(ids))
+    refused = post(embed_server, "/pooling", {"input": "x", "task": "classify"})
+    assert refused.status_code == 400 and refused.json()["param"] == "task"
+
+
+def test_pooling_requests_are_counted_in_the_metrics(embed_server, tokenizer):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict[str, float]:
+        text = httpx.get(embed_server.url + "/metrics", timeout=10).text
+        return {
+            f"{s.name}{sorted(s.labels.items())}": s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name.startswith("vllm:")
+        }
+
+    label = [("model_name", MODEL)]
+    success = f"vllm:request_success_total{sorted([*label, ('finished_reason', 'stop')])}"
+    prompt_tokens = f"vllm:prompt_tokens_total{label}"
+    before = samples()
+    client = embed_server.client()
+    client.embeddings.create(model=MODEL, input=TEXTS[:3], encoding_format="float")
+    tokens = sum(len(tokenizer.encode(t)) for t in TEXTS[:3])
+    deadline = time.time() + 10
+    while time.time() < deadline:  # the stats of the last step land just after its outputs
+        after = samples()
+        if after.get(success, 0) - before.get(success, 0) >= 3:
+            break
+        time.sleep(0.1)
+    assert after.get(success, 0) - before.get(success, 0) == 3
+    assert after.get(prompt_tokens, 0) - before.get(prompt_tokens, 0) == tokens
+
+
 def test_embedding_score_is_the_cosine_of_embeddings(embed_server, tokenizer, hf_embed):
     body = {"model": MODEL, "text_1": TEXTS[0], "text_2": TEXTS[1:4]}
     out = post(embed_server, "/score", body).json()
@@ -354,17 +406,36 @@ def test_routes_a_model_does_not_run(embed_server, score_server):
 
 
 def test_a_generative_model_refuses_the_pooling_routes(tiny_model_dirs):
-    srv = _server(tiny_model_dirs["llama-gqa-tied"], "gen", kv_cache_space=0.05, swap_space=0.01)
-    try:
-        for path, body, api in [
-            ("/v1/embeddings", {"input": "x"}, "Embeddings"),
-            ("/pooling", {"input": "x"}, "Pooling"),
-            ("/classify", {"input": "x"}, "Classification"),
-            ("/score", {"text_1": "a", "text_2": "b"}, "Score"),
-            ("/rerank", {"query": "a", "documents": ["b"]}, "Rerank (Score)"),
-        ]:
-            response = post(srv, path, body)
-            assert response.status_code == 400, path
-            assert response.json()["message"] == f"The model does not support {api} API"
-    finally:
-        srv.stop()
+    """The app over a stand-in engine (the routes refuse before they reach it) whose model
+    config is the real one of a generative model."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from vllm.config import ModelConfig
+    from vllm.entrypoints.openai.api_server import build_app
+
+    model_dir = tiny_model_dirs["llama-gqa-tied"]
+    config = ModelConfig(model=model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = SimpleNamespace(
+        engine=SimpleNamespace(
+            model_config=config,
+            served_model_name="gen",
+            scheduler_config=SimpleNamespace(max_model_len=512, max_num_seqs=8),
+            scheduler=SimpleNamespace(prompt_limit=512),
+            get_tokenizer=lambda: tokenizer,
+        )
+    )
+    client = TestClient(build_app(engine))
+    for path, body, api in [
+        ("/v1/embeddings", {"input": "x"}, "Embeddings"),
+        ("/pooling", {"input": "x"}, "Pooling"),
+        ("/classify", {"input": "x"}, "Classification"),
+        ("/score", {"text_1": "a", "text_2": "b"}, "Score"),
+        ("/rerank", {"query": "a", "documents": ["b"]}, "Rerank (Score)"),
+    ]:
+        response = client.post(path, json=body)
+        assert response.status_code == 400, path
+        assert response.json()["message"] == f"The model does not support {api} API"

@@ -13,7 +13,7 @@ pytest.importorskip("ray.data")
 from tests.utils import tiny_models  # noqa: E402
 from vllm.batch import EMBED_OUTPUT_COLUMNS, build_processor, read_outputs, write_dataset  # noqa: E402
 
-NUM_ROWS = 16
+NUM_ROWS = 8
 ENGINE = dict(kv_cache_space=0.05, swap_space=0.01)
 
 
@@ -47,7 +47,7 @@ def test_embed_column_at_pp2(ray_session, tiny_model_dirs, tmp_path):
         model_dir,
         task_type="embed",
         pipeline_parallel_size=2,
-        batch_size=8,
+        batch_size=4,
         engine_kwargs=ENGINE,
         device="cpu",
     ) as processor:

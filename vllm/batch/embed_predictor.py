@@ -45,7 +45,9 @@ class EmbeddingPredictor(LLMPredictor):
         engine_kwargs = dict(engine_kwargs or {})
         engine_kwargs.setdefault("runner", "pooling")
         engine_kwargs.setdefault("convert", "embed")
-        self.default_pooling = _as_pooling_params(pooling_params, None)
+        from vllm.pooling_params import PoolingParams
+
+        self.default_pooling = _as_pooling_params(pooling_params, PoolingParams())
         super().__init__(model, prompt_column=prompt_column, engine_kwargs=engine_kwargs)
 
     def preprocess(self, row: dict[str, Any]) -> tuple[EngineInput, Any]:
@@ -91,7 +93,7 @@ class EmbeddingPredictor(LLMPredictor):
             k: np.asarray(v) for k, v in out.items() if k != "embeddings"
         }
         # One vector per row (rows that failed have none): an object column of arrays.
-        vectors = np.empty(num_rows, dtype=object)
+        vectors: np.ndarray = np.empty(num_rows, dtype=object)
         for i, vector in enumerate(out["embeddings"]):
             vectors[i] = vector
         result_columns["embeddings"] = vectors
@@ -110,6 +112,4 @@ def _as_pooling_params(value: Any, base: Any) -> Any:
     if not isinstance(value, Mapping):
         raise TypeError(f"pooling_params must be a dict, got {type(value).__name__}")
     fields = {k: v for k, v in value.items() if v is not None}
-    if base is None:
-        return PoolingParams(**fields)
     return dataclasses.replace(base, **fields) if fields else base

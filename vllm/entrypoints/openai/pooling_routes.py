@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from vllm.entrypoints.openai.protocol_pooling import (
@@ -64,27 +65,27 @@ def attach_pooling_routes(app: FastAPI, *args: Any, **kwargs: Any) -> None:
     @app.post("/v1/embeddings")
     async def create_embedding(raw_request: Request) -> Any:
         request = await parse_body(raw_request, EmbeddingCompletionRequest, EmbeddingChatRequest)
-        if not isinstance(request, BaseModel):
+        if isinstance(request, JSONResponse):
             return request
         return await embedding.create_embedding(request, raw_request)
 
     @app.post("/pooling")
     async def create_pooling(raw_request: Request) -> Any:
         request = await parse_body(raw_request, PoolingCompletionRequest, PoolingChatRequest)
-        if not isinstance(request, BaseModel):
+        if isinstance(request, JSONResponse):
             return request
         return await pooling.create_pooling(request, raw_request)
 
     @app.post("/classify")
     async def create_classify(raw_request: Request) -> Any:
         request = await parse_body(raw_request, ClassificationRequest)
-        if not isinstance(request, BaseModel):
+        if isinstance(request, JSONResponse):
             return request
         return await classification.create_classify(request, raw_request)
 
     async def score(raw_request: Request) -> Any:
         request = await parse_body(raw_request, ScoreRequest)
-        if not isinstance(request, BaseModel):
+        if isinstance(request, JSONResponse):
             return request
         return await scores.create_score(request, raw_request)
 
@@ -97,7 +98,7 @@ def attach_pooling_routes(app: FastAPI, *args: Any, **kwargs: Any) -> None:
 
     async def rerank(raw_request: Request) -> Any:
         request = await parse_body(raw_request, RerankRequest)
-        if not isinstance(request, BaseModel):
+        if isinstance(request, JSONResponse):
             return request
         return await scores.do_rerank(request, raw_request)
 

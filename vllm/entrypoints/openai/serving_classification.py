@@ -15,8 +15,12 @@ from vllm.entrypoints.openai.protocol_pooling import (
     ClassificationRequest,
     ClassificationResponse,
 )
-from vllm.entrypoints.openai.serving_engine import bad_request
-from vllm.entrypoints.openai.serving_pooling_base import PoolingServing, prompt_list, usage_of
+from vllm.entrypoints.openai.serving_pooling_base import (
+    PoolingServing,
+    pooling_bad_request,
+    prompt_list,
+    usage_of,
+)
 
 
 class ServingClassification(PoolingServing):
@@ -36,7 +40,7 @@ class ServingClassification(PoolingServing):
             prompts = prompt_list(request.input, "input")
             inputs = await self.engine_inputs(prompts, True, truncate)
         except ValueError as exc:
-            return bad_request(exc)
+            return pooling_bad_request(exc)
         request_id = f"classify-{request.request_id or random_uuid()}"
         created = int(time.time())
         outputs = await self.encode_all(raw_request, request_id, inputs, params, request.model)

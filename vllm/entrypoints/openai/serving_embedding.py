@@ -20,8 +20,12 @@ from vllm.entrypoints.openai.protocol_pooling import (
     EmbeddingResponse,
     EmbeddingResponseData,
 )
-from vllm.entrypoints.openai.serving_engine import bad_request
-from vllm.entrypoints.openai.serving_pooling_base import PoolingServing, prompt_list, usage_of
+from vllm.entrypoints.openai.serving_pooling_base import (
+    PoolingServing,
+    pooling_bad_request,
+    prompt_list,
+    usage_of,
+)
 
 
 def encode_vector(values: Any, encoding_format: str) -> list[float] | str:
@@ -57,7 +61,7 @@ class OpenAIServingEmbedding(PoolingServing):
                 prompts = prompt_list(request.input, "input")
                 inputs = await self.engine_inputs(prompts, request.add_special_tokens, truncate)
         except ValueError as exc:
-            return bad_request(exc)
+            return pooling_bad_request(exc)
         request_id = f"embd-{request.request_id or random_uuid()}"
         created = int(time.time())
         outputs = await self.encode_all(raw_request, request_id, inputs, params, request.model)

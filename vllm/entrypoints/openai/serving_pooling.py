@@ -17,9 +17,9 @@ from vllm.entrypoints.openai.protocol_pooling import (
     PoolingResponseData,
 )
 from vllm.entrypoints.openai.serving_embedding import encode_vector
-from vllm.entrypoints.openai.serving_engine import bad_request
 from vllm.entrypoints.openai.serving_pooling_base import (
     PoolingServing,
+    pooling_bad_request,
     prompt_list,
     supported_pooling_tasks,
     usage_of,
@@ -42,17 +42,14 @@ class OpenAIServingPooling(PoolingServing):
 
     async def create_pooling(self, request: PoolingRequest, raw_request: Request) -> Any:
         task = request.task or self.default_task()
-        error = self.check_model(request.model) or self.unsupported(task)
+        error = self.check_model(request.model) or self.unsupported(self.default_task())
         if error is not None:
             return error
         try:
-            if request.task is not None and request.task not in supported_pooling_tasks(
-                self.model_config
-            ):
+            tasks = supported_pooling_tasks(self.model_config)
+            if task not in tasks:
                 raise ParameterError(
-                    f"task {request.task!r} is not one this model runs: "
-                    f"{list(supported_pooling_tasks(self.model_config))}",
-                    "task",
+                    f"task {task!r} is not one this model runs: {list(tasks)}", "task"
                 )
             self.check_priority(request.priority)
             truncate = self.effective_truncation(request.truncate_prompt_tokens)
@@ -63,7 +60,7 @@ class OpenAIServingPooling(PoolingServing):
                 prompts = prompt_list(request.input, "input")
                 inputs = await self.engine_inputs(prompts, request.add_special_tokens, truncate)
         except ValueError as exc:
-            return bad_request(exc)
+            return pooling_bad_request(exc)
         request_id = f"pool-{request.request_id or random_uuid()}"
         created = int(time.time())
         outputs = await self.encode_all(raw_request, request_id, inputs, params, request.model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from vllm.entrypoints.openai.serving_chat import render_chat
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     bad_request,
+    error_param,
     is_client_error,
     server_error,
     until_disconnected,
@@ -31,6 +33,37 @@ from vllm.inputs import is_token_list
 
 # vLLM's answer when a route's task is not one the served model runs.
 UNSUPPORTED_API = "The model does not support {api} API"
+_POOLING_FIELDS = (
+    "truncate_prompt_tokens",
+    "dimensions",
+    "normalize",
+    "use_activation",
+    "activation",
+    "softmax",
+    "priority",
+)
+# PoolingParams' messages that do not start with the parameter's name.
+_UNSUPPORTED_PARAMS = re.compile(r"does not support \['(\w+)'")
+
+
+def pooling_bad_request(exc: BaseException) -> JSONResponse:
+    """A 400 for a refused pooling request, naming the parameter PoolingParams' message is
+    about (vLLM's messages: "Dimensions must be greater than 0", "Task embed only supports
+    [...] parameters, does not support ['use_activation'] parameters")."""
+    if error_param(exc) is None:
+        message = str(exc)
+        first = message.split(" ", 1)[0].rstrip(":,.")
+        found = _UNSUPPORTED_PARAMS.search(message)
+        param = None
+        if first in _POOLING_FIELDS:
+            param = first
+        elif found is not None:
+            param = found.group(1)
+        elif "matryoshka" in message or message.startswith("Dimensions"):
+            param = "dimensions"
+        if param is not None:
+            exc = ParameterError(message, param)
+    return bad_request(exc)
 
 
 def prompt_list(value: Any, param: str) -> list[str | list[int]]:
@@ -115,7 +148,7 @@ class PoolingServing(OpenAIServing):
 
     async def engine_inputs(
         self,
-        prompts: list[str | list[int]],
+        prompts: Sequence[str | list[int]],
         add_special_tokens: bool,
         truncate: int | None,
         param: str = "input",
@@ -171,7 +204,7 @@ class PoolingServing(OpenAIServing):
         lora = self.lora_request(model)
         per_input = params if isinstance(params, list) else [params] * len(inputs)
 
-        async def one(i: int, engine_input: dict[str, Any]) -> Any:
+        async def one(i: int, engine_input: Any) -> Any:
             item_id = f"{request_id}-{i}"
             self.log_inputs(item_id, engine_input, per_input[i])
             final = None
@@ -195,7 +228,7 @@ class PoolingServing(OpenAIServing):
             raise  # the app's handler answers it (500)
         except Exception as exc:
             if is_client_error(exc):
-                return bad_request(exc)
+                return pooling_bad_request(exc)
             return server_error(exc)
 
 

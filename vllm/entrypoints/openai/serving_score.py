@@ -29,11 +29,7 @@ from vllm.entrypoints.openai.protocol_pooling import (
     ScoreResponseData,
 )
 from vllm.entrypoints.openai.serving_embedding import embedding_of
-from vllm.entrypoints.openai.serving_engine import bad_request
-from vllm.entrypoints.openai.serving_pooling_base import (
-    PoolingServing,
-    supported_pooling_tasks,
-)
+from vllm.entrypoints.openai.serving_pooling_base import PoolingServing, pooling_bad_request
 
 
 def validate_score_input_lens(data_1: list[str], data_2: list[str]) -> None:
@@ -61,9 +57,9 @@ class ServingScores(PoolingServing):
 
     @property
     def cross_encoder(self) -> bool:
-        """A classifier with one label scores pairs; an embedding model scores by cosine."""
-        tasks = supported_pooling_tasks(self.model_config)
-        return "score" in tasks and "embed" not in tasks
+        """A classifier with one label scores pairs; an embedding model scores by cosine
+        (as `LLM.score`)."""
+        return getattr(self.model_config, "convert_type", None) != "embed"
 
     def unsupported_score(self, api: str) -> JSONResponse | None:
         return self.unsupported("score", api)
@@ -96,7 +92,7 @@ class ServingScores(PoolingServing):
                     )
                 inputs = await self.engine_inputs(data_1 + data_2, True, truncate, "text_1")
         except ValueError as exc:
-            return bad_request(exc)
+            return pooling_bad_request(exc)
         outputs = await self.encode_all(raw_request, request_id, inputs, params, request.model)
         if isinstance(outputs, JSONResponse):
             return outputs
@@ -131,8 +127,8 @@ class ServingScores(PoolingServing):
         self.check_length(len(ids), None, "text_2")
         engine_input: dict[str, Any] = {"prompt_token_ids": ids}
         types = encoded.get("token_type_ids")
-        if types is not None and any(types):
-            engine_input["token_type_ids"] = list(types)
+        if types is not None and getattr(self.model_config, "is_encoder_only", False):
+            engine_input["token_type_ids"] = list(types)  # as LLM.score: encoders only
         return engine_input
 
     async def create_score(self, request: ScoreRequest, raw_request: Request) -> Any:
@@ -144,7 +140,7 @@ class ServingScores(PoolingServing):
         try:
             validate_score_input_lens(data_1, data_2)
         except ValueError as exc:
-            return bad_request(exc)
+            return pooling_bad_request(exc)
         request_id = f"score-{request.request_id or random_uuid()}"
         created = int(time.time())
         result = await self.scores(raw_request, request, data_1, data_2, request_id)
@@ -166,7 +162,7 @@ class ServingScores(PoolingServing):
             return error
         documents = list(request.documents)
         if not documents:
-            return bad_request(ParameterError("documents must not be empty.", "documents"))
+            return pooling_bad_request(ParameterError("documents must not be empty.", "documents"))
         request_id = f"rerank-{request.request_id or random_uuid()}"
         result = await self.scores(raw_request, request, [request.query], documents, request_id)
         if isinstance(result, JSONResponse):
