@@ -2,10 +2,11 @@
 
 Two servers for the module (threads on free local ports, PP=1): a tiny LLaMA served as a
 last-token embedder (`runner="pooling", convert="embed"`, Matryoshka declared in its config)
-and a tiny `LlamaForSequenceClassification` with one label (a cross-encoder: /score, /rerank,
-/classify). The oracle is HF: `AutoModel`'s last hidden state at each text's last token,
-L2-normalised, and the classifier's logit through a sigmoid. `/v1/embeddings` is driven by
-the official `openai` client (its default asks for base64 and decodes it).
+and a tiny BERT cross-encoder (`BertForSequenceClassification`, one label: /score, /rerank,
+/classify; pairs carry token types 0/1). The oracle is HF: `AutoModel`'s last hidden state at
+each text's last token, L2-normalised, and the classifier's logit through a sigmoid on the
+tokenizer's pair encoding. `/v1/embeddings` is driven by the official `openai` client (its
+default asks for base64 and decodes it).
 """
 
 from __future__ import annotations
@@ -61,27 +62,15 @@ def embed_dir(tiny_model_dirs, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def scorer_dir(tiny_model_dirs, tmp_path_factory) -> str:
-    """A tiny LlamaForSequenceClassification with one label (std 0.08 weights)."""
-    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
+def scorer_dir(tmp_path_factory) -> str:
+    """A tiny BertForSequenceClassification with one label (a cross-encoder) and its
+    WordPiece tokenizer (token_type_ids 0/1 for a pair)."""
+    from tests.utils import tiny_encoders
 
-    source = tiny_model_dirs["llama-gqa-untied"]
-    config = AutoConfig.from_pretrained(source)
-    config.architectures = ["LlamaForSequenceClassification"]
-    config.num_labels = 1
-    torch.manual_seed(1)
-    model = LlamaForSequenceClassification(config)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(0.08 * torch.randn(param.shape, generator=gen))
-    out = str(tmp_path_factory.mktemp("scorer") / "model")
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(source).save_pretrained(out)
-    return out
+    root = tmp_path_factory.mktemp("scorer")
+    tokenizer_dir = str(root / "tokenizer")
+    tiny_encoders.build_wordpiece_tokenizer(tokenizer_dir)
+    return tiny_encoders.build_encoder("bert-cls", str(root / "model"), tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +100,19 @@ def hf_score(scorer_dir):
     model = AutoModelForSequenceClassification.from_pretrained(scorer_dir, dtype=torch.float32)
     model.eval()
 
-    def score(ids: list[int]) -> float:
+    def score(encoded: Any) -> float:
+        inputs = {k: torch.tensor([v]) for k, v in encoded.items()}
         with torch.inference_mode():
-            return float(torch.sigmoid(model(torch.tensor([ids])).logits[0, 0]))
+            return float(torch.sigmoid(model(**inputs).logits[0, 0]))
 
     return score
+
+
+@pytest.fixture(scope="module")
+def bert_tokenizer(scorer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(scorer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -321,29 +318,30 @@ def test_embedding_score_is_the_cosine_of_embeddings(embed_server, tokenizer, hf
 # -- /score, /rerank, /classify on a cross-encoder -----------------------------------------------
 
 
-def _pair_ids(tokenizer, a: str, b: str) -> list[int]:
-    return list(tokenizer(a, text_pair=b)["input_ids"])
+def _pair(tokenizer, a: str, b: str) -> Any:
+    """[CLS] a [SEP] b [SEP] with token types 0/1, as the tokenizer builds it."""
+    return dict(tokenizer(a, text_pair=b))
 
 
-def test_score_one_to_one_one_to_n_and_n_to_n(score_server, tokenizer, hf_score):
+def test_score_one_to_one_one_to_n_and_n_to_n(score_server, bert_tokenizer, hf_score):
     one = post(score_server, "/score", {"text_1": DOCS[0], "text_2": DOCS[1]}).json()
     assert one["data"][0]["score"] == pytest.approx(
-        hf_score(_pair_ids(tokenizer, DOCS[0], DOCS[1])), abs=1e-5
+        hf_score(_pair(bert_tokenizer, DOCS[0], DOCS[1])), abs=1e-5
     )
     fan = post(score_server, "/score", {"text_1": "capital", "text_2": DOCS}).json()
     pairs = post(score_server, "/v1/score", {"text_1": DOCS[:3], "text_2": DOCS[1:]}).json()
     for item, doc in zip(fan["data"], DOCS):
-        ids = _pair_ids(tokenizer, "capital", doc)
+        ids = _pair(bert_tokenizer, "capital", doc)
         assert item["score"] == pytest.approx(hf_score(ids), abs=1e-5)
     for item, a, b in zip(pairs["data"], DOCS[:3], DOCS[1:]):
-        assert item["score"] == pytest.approx(hf_score(_pair_ids(tokenizer, a, b)), abs=1e-5)
+        assert item["score"] == pytest.approx(hf_score(_pair(bert_tokenizer, a, b)), abs=1e-5)
     assert [d["index"] for d in pairs["data"]] == [0, 1, 2]
-    tokens = sum(len(_pair_ids(tokenizer, "capital", d)) for d in DOCS)
+    tokens = sum(len(_pair(bert_tokenizer, "capital", d)["input_ids"]) for d in DOCS)
     assert fan["usage"]["prompt_tokens"] == fan["usage"]["total_tokens"] == tokens
 
 
-def test_rerank_orders_by_score_with_top_n(score_server, tokenizer, hf_score):
-    want = [hf_score(_pair_ids(tokenizer, "capital", d)) for d in DOCS]
+def test_rerank_orders_by_score_with_top_n(score_server, bert_tokenizer, hf_score):
+    want = [hf_score(_pair(bert_tokenizer, "capital", d)) for d in DOCS]
     order = sorted(range(len(DOCS)), key=lambda i: -want[i])
     body = {"model": SCORER, "query": "capital", "documents": DOCS}
     full = post(score_server, "/rerank", body).json()
@@ -358,11 +356,11 @@ def test_rerank_orders_by_score_with_top_n(score_server, tokenizer, hf_score):
     assert post(score_server, "/v2/rerank", body).json()["results"] == full["results"]
 
 
-def test_classify_probs_and_label(score_server, tokenizer, hf_score):
+def test_classify_probs_and_label(score_server, bert_tokenizer, hf_score):
     out = post(score_server, "/classify", {"model": SCORER, "input": DOCS[:3]}).json()
     for item, doc in zip(out["data"], DOCS[:3]):
         assert item["num_classes"] == 1 and item["label"] == "LABEL_0"
-        assert item["probs"][0] == pytest.approx(hf_score(tokenizer.encode(doc)), abs=1e-5)
+        assert item["probs"][0] == pytest.approx(hf_score(dict(bert_tokenizer(doc))), abs=1e-5)
     raw = post(score_server, "/classify", {"input": DOCS[0], "use_activation": False}).json()
     logit = raw["data"][0]["probs"][0]
     assert 1 / (1 + np.exp(-logit)) == pytest.approx(out["data"][0]["probs"][0], abs=1e-5)
