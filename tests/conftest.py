@@ -66,6 +66,16 @@ def hf_reference(tiny_model_dirs):
     return get
 
 
+@pytest.fixture(scope="session")
+def pooling_model_dirs(tmp_path_factory):
+    """name -> saved directory of each tiny pooling model (tests/utils/pooling_models.py):
+    the four families' embedders, sentence-transformers MEAN and Matryoshka variants of the
+    LLaMA one, a 3-label LLaMA classifier and a 1-label Qwen3 cross-encoder."""
+    from tests.utils import pooling_models
+
+    return pooling_models.model_dirs(str(tmp_path_factory.mktemp("pooling_models")))
+
+
 @pytest.fixture(autouse=True)
 def _kernels_availability_read_again() -> Iterator[None]:
     """vllm._custom_ops reads VLLM_PP_DISABLE_KERNELS once: each test starts and ends with it

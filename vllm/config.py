@@ -381,6 +381,10 @@ def _derive_max_model_len(hf_config: Any, max_model_len: int | None) -> int:
 
         rope_config.check_rope_type(rope_config.get_rope_parameters(hf_config)["rope_type"])
         derived = rope_config.max_positions_served(hf_config)
+        if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta"):
+            # RoBERTa's positions start at padding_idx + 1 (HF's rule), so its table serves
+            # that many fewer tokens: 514 positions are 512 tokens.
+            derived -= int(getattr(hf_config, "pad_token_id", None) or 0) + 1
     if max_model_len is None:
         return derived
     if not isinstance(max_model_len, int) or max_model_len <= 0:

@@ -35,8 +35,8 @@ MODELS: dict[str, tuple[str, str]] = {
     "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
     "RobertaModel": ("roberta", "RobertaModel"),
     "RobertaForSequenceClassification": ("roberta", "RobertaForSequenceClassification"),
-    "XLMRobertaModel": ("roberta", "RobertaModel"),
-    "XLMRobertaForSequenceClassification": ("roberta", "RobertaForSequenceClassification"),
+    "XLMRobertaModel": ("roberta", "XLMRobertaModel"),
+    "XLMRobertaForSequenceClassification": ("roberta", "XLMRobertaForSequenceClassification"),
 }
 
 # What a pooling architecture is converted to by default ("embed" or "classify"); every other

@@ -16,6 +16,7 @@ from vllm.engine.detokenizer import (
     detokenize_incrementally,
 )
 from vllm.engine.stop_checker import check_stop
+from vllm.logger import init_logger
 from vllm.outputs import EngineOutput, output_of_group
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.sequence import (
@@ -29,6 +30,8 @@ from vllm.sequence import (
 )
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
+logger = init_logger("vllm.engine.output_processor")
 
 
 class OutputProcessor:
@@ -62,6 +65,9 @@ class OutputProcessor:
             if not group.is_finished() and group.pooling_params is not None:
                 if group_output.recompute:
                     # The last stage lost the request's earlier chunks: it runs again.
+                    logger.info(
+                        "Pooling request %s is recomputed: %s", group.request_id, group_output.error
+                    )
                     self.scheduler.recompute_groups([group])
                     continue
                 if group.is_prefill():

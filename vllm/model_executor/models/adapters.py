@@ -28,6 +28,15 @@ def _hf_name(name: str) -> str:
     return "model." + name if name.startswith(_BARE_PREFIXES) else name
 
 
+def num_labels_of(config: Any) -> int:
+    """A classifier's label count: HF's `num_labels` property, or the size of `id2label`
+    (all a stage process sees: its config comes as the plain `to_dict()` fields)."""
+    labels = getattr(config, "num_labels", None)
+    if labels:
+        return int(labels)
+    return len(getattr(config, "id2label", None) or {})
+
+
 @cache
 def as_pooling_model(base: type, convert: str) -> type:
     """A subclass of the decoder stage module `base` for `convert` ("embed", "classify",
@@ -43,7 +52,7 @@ def as_pooling_model(base: type, convert: str) -> type:
             self.tie_word_embeddings = False  # nothing on the last stage reads embed_tokens
             self.has_classifier = convert in ("classify", "reward")
             if self.has_classifier and layout.is_last:
-                labels = int(getattr(config, "num_labels", 0) or 0)
+                labels = num_labels_of(config)
                 if labels < 1:
                     raise ValueError("a sequence-classification model needs num_labels >= 1")
                 self.score = nn.Linear(config.hidden_size, labels, bias=False)

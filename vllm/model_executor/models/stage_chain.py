@@ -52,16 +52,23 @@ class StageChain(nn.Module):
         kv_caches: list[KVCache],
         md: InputMetadata,
         hidden_states: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As a stage module: input_ids [T] (first stage) or hidden_states [T, hidden];
-        `kv_caches` one per layer of every part, in order. -> [T, hidden]."""
+        `kv_caches` one per layer of every part, in order; an encoder's token_type_ids [T]
+        go to the part that embeds. -> [T, hidden]."""
         start = 0
         for index, part in enumerate(self.parts):
             count = part.layout.num_layers
             caches = kv_caches[start : start + count]
             start += count
             ids = input_ids if index == 0 else None
-            hidden_states = part(ids, positions, caches, md, hidden_states=hidden_states)
+            extra = (
+                {"token_type_ids": token_type_ids}
+                if index == 0 and token_type_ids is not None
+                else {}
+            )
+            hidden_states = part(ids, positions, caches, md, hidden_states=hidden_states, **extra)
         assert hidden_states is not None
         return hidden_states
 
