@@ -181,7 +181,7 @@ def ensure_hf_dir(path: str) -> str:
         return path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm.model_executor.gguf_loader import resolve_model
+    from vllm.transformers_utils.gguf_config import resolve_model
 
     gguf = resolve_model("smollm2")
     directory, name = os.path.dirname(gguf), os.path.basename(gguf)

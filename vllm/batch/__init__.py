@@ -11,13 +11,16 @@ group sized for its parallel layout (pipeline x tensor parallel ranks).
 Importing this package does not import Ray Data (pandas, pyarrow); using it does.
 """
 
+from vllm.batch.embed_predictor import EMBED_OUTPUT_COLUMNS, EmbeddingPredictor
 from vllm.batch.io import read_dataset, read_outputs, write_dataset
 from vllm.batch.predictor import OUTPUT_COLUMNS, LLMPredictor
 from vllm.batch.processor import BatchProcessor, build_processor, instance_bundles
 
 __all__ = [
+    "EMBED_OUTPUT_COLUMNS",
     "OUTPUT_COLUMNS",
     "BatchProcessor",
+    "EmbeddingPredictor",
     "LLMPredictor",
     "build_processor",
     "instance_bundles",

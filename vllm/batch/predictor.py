@@ -170,11 +170,10 @@ class LLMPredictor:
         from vllm.executor.stage_supervisor import EngineDeadError
 
         try:
-            results = self.llm.generate(
+            results = self.run_engine(
                 [inputs[i] for i in rows],
                 [params[i] for i in rows],
-                use_tqdm=False,
-                lora_request=[loras[i] for i in rows] if any(loras[i] for i in rows) else None,
+                [loras[i] for i in rows] if any(loras[i] for i in rows) else None,
             )
         except EngineDeadError as error:
             # The whole engine is gone: every row of the batch fails; the next batch builds
@@ -200,6 +199,10 @@ class LLMPredictor:
             return
         for i, result in zip(rows, results):
             outputs[i] = result
+
+    def run_engine(self, inputs: list[EngineInput], params: list[Any], loras: Any) -> list[Any]:
+        """One engine call for some rows (their outputs in order)."""
+        return self.llm.generate(inputs, params, use_tqdm=False, lora_request=loras)
 
     def postprocess(
         self,

@@ -1,4 +1,5 @@
-"""build_processor: a Ray Data dataset -> the same rows with generated text, N `LLM` replicas.
+"""build_processor: a Ray Data dataset -> the same rows with generated text (or, with
+`task_type="embed"`, their embeddings), N `LLM` replicas.
 
 As vLLM's Ray Data example: `map_batches` over `LLMPredictor`, a fixed pool of
 `num_instances` actors, and for each actor its own placement group of one bundle per rank
@@ -25,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from vllm import envs
+from vllm.batch.embed_predictor import EmbeddingPredictor
 from vllm.batch.predictor import LLMPredictor
 from vllm.sampling_params import SamplingParams
 
@@ -64,7 +66,11 @@ class BatchProcessor:
         device: str = "auto",
         cpus_per_rank: float = 1,
         placement_strategy: str = "STRICT_PACK",
+        task_type: str = "generate",
+        pooling_params: Any = None,
     ) -> None:
+        if task_type not in ("generate", "embed"):
+            raise ValueError(f"task_type must be 'generate' or 'embed', got {task_type!r}")
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}")
         if batch_size < 1:
@@ -93,6 +99,11 @@ class BatchProcessor:
             apply_chat_template=apply_chat_template,
             engine_kwargs=engine_kwargs,
         )
+        # ray.data.llm's task_type: "embed" maps a column of texts to a column of vectors.
+        self.predictor: type[LLMPredictor] = LLMPredictor
+        if task_type == "embed":
+            self.predictor = EmbeddingPredictor
+            self.predictor_kwargs["pooling_params"] = pooling_params
         self.placement_groups: list[Any] = []
 
     def scheduling_strategy(self) -> dict[str, Any]:
@@ -116,7 +127,7 @@ class BatchProcessor:
 
         cpus = int(max(1, self.bundles[0]["CPU"]))
         return dataset.map_batches(
-            LLMPredictor,
+            self.predictor,
             fn_constructor_kwargs=self.predictor_kwargs,
             compute=ray.data.ActorPoolStrategy(size=self.num_instances),
             batch_size=self.batch_size,

@@ -4,7 +4,8 @@
     vllm serve MODEL [engine flags]
 
 Routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health, /version,
-/metrics, /tokenize, /detokenize, /v1/files and /v1/batches (batches.py); with an API key or
+/metrics, /tokenize, /detokenize, /v1/embeddings, /pooling, /classify, /score and /rerank
+(pooling_routes.py), /v1/files and /v1/batches (batches.py); with an API key or
 VLLM_SERVER_DEV_MODE=1, /v1/admin/* (admin.py: the layer split, changed while serving; 403
 otherwise); with VLLM_ALLOW_RUNTIME_LORA_UPDATING, /v1/load_lora_adapter and
 /v1/unload_lora_adapter (serving_models.py). TLS: vLLM's --ssl-* flags (tls.py). With
@@ -39,6 +40,7 @@ from vllm.entrypoints.openai.batch_store import FileQuota
 from vllm.entrypoints.openai.batches import add_batch_args, attach_batches, file_quota_from_args
 from vllm.entrypoints.openai.bounded_work import BoundedWork, ServerLimits
 from vllm.entrypoints.openai.lora_modules import add_lora_args, lora_requests
+from vllm.entrypoints.openai.pooling_routes import attach_pooling_routes
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -279,6 +281,16 @@ def build_app(
             return error_response(message, param="tokens")
         text = await work.run(lambda: tokenizer.decode(request.tokens))
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+    # /v1/embeddings, /pooling, /classify, /score, /rerank (pooling_routes.py).
+    attach_pooling_routes(
+        app,
+        engine,
+        names,
+        work=work,
+        served_loras=models.lora_requests,
+        chat_template=chat_template,
+    )
 
     # /v1/files and /v1/batches (batches.py).
     attach_batches(
