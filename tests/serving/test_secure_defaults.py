@@ -296,3 +296,21 @@ def test_demo_server_refuses_a_huge_prompt_without_stalling_a_stream(demo, certs
     print(f"huge prompt answered in {answered:.2f} s; the stream's longest gap {worst_gap:.2f} s")
     assert worst_gap < MAX_GAP_S
     assert len(parts[-1]["text"]) == 1  # the stream ran to its end
+
+
+def test_demo_server_refuses_a_prompt_over_the_context_in_tokens(demo, certs):
+    """A prompt under the character cap but longer than the context in tokens (or given as
+    token ids) is a 400 with the OpenAI server's message, not a request the engine ignores."""
+    ctx = _trusting(certs[1])
+    with httpx.Client(base_url=demo, verify=ctx, timeout=120) as http:
+        text = http.post(
+            "/generate", json={"prompt": "lorem ipsum " * 400, "max_tokens": 1}, headers=AUTH
+        )
+        ids = http.post(
+            "/generate",
+            json={"prompt": {"prompt_token_ids": [5] * 513}, "max_tokens": 1},
+            headers=AUTH,
+        )
+    for answer in (text, ids):
+        assert answer.status_code == 400, answer.text[:300]
+        assert "maximum context length is 512 tokens" in answer.json()["error"]

@@ -87,13 +87,29 @@ async def _prompt_input(current: AsyncLLMEngine, prompt: Any) -> Any:
     the engine thread (a ValueError naming `prompt` when it is too long or not Unicode).
     Anything else (a `{"prompt_token_ids": [...]}` dict, as vLLM's demo takes) goes to the
     engine as sent: it has nothing to tokenize, and the engine checks it."""
+    max_model_len = current.engine.scheduler_config.max_model_len
     if not isinstance(prompt, str):
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if isinstance(ids, list):
+            _check_prompt_len(len(ids), max_model_len)
         return prompt
     bounded = _work_for(current)
     if bounded.tokenizer is None:  # skip_tokenizer_init: the engine takes the text as is
         return prompt
     token_ids = await bounded.encode(prompt, True, "prompt")
+    _check_prompt_len(len(token_ids), max_model_len)
     return {"prompt": prompt, "prompt_token_ids": token_ids}
+
+
+def _check_prompt_len(num_tokens: int, max_model_len: int) -> None:
+    """A prompt the context cannot hold is a 400 with the OpenAI server's (vLLM's) message, not
+    a request the engine ignores after queueing it."""
+    if num_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_tokens} tokens in the prompt. Please reduce the length of the "
+            "prompt."
+        )
 
 
 @router.post("/generate")
