@@ -89,8 +89,8 @@ def test_stage_killed_mid_run_keeps_every_vector(mean_pp2, mean_reference, rank,
 
 @pytest.mark.parametrize(
     "family, layout",
-    [("mistral", {"pp": 3}), ("qwen2", {"tp": 2})],
-    ids=["mistral-pp3", "qwen2-tp2"],
+    [("mistral", {"pp": 3}), ("qwen2", {"tp": 2}), ("llama3", {"tp": 2, "pp": 2})],
+    ids=["mistral-pp3", "qwen2-tp2", "llama3-tp2-pp2"],
 )
 def test_last_token_embeddings_split(pooling_model_dirs, family, layout):
     llm = start(pooling_model_dirs[family], **layout)
