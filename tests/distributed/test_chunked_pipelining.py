@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from tests.utils import tiny_models
 from tests.utils.faults import kill_before_a_step
@@ -29,19 +28,7 @@ PROMPTS = [SYSTEM + [_rng.randrange(100, 49000) for _ in range(n)] for n in (380
 @pytest.fixture(scope="module")
 def hf_greedy(tiny_model_dirs) -> list[list[int]]:
     model = tiny_models.load_hf(tiny_model_dirs[KIND])
-    outputs = []
-    with torch.inference_mode():
-        for ids in PROMPTS:
-            x = torch.tensor([ids])
-            out = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=model.config.pad_token_id,
-            )
-            outputs.append(out[0, len(ids) :].tolist())
-    return outputs
+    return tiny_models.hf_greedy_ids(model, PROMPTS, NEW_TOKENS)
 
 
 def _generate(llm: LLM) -> list[list[int]]:

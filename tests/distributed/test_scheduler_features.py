@@ -37,19 +37,7 @@ def hf_model(tiny_model_dirs):
 
 
 def _hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            out = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=model.config.pad_token_id,
-            )
-            outputs.append(out[0, len(ids) :].tolist())
-    return outputs
+    return tiny_models.hf_greedy_ids(model, prompts, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

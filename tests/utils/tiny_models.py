@@ -137,11 +137,17 @@ def hf_greedy_with(
     model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int
 ) -> list[list[int]]:
     """`generate(do_sample=False)` one prompt at a time (no padding); new token ids only."""
+    return hf_greedy_ids(model, [tokenizer.encode(p) for p in prompts], max_new_tokens)
+
+
+def hf_greedy_ids(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """`generate(do_sample=False)` on prompts given as token ids, one at a time (no padding);
+    new token ids only."""
     model.eval()
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
-            ids = torch.tensor([tokenizer.encode(prompt)])
+            ids = torch.tensor([prompt])
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),

@@ -42,6 +42,24 @@ class _PoolingExtras(OpenAIBaseModel):
         description="The id the request carries through the engine and in the response.",
     )
 
+    def to_pooling_params(self) -> Any:
+        """The PoolingParams of the pooling fields this kind of request has; unset ones stay at
+        PoolingParams' defaults (the model's pooler config fills them in)."""
+        # Declared fields only: an unknown field sent along is logged, never passed on.
+        declared = type(self).model_fields
+        return _pooling_params(**{n: getattr(self, n) for n in _POOLING_FIELDS if n in declared})
+
+
+# The request fields that are PoolingParams fields (each request kind has some of them).
+_POOLING_FIELDS = (
+    "truncate_prompt_tokens",
+    "dimensions",
+    "normalize",
+    "use_activation",
+    "softmax",
+    "activation",
+)
+
 
 class EmbeddingCompletionRequest(_PoolingExtras):
     """`POST /v1/embeddings` with OpenAI's `input`
@@ -55,13 +73,6 @@ class EmbeddingCompletionRequest(_PoolingExtras):
         default=True, description="Add the tokenizer's special tokens (BOS, CLS...) to the input."
     )
     normalize: bool | None = None
-
-    def to_pooling_params(self) -> Any:
-        return _pooling_params(
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
-            dimensions=self.dimensions,
-            normalize=self.normalize,
-        )
 
 
 class EmbeddingChatRequest(_PoolingExtras):
@@ -78,13 +89,6 @@ class EmbeddingChatRequest(_PoolingExtras):
     chat_template_kwargs: dict[str, Any] | None = None
     normalize: bool | None = None
 
-    def to_pooling_params(self) -> Any:
-        return _pooling_params(
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
-            dimensions=self.dimensions,
-            normalize=self.normalize,
-        )
-
 
 EmbeddingRequest = EmbeddingCompletionRequest | EmbeddingChatRequest
 
@@ -99,16 +103,6 @@ class PoolingCompletionRequest(EmbeddingCompletionRequest):
     softmax: bool | None = None  # older name of use_activation
     activation: bool | None = None  # older name of use_activation
 
-    def to_pooling_params(self) -> Any:
-        return _pooling_params(
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
-            dimensions=self.dimensions,
-            normalize=self.normalize,
-            use_activation=self.use_activation,
-            softmax=self.softmax,
-            activation=self.activation,
-        )
-
 
 class PoolingChatRequest(EmbeddingChatRequest):
     """`POST /pooling` with chat `messages`."""
@@ -117,16 +111,6 @@ class PoolingChatRequest(EmbeddingChatRequest):
     use_activation: bool | None = None
     softmax: bool | None = None  # older name of use_activation
     activation: bool | None = None  # older name of use_activation
-
-    def to_pooling_params(self) -> Any:
-        return _pooling_params(
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
-            dimensions=self.dimensions,
-            normalize=self.normalize,
-            use_activation=self.use_activation,
-            softmax=self.softmax,
-            activation=self.activation,
-        )
 
 
 PoolingRequest = PoolingCompletionRequest | PoolingChatRequest
@@ -140,13 +124,6 @@ class ScoreRequest(_PoolingExtras):
     text_2: list[str] | str
     use_activation: bool | None = None
     activation: bool | None = None  # older name of use_activation
-
-    def to_pooling_params(self) -> Any:
-        return _pooling_params(
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
-            use_activation=self.use_activation,
-            activation=self.activation,
-        )
 
 
 class RerankRequest(_PoolingExtras):
@@ -162,13 +139,6 @@ class RerankRequest(_PoolingExtras):
     use_activation: bool | None = None
     activation: bool | None = None  # older name of use_activation
 
-    def to_pooling_params(self) -> Any:
-        return _pooling_params(
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
-            use_activation=self.use_activation,
-            activation=self.activation,
-        )
-
 
 class ClassificationRequest(_PoolingExtras):
     """`POST /classify`: each input's class probabilities and its most likely label."""
@@ -177,13 +147,6 @@ class ClassificationRequest(_PoolingExtras):
     user: str | None = None
     use_activation: bool | None = None
     activation: bool | None = None  # older name of use_activation
-
-    def to_pooling_params(self) -> Any:
-        return _pooling_params(
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
-            use_activation=self.use_activation,
-            activation=self.activation,
-        )
 
 
 class EmbeddingResponseData(OpenAIBaseModel):
