@@ -7,13 +7,13 @@ kills every process on it, Ray's placement-group bundles there included.
 - The engine (PP=2, one stage per node, a spare node): the node of stage 1 leaves -> the stage
   comes back on the spare node (its bundle re-placed there); then the node of stage 0 leaves
   and no node has room -> the pipeline shrinks to PP=1 at once (no wait for the restart
-  deadline); growing back fails at once while no node has room and succeeds once a node
-  joins. Every generation equals the fault-free one (and HF's), every failure names the lost
-  stage's rank, layers, pid and node.
-- Ray Data (`build_processor`, one PP=2 instance, its group STRICT_PACK on one 2-CPU node,
-  a spare node): that node -- the instance's actor and both its stages -- leaves during
-  `map_batches`; the actor restarts in its group, re-placed on the spare node, the batch is
-  retried, and the job completes with every row answered once, as without the loss.
+  deadline); growing back fails at once while no node has room (growing back onto bundles
+  with a node again is test_pipeline_shrink's). Every generation equals the fault-free one
+  (and HF's), every failure names the lost stage's rank, layers, pid and node.
+- Ray Data (`build_processor`, one instance on a 1-CPU node, a spare node): that node -- the
+  instance's actor and its engine -- leaves during `map_batches`; the actor restarts in its
+  group, re-placed on the spare node, the batch is retried, and the job completes with every
+  row answered once, as without the loss.
 """
 
 from __future__ import annotations
@@ -91,11 +91,6 @@ ENGINE_SCRIPT = CLUSTER + textwrap.dedent(
     started = time.monotonic()
     out["grew_without_room"] = engine.grow_pipeline()
     out["grow_without_room_s"] = time.monotonic() - started
-    add_node()
-    out["grew"] = engine.grow_pipeline()
-    grown = token_ids(llm.generate(prompts, params, use_tqdm=False))
-    out["grown_equal"] = grown == out["reference"]
-    out["grown_pp"] = engine.parallel_config.pipeline_parallel_size
     llm.shutdown()
     ray.shutdown()
     cluster.shutdown()
@@ -112,8 +107,8 @@ DATA_SCRIPT = CLUSTER + textwrap.dedent(
     from vllm import LLM, SamplingParams
     from vllm.batch import build_processor
 
-    for _ in range(2):  # the instance's node (both stages: STRICT_PACK) and a spare
-        add_node(num_cpus=2)
+    for _ in range(2):  # the instance's node (its one-stage engine) and a spare
+        add_node(num_cpus=1)
     ray.init(address=cluster.address)
     cluster.wait_for_nodes()
     prompts = [f"{tiny_models.PROMPTS[i % 4]} {i}" for i in range(int(sys.argv[2]))]
@@ -122,7 +117,7 @@ DATA_SCRIPT = CLUSTER + textwrap.dedent(
     dataset = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(prompts)])
     rows, lost = [], []
     with build_processor(
-        sys.argv[1], num_instances=1, pipeline_parallel_size=2, batch_size=4,
+        sys.argv[1], num_instances=1, pipeline_parallel_size=1, batch_size=4,
         sampling_params=greedy, engine_kwargs=engine, device="cpu",
     ) as processor:
         for batch in processor(dataset).iter_batches(batch_size=None, batch_format="pandas"):
@@ -208,12 +203,10 @@ def test_stage_node_leaves_the_cluster(tiny_model_dirs, hf_reference):
     assert shrunk["seconds"] < 90, shrunk["seconds"]
     assert result["resizes"] == [["shrink", 2, 1]]
 
-    # Growing back with no room fails at once (the engine goes on at PP=1); with a new node,
-    # the stage comes back there.
+    # Growing back with no room fails at once (the engine goes on at PP=1). Growing back onto
+    # bundles that have a node again is tests/distributed/test_pipeline_shrink.py's.
     assert result["grew_without_room"] is False
     assert result["grow_without_room_s"] < 10
-    assert result["grew"] is True and result["grown_pp"] == 2
-    assert result["grown_equal"]
 
 
 def test_ray_data_instance_node_leaves_the_cluster(tiny_model_dirs):
