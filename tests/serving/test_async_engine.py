@@ -176,8 +176,11 @@ def test_abort_and_duplicate_ids(engine):
 
 def test_abort_raises_cancelled_error_in_the_consumer(engine):
     """vLLM's test_cancellation: aborting a request while a task consumes its stream raises
-    CancelledError in that task, after exactly the outputs it had seen."""
-    params = SamplingParams(temperature=0, min_tokens=13, max_tokens=13)
+    CancelledError in that task (after the outputs already queued for it: the engine thread
+    may have run ahead of a slow consumer), never a finished output."""
+    # Far more tokens than the consumer waits for: on a loaded machine the engine thread may
+    # run well ahead of the consumer, and must not finish the request before the abort.
+    params = SamplingParams(temperature=0, min_tokens=400, max_tokens=400)
 
     async def main():
         seen = 0
@@ -190,7 +193,8 @@ def test_abort_raises_cancelled_error_in_the_consumer(engine):
         await settle(engine)
         return seen
 
-    assert asyncio.run(asyncio.wait_for(main(), WAIT)) == 5
+    seen = asyncio.run(asyncio.wait_for(main(), WAIT))
+    assert 5 <= seen < 400
     assert_no_leaks(engine)
 
 
