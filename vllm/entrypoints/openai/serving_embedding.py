@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse
 
 from vllm.entrypoints.openai.protocol import random_uuid
 from vllm.entrypoints.openai.protocol_pooling import (
-    EmbeddingChatRequest,
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingResponseData,
@@ -23,7 +22,6 @@ from vllm.entrypoints.openai.protocol_pooling import (
 from vllm.entrypoints.openai.serving_pooling_base import (
     PoolingServing,
     pooling_bad_request,
-    prompt_list,
     usage_of,
 )
 
@@ -55,11 +53,7 @@ class OpenAIServingEmbedding(PoolingServing):
             self.check_priority(request.priority)
             truncate = self.effective_truncation(request.truncate_prompt_tokens)
             params = self.pooling_params(request)
-            if isinstance(request, EmbeddingChatRequest):
-                inputs = await self.chat_input(request, truncate)
-            else:
-                prompts = prompt_list(request.input, "input")
-                inputs = await self.engine_inputs(prompts, request.add_special_tokens, truncate)
+            inputs = await self.request_inputs(request, truncate)
         except ValueError as exc:
             return pooling_bad_request(exc)
         request_id = f"embd-{request.request_id or random_uuid()}"

@@ -11,7 +11,6 @@ from fastapi.responses import JSONResponse
 
 from vllm.entrypoints.openai.protocol import ParameterError, random_uuid
 from vllm.entrypoints.openai.protocol_pooling import (
-    PoolingChatRequest,
     PoolingRequest,
     PoolingResponse,
     PoolingResponseData,
@@ -20,7 +19,6 @@ from vllm.entrypoints.openai.serving_embedding import encode_vector
 from vllm.entrypoints.openai.serving_pooling_base import (
     PoolingServing,
     pooling_bad_request,
-    prompt_list,
     supported_pooling_tasks,
     usage_of,
 )
@@ -54,11 +52,7 @@ class OpenAIServingPooling(PoolingServing):
             self.check_priority(request.priority)
             truncate = self.effective_truncation(request.truncate_prompt_tokens)
             params = self.pooling_params(request, task)
-            if isinstance(request, PoolingChatRequest):
-                inputs = await self.chat_input(request, truncate)
-            else:
-                prompts = prompt_list(request.input, "input")
-                inputs = await self.engine_inputs(prompts, request.add_special_tokens, truncate)
+            inputs = await self.request_inputs(request, truncate)
         except ValueError as exc:
             return pooling_bad_request(exc)
         request_id = f"pool-{request.request_id or random_uuid()}"

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from vllm.engine.async_llm_engine import AsyncEngineDeadError
 from vllm.entrypoints.openai.protocol import ParameterError, UsageInfo
+from vllm.entrypoints.openai.protocol_pooling import EmbeddingChatRequest
 from vllm.entrypoints.openai.serving_chat import render_chat
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -182,6 +183,15 @@ class PoolingServing(OpenAIServing):
             ids = await self.work.encode(prompt, True, "messages")
         self.check_length(len(ids), truncate, "messages")
         return [{"prompt": prompt, "prompt_token_ids": ids[-truncate:] if truncate else ids}]
+
+    async def request_inputs(self, request: Any, truncate: int | None) -> list[dict[str, Any]]:
+        """The engine inputs of an embeddings or /pooling request: its chat `messages` through
+        the template (a chat request: `EmbeddingChatRequest` or its /pooling subclass), else its
+        `input` prompts."""
+        if isinstance(request, EmbeddingChatRequest):
+            return await self.chat_input(request, truncate)
+        prompts = prompt_list(request.input, "input")
+        return await self.engine_inputs(prompts, request.add_special_tokens, truncate)
 
     def pooling_params(self, request: Any, task: str | None = None) -> Any:
         """The request's PoolingParams with this handler's task (ValueError: a 400)."""
