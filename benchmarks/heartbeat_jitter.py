@@ -5,7 +5,7 @@ VLLM_PP_HEARTBEAT_TIMEOUT_S (a healthy stage must never stay silent that long).
 
 `--load` processes spin on the CPU the whole time (as CI's other jobs do on a 2-core machine),
 while the engine serves batches of long prompts (long prefill steps) and decodes. Prints, per
-rank, the heartbeat round trips (p50, p99, max) measured by the engine's stage watch while the
+rank, the heartbeat round trips (p50, p99, max) measured by the engine's supervisor while the
 heartbeat timeout applied, the longest step, and how many stages were declared failed (must
 be 0: any is a false positive).
 """

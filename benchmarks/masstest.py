@@ -49,6 +49,8 @@ class RunState:
     errors: list[str] = field(default_factory=list)
     steps: int = 0
     seconds: float = 0.0
+    # Per stage fault, in order: seconds from the kill to the engine's fault event.
+    found_after_kill_s: list[float] = field(default_factory=list)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -523,19 +525,18 @@ def run_engine(
             print(f"\n=== {len(killer.kills)} stages killed, {len(faults)} failures handled ===")
             for (rank, how, pid), killed_at, event in zip(killer.kills, killer.kill_times, faults):
                 # From the kill to the engine's fault event (not the failed wait's length).
-                event.extra["found_after_kill_s"] = event.detected_at - killed_at
-                extra = event.extra
+                state.found_after_kill_s.append(event.detected_at - killed_at)
                 print(
                     f"  [{mode}] {how:8s} stage {rank} (pid {pid}): detected "
-                    f"{extra['found_after_kill_s']:.2f} s after the kill, recovered in "
+                    f"{state.found_after_kill_s[-1]:.2f} s after the kill, recovered in "
                     f"{event.recovery_s or float('nan'):.2f} s "
-                    f"(replay {extra.get('replay_s', 0.0):.2f} s), every request back: "
-                    f"{_back(extra.get('caught_up_s'))}, "
-                    f"{extra.get('recomputed_token_stages', 0)} token-stages recomputed "
-                    f"(full path for this state: {extra.get('full_path_token_stages', 0)}; "
-                    f"{extra.get('replayed_tokens', 0)} tokens replayed, "
-                    f"{len(extra.get('recomputed_requests', {}))} requests in full), "
-                    f"recovery {extra.get('stage_recovery')}"
+                    f"(replay {event.replay_s:.2f} s), every request back: "
+                    f"{_back(event.caught_up_s)}, "
+                    f"{event.recomputed_token_stages} token-stages recomputed "
+                    f"(full path for this state: {event.full_path_token_stages}; "
+                    f"{event.replayed_tokens} tokens replayed, "
+                    f"{len(event.recomputed_requests)} requests in full), "
+                    f"recovery {event.stage_recovery}"
                 )
         else:
             state = run_all(llm, reqs, rng, args.verbose)
@@ -563,7 +564,7 @@ def summarize(
     in_toks = sum(len(o.prompt_token_ids) for o in state.finished.values())  # ran ones
     out_toks = sum(len(o.token_ids) for o in outs)
     reported = sum(1 for rid in state.aborted if rid in state.finished)
-    caught_up = [f.extra["caught_up_s"] for f in faults if "caught_up_s" in f.extra]
+    caught_up = [f.caught_up_s for f in faults if f.caught_up_s is not None]
     summary = {
         "requests": len(reqs),
         "kinds": dict(Counter(r.kind for r in reqs)),
@@ -582,21 +583,21 @@ def summarize(
         "requests_per_s": len(reqs) / state.seconds,
         "stage_faults": len(faults),
         "max_detection_s": max(
-            (f.extra.get("found_after_kill_s", f.detected_after_s) for f in faults), default=0.0
+            state.found_after_kill_s or [f.detected_after_s for f in faults], default=0.0
         ),
         "max_recovery_s": max((f.recovery_s or 0.0 for f in faults), default=0.0),
         # Detection to every request back where it was, over the faults where that happened
         # before the next one.
         "median_caught_up_s": statistics.median(caught_up) if caught_up else None,
         "faults_caught_up": len(caught_up),
-        "recomputed_token_stages": sum(f.extra.get("recomputed_token_stages", 0) for f in faults),
-        "full_path_token_stages": sum(f.extra.get("full_path_token_stages", 0) for f in faults),
+        "recomputed_token_stages": sum(f.recomputed_token_stages for f in faults),
+        "full_path_token_stages": sum(f.full_path_token_stages for f in faults),
         # The largest share of its full path one fault recomputed (issue target: 1/PP).
         "max_fault_share": max(
             (
-                f.extra["recomputed_token_stages"] / f.extra["full_path_token_stages"]
+                f.recomputed_token_stages / f.full_path_token_stages
                 for f in faults
-                if f.extra.get("full_path_token_stages")
+                if f.full_path_token_stages
             ),
             default=None,
         ),

@@ -90,7 +90,7 @@ def run_phase(llm: Any, prompts: list[str], params: Any) -> tuple[dict[str, Any]
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_steps = engine.num_steps - steps
     return {
-        "split": engine.reshaper.current_split(),
+        "split": engine.resilience.reshaper.current_split(),
         "tokens_per_s": tokens / wall,
         "wall_s": wall,
         "engine_steps": num_steps,
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         disable_log_stats=True,
     )
     engine = llm.llm_engine
-    reshaper = engine.reshaper
+    reshaper = engine.resilience.reshaper
     reshaper.auto = False
 
     def pin_stages() -> None:

@@ -136,7 +136,7 @@ class BlockOps:
 @dataclass
 class ReplayRequest:
     """One replay step of a stage-local KV rebuild, sent to every rank after failed stages
-    were replaced (see `vllm.engine.stage_replay`).
+    were replaced (see `vllm.resilience.replay`).
 
     `groups` are prefill chunks of tokens whose KV was committed before the failure (one
     sequence each: `num_computed_tokens` is the chunk's start, `token_chunk_size` its

@@ -120,6 +120,6 @@ def test_a_stage_killed_with_three_chunks_of_one_prompt_in_flight(
         assert fired, "no step was scheduled behind three chunks of one prompt"
         assert [list(outputs[0].outputs[0].token_ids)] == hf_greedy[:1]
         (event,) = llm.llm_engine.fault_events[events:]
-        assert event.extra["stage_recovery"] == "local", event.extra
+        assert event.stage_recovery == "local", event.as_dict()
     finally:
         llm.shutdown()

@@ -16,7 +16,7 @@ from tests.utils import tiny_models
 from tests.utils.faults import after_steps, gone, kill_stage
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
-from vllm.executor.stage_supervisor import EngineDeadError
+from vllm.resilience.errors import EngineDeadError
 
 pytestmark = pytest.mark.ray
 
@@ -293,7 +293,7 @@ def test_restart_budget_is_a_rate(tiny_model_dirs, monkeypatch):
     """max_stage_restarts counts replacements within VLLM_STAGE_RESTART_WINDOW_S: faults
     spread out over a long-lived engine never use it up, a burst still does. (The executor's
     replacement is stubbed: this is the engine's bookkeeping.)"""
-    from vllm.executor.stage_supervisor import StageFailedError, StageFailure
+    from vllm.resilience.errors import StageFailedError, StageFailure
 
     llm = LLM(tiny_model_dirs["opt-pre"], max_stage_restarts=2)
     engine = llm.llm_engine
@@ -324,7 +324,7 @@ def test_restart_budget_is_a_rate(tiny_model_dirs, monkeypatch):
 def test_backend_that_cannot_replace_a_stage_says_so(tiny_model_dirs, caplog):
     """A stage failure on an executor without stage replacement (uni: one in-process rank) stops
     the engine naming the reason, without first logging that it replaces the stage."""
-    from vllm.executor.stage_supervisor import StageFailedError, StageFailure
+    from vllm.resilience.errors import StageFailedError, StageFailure
 
     llm = LLM(tiny_model_dirs["opt-pre"])
     engine = llm.llm_engine

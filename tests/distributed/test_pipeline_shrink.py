@@ -116,7 +116,7 @@ def assert_local_rebuild(event, old_pp: int, logged: str) -> None:
     """The lost layers were rebuilt on the neighbour that took them: the work is the lost
     stage's share of a full recompute (every committed token through one old stage's
     layers), plus requests the rollback re-queued, through every layer."""
-    extra = event.extra
+    extra = event.as_dict()
     assert extra["stage_recovery"] == "shrink (local)", extra
     assert extra["replayed_tokens"] > 0, extra
     in_full = extra["recomputed_tokens"] - extra["replayed_tokens"]
@@ -159,12 +159,12 @@ def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monk
     assert event.ranks == [victim]
     logged = caplog.text
     assert_local_rebuild(event, pp, logged)
-    assert event.extra["pipeline_parallel_size"] == pp - 1
+    assert event.pipeline_parallel_size == pp - 1
     assert (
         f"Pipeline shrunk from PP={pp} to PP={pp - 1} after stage {victim} could not be "
         "replaced" in logged
     )
-    assert eng.elastic.events[-1].reason == "shrink"
+    assert eng.resilience.resizes.events[-1].reason == "shrink"
     health = eng.health()
     assert health.degraded and f"pipeline_parallel_size={pp - 1} of {pp}" in health.message
     assert eng.parallel_config.boundary_cache_enabled == (pp - 1 > 1)
@@ -186,7 +186,7 @@ def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monk
     grown: list[bool] = []
     with caplog.at_level("INFO", logger="vllm"):
         if automatic:
-            eng.elastic._next_attempt = 0.0  # the failed try above pushed it back
+            eng.resilience.resizes._next_grow_at = 0.0  # the failed try above pushed it back
             outputs = step_with_actions(llm, PROMPTS, PARAMS, {})
         else:
             outputs = step_with_actions(
@@ -197,8 +197,8 @@ def test_unreplaceable_stage_shrinks_the_pipeline_and_it_grows_back(engine, monk
     assert f"Pipeline grown back from PP={pp - 1} to PP={pp}" in caplog.text
     assert_pipeline(llm, pp)
     assert [i.pid for i in eng.get_stage_infos()][: pp - 1] == survivors
-    assert eng.elastic.events[-1].reason == "grow"
-    assert eng.elastic.missing_stages == 0
+    assert eng.resilience.resizes.events[-1].reason == "grow"
+    assert eng.resilience.resizes.missing_stages == 0
     assert not eng.health().degraded
     assert eng.grow_pipeline() is False  # nothing missing
     assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
@@ -288,7 +288,7 @@ def test_swapped_and_parallel_sampled_groups_come_back_with_the_local_rebuild(
         assert_pipeline(llm, 2, merged(3, 1))
         event = eng.fault_events[-1]
         assert_local_rebuild(event, 3, caplog.text)
-        assert event.extra["swapped_in_requests"] > 0, event.extra
+        assert event.swapped_in_requests > 0, event.as_dict()
         # The merged stage holds fewer host blocks with 4 layers: the pool follows it.
         assert eng.cache_config.num_gpu_blocks == 64
         assert eng.cache_config.num_cpu_blocks < host_blocks
@@ -330,7 +330,7 @@ def test_a_neighbour_that_cannot_hold_the_blocks_in_use_takes_the_full_path(
         thread.join(timeout=60)
         assert outputs == reference
         assert_pipeline(llm, 2)  # the even split
-        extra = eng.fault_events[-1].extra
+        extra = eng.fault_events[-1].as_dict()
         assert extra["stage_recovery"] == "shrink", extra
         assert extra["recomputed_token_stages"] == extra["full_path_token_stages"] * 2 // 3
         assert (
@@ -367,7 +367,7 @@ def test_a_tp_stage_leaves_with_all_its_ranks_and_comes_back(tiny_model_dirs, hf
             assert [(i.rank, i.pp_rank, i.tp_rank) for i in infos] == [(0, 0, 0), (1, 0, 1)]
             assert [i.layers for i in infos] == [(0, NUM_LAYERS)] * 2
             # Each TP rank of stage 0 replayed its shard of the last stage's layers.
-            assert eng.fault_events[-1].extra["stage_recovery"] == "shrink (local)"
+            assert eng.fault_events[-1].stage_recovery == "shrink (local)"
         assert eng.grow_pipeline() is True
         infos = eng.get_stage_infos()
         assert [(i.rank, i.pp_rank, i.tp_rank) for i in infos] == [
@@ -423,6 +423,6 @@ def test_a_replacement_that_dies_in_the_rendezvous_still_leaves_a_pipeline(
         thread.join(timeout=60)
         assert token_ids(outputs) == reference
         assert engine.parallel_config.pipeline_parallel_size == 1
-        assert engine.fault_events[-1].extra["stage_recovery"] == "shrink (local)"
+        assert engine.fault_events[-1].stage_recovery == "shrink (local)"
     finally:
         llm.shutdown()

@@ -87,7 +87,7 @@ ENGINE_SCRIPT = CLUSTER + textwrap.dedent(
 
     lose_node_of(1)  # the spare node takes stage 1
     lose_node_of(0)  # no node has room: stage 1 takes stage 0's layers, PP=1
-    out["resizes"] = [(e.reason, e.old_pp, e.new_pp) for e in engine.elastic.events]
+    out["resizes"] = [(e.reason, e.old_pp, e.new_pp) for e in engine.resilience.resizes.events]
     started = time.monotonic()
     out["grew_without_room"] = engine.grow_pipeline()
     out["grow_without_room_s"] = time.monotonic() - started

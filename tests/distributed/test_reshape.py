@@ -81,7 +81,7 @@ def test_resplit_with_requests_in_flight_keeps_every_output(elastic):
     assert all(e.recomputed_requests > 0 for e in events)
     assert events[0].old_split == tiny_models_even(pp)
     assert layers_of(llm) == ranges(second)
-    assert engine.reshaper.current_split() == second
+    assert engine.resilience.reshaper.current_split() == second
     # The block manager took the new minimum over stages.
     assert engine.scheduler.block_manager.num_total_gpu_blocks == events[-1].num_gpu_blocks
     assert_engine_idle(llm)
@@ -107,9 +107,9 @@ def test_bad_layer_split_is_refused_and_changes_nothing(elastic):
             engine.reshape_pipeline(split)
     assert layers_of(llm) == before
     # The split it has already: nothing to do (no recompute).
-    done = len(engine.reshaper.events)
+    done = len(engine.resilience.reshaper.events)
     event = engine.reshape_pipeline(tiny_models_even(pp))
-    assert event.recomputed_requests == 0 and len(engine.reshaper.events) == done
+    assert event.recomputed_requests == 0 and len(engine.resilience.reshaper.events) == done
     assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
 
 
@@ -149,7 +149,7 @@ def fake_stats(engine, unit: list[float], head: float):
     totals = [StageStats(pp_rank=i) for i in range(len(unit))]
 
     def get_stage_stats(reset: bool = True) -> list[StageStats]:
-        split = engine.reshaper.current_split()
+        split = engine.resilience.reshaper.current_split()
         for i, stats in enumerate(totals):
             units = split[i] + (head if i == len(unit) - 1 else 0.0)
             stats.steps += 5
@@ -167,7 +167,7 @@ def test_auto_resplit_moves_layers_off_the_slow_stage(elastic, monkeypatch):
     engine = llm.llm_engine
     pp = engine.parallel_config.pipeline_parallel_size
     even = tiny_models_even(pp)
-    assert engine.reshaper.current_split() == even
+    assert engine.resilience.reshaper.current_split() == even
     head = engine.model_config.get_lm_head_cost_in_layers()
     # Stage 0 100x slower per layer (the tiny model's lm_head is worth ~85 of its layers,
     # so the last stage is slowest unless another is slowed that much).
@@ -179,12 +179,12 @@ def test_auto_resplit_moves_layers_off_the_slow_stage(elastic, monkeypatch):
     assert expected[0] < even[0] and predicted < 0.9 * measured
     monkeypatch.setattr(reshape, "AUTO_INTERVAL_S", 0.0)
     monkeypatch.setattr(engine.executor, "get_stage_stats", fake_stats(engine, unit, head))
-    monkeypatch.setattr(engine.reshaper, "auto", True)
-    events = len(engine.reshaper.events)
+    monkeypatch.setattr(engine.resilience.reshaper, "auto", True)
+    events = len(engine.resilience.reshaper.events)
     outputs = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
     assert outputs == reference
     # One re-split: the stages' times afterwards show the split is the best one for them.
-    new = engine.reshaper.events[events:]
+    new = engine.resilience.reshaper.events[events:]
     assert [e.reason for e in new] == ["auto"] and new[0].new_split == expected
     assert new[0].measured_step_s == pytest.approx(measured)
     assert new[0].predicted_step_s == pytest.approx(predicted)
@@ -202,6 +202,6 @@ def test_a_single_stage_has_only_its_own_split(tiny_model_dirs):
         assert event.new_split == [6] and event.recomputed_requests == 0
         with pytest.raises(ValueError, match="pipeline_parallel_size is 1"):
             engine.reshape_pipeline([3, 3])
-        assert not engine.reshaper.auto  # nothing to balance with one stage
+        assert not engine.resilience.reshaper.auto  # nothing to balance with one stage
     finally:
         llm.shutdown()

@@ -20,7 +20,7 @@ import pytest
 from tests.utils import tiny_models
 from tests.utils.faults import gone
 from vllm import LLM, SamplingParams
-from vllm.executor.stage_supervisor import heartbeat_timeout_s
+from vllm.executor.liveness import heartbeat_timeout_s
 
 PROMPTS = tiny_models.PROMPTS[:4]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

@@ -92,7 +92,7 @@ def run_with_kill(llm: LLM, rank: int, caplog, steps: int = 6) -> tuple[list, ob
     # Every request got its KV back before the run ended, after the stage was replaced.
     event = events[0]
     assert event.recovery_s is not None
-    assert event.extra["caught_up_s"] >= event.recovery_s, event.extra
+    assert event.caught_up_s >= event.recovery_s, event.as_dict()
     assert "Every request is back where it was" in caplog.text
     return outputs, event
 
@@ -116,7 +116,7 @@ def test_killed_stage_is_rebuilt_alone(engine, where, caplog):
     rank = {"first": 0, "middle": pp // 2, "last": pp - 1}[where]
     outputs, event = run_with_kill(llm, rank, caplog)
     assert outputs_of(outputs) == reference
-    extra = event.extra
+    extra = event.as_dict()
     assert extra["stage_recovery"] == "local", extra
     assert extra["rebuilt_stages"] == [rank]
     assert extra["replayed_tokens"] > 0
@@ -147,7 +147,7 @@ def test_blocks_a_lost_step_moved_stay_with_the_survivors(engine, pause_s, caplo
     assert fired, "no step copied or swapped a block"
     assert outputs_of(outputs) == reference
     (event,) = eng.fault_events[events_before:]
-    extra = event.extra
+    extra = event.as_dict()
     assert extra["stage_recovery"] == "local", extra
     assert extra["rebuilt_stages"] == [pp - 1]
     assert_work_is_the_rebuilt_share(extra, pp)
@@ -171,7 +171,7 @@ def test_swapped_requests_with_no_room_are_rebuilt_in_rounds(engine, monkeypatch
     assert fired, "no step swapped a request out"
     assert outputs_of(outputs) == reference
     (event,) = eng.fault_events[events_before:]
-    extra = event.extra
+    extra = event.as_dict()
     assert extra["stage_recovery"] == "local", extra
     assert extra["rebuilt_stages"] == [0]
     assert extra["swap_rounds_requests"] > 0 and not extra["recomputed_requests"], extra
@@ -184,8 +184,8 @@ def test_stage_recovery_full_still_recovers(tiny_model_dirs, caplog):
         reference = outputs_of(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
         outputs, event = run_with_kill(llm, 1, caplog)
         assert outputs_of(outputs) == reference
-        assert event.extra["stage_recovery"] == "full"
-        assert event.extra["recomputed_token_stages"] == event.extra["full_path_token_stages"]
+        assert event.stage_recovery == "full"
+        assert event.recomputed_token_stages == event.full_path_token_stages
         assert "recomputed with the tokens they have" in caplog.text
     finally:
         llm.shutdown()
@@ -199,8 +199,8 @@ def test_tp2_pp2_rebuilds_both_ranks_of_a_stage(tiny_model_dirs, caplog):
         reference = outputs_of(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
         outputs, event = run_with_kill(llm, 1, caplog)
         assert outputs_of(outputs) == reference
-        assert event.extra["stage_recovery"] == "local"
-        assert event.extra["rebuilt_stages"] == [0]
+        assert event.stage_recovery == "local"
+        assert event.rebuilt_stages == [0]
     finally:
         llm.shutdown()
 
@@ -222,7 +222,7 @@ def test_prompts_in_flight_run_again_and_are_not_counted_as_recomputed(tiny_mode
         reference = outputs_of(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
         outputs, event = run_with_kill(llm, 1, caplog, steps=1)
         assert outputs_of(outputs) == reference
-        extra = event.extra
+        extra = event.as_dict()
         assert extra["stage_recovery"] == "local", extra
         requeued = extra["recomputed_requests"]
         assert "its prompt runs whole when scheduled again" in requeued.values(), extra
@@ -261,7 +261,7 @@ def test_a_whole_prompt_in_flight_keeps_its_cached_prefix(tiny_model_dirs, caplo
         assert fired, "no prompt took a prefix from the cache"
         assert outputs_of(outputs) == reference
         (event,) = llm.llm_engine.fault_events
-        extra = event.extra
+        extra = event.as_dict()
         assert extra["stage_recovery"] == "local", extra
         assert "the KV it had was rebuilt and stays in the prefix cache" in caplog.text
         assert extra["recomputed_tokens"] == extra["replayed_tokens"], extra

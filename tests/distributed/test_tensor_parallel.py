@@ -202,7 +202,7 @@ def test_mp_dead_rank_is_replaced(tp, pp, victim_rank, model_dirs, reference):
         assert sample("vllm:stage_failures_total") == 1
         assert sample("vllm:stage_recoveries_total") == 1
         assert sample("vllm:stage_recovery_seconds_count") == 1
-        recomputed = engine.fault_events[0].extra["recomputed_tokens"]
+        recomputed = engine.fault_events[0].recomputed_tokens
         assert recomputed > 0 and sample("vllm:recomputed_tokens_total") == recomputed
     finally:
         llm.shutdown()

@@ -202,7 +202,7 @@ def test_row_failures_are_reported_per_row(predictor, reference):
 def test_engine_failure_fails_the_batch_only(predictor, reference, monkeypatch):
     import numpy as np
 
-    from vllm.executor.stage_supervisor import EngineDeadError
+    from vllm.resilience.errors import EngineDeadError
 
     prompts = _prompts()[:3]
     broken = predictor.llm

@@ -11,7 +11,8 @@ import pytest
 
 from vllm.engine.async_llm_engine import AsyncEngineDeadError
 from vllm.entrypoints.health import HEALTH_HEADER, health_response
-from vllm.executor.stage_supervisor import EngineHealth, StageFailedError, StageFailure
+from vllm.resilience.errors import StageFailedError, StageFailure
+from vllm.resilience.events import EngineHealth
 
 pytestmark = pytest.mark.fast
 

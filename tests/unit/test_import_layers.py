@@ -1,12 +1,12 @@
 """The package's layers, kept by reading its imports (no module is imported; milliseconds).
 
-From the bottom: shared helpers and torch-free tables; the request records; the config; the
-distributed layer; the model code, the scheduler, the grammar engine and the LoRA layers; the
-worker; the executors; the engine; the entry points; the Ray Data batch layer and the CLI on
-top. A module imports only from its own layer or below (a `TYPE_CHECKING` import included: a
-type that points up is a dependency that points up), and no two modules import each other at
-run time, through any chain (a cycle makes the import order matter and hides which piece owns
-what).
+From the bottom: shared helpers, torch-free tables and the stage-failure errors; the request
+records; the config; the distributed layer; the model code, the scheduler, the grammar engine
+and the LoRA layers; the worker; the executors; the recovery from stage failures; the engine;
+the entry points; the Ray Data batch layer and the CLI on top. A module imports only from its
+own layer or below (a `TYPE_CHECKING` import included: a type that points up is a dependency
+that points up), and no two modules import each other at run time, through any chain (a cycle
+makes the import order matter and hides which piece owns what).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
         "vllm._C",
         "vllm._custom_ops",
         "vllm.request_failure",
+        "vllm.resilience.errors",  # raised by the executors, caught by the engine and server
         "vllm.model_registry",
         "vllm.distributed.net_utils",
         "vllm.distributed.layer_split",
@@ -54,6 +55,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("vllm.model_executor", "vllm.core", "vllm.structured_output", "vllm.lora"),
     ("vllm.worker",),
     ("vllm.executor",),
+    ("vllm.resilience",),  # what happens when a stage fails: reaches the engine by a protocol
     ("vllm.engine",),
     ("vllm.entrypoints",),
     ("vllm.batch", "vllm.scripts"),

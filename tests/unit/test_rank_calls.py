@@ -210,7 +210,7 @@ def test_deadline(two_ranks):
 
 
 def test_a_suspect_rank_fails_waits_at_once_until_it_clears(two_ranks):
-    """What the stage watch reports (a stopped process, a silent heartbeat) fails the wait on
+    """What the supervisor reports (a stopped process, a silent heartbeat) fails the wait on
     any rank at once and refuses calls to the rank; withdrawn, calls go on."""
     calls, _ = two_ranks
     slow = calls.submit({1: ("sleep", (5.0,), {})})

@@ -19,7 +19,7 @@ from vllm.core.stage_rollback import (
     requeue_after_replay,
     roll_back_for_replay,
 )
-from vllm.engine.stage_replay import replay_steps, replay_tokens
+from vllm.resilience.replay import replay_steps, replay_tokens
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 
 pytestmark = pytest.mark.fast

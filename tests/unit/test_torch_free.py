@@ -47,7 +47,11 @@ TORCH_FREE_MODULES = [
     "vllm.engine.stop_checker",
     "vllm.transformers_utils.gguf_config",
     "vllm.distributed.pipeline_resize",
-    "vllm.engine.merge_rebuild",
+    "vllm.resilience.errors",
+    "vllm.resilience.events",
+    "vllm.resilience.replay",
+    "vllm.resilience.coordinator",
+    "vllm.resilience.plans.shrink",
 ]
 
 

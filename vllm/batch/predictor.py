@@ -167,7 +167,7 @@ class LLMPredictor:
         still run (batched)."""
         if not rows:
             return
-        from vllm.executor.stage_supervisor import EngineDeadError
+        from vllm.resilience.errors import EngineDeadError
 
         try:
             results = self.run_engine(

@@ -27,11 +27,12 @@ from typing import Any
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.engine.request_tracker import RequestTracker
-from vllm.executor.stage_supervisor import EngineDeadError, EngineHealth
 from vllm.inputs import PromptInputs, parse_prompt
 from vllm.logger import init_logger
 from vllm.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 from vllm.pooling_params import PoolingParams
+from vllm.resilience.errors import EngineDeadError
+from vllm.resilience.events import EngineHealth
 from vllm.sampling_params import SamplingParams
 
 logger = init_logger("vllm.engine.async_llm_engine")

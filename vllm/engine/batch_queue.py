@@ -204,7 +204,7 @@ class BatchQueue:
         self._step_no = self._collected_through = self._drain_through = 0
 
     def configure(self, pipeline_depth: int, async_pipeline: bool) -> None:
-        """The pipeline changed size (`vllm.engine.elastic`): its depth and whether decodes
+        """The pipeline changed size (a shrink or grow): its depth and whether decodes
         are scheduled ahead; the groups were re-formed, so the queue starts again (`reset`)."""
         self.reset()
         self.async_pipeline = async_pipeline

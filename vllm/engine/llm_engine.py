@@ -10,11 +10,12 @@ flight for recompute, so the engine stays usable. A request whose own sampling w
 the last stage (its logits processor...) comes back marked failed: it ends as aborted, with a
 RequestFailedError kept for its caller (`pop_request_error`), and the stage and the other
 requests go on. A failed stage (StageFailedError) is replaced and its KV rebuilt, by the
-replaced stages alone or by recomputing every request (`vllm.engine.recovery`), up to
-`max_stage_restarts` replacements within VLLM_STAGE_RESTART_WINDOW_S (a rate, so a long-lived
-server is not worn out by rare faults); past that the engine aborts everything, releases its
-workers and raises EngineDeadError. A stage that cannot be replaced leaves the pipeline
-(PP N -> N-1) and is started again later (`vllm.engine.elastic`).
+replaced stages alone or by recomputing every request, up to `max_stage_restarts`
+replacements within VLLM_STAGE_RESTART_WINDOW_S (a rate, so a long-lived server is not worn
+out by rare faults); past that the engine aborts everything, releases its workers and raises
+EngineDeadError. A stage that cannot be replaced leaves the pipeline (PP N -> N-1) and is
+started again later. All of that is `vllm.resilience` (start at its coordinator), which
+reaches the engine through the public methods of `EngineControl` only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import itertools
 import json
 import os
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, NoReturn
 
 from vllm import envs
 from vllm.config import EngineConfig, ModelConfig, SchedulerConfig
@@ -32,27 +33,21 @@ from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.distributed.serialization import MessageNotSerializableError
 from vllm.engine.batch_queue import BatchQueue
-from vllm.engine.elastic import ElasticPipeline
 from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
-from vllm.engine.recovery import StageRecovery, can_replace_stages
 from vllm.engine.request_validation import check_sendable, validate_request
-from vllm.engine.reshape import PipelineReshaper, ReshapeEvent
-from vllm.executor.stage_supervisor import (
-    EngineDeadError,
-    EngineHealth,
-    FaultEvent,
-    StageFailedError,
-)
 from vllm.logger import init_logger
 from vllm.lora.registry import LoRARegistry
 from vllm.lora.request import LoRARequest
 from vllm.outputs import EngineOutput, output_of_group
 from vllm.pooling_params import PoolingParams
 from vllm.request_failure import RequestFailedError
+from vllm.resilience.coordinator import RecoveryCoordinator
+from vllm.resilience.errors import EngineDeadError, StageFailedError
+from vllm.resilience.events import EngineHealth, FaultEvent, ReshapeEvent
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
-from vllm.step_delta import RequestRecord
+from vllm.step_delta import BlockOps, RequestRecord
 from vllm.worker.stage_report import StageInfo, StageStats
 
 logger = init_logger("vllm.engine.llm_engine")
@@ -99,10 +94,6 @@ class LLMEngine:
         self.lora_config = engine_config.lora_config
         # The adapters every rank holds (LoRA enabled: the stages' LoRA layers are installed).
         self.loras = LoRARegistry(self.lora_config, self.executor)
-        # Re-splits of the layers while serving (on demand, or automatic when enabled).
-        self.reshaper = PipelineReshaper(self)
-        # Stages that leave when they cannot be replaced, and come back.
-        self.elastic = ElasticPipeline(self)
         self.scheduler = Scheduler(
             scheduler_config,
             cache_config,
@@ -129,12 +120,13 @@ class LLMEngine:
         # even if the step fails after making them.
         self._pending_outputs: list[EngineOutput] = []
         self.num_steps = 0
-        # Stage failures: their events, the restart budget and how each is recovered.
-        self.recovery = StageRecovery(self)
         # Requests that failed inside a stage (or could not be sent): their errors, until the
         # caller takes them.
         self._request_errors: dict[str, RequestFailedError] = {}
         self._dead: EngineDeadError | None = None
+        # Stage failures (their events, the restart budget, how each is recovered) and every
+        # change of the pipeline: built once the scheduler and batch queue exist.
+        self.resilience = RecoveryCoordinator(self)
         self._profiling = False
         self.log_stats = log_stats
         # Metrics are labelled with the name clients use (the server's --served-model-name).
@@ -418,27 +410,12 @@ class LLMEngine:
         """What `/health` reports of this engine: healthy, or degraded while failed stages are
         being replaced -- or found failed (a process stopped or gone, a heartbeat silent)
         with a replacement still allowed, which the next step makes -- or while the pipeline
-        runs with fewer stages than configured (`vllm.engine.elastic`). Raises EngineDeadError
-        when the engine is dead, StageFailedError when a failed stage cannot be replaced.
+        runs with fewer stages than configured (`vllm.resilience.plans.shrink`). Raises
+        EngineDeadError when the engine is dead, StageFailedError when a failed stage cannot
+        be replaced.
         Safe to call from another thread while the engine steps."""
         self._check_alive()
-        recovering = self.recovery.recovering
-        if recovering is not None:
-            return EngineHealth(
-                "degraded", f"replacing failed stage(s): {recovering}", recovering.ranks
-            )
-        try:
-            self.executor.check_health()
-        except StageFailedError as error:
-            if not can_replace_stages(self.executor) or self.recovery.restarts_in_window() >= (
-                self.parallel_config.max_stage_restarts
-            ):
-                raise
-            return EngineHealth("degraded", f"{error} (the next step replaces it)", error.ranks)
-        if self.elastic.missing_stages > 0:
-            # Serving, with fewer stages than configured (one could not be replaced).
-            return EngineHealth("degraded", self.elastic.describe_missing())
-        return EngineHealth()
+        return self.resilience.health()
 
     def get_stage_infos(self) -> list[StageInfo]:
         """Where each rank runs and what it holds (stage, layers, node, pid, threads,
@@ -452,9 +429,9 @@ class LLMEngine:
         else ValueError naming it). The pipeline is drained, every stage loads the layers of
         its new range and re-sizes its KV cache, and every unfinished request is recomputed
         with the tokens it has (nothing is lost; outputs are unchanged). Returns what was done
-        (see `vllm.engine.reshape`)."""
+        (see `vllm.resilience.plans.reshape`)."""
         self._check_alive()
-        return self.reshaper.reshape(layer_split)
+        return self.resilience.reshape(layer_split)
 
     def grow_pipeline(self) -> bool:
         """While a stage that could not be replaced is missing (the pipeline shrank), start
@@ -462,9 +439,11 @@ class LLMEngine:
         whether it grew (False: nothing missing, or the stage could not be started -- the
         log says why). Every unfinished request is recomputed with the tokens it has."""
         self._check_alive()
-        return self.elastic.grow()
+        return self.resilience.grow()
 
-    def _configure_pipelining(self) -> None:
+    # -- EngineControl: what the recovery (`vllm.resilience`) may do to the engine --------------
+
+    def reconfigure_pipelining(self) -> None:
         """The micro-batches kept in flight and scheduling ahead, for the pipeline's size now
         (after it shrank or grew back; nothing is in flight)."""
         budget, async_pipeline = _pipelining(self.scheduler_config, self.executor)
@@ -512,10 +491,10 @@ class LLMEngine:
             culprits = [(group, str(error)) for group in groups]
         for group, why in culprits:
             logger.error("Request %s failed: its step could not be sent: %s", group.request_id, why)
-            self._end_as_failed([group], f"its step could not be sent: {why}")
+            self.end_as_failed([group], f"its step could not be sent: {why}")
         # The batches already sent stay valid, but the unsent one's requests hold flights the
         # pipeline will never return: recompute everything in flight, as after an interrupt.
-        self._discard_in_flight()
+        self.discard_in_flight()
 
     def step(self) -> list[EngineOutput]:
         """Fill the pipeline with new batches, then finish the oldest one.
@@ -526,19 +505,18 @@ class LLMEngine:
         self.num_steps += 1
         try:
             outputs = self._step()
-            self.recovery.after_step()
-            if self.reshaper.auto or self.elastic.missing_stages:
-                # Kept in the pending outputs: a failed re-split check still returns them.
+            self.resilience.after_step()
+            if self.resilience.has_work_between_steps():
+                # Kept in the pending outputs: a failed reshape check still returns them.
                 self._pending_outputs[:0] = outputs
-                self.reshaper.after_step()
-                self.elastic.maybe_grow()
+                self.resilience.between_steps()
                 outputs = self._take_pending_outputs()
             return outputs
         except StageFailedError as error:
             return self._recover(error)
         except BaseException:
             # An interrupt or an error: the batches in flight will never be processed.
-            self._discard_in_flight()
+            self.discard_in_flight()
             raise
 
     def _step(self) -> list[EngineOutput]:
@@ -587,13 +565,43 @@ class LLMEngine:
             if error is None or group.is_finished() or getattr(group_output, "recompute", False):
                 continue
             logger.error("Request %s failed in the last stage: %s", group.request_id, error)
-            self._end_as_failed([group], error)
+            self.end_as_failed([group], error)
 
     def _take_pending_outputs(self) -> list[EngineOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
-    def _discard_in_flight(self) -> None:
+    def drain(self) -> None:
+        """Collect every batch inside the pipeline; their outputs wait in the pending outputs
+        (returned by the next step). A stage failing meanwhile is recovered as in a step
+        (everything is re-queued then, and nothing stays in flight)."""
+        while self.batch_queue:
+            try:
+                self._pending_outputs.extend(self._collect_oldest([]))
+            except StageFailedError as error:
+                self.resilience.recover(error)  # its outputs stay pending
+            except BaseException:
+                self.discard_in_flight()
+                raise
+
+    def abandon_in_flight(self) -> list[BlockOps]:
+        """A stage failed or the pipeline re-formed: the batches in flight never come back.
+        Forget them (the scheduler's groups stay as committed) and return the block
+        operations of steps no rank received (a stage-local rebuild applies them first)."""
+        unsent = self.batch_queue.unsent_block_ops()
+        self.batch_queue.reset()
+        return unsent
+
+    def requests_of_call(self, call_id: int | None) -> list[str]:
+        """The requests of the in-flight step the executor numbered `call_id`."""
+        return self.batch_queue.request_ids_of_call(call_id)
+
+    def log_fault(self, event: FaultEvent) -> None:
+        """Count a stage failure and its recovery's work in the metrics (stats on)."""
+        if self.stats is not None:
+            self.stats.log_fault(event, event.recomputed_tokens)
+
+    def discard_in_flight(self) -> None:
         """Forget the batches inside the pipeline and recompute their requests.
 
         Stages still run the abandoned steps, but before any later one (an actor runs its
@@ -608,19 +616,19 @@ class LLMEngine:
             )
 
     def _recover(self, error: StageFailedError) -> list[EngineOutput]:
-        """Replace the failed stages and bring their KV back (`vllm.engine.recovery`); or,
-        when restarts are used up or replacing fails, abort everything, release the workers
-        and raise."""
-        self.recovery.recover(error)
+        """Replace the failed stages and bring their KV back (`vllm.resilience.coordinator`);
+        or, when restarts are used up or replacing fails, abort everything, release the
+        workers and raise."""
+        self.resilience.recover(error)
         return self._take_pending_outputs()
 
     @property
     def fault_events(self) -> list[FaultEvent]:
         """Stage failures seen, each with its detection and recovery times and the work its
-        recovery recomputed (`FaultEvent.extra`)."""
-        return self.recovery.events
+        recovery recomputed (`vllm.resilience.events.FaultEvent`)."""
+        return self.resilience.events
 
-    def _end_as_failed(self, groups: list[SequenceGroup], why: str) -> None:
+    def end_as_failed(self, groups: list[SequenceGroup], why: str) -> None:
         """Abort `groups` (their error already logged) and return their final outputs
         (finish_reason "abort") with this step's; `why` is kept for `pop_request_error`."""
         ids = [group.request_id for group in groups]
@@ -636,7 +644,7 @@ class LLMEngine:
             self._pending_outputs.append(output_of_group(group))
             group.final_output_returned = True
 
-    def _fail(self, error: StageFailedError, why: str) -> None:
+    def fail(self, error: StageFailedError, why: str) -> NoReturn:
         """Fail-stop: abort every unfinished request, release the workers, raise."""
         if self.stats is not None and self.fault_events:
             self.stats.log_fault(self.fault_events[-1], 0)

@@ -338,8 +338,7 @@ class StatLogger(StatLoggerBase):
             m.stage_recoveries.labels(*labels).inc()
             m.stage_recovery.labels(*labels).observe(event.recovery_s)
             m.recomputed_tokens.labels(*labels).inc(recomputed_tokens)
-            token_stages = event.extra.get("recomputed_token_stages", 0)
-            m.recomputed_token_stages.labels(*labels).inc(token_stages)
+            m.recomputed_token_stages.labels(*labels).inc(event.recomputed_token_stages)
 
     def log(self, stats: Stats) -> None:
         """Record one Stats; the average throughput gauges every interval."""

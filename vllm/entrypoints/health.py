@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from vllm.engine.async_llm_engine import AsyncEngineDeadError
 from vllm.entrypoints.openai.serving_engine import error_response
-from vllm.executor.stage_supervisor import StageFailedError
+from vllm.resilience.errors import StageFailedError
 
 HEALTH_HEADER = "X-Health-Status"
 

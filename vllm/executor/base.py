@@ -16,10 +16,11 @@ from vllm import envs
 from vllm.config import EngineConfig
 from vllm.distributed.net_utils import get_file_init_method
 from vllm.distributed.rank_verbs import UnknownVerbError, Verb
+from vllm.executor.liveness import local_process_problem
 from vllm.executor.rank_calls import Calls, RankCalls
-from vllm.executor.stage_supervisor import StageFailedError, StageFailure, local_process_problem
-from vllm.executor.stage_watch import HeartbeatStats, StageWatch
 from vllm.executor.step_future import StepFuture
+from vllm.executor.supervisor import HeartbeatStats, StageSupervisor
+from vllm.resilience.errors import StageFailedError, StageFailure
 from vllm.sequence import SamplerOutput
 from vllm.step_delta import ExecuteModelRequest, ReplayRequest
 from vllm.worker.stage_report import StageInfo, StageStats
@@ -261,15 +262,15 @@ class StageProcessExecutor(ExecutorBase):
     are reached through one connection each (`self.calls`, `vllm.executor.rank_calls`).
 
     A step goes to every rank without waiting; `get_output` waits for the last stage's
-    output and fails as soon as any rank reports an error or is lost, or the stage watch
-    (`self.watch`, `vllm.executor.stage_watch`: heartbeats and this node's processes, on a
+    output and fails as soon as any rank reports an error or is lost, or the supervisor
+    (`self.watch`, `vllm.executor.supervisor`: heartbeats and this node's processes, on a
     thread of its own) finds one stopped, gone or silent. Subclasses start the processes,
     attach their connections (calls and heartbeat), say how a failure is named
     (`_failures_named`) and how long a set-up call may take (`_call_timeout_s`)."""
 
     _stages_in_own_processes = True
     calls: RankCalls
-    watch: StageWatch
+    watch: StageSupervisor
     # The private directory of the FileStore rendezvous (ranks on one node), made on first use.
     _rendezvous_dir: str | None = None
     _rendezvous_count = 0
@@ -296,7 +297,7 @@ class StageProcessExecutor(ExecutorBase):
     def _start_calls(self, world_size: int) -> None:
         """The calls to the ranks, and the watch that marks a failed rank suspect in them."""
         self.calls = RankCalls(world_size)
-        self.watch = StageWatch(world_size, self.calls.set_suspect)
+        self.watch = StageSupervisor(world_size, self.calls.set_suspect)
 
     def heartbeat_stats(self) -> list[HeartbeatStats]:
         """Each rank's heartbeat round trips while the timeout applied (p50, p99, max)."""
@@ -333,7 +334,7 @@ class StageProcessExecutor(ExecutorBase):
 
     def _close_calls(self) -> None:
         """Stop watching (first: the ranks are about to go) and close the connections."""
-        watch: StageWatch | None = getattr(self, "watch", None)
+        watch: StageSupervisor | None = getattr(self, "watch", None)
         if watch is not None:
             watch.close()
         calls: RankCalls | None = getattr(self, "calls", None)
@@ -368,7 +369,7 @@ class StageProcessExecutor(ExecutorBase):
         self.watch.arm()  # the replacement is over (see replace_stages)
 
     def check_health(self) -> None:
-        """Every rank process on this node read now, and what the stage watch found (a
+        """Every rank process on this node read now, and what the supervisor found (a
         silent heartbeat, anywhere): a failed rank fails the check at once, naming its stage
         (`/health` reports it even while the engine is idle)."""
         problems = self.watch.problems()

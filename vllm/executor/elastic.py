@@ -1,6 +1,6 @@
 """An executor whose pipeline changes size while it serves: whole stages leave when a failed
 one cannot be replaced (PP N -> N-1) and come back later (the engine's side:
-`vllm.engine.elastic`).
+`vllm.resilience.plans.shrink` and `.grow`).
 
 Leaving (`remove_stages`): the failed stage's ranks are stopped, the survivors are renumbered
 in stage order (`vllm.distributed.pipeline_resize`), re-form the process groups at the smaller

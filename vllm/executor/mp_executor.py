@@ -2,7 +2,7 @@
 
 Each rank is a `spawn`-ed process running `_rank_main`: it reads calls from its end of a pipe,
 runs them on its Worker and writes the results back, in order; a thread of its own answers the
-engine's heartbeats on a second pipe (`vllm.executor.stage_watch`). The engine's side sends a step
+engine's heartbeats on a second pipe (`vllm.executor.supervisor`). The engine's side sends a step
 to every rank without waiting (the pipes keep the order, like Ray's per-actor call order), so
 several micro-batches can be inside the pipeline at once. The calls and their results go
 through `rank_calls` (shared with the Ray backend): `get_output` fails at once when any rank
@@ -38,8 +38,8 @@ from vllm.config import EngineConfig
 from vllm.distributed.rank_verbs import Verb
 from vllm.executor.elastic import ElasticStageExecutor
 from vllm.executor.rank_calls import Calls, RankCallError
-from vllm.executor.stage_supervisor import StageFailedError, StageFailure
 from vllm.logger import init_logger
+from vllm.resilience.errors import StageFailedError, StageFailure
 from vllm.worker.rank_server import (
     WorkerHost,
     say_last_words,
@@ -296,7 +296,7 @@ class MultiprocessingExecutor(ElasticStageExecutor):
             info.pid = self.procs[err.rank].pid
         name = f"{info.describe()} tp_rank {info.tp_rank}"
         failure = StageFailure(err.rank, name, err.problem)
-        # From the start of the rank's trouble when the stage watch found it, else the wait.
+        # From the start of the rank's trouble when the supervisor found it, else the wait.
         since = started if err.since is None else err.since
         return StageFailedError([failure], time.monotonic() - since, err.call_id)
 

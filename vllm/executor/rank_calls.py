@@ -8,7 +8,7 @@ places, starts and kills the actors). A call is `(call id, method, args)` one wa
 sent (`serve_calls`). The engine's end (`RankCalls`) sends without waiting, so several
 micro-batches are inside the pipeline at once, and one reader thread drains every rank's
 results as they come; `wait_for` waits for one call and fails at once when any rank reported
-an error, was lost, or is suspect (the stage watch found its process stopped or its heartbeat
+an error, was lost, or is suspect (the supervisor found its process stopped or its heartbeat
 silent: `set_suspect`).
 
 Why a connection and not one Ray actor call per step: Ray's task path costs each stage
@@ -61,7 +61,7 @@ class RankCallError(RuntimeError):
         self.lost = lost
         # The call the rank raised in (None for a lost rank or a missed deadline).
         self.call_id = call_id
-        # monotonic() when the rank's trouble began, when the stage watch found it.
+        # monotonic() when the rank's trouble began, when the supervisor found it.
         self.since = since
         super().__init__(f"rank {rank}: {problem}")
 
@@ -135,7 +135,7 @@ class RankCalls:
         self._lost: dict[int, str] = {}
         # What a rank's process said as it died (`rank_server.LAST_WORDS`), named in its loss.
         self._last_words: dict[int, str] = {}
-        # rank -> what the stage watch sees wrong with it now (withdrawn if it clears), and
+        # rank -> what the supervisor sees wrong with it now (withdrawn if it clears), and
         # since when (monotonic).
         self._suspect: dict[int, tuple[str, float]] = {}
         self._floor = 0
@@ -324,7 +324,7 @@ class RankCalls:
                 return
 
     def set_suspect(self, rank: int, problem: str | None, since: float | None = None) -> None:
-        """What the stage watch sees wrong with `rank` now (stopped, silent; `since` when that
+        """What the supervisor sees wrong with `rank` now (stopped, silent; `since` when that
         began, monotonic), or None when it cleared: while set, every wait fails at once naming
         it and no call is sent to it."""
         with self._cond:

@@ -2,13 +2,13 @@
 
 Ray places, starts and kills the actors. The engine's calls to them (set-up, every step,
 stats, shutdown) go over a TCP connection to each actor (`rank_calls`), and its heartbeats
-over another (`stage_watch`, answered by a thread of the actor's process): a step is sent
-to every stage without waiting, each stage runs its calls in order, and stages hand hidden
+over another (`vllm.executor.supervisor`, answered by a thread of the actor's process): a step
+is sent to every stage without waiting, each stage runs its calls in order, and stages hand hidden
 states to each other over torch.distributed, so several submitted steps flow through the
 stages like a pipeline. (One Ray actor call per step costs each stage milliseconds between
 steps on a busy machine; the connection a fraction of that: docs/PERFORMANCE.md.)
 
-Every wait has a deadline, and the stage watch fails it at once when a stage process is gone
+Every wait has a deadline, and the supervisor fails it at once when a stage process is gone
 or stopped (on this node) or its heartbeat goes silent (anywhere). A stage that dies, freezes
 or raises is named (rank, layers, node, pid) in a StageFailedError; `replace_stages` then
 kills it, starts a new actor on the same placement-group bundle, loads its layers and
@@ -36,6 +36,13 @@ from vllm.distributed.net_utils import get_distributed_init_method
 from vllm.distributed.rank_handshake import HandshakeKey
 from vllm.distributed.rank_verbs import Verb
 from vllm.executor.elastic import ElasticStageExecutor
+from vllm.executor.liveness import (
+    diagnose,
+    kill_local_process,
+    local_problems,
+    name_failures,
+    wait_process_gone,
+)
 from vllm.executor.rank_calls import (
     Calls,
     RankCallError,
@@ -53,15 +60,8 @@ from vllm.executor.ray_utils import (
     placement_timeout_s,
     wait_bundles_placed,
 )
-from vllm.executor.stage_supervisor import (
-    StageFailedError,
-    diagnose,
-    kill_local_process,
-    local_problems,
-    name_failures,
-    wait_process_gone,
-)
 from vllm.logger import init_logger
+from vllm.resilience.errors import StageFailedError
 from vllm.worker.stage_report import StageInfo
 
 logger = init_logger("vllm.executor.ray_executor")
@@ -313,7 +313,7 @@ class RayExecutor(ElasticStageExecutor):
         except RankCallTimeout:
             raise self._stage_failure(None, time.monotonic() - started, timeout_problem) from None
         except RankCallError as err:
-            # From the start of the rank's trouble when the stage watch found it, else the wait.
+            # From the start of the rank's trouble when the supervisor found it, else the wait.
             since = started if err.since is None else err.since
             raise self._stage_failure(err, time.monotonic() - since, None, err.rank) from None
 

@@ -113,8 +113,8 @@ class CacheEngine:
         num_gpu_blocks: int,
         num_cpu_blocks: int,
     ) -> list[KVCache]:
-        """This stage took over a lost neighbour's layers (`vllm.engine.elastic`): new KV
-        tensors, device and host, for `layer_shapes` (placed before this stage's own layers
+        """This stage took over a lost neighbour's layers (a shrink): new KV tensors, device
+        and host, for `layer_shapes` (placed before this stage's own layers
         when `before`, else after), and every tensor at `num_gpu_blocks` / `num_cpu_blocks`
         blocks. The first device blocks of the tensors kept (its own layers' KV and boundary
         rows) are kept; none may be in use above the new counts. The swap space must hold
@@ -162,8 +162,8 @@ class CacheEngine:
         """The tensors of a device whose count shrinks, cut to their first blocks in tensors
         of that size (the memory of the larger ones is given back). Device blocks are copied
         as far as they are mapped (the rest holds nothing yet); host blocks are not: every
-        swapped group was swapped in before (`vllm.engine.merge_rebuild`), so the swap space
-        holds nothing in use."""
+        swapped group was swapped in before (`vllm.resilience.plans.shrink`), so the swap
+        space holds nothing in use."""
         copied = min(self.reserved_blocks, num_gpu_blocks)
 
         def on_device(tensor: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ Ray on a TCP connection a thread of the actor accepts (`CallsThread`); the engin
 `vllm.executor.rank_calls`.
 
 Beside them, on a connection and a thread of their own, the rank answers the engine's
-heartbeats (`answer_heartbeats`; the engine's end is `vllm.executor.stage_watch`): a step of
+heartbeats (`answer_heartbeats`; the engine's end is `vllm.executor.supervisor`): a step of
 any length keeps answering them (torch ops and our kernels release the GIL while they run),
 so only a frozen or dead process goes silent.
 """

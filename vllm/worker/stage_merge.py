@@ -1,5 +1,5 @@
-"""A stage that takes over a lost neighbour's layers (PP N -> N-1, `vllm.engine.elastic`)
-and rebuilds only their KV, from data it holds itself.
+"""A stage that takes over a lost neighbour's layers (PP N -> N-1, a shrink:
+`vllm.resilience.plans.shrink`) and rebuilds only their KV, from data it holds itself.
 
 The stage keeps its own layers' module, KV, swap copies and boundary rows; it loads only the
 gained layers, as a module built for the lost stage's layout (`StageChain` runs both), and

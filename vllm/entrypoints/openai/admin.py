@@ -56,8 +56,8 @@ async def pipeline_view(engine: AsyncLLMEngine) -> dict[str, Any]:
     return {
         "pipeline_parallel_size": engine.engine.parallel_config.pipeline_parallel_size,
         # Larger than the size now while a stage that could not be replaced is missing.
-        "configured_pipeline_parallel_size": engine.engine.elastic.configured_pp,
-        "layer_split": engine.engine.reshaper.current_split(),
+        "configured_pipeline_parallel_size": engine.engine.resilience.resizes.configured_pp,
+        "layer_split": engine.engine.resilience.reshaper.current_split(),
         "stages": [
             {
                 "rank": info.rank,
@@ -69,9 +69,9 @@ async def pipeline_view(engine: AsyncLLMEngine) -> dict[str, Any]:
             }
             for info in infos
         ],
-        "reshapes": [event.as_dict() for event in engine.engine.reshaper.events],
+        "reshapes": [event.as_dict() for event in engine.engine.resilience.reshaper.events],
         # Stages that left (could not be replaced) and came back.
-        "resizes": [event.as_dict() for event in engine.engine.elastic.events],
+        "resizes": [event.as_dict() for event in engine.engine.resilience.resizes.events],
     }
 
 

@@ -1,6 +1,6 @@
 """Consecutive stage modules run as one stage: a stage that took over a lost neighbour's
-layers (`vllm.engine.elastic`) keeps the module of its own layers and loads only the gained
-ones as a module of their own, instead of reloading its whole new range.
+layers (a shrink: `vllm.resilience.plans.shrink`) keeps the module of its own layers and
+loads only the gained ones as a module of their own, instead of reloading its whole new range.
 
 Each part keeps the layout it was built for, so the stream between two parts is the same
 residual-stream row the two stages exchanged before the merge (the outputs do not change);

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
-from vllm.executor.stage_supervisor import (
+from vllm.executor.liveness import (
     PingAnswer,
     heartbeat_interval_s,
     heartbeat_timeout_s,
@@ -80,7 +80,7 @@ class HeartbeatStats:
     max_s: float
 
 
-class StageWatch:
+class StageSupervisor:
     """Liveness of every rank, on a thread of its own (see the module docstring)."""
 
     def __init__(
@@ -150,7 +150,7 @@ class StageWatch:
 
     def answers(self) -> dict[int, PingAnswer | None]:
         """rank -> its last heartbeat (None: a probe unanswered past the timeout), for
-        `stage_supervisor.diagnose`."""
+        `liveness.diagnose`."""
         now = time.monotonic()
         out: dict[int, PingAnswer | None] = {}
         with self._lock:

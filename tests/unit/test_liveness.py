@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm.executor.stage_supervisor import PingAnswer, diagnose, name_failures
+from vllm.executor.liveness import PingAnswer, diagnose, name_failures
 from vllm.worker.stage_report import StageInfo
 
 pytestmark = pytest.mark.fast

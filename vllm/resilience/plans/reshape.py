@@ -1,8 +1,8 @@
-"""An elastic pipeline: the decoder layers re-split over the same stages while the engine
-serves, on demand (`LLMEngine.reshape_pipeline`, the server's admin route) or automatically
-from the stages' measured compute times (`--pp-auto-rebalance`).
+"""Reshape: the decoder layers move between the same stages while the engine serves, on
+demand (`LLMEngine.reshape_pipeline`, the server's admin route) or automatically from the
+stages' measured compute times (a rebalance: `--pp-auto-rebalance`).
 
-A re-split drains the pipeline (the batches inside it are collected and their tokens kept),
+A reshape drains the pipeline (the batches inside it are collected and their tokens kept),
 re-queues every request for recompute (`Scheduler.requeue_all`: the KV is rebuilt by
 re-prefilling the tokens each request has), has every stage take its new layers and re-size
 its KV cache (`executor.reshape_pipeline`), and gives the block manager the new minimum block
@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from vllm.distributed.layer_split import rebalanced_layer_sizes, validate_layer_split
-from vllm.executor.stage_supervisor import StageFailedError
 from vllm.logger import init_logger
+from vllm.resilience.engine_control import EngineControl
+from vllm.resilience.errors import StageFailedError
+from vllm.resilience.events import ReshapeEvent
 from vllm.worker.stage_report import StageStats
 
-if TYPE_CHECKING:
-    from vllm.engine.llm_engine import LLMEngine
+logger = init_logger("vllm.resilience.plans.reshape")
 
-logger = init_logger("vllm.engine.reshape")
+# Recovers a stage failure met during a reshape (the coordinator's `recover`).
+Recover = Callable[[StageFailedError], None]
 
 # The automatic re-split looks at the stages' times at most this often (seconds) ...
 AUTO_INTERVAL_S = 5.0
@@ -36,31 +38,13 @@ AUTO_MIN_STEPS = 16
 AUTO_COOLDOWN_S = 30.0
 
 
-@dataclass
-class ReshapeEvent:
-    """One re-split: the layers per stage before and after, why, and what it cost."""
-
-    old_split: list[int]
-    new_split: list[int]
-    reason: str  # "request" (a caller asked) or "auto" (measured step times)
-    seconds: float = 0.0
-    num_gpu_blocks: int = 0
-    recomputed_requests: int = 0
-    # Auto: each stage's mean compute seconds per step that led to it, and the step time
-    # (the slowest stage's) measured and predicted for the new split.
-    stage_step_s: list[float] = field(default_factory=list)
-    measured_step_s: float | None = None
-    predicted_step_s: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
 class PipelineReshaper:
-    """The engine's re-splits: does them, decides the automatic ones, keeps their record."""
+    """The engine's reshapes: does them, decides the automatic ones (rebalances), keeps their
+    record."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: EngineControl, recover: Recover) -> None:
         self.engine = engine
+        self._recover = recover
         self.events: list[ReshapeEvent] = []
         pc = engine.parallel_config
         self.auto = bool(pc.pp_auto_rebalance) and pc.pipeline_parallel_size > 1
@@ -91,7 +75,7 @@ class PipelineReshaper:
             logger.info("Pipeline re-split to %s: already the split, nothing to do", sizes)
             return event
         started = time.monotonic()
-        self.drain()
+        engine.drain()
         event.recomputed_requests = len(engine.scheduler.requeue_all())
         self._reshape_stages(sizes, old)
         event.num_gpu_blocks = self.resize_block_manager()
@@ -107,20 +91,6 @@ class PipelineReshaper:
         )  # fmt: skip
         return event
 
-    def drain(self) -> None:
-        """Collect every batch inside the pipeline; its outputs wait in the engine's pending
-        outputs. A stage failing meanwhile is replaced as in a step (everything is re-queued
-        then, and nothing stays in flight)."""
-        engine = self.engine
-        while engine.batch_queue:
-            try:
-                engine._pending_outputs.extend(engine._collect_oldest([]))
-            except StageFailedError as error:
-                engine._pending_outputs.extend(engine._recover(error))
-            except BaseException:
-                engine._discard_in_flight()
-                raise
-
     def _reshape_stages(self, sizes: list[int], old: list[int]) -> None:
         """Every stage takes its new layers and cache. A stage failing meanwhile is replaced
         (it loads the new split) and the re-split tried once more; a split whose caches hold
@@ -129,7 +99,7 @@ class PipelineReshaper:
         try:
             engine.executor.reshape_pipeline(sizes)
         except StageFailedError as error:
-            engine._pending_outputs.extend(engine._recover(error))
+            self._recover(error)  # its outputs are returned by the engine's next step
             engine.executor.reshape_pipeline(sizes)
         except ValueError:
             logger.error("Pipeline re-split to %s refused; going back to %s", sizes, old)

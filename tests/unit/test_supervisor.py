@@ -1,4 +1,4 @@
-"""The stage watch (`vllm.executor.stage_watch`) against rank ends served on threads of this
+"""The stage supervisor (`vllm.executor.supervisor`) against rank ends served on threads of this
 process and real child processes: a silent heartbeat is reported within the timeout (only
 once armed) and withdrawn when answers resume; a rank whose step keeps its thread busy keeps
 answering; a stopped, exited or reused-pid process is reported from /proc within an interval,
@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from vllm.executor.stage_supervisor import local_process_problem, process_state
-from vllm.executor.stage_watch import StageWatch
+from vllm.executor.liveness import local_process_problem, process_state
+from vllm.executor.supervisor import StageSupervisor
 from vllm.worker.rank_server import HEARTBEAT_ANSWER, HEARTBEAT_PROBE, answer_heartbeats
 
 pytestmark = pytest.mark.fast
@@ -79,7 +79,7 @@ class PausableRank:
 @pytest.fixture
 def watch():
     reports = Reports()
-    w = StageWatch(2, reports, interval_s=INTERVAL, timeout_s=TIMEOUT)
+    w = StageSupervisor(2, reports, interval_s=INTERVAL, timeout_s=TIMEOUT)
     yield w, reports
     w.close()
 
@@ -143,7 +143,7 @@ def test_a_busy_step_keeps_the_heartbeat_answered():
     (pure Python here, the GIL's worst case: it is handed over every 5 ms), for twice the
     default timeout, which applies here."""
     reports = Reports()
-    w = StageWatch(1, reports, interval_s=0.25)
+    w = StageSupervisor(1, reports, interval_s=0.25)
     try:
         engine_end, rank_end = multiprocessing.Pipe(duplex=True)
         started = time.perf_counter()
@@ -208,4 +208,4 @@ def test_proc_reading():
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="VLLM_PP_HEARTBEAT_INTERVAL_S"):
-        StageWatch(1, lambda rank, problem, since: None, interval_s=1.0, timeout_s=0.5)
+        StageSupervisor(1, lambda rank, problem, since: None, interval_s=1.0, timeout_s=0.5)

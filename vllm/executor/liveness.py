@@ -1,13 +1,13 @@
-"""Stage liveness: the errors a failed stage raises, how a stage is named in them, the state
-of a stage process on this node (/proc), and the diagnosis that tells a dead or frozen stage
-from one that is only waiting on its neighbour (`diagnose`, `name_failures`: the decisions; the
-executors only gather the facts -- `stage_watch` keeps them: heartbeats answered by a thread of
-each rank process, and this node's processes read from /proc).
+"""Stage liveness: the state of a stage process on this node (/proc), and the diagnosis that
+tells a dead or frozen stage from one that is only waiting on its neighbour (`diagnose`, and
+`name_failures`, which names them in a StageFailedError: the decisions; the executors only
+gather the facts -- the supervisor, `vllm.executor.supervisor`, keeps them: heartbeats answered
+by a thread of each rank process, and this node's processes read from /proc).
 
 A stage is a replaceable process: it holds weights (reloadable) and the KV cache of its layers
-(lost with it). The executor waits for every micro-batch against a deadline, and the stage
-watch fails the wait at once when a stage process is gone or stopped, or has left a heartbeat
-unanswered for VLLM_PP_HEARTBEAT_TIMEOUT_S (a step of any length keeps answering them).
+(lost with it). The executor waits for every micro-batch against a deadline, and the
+supervisor fails the wait at once when a stage process is gone or stopped, or has left a
+heartbeat unanswered for VLLM_PP_HEARTBEAT_TIMEOUT_S (a step of any length keeps answering).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from vllm import envs
+from vllm.resilience.errors import StageFailedError, StageFailure
 from vllm.worker.stage_report import StageInfo
 
 
@@ -30,92 +30,6 @@ def heartbeat_timeout_s() -> float:
 def heartbeat_interval_s() -> float:
     """How often the engine probes each stage's heartbeat thread and this node's processes."""
     return envs.get_float("VLLM_PP_HEARTBEAT_INTERVAL_S")
-
-
-@dataclass
-class StageFailure:
-    """One failed stage: its rank, how it was described, and what was seen."""
-
-    rank: int
-    description: str
-    problem: str
-
-
-class StageFailedError(RuntimeError):
-    """One or more pipeline stages died, froze or raised while running a step.
-
-    `failures` names each stage (rank, layers, node, pid) and what was seen; `__cause__` is the
-    underlying error when there is one (Ray's ActorDiedError, a gloo error, a timeout).
-    `detected_after_s`: when the stage watch found it, from the start of the trouble as far
-    as the watch can tell (the last process check that found it well, or the first heartbeat
-    it left unanswered: within an interval of the fault); else the failed wait's length."""
-
-    def __init__(
-        self,
-        failures: list[StageFailure],
-        detected_after_s: float,
-        call_id: int | None = None,
-    ) -> None:
-        self.failures = failures
-        self.detected_after_s = detected_after_s
-        # The engine's call (a step) a stage raised in, when one did: which requests it held.
-        self.call_id = call_id
-        lines = "; ".join(f"{f.description}: {f.problem}" for f in failures)
-        super().__init__(f"pipeline stage failure after {detected_after_s:.1f} s: {lines}")
-
-    @property
-    def ranks(self) -> list[int]:
-        return [f.rank for f in self.failures]
-
-    @property
-    def raised_signature(self) -> tuple[tuple[int, str], ...] | None:
-        """(rank, first line of the error) of each failed stage when every one of them raised
-        an exception (not died, froze or missed a deadline): the same signature again after a
-        replacement means a failure that replaying the step will only repeat."""
-        if not self.failures or not all(f.problem.startswith("raised ") for f in self.failures):
-            return None
-        return tuple((f.rank, f.problem.splitlines()[0]) for f in self.failures)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot run any more (a stage failed and could not be replaced, or the
-    restarts allowed by max_stage_restarts are used up). Every unfinished request was aborted
-    and the workers released; build a new LLM / LLMEngine to go on."""
-
-
-@dataclass
-class EngineHealth:
-    """What `/health` reports of a live engine: "healthy", or "degraded" while a failed stage
-    is being replaced (or was found failed and will be at the next step) -- requests are
-    accepted and finish once it is back. A dead engine raises instead (503)."""
-
-    status: str = "healthy"
-    message: str = ""
-    ranks: list[int] = field(default_factory=list)
-
-    @property
-    def degraded(self) -> bool:
-        return self.status == "degraded"
-
-
-@dataclass
-class FaultEvent:
-    """One stage failure the engine survived (or not): for logs, masstest and tests."""
-
-    ranks: list[int]
-    message: str
-    detected_after_s: float
-    recovery_s: float | None = None
-    requeued_requests: int = 0
-    # When the engine learned of the failure (time.time()).
-    detected_at: float = field(default_factory=time.time)
-    # What StageFailedError.raised_signature said, and the requests of the step that failed.
-    signature: tuple[tuple[int, str], ...] | None = None
-    step_request_ids: list[str] = field(default_factory=list)
-    # The same failure again on the same requests after a replacement: those requests were
-    # failed instead of replayed, and the replacement was not counted as a restart.
-    recurring: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def process_state(pid: int) -> tuple[str, int] | None:
