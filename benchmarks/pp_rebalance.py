@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     # A stage starved on purpose answers its heartbeats late: not a frozen stage here.
     os.environ.setdefault("VLLM_PP_HEARTBEAT_TIMEOUT_S", "30")
     from vllm import LLM, SamplingParams
-    from vllm.engine import reshape
+    from vllm.resilience.plans import reshape
 
     reshape.AUTO_INTERVAL_S = args.interval_s
     llm = LLM(

@@ -23,7 +23,7 @@ from tests.utils.faults import (
 )
 from vllm import LLM
 from vllm.distributed.layer_split import rebalanced_layer_sizes
-from vllm.engine import reshape
+from vllm.resilience.plans import reshape
 from vllm.worker.stage_report import StageStats
 
 PROMPTS = tiny_models.PROMPTS * 2
