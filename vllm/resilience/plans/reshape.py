@@ -29,11 +29,11 @@ logger = init_logger("vllm.resilience.plans.reshape")
 # Recovers a stage failure met during a reshape (the coordinator's `recover`).
 Recover = Callable[[StageFailedError], None]
 
-# The automatic re-split looks at the stages' times at most this often (seconds) ...
+# The automatic reshape looks at the stages' times at most this often (seconds) ...
 AUTO_INTERVAL_S = 5.0
 # ... and only over a window of at least this many steps per stage.
 AUTO_MIN_STEPS = 16
-# After a re-split (which recomputes every request) the next automatic one waits this long:
+# After a reshape (which recomputes every request) the next automatic one waits this long:
 # noisy times must not make the pipeline flip between two splits.
 AUTO_COOLDOWN_S = 30.0
 
@@ -50,7 +50,7 @@ class PipelineReshaper:
         self.auto = bool(pc.pp_auto_rebalance) and pc.pipeline_parallel_size > 1
         self.min_gain = pc.pp_rebalance_min_gain
         self._window_start = time.monotonic()
-        self._not_before = 0.0  # time.monotonic() before which no automatic re-split starts
+        self._not_before = 0.0  # time.monotonic() before which no automatic reshape starts
         # Each rank's cumulative stats when the current window started (no reset: other
         # readers of get_stage_stats keep their own windows).
         self._baseline: list[StageStats] | None = None
@@ -72,7 +72,7 @@ class PipelineReshaper:
         old = self.current_split()
         event = ReshapeEvent(old, sizes, reason)
         if sizes == old:
-            logger.info("Pipeline re-split to %s: already the split, nothing to do", sizes)
+            logger.info("Pipeline reshape to %s: already the split, nothing to do", sizes)
             return event
         started = time.monotonic()
         engine.drain()
@@ -84,7 +84,7 @@ class PipelineReshaper:
         self.events.append(event)
         self.restart_window()
         logger.info(
-            "Pipeline re-split (%s): layers per stage %s -> %s (%s) in %.2f s; # GPU blocks: "
+            "Pipeline reshaped (%s): layers per stage %s -> %s (%s) in %.2f s; # GPU blocks: "
             "%d; %d requests will be recomputed with the tokens they have",
             reason, old, sizes, _moves(old, sizes), event.seconds, event.num_gpu_blocks,
             event.recomputed_requests,
@@ -93,7 +93,7 @@ class PipelineReshaper:
 
     def _reshape_stages(self, sizes: list[int], old: list[int]) -> None:
         """Every stage takes its new layers and cache. A stage failing meanwhile is replaced
-        (it loads the new split) and the re-split tried once more; a split whose caches hold
+        (it loads the new split) and the reshape tried once more; a split whose caches hold
         too few blocks (ValueError) is undone before it is raised."""
         engine = self.engine
         try:
@@ -102,7 +102,7 @@ class PipelineReshaper:
             self._recover(error)  # its outputs are returned by the engine's next step
             engine.executor.reshape_pipeline(sizes)
         except ValueError:
-            logger.error("Pipeline re-split to %s refused; going back to %s", sizes, old)
+            logger.error("Pipeline reshape to %s refused; going back to %s", sizes, old)
             engine.executor.reshape_pipeline(old)
             self.resize_block_manager()
             raise
@@ -118,8 +118,8 @@ class PipelineReshaper:
 
     def after_step(self) -> None:
         """With `pp_auto_rebalance`: every AUTO_INTERVAL_S, read the stages' compute times
-        and re-split when the predicted step time gains at least `pp_rebalance_min_gain`
-        (not within AUTO_COOLDOWN_S of the last automatic re-split)."""
+        and reshape (rebalance) when the predicted step time gains at least `pp_rebalance_min_gain`
+        (not within AUTO_COOLDOWN_S of the last automatic reshape)."""
         now = time.monotonic()
         if not self.auto or now - self._window_start < AUTO_INTERVAL_S or now < self._not_before:
             return
@@ -139,7 +139,7 @@ class PipelineReshaper:
         if new == old or predicted > measured * (1.0 - self.min_gain):
             return
         logger.info(
-            "Stage compute per step %s s at layers %s: re-splitting as %s (step %.4f s -> "
+            "Stage compute per step %s s at layers %s: reshaping as %s (step %.4f s -> "
             "%.4f s predicted)",
             [round(s, 5) for s in per_step], old, new, measured, predicted,
         )  # fmt: skip
