@@ -12,6 +12,7 @@ makes the import order matter and hides which piece owns what).
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 from collections import defaultdict
 from collections.abc import Iterator
@@ -111,10 +112,17 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return inside
 
 
+@functools.cache
+def tree_of(module: str) -> ast.Module:
+    """The parsed source of `module` (parsed once per test session: several checks read it)."""
+    path = MODULES[module]
+    return ast.parse(path.read_text(), str(path))
+
+
 def imports(module: str) -> Iterator[tuple[str, int, bool]]:
     """(imported module, line, at run time) for every vllm import in `module`."""
     path = MODULES[module]
-    tree = ast.parse(path.read_text(), str(path))
+    tree = tree_of(module)
     typing_only = _type_checking_nodes(tree)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(tree):

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.unit.test_import_layers import MODULES, _cycles, imports
+from tests.unit.test_import_layers import MODULES, _cycles, imports, tree_of
 
 pytestmark = pytest.mark.fast
 
@@ -70,9 +70,10 @@ def scan(tree: ast.AST) -> tuple[set[str], list[ast.Attribute]]:
     return names, reaches
 
 
-def private_reaches(sources: dict[str, str], guarded: tuple[str, ...] = GUARDED) -> list[str]:
-    """`path:line: expression` for each access to another module's guarded private name."""
-    scanned = {path: scan(ast.parse(text, path)) for path, text in sources.items()}
+def private_reaches(trees: dict[str, ast.AST], guarded: tuple[str, ...] = GUARDED) -> list[str]:
+    """`path:line: expression` for each access to another module's guarded private name
+    (`trees`: each module's parsed source by path)."""
+    scanned = {path: scan(tree) for path, tree in trees.items()}
     owned: dict[str, set[str]] = defaultdict(set)  # private name -> guarded modules defining it
     for path, (names, _) in scanned.items():
         if path.startswith(guarded):
@@ -91,10 +92,8 @@ def private_reaches(sources: dict[str, str], guarded: tuple[str, ...] = GUARDED)
 
 
 def test_no_module_uses_the_engines_private_names() -> None:
-    sources = {
-        str(path.relative_to(REPO)): path.read_text() for path in (REPO / "vllm").rglob("*.py")
-    }
-    found = private_reaches(sources)
+    trees = {str(path.relative_to(REPO)): tree_of(module) for module, path in MODULES.items()}
+    found = private_reaches(trees)
     assert not found, "use a public method of the owner instead:\n" + "\n".join(found)
 
 
@@ -108,7 +107,10 @@ def test_the_check_sees_a_private_reach() -> None:
         "    engine.fail()\n"
     )
     found = private_reaches(
-        {"vllm/engine/llm_engine.py": engine, "vllm/resilience/coordinator.py": helper},
+        {
+            "vllm/engine/llm_engine.py": ast.parse(engine),
+            "vllm/resilience/coordinator.py": ast.parse(helper),
+        },
         guarded=("vllm/engine/",),
     )
     assert [f.split(": ")[1].split(" (")[0] for f in found] == [
