@@ -100,7 +100,7 @@ def test_a_rank_that_left_its_groups_still_applies_a_steps_block_operations():
     import pytest
 
     from vllm.config import ParallelConfig
-    from vllm.step_delta import ExecuteModelRequest
+    from vllm.step_records import ExecuteModelRequest
     from vllm.worker.worker import Worker
 
     cache = make_cache()

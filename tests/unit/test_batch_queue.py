@@ -26,7 +26,7 @@ from vllm.sequence import (
     SequenceOutput,
     SequenceStatus,
 )
-from vllm.step_delta import CachedSeqData, ExecuteModelRequest
+from vllm.step_records import CachedSeqData, ExecuteModelRequest
 from vllm.worker.request_table import RequestTable
 
 pytestmark = pytest.mark.fast

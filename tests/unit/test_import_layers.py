@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, ...]] = [
         "vllm.pooling_params",
         "vllm.inputs",
         "vllm.sequence",
-        "vllm.step_delta",
+        "vllm.step_records",
         "vllm.outputs",
         "vllm.transformers_utils",
     ),

@@ -55,7 +55,7 @@ from vllm.sequence import (
     SequenceOutput,
     SequenceStatus,
 )
-from vllm.step_delta import CachedSeqData, StepMessage
+from vllm.step_records import CachedSeqData, StepMessage
 from vllm.utils import ceil_div
 from vllm.worker.request_table import RequestTable
 

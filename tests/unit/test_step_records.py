@@ -19,7 +19,7 @@ from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
-from vllm.step_delta import (
+from vllm.step_records import (
     CachedRequestData,
     CachedSeqData,
     NewRequestData,

@@ -31,7 +31,7 @@ TORCH_FREE_MODULES = [
     "vllm.core.chunked_policy",
     "vllm.core.lora_admission",
     "vllm.core.step_writer",
-    "vllm.step_delta",
+    "vllm.step_records",
     "vllm.worker.request_table",
     "vllm.lora.request",
     "vllm.lora.peft_config",

@@ -13,7 +13,7 @@ import weakref
 
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.sequence import SequenceGroupMetadata
-from vllm.step_delta import CachedSeqData, StepMessage
+from vllm.step_records import CachedSeqData, StepMessage
 from vllm.worker.request_table import RequestTable
 
 # The token the view feeds a decode scheduled ahead (a real stage feeds the id its previous

@@ -42,7 +42,7 @@ from vllm.core.classic_policy import ClassicPolicy
 from vllm.core.lora_admission import LoRAAdmission
 from vllm.core.step_writer import StepRecords, StepWriter
 from vllm.sequence import Flight, Sequence, SequenceGroup, SequenceStatus
-from vllm.step_delta import RequestRecord
+from vllm.step_records import RequestRecord
 from vllm.utils import ceil_div
 
 __all__ = ["PreemptionMode", "Scheduler", "SchedulerOutputs"]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from vllm.core.block_manager import AllocStatus
 from vllm.sequence import SequenceGroup, SequenceStatus
-from vllm.step_delta import BlockOps
+from vllm.step_records import BlockOps
 
 if TYPE_CHECKING:
     from vllm.core.scheduler import Scheduler

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from vllm.sequence import HeldBySequence, SequenceGroup, SequenceStatus
-from vllm.step_delta import (
+from vllm.step_records import (
     CachedRequestData,
     CachedSeqData,
     NewRequestData,

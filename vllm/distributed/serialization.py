@@ -32,7 +32,7 @@ from typing import Any
 MESSAGE_MODULES = frozenset(
     {
         "vllm.config",
-        "vllm.step_delta",
+        "vllm.step_records",
         "vllm.sequence",
         "vllm.sampling_params",
         "vllm.structured_output.params",

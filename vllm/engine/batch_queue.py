@@ -20,7 +20,7 @@ from vllm.core.scheduler import SchedulerOutputs
 from vllm.distributed.serialization import MessageNotSerializableError, message_bytes
 from vllm.executor.step_future import StepFuture
 from vllm.sequence import SamplerOutput, SequenceStatus
-from vllm.step_delta import BlockOps, ExecuteModelRequest, RequestRecord, StepMessage
+from vllm.step_records import BlockOps, ExecuteModelRequest, RequestRecord, StepMessage
 
 
 class StepExecutor(Protocol):

@@ -47,7 +47,7 @@ from vllm.resilience.errors import EngineDeadError, StageFailedError
 from vllm.resilience.events import EngineHealth, FaultEvent, ReshapeEvent
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
-from vllm.step_delta import BlockOps, RequestRecord
+from vllm.step_records import BlockOps, RequestRecord
 from vllm.worker.stage_report import StageInfo, StageStats
 
 logger = init_logger("vllm.engine.llm_engine")

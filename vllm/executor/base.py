@@ -22,7 +22,7 @@ from vllm.executor.step_future import StepFuture
 from vllm.executor.supervisor import HeartbeatStats, StageSupervisor
 from vllm.resilience.errors import StageFailedError, StageFailure
 from vllm.sequence import SamplerOutput
-from vllm.step_delta import ExecuteModelRequest, ReplayRequest
+from vllm.step_records import ExecuteModelRequest, ReplayRequest
 from vllm.worker.stage_report import StageInfo, StageStats
 
 logger = logging.getLogger("vllm.executor")

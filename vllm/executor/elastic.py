@@ -42,7 +42,7 @@ from vllm.distributed.rank_verbs import Verb
 from vllm.executor.base import StageProcessExecutor
 from vllm.executor.rank_calls import Calls
 from vllm.logger import init_logger
-from vllm.step_delta import ReplayRequest
+from vllm.step_records import ReplayRequest
 from vllm.worker.stage_report import StageInfo
 
 logger = init_logger("vllm.executor.elastic")

@@ -8,7 +8,7 @@ from vllm import envs
 from vllm.distributed.rank_verbs import Verb
 from vllm.executor.base import ExecutorBase
 from vllm.executor.step_future import StepFuture
-from vllm.step_delta import ExecuteModelRequest
+from vllm.step_records import ExecuteModelRequest
 from vllm.worker.worker import Worker
 
 

@@ -41,7 +41,7 @@ from vllm.resilience.plans import full_recompute, grow, local_rebuild, shrink
 from vllm.resilience.plans.reshape import PipelineReshaper
 from vllm.resilience.replay import committed_tokens
 from vllm.resilience.resizes import PipelineResizes
-from vllm.step_delta import BlockOps
+from vllm.step_records import BlockOps
 
 logger = init_logger("vllm.resilience.coordinator")
 

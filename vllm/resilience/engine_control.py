@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from vllm.resilience.errors import StageFailedError
     from vllm.resilience.events import FaultEvent
     from vllm.sequence import SequenceGroup
-    from vllm.step_delta import BlockOps
+    from vllm.step_records import BlockOps
 
 
 class EngineControl(Protocol):

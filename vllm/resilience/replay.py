@@ -27,7 +27,7 @@ from vllm.sequence import (
     SequenceStage,
     SequenceStatus,
 )
-from vllm.step_delta import BlockOps, ReplayRequest
+from vllm.step_records import BlockOps, ReplayRequest
 
 if TYPE_CHECKING:
     from vllm.core.block_manager import BlockSpaceManager

@@ -119,7 +119,7 @@ class WorkerHost:
     def _verbs(self) -> dict[str, VerbSpec]:
         from vllm.config import EngineConfig, LoRAConfig
         from vllm.lora.request import LoRARequest
-        from vllm.step_delta import ExecuteModelRequest, ReplayRequest
+        from vllm.step_records import ExecuteModelRequest, ReplayRequest
 
         def on_worker(verb: Verb, *params: Param) -> VerbSpec:
             name = verb.value  # the Worker's method of the verb's name

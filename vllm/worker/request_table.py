@@ -1,7 +1,7 @@
 """The requests a first or last stage holds, kept up to date by each step's records.
 
 `RequestTable.apply` takes a `StepMessage` (records written once by the scheduler, see
-`vllm.step_delta`) and hands the model runner the step's rows: one `SequenceGroupMetadata` per
+`vllm.step_records`) and hands the model runner the step's rows: one `SequenceGroupMetadata` per
 scheduled group, and the order they take in the flat token batch (prefills first, then decodes),
 derived here once. The table also owns the per-request seeded generators of the last stage and
 the ids each sequence sampled last (for decodes scheduled ahead). Imports no torch (the
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.sequence import SequenceData, SequenceGroupMetadata, SequenceStage
-from vllm.step_delta import (
+from vllm.step_records import (
     CachedSeqData,
     NewRequestData,
     NewSeqData,

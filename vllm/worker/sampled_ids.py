@@ -12,7 +12,7 @@ from __future__ import annotations
 from vllm.config import ParallelConfig
 from vllm.distributed.communication import recv_tensor_dict, release_when_sent, send_tensor_dict
 from vllm.sequence import SamplerOutput
-from vllm.step_delta import StepMessage
+from vllm.step_records import StepMessage
 from vllm.worker.request_table import RequestTable
 
 

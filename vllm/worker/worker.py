@@ -23,7 +23,7 @@ from vllm.lora.worker_manager import StageLoRAManager
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import SamplerOutput
-from vllm.step_delta import BlockOps, ExecuteModelRequest, ReplayRequest
+from vllm.step_records import BlockOps, ExecuteModelRequest, ReplayRequest
 from vllm.worker.cache_engine import CacheEngine, layers_block_bytes
 from vllm.worker.cpu_memory import release_memory, tune_malloc
 from vllm.worker.model_runner import ModelRunner

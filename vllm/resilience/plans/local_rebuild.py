@@ -26,7 +26,7 @@ from vllm.resilience.engine_control import EngineControl
 from vllm.resilience.events import LOCAL, FaultEvent
 from vllm.resilience.plans import full_recompute
 from vllm.resilience.replay import replay_steps, replay_tokens, run_replay, tokens_in_full
-from vllm.step_delta import BlockOps
+from vllm.step_records import BlockOps
 
 logger = init_logger("vllm.resilience.plans.local_rebuild")
 

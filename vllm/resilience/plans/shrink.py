@@ -36,7 +36,7 @@ from vllm.resilience.errors import StageFailedError
 from vllm.resilience.events import SHRINK, SHRINK_LOCAL, FaultEvent, PipelineResizeEvent
 from vllm.resilience.replay import replay_steps, run_replay, tokens_in_full
 from vllm.resilience.resizes import PipelineResizes, regrow_interval_s
-from vllm.step_delta import BlockOps
+from vllm.step_records import BlockOps
 
 logger = init_logger("vllm.resilience.plans.shrink")
 
