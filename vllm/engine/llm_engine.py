@@ -52,6 +52,7 @@ from vllm.pooling_params import PoolingParams
 from vllm.request_failure import RequestFailedError
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
+from vllm.spec_decode.planner import DraftPlanner, step_outcome
 from vllm.step_delta import RequestRecord
 from vllm.worker.stage_report import StageInfo, StageStats
 
@@ -110,6 +111,7 @@ class LLMEngine:
             schedule_ahead=async_pipeline,
             max_loras=self.lora_config.max_loras if self.lora_config else None,
             pipeline_chunks=envs.get_bool("VLLM_PP_CHUNKED_PIPELINING"),
+            draft_planner=_draft_planner(engine_config),
         )
         self.batch_queue = BatchQueue(self.executor, budget.cohorts, async_pipeline)
         self.output_processor = OutputProcessor(
@@ -572,6 +574,9 @@ class LLMEngine:
             self.scheduler.finish_in_flight([g.request_id for g in groups])
             self._fail_errored_requests(groups, output)
             request_outputs = self.output_processor.process(groups, output)
+            planner = self.scheduler.draft_planner
+            if planner is not None and sched_out.drafts:
+                planner.observe(step_outcome(sched_out.drafts, groups, output))
             self._finished_request_ids.extend(g.request_id for g in groups if g.is_finished())
             self.scheduler.free_finished_seq_groups()
             if self.stats is not None:
@@ -763,6 +768,24 @@ def _use_async_pipeline(scheduler_config: SchedulerConfig, executor: Any) -> boo
             "running without it"
         )
     return supported and wanted is not False
+
+
+def _draft_planner(engine_config: EngineConfig) -> DraftPlanner | None:
+    """The scheduler's draft planner when speculative decoding is on."""
+    spec = engine_config.speculative_config
+    if spec is None:
+        return None
+    if engine_config.model_config.runner_type == "pooling":
+        raise ValueError("Speculative decoding is not supported for pooling models.")
+    logger.info(
+        "Speculative decoding: %s, num_speculative_tokens=%d, prompt_lookup_max=%d, "
+        "prompt_lookup_min=%d",
+        spec.method,
+        spec.num_speculative_tokens,
+        spec.prompt_lookup_max,
+        spec.prompt_lookup_min,
+    )
+    return DraftPlanner(spec, engine_config.scheduler_config.max_model_len)
 
 
 def _make_executor(engine_config: EngineConfig) -> Any:
