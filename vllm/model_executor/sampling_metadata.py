@@ -41,6 +41,11 @@ class SeqGroupRows:
     sample_indices: list[int] = field(default_factory=list)
     # Output tokens each sequence has so far (the group's samples advance in lockstep).
     step: int = 0
+    # A row of a speculative decode: how many of its sequence's output tokens are drafts
+    # (the structured-output matcher consumes them tentatively).
+    num_drafts: int = 0
+    # A row of a speculative decode (one of several groups of the request in this step).
+    verify_row: bool = False
 
 
 @dataclass
@@ -237,6 +242,7 @@ def _verify_rows(
                 SeqGroupRows(
                     meta.request_id, [seq_id], params, False, [len(selected)], {seq_id: seen},
                     gen, sample_indices=[data.sample_index], step=seen.get_output_len(),
+                    num_drafts=i, verify_row=True,
                 )
             )  # fmt: skip
             selected.append(offset + i)

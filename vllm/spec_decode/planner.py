@@ -121,11 +121,7 @@ class DraftPlanner:
     def drafts_for(self, group: SequenceGroup, seq: Sequence) -> list[int]:
         """The drafts `seq` verifies in this step ([] for none)."""
         params = group.sampling_params
-        if (
-            params.use_beam_search
-            or group.pooling_params is not None
-            or params.structured_outputs is not None
-        ):
+        if params.use_beam_search or group.pooling_params is not None:
             return []
         # The step yields up to k + 1 tokens: never past max_tokens or the context window.
         room = self.max_model_len - seq.get_len()
