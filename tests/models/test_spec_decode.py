@@ -39,6 +39,7 @@ ENGINE = dict(
     num_gpu_blocks_override=48,
     disable_log_stats=False,
 )
+REGEX = r"(ab|cd){3,8}x"
 SCHEMA = {
     "type": "object",
     "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
@@ -120,15 +121,18 @@ def test_sampling_n_best_of_logprobs_and_stops_equal_without_speculation(engines
 
 def test_structured_outputs_stay_valid_and_equal(engines) -> None:
     so = StructuredOutputsParams
+    choice = so(choice=["yes yes yes", "no no no no"])
     params = [
         SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=so(json=SCHEMA)),
-        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so(regex=r"(ab|cd){3,8}x")),
-        SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=so(choice=["yes yes yes", "no no no no"])),
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so(regex=REGEX)),
+        SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=choice),
         SamplingParams(
-            temperature=0.8, seed=3, max_tokens=30,
+            temperature=0.8,
+            seed=3,
+            max_tokens=30,
             structured_outputs=so(json=SCHEMA, disable_any_whitespace=True),
         ),
-    ]  # fmt: skip
+    ]
     prompts = ['{"a": 1, "b": "x"} {"a": 1', "abababab cdcdcd ab", "yes yes no yes", '{"a": 2']
     spec_out, plain_out = _both(engines, prompts, params)
     assert _ids(spec_out) == _ids(plain_out)

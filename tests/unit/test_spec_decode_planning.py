@@ -40,7 +40,10 @@ def test_config_forms_and_refusals() -> None:
         "num_speculative_tokens must be provided": {"method": "ngram"},
         "num_speculative_tokens must be > 0": {**NGRAM, "num_speculative_tokens": 0},
         "prompt_lookup_min=5 must be <= prompt_lookup_max=4": {**NGRAM, "prompt_lookup_min": 5},
-        "is not supported by this engine yet": {"model": "/some/draft", "num_speculative_tokens": 2},
+        "is not supported by this engine yet": {
+            "model": "/some/draft",
+            "num_speculative_tokens": 2,
+        },
         "unknown method 'medusa2'": {"method": "medusa2", "num_speculative_tokens": 2},
         "disable_by_batch_size": {**NGRAM, "disable_by_batch_size": 1},
         "not valid JSON": "{method: ngram}",
@@ -73,7 +76,9 @@ def test_prompt_lookup_matches_its_definition() -> None:
     for _ in range(3000):
         # Ids whose bytes overlap across neighbours (256, 65536...) must not match inside
         # two ids: the search runs over the ids' bytes.
-        tokens = [rng.randrange(4) * rng.choice([1, 256, 65536]) for _ in range(rng.randrange(1, 40))]
+        tokens = [
+            rng.randrange(4) * rng.choice([1, 256, 65536]) for _ in range(rng.randrange(1, 40))
+        ]
         args = (tokens, rng.randrange(1, 6), rng.randrange(1, 5), 1)
         assert propose_ngram(*args) == _reference_lookup(*args), args
     assert propose_ngram([1, 2, 3, 4, 1, 2], 3, 3, 1) == [3, 4, 1]

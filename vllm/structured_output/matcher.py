@@ -141,6 +141,7 @@ class StructuredOutputState:
         future = self._grammars.get(group.request_id)
         if future is None:
             params = group.params.structured_outputs
+            assert params is not None  # only constrained groups are masked
             future = self._grammars[group.request_id] = self.cache.compile_async(
                 grammar_spec(params)
             )
