@@ -193,3 +193,27 @@ def test_acceptance_gives_the_target_distribution() -> None:
         assert chi2 < 18.47, (counts, expected)
     # About p0[1] = 40% of the first drafts are accepted.
     assert second.sum() == pytest.approx(0.4 * trials, rel=0.1)
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_draft_model(draft, tiny_model_dirs, hf_reference, caplog) -> None:
+    """A draft model in a rank of its own: the target's own weights (every draft accepted),
+    or another random model (none accepted: speculation pauses itself, and says so); greedy
+    tokens equal HF's either way."""
+    model = tiny_model_dirs[KIND]
+    other = tiny_model_dirs["llama-gqa-untied"]  # same tokenizer, other weights
+    spec = {"model": model if draft == "same" else other, "num_speculative_tokens": 3}
+    llm = LLM(model, speculative_config=spec)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        outputs = llm.generate(tiny_models.PROMPTS, greedy, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == hf_reference(KIND)
+        totals = llm.llm_engine.scheduler.draft_planner.totals
+        assert totals.num_draft_tokens > 0
+        if draft == "same":
+            assert totals.num_accepted_tokens == totals.num_draft_tokens
+        else:
+            assert totals.num_accepted_tokens < totals.num_draft_tokens // 10
+            assert "Speculative decoding paused" in caplog.text
+    finally:
+        llm.shutdown()

@@ -35,14 +35,19 @@ def test_config_forms_and_refusals() -> None:
     assert SpeculativeConfig.from_user({"model": "[ngram]", "num_speculative_tokens": 2}) == (
         SpeculativeConfig("ngram", 2, 5, 5, None)
     )
+    draft = SpeculativeConfig.from_user({"model": "smollm2", "num_speculative_tokens": 3})
+    assert draft is not None and (draft.method, draft.model) == ("draft_model", "smollm2")
     refused = {
         "unknown key(s) ['lookahead']": {**NGRAM, "lookahead": 2},
         "num_speculative_tokens must be provided": {"method": "ngram"},
         "num_speculative_tokens must be > 0": {**NGRAM, "num_speculative_tokens": 0},
         "prompt_lookup_min=5 must be <= prompt_lookup_max=4": {**NGRAM, "prompt_lookup_min": 5},
-        "is not supported by this engine yet": {
-            "model": "/some/draft",
+        "is not supported by this engine yet": {"method": "eagle", "num_speculative_tokens": 2},
+        "needs 'model'": {"method": "draft_model", "num_speculative_tokens": 2},
+        "only 1 is supported": {
+            "model": "d",
             "num_speculative_tokens": 2,
+            "draft_tensor_parallel_size": 2,
         },
         "unknown method 'medusa2'": {"method": "medusa2", "num_speculative_tokens": 2},
         "disable_by_batch_size": {**NGRAM, "disable_by_batch_size": 1},

@@ -417,27 +417,27 @@ class Scheduler:
         planner = self.draft_planner
         assert planner is not None
         room = self.budget.max_num_batched_tokens - out.num_batched_tokens
+        candidates = [
+            (group, seq)
+            for group in out.scheduled_seq_groups
+            if not group.is_prefill() and group.request_id not in out.ahead
+            for seq in group.get_seqs(status=SequenceStatus.RUNNING)
+        ]
+        if room <= 0 or not candidates:
+            return
         used = 0
         bm = self.block_manager
-        for group in out.scheduled_seq_groups:
-            if used >= room:
-                break
-            if group.is_prefill() or group.request_id in out.ahead:
+        for (group, seq), drafts in zip(candidates, planner.propose(candidates)):
+            drafts = drafts[: room - used]
+            free = bm.get_num_free_gpu_blocks()
+            while drafts and bm.lookahead_cost(seq, len(drafts)) > free:
+                drafts.pop()
+            if not drafts:
                 continue
-            planned: dict[int, list[int]] = {}
-            for seq in group.get_seqs(status=SequenceStatus.RUNNING):
-                drafts = planner.drafts_for(group, seq)[: room - used]
-                free = bm.get_num_free_gpu_blocks()
-                while drafts and bm.lookahead_cost(seq, len(drafts)) > free:
-                    drafts.pop()
-                if not drafts:
-                    continue
-                for src, dst in bm.append_slots(seq, num_lookahead_slots=len(drafts)):
-                    out.blocks_to_copy.setdefault(src, []).append(dst)
-                planned[seq.seq_id] = drafts
-                used += len(drafts)
-            if planned:
-                out.drafts[group.request_id] = planned
+            for src, dst in bm.append_slots(seq, num_lookahead_slots=len(drafts)):
+                out.blocks_to_copy.setdefault(src, []).append(dst)
+            out.drafts.setdefault(group.request_id, {})[seq.seq_id] = drafts
+            used += len(drafts)
         out.num_batched_tokens += used
 
     def _would_speculate(self, seq_group: SequenceGroup) -> bool:
@@ -446,7 +446,7 @@ class Scheduler:
         planner = self.draft_planner
         assert planner is not None
         return any(
-            planner.drafts_for(seq_group, seq)
+            planner.would_speculate(seq_group, seq)
             for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING)
         )
 

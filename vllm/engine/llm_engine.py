@@ -52,6 +52,7 @@ from vllm.pooling_params import PoolingParams
 from vllm.request_failure import RequestFailedError
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
+from vllm.spec_decode.draft_model import DraftModelProposer, draft_engine_kwargs
 from vllm.spec_decode.planner import DraftPlanner, step_outcome
 from vllm.step_delta import RequestRecord
 from vllm.worker.stage_report import StageInfo, StageStats
@@ -663,6 +664,9 @@ class LLMEngine:
         if executor is not None:
             executor.shutdown()
             self.executor = None
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None and scheduler.draft_planner is not None:
+            scheduler.draft_planner.shutdown()
 
     def __del__(self) -> None:
         try:
@@ -777,15 +781,38 @@ def _draft_planner(engine_config: EngineConfig) -> DraftPlanner | None:
         return None
     if engine_config.model_config.runner_type == "pooling":
         raise ValueError("Speculative decoding is not supported for pooling models.")
+    lookup = ""
+    if spec.method == "ngram":
+        lookup = f", prompt_lookup_max={spec.prompt_lookup_max}"
+        lookup += f", prompt_lookup_min={spec.prompt_lookup_min}"
+    name = spec.method if spec.model is None else f"draft model {spec.model!r}"
     logger.info(
-        "Speculative decoding: %s, num_speculative_tokens=%d, prompt_lookup_max=%d, "
-        "prompt_lookup_min=%d",
-        spec.method,
+        "Speculative decoding: %s, num_speculative_tokens=%d%s",
+        name,
         spec.num_speculative_tokens,
-        spec.prompt_lookup_max,
-        spec.prompt_lookup_min,
+        lookup,
     )
-    return DraftPlanner(spec, engine_config.scheduler_config.max_model_len)
+    proposer = None
+    if spec.method == "draft_model":
+        proposer = DraftModelProposer(_draft_engine(engine_config))
+    return DraftPlanner(spec, engine_config.scheduler_config.max_model_len, proposer)
+
+
+def _draft_engine(engine_config: EngineConfig) -> LLMEngine:
+    """The draft model's engine (one rank of its own), checked against the target's
+    vocabulary: the drafts are token ids of the target's tokenizer."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    draft = LLMEngine.from_engine_args(EngineArgs(**draft_engine_kwargs(engine_config)))
+    target_vocab = engine_config.model_config.get_vocab_size()
+    draft_vocab = draft.model_config.get_vocab_size()
+    if draft_vocab != target_vocab:
+        draft.shutdown()
+        raise ValueError(
+            f"speculative_config: the draft model's vocabulary ({draft_vocab} tokens) is not "
+            f"the target's ({target_vocab}); they must share a tokenizer."
+        )
+    return draft
 
 
 def _make_executor(engine_config: EngineConfig) -> Any:

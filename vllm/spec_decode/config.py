@@ -12,6 +12,7 @@ from typing import Any
 _KEYS = {
     "method",
     "model",
+    "quantization",
     "num_speculative_tokens",
     "prompt_lookup_max",
     "prompt_lookup_min",
@@ -31,8 +32,9 @@ LEGACY_KEYWORDS = {
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How the engine speculates: `method` ("ngram": prompt lookup, no second model), at most
-    `num_speculative_tokens` guesses per sequence and step; n-gram sizes tried from
+    """How the engine speculates: `method` ("ngram": prompt lookup, no second model;
+    "draft_model": `model`, sharing the target's tokenizer, with its own `quantization`), at
+    most `num_speculative_tokens` guesses per sequence and step; n-gram sizes tried from
     `prompt_lookup_max` down to `prompt_lookup_min`; speculation pauses while more than
     `disable_by_batch_size` requests run (None: never)."""
 
@@ -41,6 +43,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     disable_by_batch_size: int | None = None
+    model: str | None = None
+    quantization: str | None = None
 
     @staticmethod
     def from_user(value: Any) -> SpeculativeConfig | None:
@@ -71,17 +75,23 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative_config: set 'method' ('ngram') or 'model' (a draft model)."
             )
-        if method in ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp"):
+        if method in ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp"):
             raise ValueError(
                 f"speculative_config: method {method!r} is not supported by this engine yet; "
-                "use {'method': 'ngram', ...} (prompt lookup)."
+                "use 'ngram' (prompt lookup) or a draft model ('model')."
             )
-        if method != "ngram":
+        if method not in ("ngram", "draft_model"):
             raise ValueError(
-                f"speculative_config: unknown method {method!r}; this engine supports 'ngram'."
+                f"speculative_config: unknown method {method!r}; this engine supports 'ngram' "
+                "and 'draft_model'."
             )
-        if model is not None:
+        if method == "ngram" and model is not None:
             raise ValueError("speculative_config: 'model' cannot be set with method 'ngram'.")
+        if method == "draft_model" and not model:
+            raise ValueError("speculative_config: method 'draft_model' needs 'model'.")
+        quantization = value.get("quantization")
+        if quantization is not None and method == "ngram":
+            raise ValueError("speculative_config: 'quantization' applies to a draft model.")
         k = _int(value, "num_speculative_tokens", None)
         if k is None:
             raise ValueError("speculative_config: num_speculative_tokens must be provided.")
@@ -108,8 +118,8 @@ class SpeculativeConfig:
         tp = _int(value, "draft_tensor_parallel_size", None)
         if tp not in (None, 1):
             raise ValueError(
-                "speculative_config: draft_tensor_parallel_size applies to a draft model; "
-                f"method 'ngram' has none (got {tp})."
+                f"speculative_config: draft_tensor_parallel_size={tp}: the draft model runs "
+                "as one rank of its own here; only 1 is supported."
             )
         disable = _int(value, "disable_by_batch_size", None)
         if disable is not None and disable < 2:
@@ -117,7 +127,7 @@ class SpeculativeConfig:
                 "Expect the batch size threshold of disabling speculative decoding is > 1, "
                 f"but got disable_by_batch_size={disable}"
             )
-        return SpeculativeConfig("ngram", k, lookup_max, lookup_min, disable)
+        return SpeculativeConfig(method, k, lookup_max, lookup_min, disable, model, quantization)
 
     @staticmethod
     def from_legacy(kwargs: dict[str, Any]) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.logger import init_logger
 from vllm.spec_decode.ngram import propose_ngram
@@ -83,12 +83,48 @@ def step_outcome(
     return outcome
 
 
+class Proposer(Protocol):
+    """Where drafts come from: prompt lookup, or a draft model (`vllm.spec_decode.draft_model`,
+    built by the engine)."""
+
+    # Whether proposing costs next to nothing (then the scheduler may propose just to decide
+    # whether a decode should wait for its token rather than go ahead without drafts).
+    cheap: bool
+
+    def propose(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
+        """For each (token ids, k): up to k draft tokens that may follow them."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release what the proposer runs on (a draft model's rank)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup (`propose_ngram`): no model, microseconds per sequence."""
+
+    cheap = True
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.lookup_max = config.prompt_lookup_max
+        self.lookup_min = config.prompt_lookup_min
+
+    def propose(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
+        return [propose_ngram(ids, k, self.lookup_max, self.lookup_min) for ids, k in requests]
+
+    def shutdown(self) -> None:
+        pass  # nothing runs
+
+
 class DraftPlanner:
     """Proposes the draft tokens of each speculating sequence; owns the on/off state."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None
+    ) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.proposer: Proposer = proposer if proposer is not None else NgramProposer(config)
         # (proposed, accepted) per verified sequence, newest last.
         self._recent: collections.deque[tuple[int, int]] = collections.deque()
         self._recent_proposed = 0
@@ -118,21 +154,39 @@ class DraftPlanner:
             return False
         return not over
 
-    def drafts_for(self, group: SequenceGroup, seq: Sequence) -> list[int]:
-        """The drafts `seq` verifies in this step ([] for none)."""
+    def shutdown(self) -> None:
+        """Release the proposer's resources (a draft model's rank); safe to call twice."""
+        self.proposer.shutdown()
+
+    def draft_limit(self, group: SequenceGroup, seq: Sequence) -> int:
+        """How many drafts `seq` may verify in this step (0: none)."""
         params = group.sampling_params
         if params.use_beam_search or group.pooling_params is not None:
-            return []
+            return 0
         # The step yields up to k + 1 tokens: never past max_tokens or the context window.
         room = self.max_model_len - seq.get_len()
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - seq.get_output_len() - 1)
-        k = min(self.config.num_speculative_tokens, room)
-        if k < 1:
-            return []
-        return propose_ngram(
-            seq.get_token_ids(), k, self.config.prompt_lookup_max, self.config.prompt_lookup_min
-        )
+        return max(0, min(self.config.num_speculative_tokens, room))
+
+    def propose(self, seqs: list[tuple[SequenceGroup, Sequence]]) -> list[list[int]]:
+        """The drafts of each (group, sequence) in this step ([] for none), in one call of
+        the proposer (a draft model runs them as one batch)."""
+        limits = [self.draft_limit(group, seq) for group, seq in seqs]
+        asked = [(seq.get_token_ids(), k) for (_, seq), k in zip(seqs, limits) if k > 0]
+        found = iter(self.proposer.propose(asked) if asked else [])
+        return [next(found)[:k] if k > 0 else [] for k in limits]
+
+    def drafts_for(self, group: SequenceGroup, seq: Sequence) -> list[int]:
+        """The drafts of one sequence in this step ([] for none)."""
+        return self.propose([(group, seq)])[0]
+
+    def would_speculate(self, group: SequenceGroup, seq: Sequence) -> bool:
+        """Whether `seq` would verify drafts if scheduled now (prompt lookup is asked; a
+        draft model is assumed to find some)."""
+        if self.draft_limit(group, seq) < 1:
+            return False
+        return bool(self.drafts_for(group, seq)) if self.proposer.cheap else True
 
     def observe(self, outcome: SpecOutcome) -> None:
         """A step's speculative decodes came back: count them, and pause speculation while
