@@ -146,6 +146,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="Engine random seed.")
     parser.add_argument(
+        "--speculative-config",
+        "--speculative_config",
+        dest="speculative_config",
+        default=None,
+        help="Speculative decoding as JSON, as `vllm serve` takes it (e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\'); the timing table then '
+        "shows the share of draft tokens accepted.",
+    )
+    parser.add_argument(
         "--output-json",
         "--output_json",
         dest="output_json",
@@ -192,9 +201,17 @@ def time_batch(llm: Any, batch_size: int, max_tokens: int) -> dict[str, Any]:
 
     prompts = [BENCH_PROMPTS[i % len(BENCH_PROMPTS)] for i in range(batch_size)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    planner = llm.llm_engine.scheduler.draft_planner
+    before = (0, 0) if planner is None else (
+        planner.totals.num_draft_tokens, planner.totals.num_accepted_tokens
+    )  # fmt: skip
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     latency = time.perf_counter() - start
+    accepted = None
+    if planner is not None:
+        drafted = planner.totals.num_draft_tokens - before[0]
+        accepted = (planner.totals.num_accepted_tokens - before[1]) / drafted if drafted else 0.0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     return {
@@ -205,6 +222,7 @@ def time_batch(llm: Any, batch_size: int, max_tokens: int) -> dict[str, Any]:
         "output_tokens_per_s": out_tokens / latency,
         "total_tokens_per_s": (in_tokens + out_tokens) / latency,
         "peak_rss_bytes_per_stage": stage_peak_memory(llm),
+        "draft_acceptance": accepted,
     }
 
 
@@ -224,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         quantization=args.quantization,
         seed=args.seed,
+        speculative_config=args.speculative_config,
     )
     init_s = time.perf_counter() - start
     try:
@@ -247,12 +266,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['output_tokens_per_s']:.2f}",
                 f"{r['total_tokens_per_s']:.2f}",
                 " / ".join(fmt_bytes(b) for b in r["peak_rss_bytes_per_stage"]),
+                "off" if r["draft_acceptance"] is None else f"{100 * r['draft_acceptance']:.0f}%",
             ]
             for r in results
         ]
-        print_table(
-            ["batch", "latency s", "output tok/s", "total tok/s", "peak RSS per rank"], rows
-        )
+        headers = ["batch", "latency s", "output tok/s", "total tok/s", "peak RSS per rank"]
+        print_table([*headers, "speculative: accepted"], rows)
         write_json(
             args.output_json,
             {

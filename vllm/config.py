@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm import envs
+from vllm.spec_decode.config import SpeculativeConfig
 from vllm.transformers_utils.pooler_config import (
     PoolerConfig,
     default_pooler_config,
@@ -707,3 +708,5 @@ class EngineConfig:
     device_config: DeviceConfig
     # None: LoRA disabled (enable_lora=False).
     lora_config: LoRAConfig | None = None
+    # None: no speculative decoding (vLLM's `speculative_config`).
+    speculative_config: SpeculativeConfig | None = None

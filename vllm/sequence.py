@@ -313,6 +313,9 @@ class Flight(NamedTuple):
     num_tokens: int
     # The step's number (`BatchQueue`'s).
     step_no: int
+    # A speculative step: its sequences verify draft tokens, so how many tokens it yields
+    # is known only when it is back (no step may be scheduled ahead of it).
+    speculative: bool = False
 
 
 class SequenceGroup:
@@ -494,6 +497,9 @@ class SequenceGroupMetadata:
     # A pooling request's parameters (None: a generation request); the last stage pools its
     # hidden states instead of sampling.
     pooling_params: PoolingParams | None = None
+    # A speculative decode: seq id -> the draft tokens it verifies (its last token and these
+    # are fed at once, every position sampled; `vllm.spec_decode`). None: a plain step.
+    draft_token_ids: dict[int, list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.token_chunk_size is None:
@@ -506,11 +512,16 @@ class SequenceGroupMetadata:
 
 @dataclass
 class SequenceOutput:
-    """One sampled token for one sequence; `parent_seq_id` says which sequence it extends."""
+    """One sampled token for one sequence; `parent_seq_id` says which sequence it extends.
+
+    After a speculative step, `accepted` holds the draft tokens the target model confirmed
+    (each with its logprobs, in order): they come before `output_token`, which is the token
+    the target sampled after them."""
 
     parent_seq_id: int
     output_token: int
     logprobs: dict[int, Logprob]
+    accepted: list[tuple[int, dict[int, Logprob]]] | None = None
 
 
 @dataclass

@@ -32,6 +32,12 @@ if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
 
 
+# The draft tokens a speculative step verifies: (seq id, drafts) per sequence. The drafts are
+# never appended to the stage's copy of the sequence: only the accepted ones come back as
+# tokens in a later record.
+Drafts = tuple[tuple[int, tuple[int, ...]], ...]
+
+
 class NewSeqData(NamedTuple):
     """A sequence the stages do not hold: all its tokens and its block table."""
 
@@ -70,6 +76,8 @@ class NewRequestData(NamedTuple):
     sampling_params: SamplingParams | tuple[SamplingParams, int]
     # A pooling request's parameters (the last stage pools instead of sampling).
     pooling_params: PoolingParams | None = None
+    # A speculative decode: (seq id, draft token ids) per sequence that verifies drafts.
+    drafts: Drafts | None = None
 
 
 class CachedRequestData(NamedTuple):
@@ -81,6 +89,8 @@ class CachedRequestData(NamedTuple):
     token_chunk_size: int
     do_sample: bool
     seqs: tuple[NewSeqData | CachedSeqData, ...]
+    # A speculative decode: (seq id, draft token ids) per sequence that verifies drafts.
+    drafts: Drafts | None = None
 
 
 # One record per scheduled group, in the scheduler's order (outputs are matched positionally).

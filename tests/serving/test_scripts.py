@@ -89,6 +89,8 @@ def test_run_py_pp2(tiny_llama: str, tmp_path: Path) -> None:
         "2",
         "--kv_cache_space",
         "0.05",
+        "--speculative_config",
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}',
     ]
     code, out, data = _run("run.py", args, tmp_path)
     assert code == 0, out[-4000:]
@@ -98,6 +100,7 @@ def test_run_py_pp2(tiny_llama: str, tmp_path: Path) -> None:
         assert r["output_tokens"] == 4 * r["batch_size"]  # ignore_eos: exactly max_tokens each
         assert r["output_tokens_per_s"] > 0 and r["latency_s"] > 0
         assert len(r["peak_rss_bytes_per_stage"]) == 2
+        assert 0.0 <= r["draft_acceptance"] <= 1.0  # the speculative column
     assert [s["layers"] for s in data["layout"]["stages"]] == [[0, 3], [3, 6]]
     # The timing table has one row per batch size: batch, latency, output tok/s, total tok/s.
     assert re.search(r"^\s+1\s+[\d.]+\s+[\d.]+\s+[\d.]+\s", out, re.M), out[-2000:]

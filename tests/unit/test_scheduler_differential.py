@@ -367,7 +367,7 @@ def _metadata_state(meta: Any) -> dict[str, Any]:
 # `written` (the live step records) is compared through the stage's rows.
 _MAPPED = {
     "scheduled_seq_groups", "ignored_seq_groups", "ahead", "batch_no", "step_no", "written",
-    "chunk_offsets",
+    "chunk_offsets", "drafts",
 }  # fmt: skip
 
 
@@ -380,6 +380,8 @@ def compare(ref: Side, live: Side, ref_result: Any, live_result: Any, where: str
     assert live_fields == ref_fields, where
     # Chunked pipelining is off here: no chunk is ever written behind another in flight.
     assert not live_out.chunk_offsets, where
+    # Speculation is off here: no decode verifies drafts.
+    assert not live_out.drafts, where
     for name in sorted(ref_fields):
         assert getattr(live_out, name) == getattr(ref_out, name), f"{where}: {name}"
     # The step a decode scheduled ahead feeds from, and the step number of the batch.

@@ -413,27 +413,44 @@ class BlockSpaceManager:
         return self._gpu.num_free() >= seq_group.num_seqs(status=SequenceStatus.RUNNING)
 
     def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
-        """Make room for the token at position `seq.get_len() - 1 + num_lookahead_slots`
-        (a lookahead slot is for a token sampled by a step still in flight).
+        """Make room for the tokens at positions `seq.get_len() - 1` through
+        `seq.get_len() - 1 + num_lookahead_slots` (a lookahead slot is for a token sampled by
+        a step still in flight, or a draft token a speculative step verifies).
 
         Returns the copy-on-write pairs (src, dst) the workers must copy before writing.
+        A table may already reach past the sequence's end (blocks a speculative step took for
+        drafts that were rejected): their KV is garbage and is simply written over.
         """
         table = self._gpu_tables[seq.seq_id]
+        first = (seq.get_len() - 1) // self.block_size  # the block of the first write
         needed = self._blocks_for(seq.get_len() + num_lookahead_slots)
-        if len(table) < needed:
-            # The new token starts a block of its own, so nothing shared is written.
-            while len(table) < needed:
-                table.append(self._gpu.allocate())
-            return []
-        last = table[-1]
-        if self._gpu.ref_count(last) == 1:
-            return []
-        # The last block is shared with a forked sibling: write into a private copy.
-        new_block = self._gpu.allocate()
-        table[-1] = new_block
-        self._table_epochs[seq.seq_id] = next(self._epochs)
-        self._gpu.free(last)
-        return [(last, new_block)]
+        pairs: list[tuple[int, int]] = []
+        # Blocks written that are shared with a forked sibling: write into private copies.
+        for index in range(first, min(len(table), needed)):
+            block = table[index]
+            if self._gpu.ref_count(block) == 1:
+                continue
+            new_block = self._gpu.allocate()
+            table[index] = new_block
+            self._table_epochs[seq.seq_id] = next(self._epochs)
+            self._gpu.free(block)
+            pairs.append((block, new_block))
+        # New blocks start empty, so nothing shared is written there.
+        while len(table) < needed:
+            table.append(self._gpu.allocate())
+        return pairs
+
+    def lookahead_cost(self, seq: Sequence, num_lookahead_slots: int) -> int:
+        """Free blocks `append_slots(seq, num_lookahead_slots)` would take (new blocks and
+        private copies of shared ones)."""
+        table = self._gpu_tables[seq.seq_id]
+        first = (seq.get_len() - 1) // self.block_size
+        needed = self._blocks_for(seq.get_len() + num_lookahead_slots)
+        shared = sum(
+            1 for index in range(first, min(len(table), needed))
+            if self._gpu.ref_count(table[index]) > 1
+        )  # fmt: skip
+        return shared + max(0, needed - len(table))
 
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         """The child shares all of the parent's blocks until one of them writes."""

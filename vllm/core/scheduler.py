@@ -42,6 +42,7 @@ from vllm.core.classic_policy import ClassicPolicy
 from vllm.core.lora_admission import LoRAAdmission
 from vllm.core.step_writer import StepRecords, StepWriter
 from vllm.sequence import Flight, Sequence, SequenceGroup, SequenceStatus
+from vllm.spec_decode.planner import DraftPlanner
 from vllm.step_records import RequestRecord
 from vllm.utils import ceil_div
 
@@ -77,6 +78,9 @@ class SchedulerOutputs:
     # Groups with earlier chunks of their prompt still in flight (chunked pipelining) -> the
     # prompt tokens those chunks feed: this step's chunk starts after them.
     chunk_offsets: dict[str, int] = field(default_factory=dict)
+    # Speculative decodes: request id -> seq id -> the draft tokens it verifies this step
+    # (their slots are appended; `vllm.spec_decode.planner`).
+    drafts: dict[str, dict[int, list[int]]] = field(default_factory=dict)
     # The step number this batch was scheduled as (0 when it is empty).
     step_no: int = 0
     # The step's records as written, for `Scheduler.commit_step`.
@@ -107,6 +111,7 @@ class Scheduler:
         schedule_ahead: bool = False,
         max_loras: int | None = None,
         pipeline_chunks: bool = True,
+        draft_planner: DraftPlanner | None = None,
     ) -> None:
         if cache_config.num_gpu_blocks is None or cache_config.num_cpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks and num_cpu_blocks must be set.")
@@ -118,6 +123,10 @@ class Scheduler:
         # Chunked pipelining: a prompt's next chunk may be scheduled while earlier ones are in
         # flight (see `can_pipeline_chunk`).
         self.pipeline_chunks = pipeline_chunks
+        # Speculative decoding (None: off): proposes the drafts of the scheduled decodes;
+        # whether the step being scheduled speculates (the planner may pause it).
+        self.draft_planner = draft_planner
+        self._speculate = False
         # How many distinct LoRA adapters the running groups may use (None: no LoRA).
         self.lora_admission = LoRAAdmission(max_loras)
         chunked = scheduler_config.enable_chunked_prefill
@@ -373,7 +382,11 @@ class Scheduler:
         seq_cap = NO_CAP  # one cohort: no need to count the active sequences
         if self.budget.cohorts > 1:
             seq_cap = self.budget.max_batch_seqs(self.num_active_seqs())
+        planner = self.draft_planner
+        self._speculate = planner is not None and planner.begin_step(self.num_running_seqs())
         self.policy.schedule(out, seq_cap, step_no)
+        if self._speculate:
+            self._plan_drafts(out)
         if self._admitted or out.blocks_to_swap_in:
             self._kv_blocks_bound = self._bound_running_blocks()
         if not out.is_empty():
@@ -384,12 +397,58 @@ class Scheduler:
             chunk = out.token_chunk_sizes[seq_group.request_id]
             if offset := seq_group.prefill_tokens_in_flight():
                 out.chunk_offsets[seq_group.request_id] = offset
-            seq_group.flights.append(Flight(chunk if seq_group.is_prefill() else 1, step_no))
+            speculative = seq_group.request_id in out.drafts
+            seq_group.flights.append(
+                Flight(chunk if seq_group.is_prefill() else 1, step_no, speculative)
+            )
             self.in_flight[seq_group.request_id] = seq_group
         out.written = self.step_writer.write(
-            out.scheduled_seq_groups, out.token_chunk_sizes, out.ahead, out.chunk_offsets
+            out.scheduled_seq_groups,
+            out.token_chunk_sizes,
+            out.ahead,
+            out.chunk_offsets,
+            out.drafts,
         )
         return out.written.records, out
+
+    def _plan_drafts(self, out: SchedulerOutputs) -> None:
+        """Speculation: drafts for the step's decodes (not those scheduled ahead), within the
+        step's token budget and the free blocks (a draft needs its slot), never preempting."""
+        planner = self.draft_planner
+        assert planner is not None
+        room = self.budget.max_num_batched_tokens - out.num_batched_tokens
+        candidates = [
+            (group, seq)
+            for group in out.scheduled_seq_groups
+            if not group.is_prefill() and group.request_id not in out.ahead
+            for seq in group.get_seqs(status=SequenceStatus.RUNNING)
+        ]
+        if room <= 0 or not candidates:
+            return
+        used = 0
+        bm = self.block_manager
+        for (group, seq), drafts in zip(candidates, planner.propose(candidates)):
+            drafts = drafts[: room - used]
+            free = bm.get_num_free_gpu_blocks()
+            while drafts and bm.lookahead_cost(seq, len(drafts)) > free:
+                drafts.pop()
+            if not drafts:
+                continue
+            for src, dst in bm.append_slots(seq, num_lookahead_slots=len(drafts)):
+                out.blocks_to_copy.setdefault(src, []).append(dst)
+            out.drafts.setdefault(group.request_id, {})[seq.seq_id] = drafts
+            used += len(drafts)
+        out.num_batched_tokens += used
+
+    def _would_speculate(self, seq_group: SequenceGroup) -> bool:
+        """Whether a decoding group in flight has drafts on the tokens known now: then its
+        next step waits for that token and speculates rather than going ahead without."""
+        planner = self.draft_planner
+        assert planner is not None
+        return any(
+            planner.would_speculate(seq_group, seq)
+            for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING)
+        )
 
     def commit_step(self, out: SchedulerOutputs) -> None:
         """The executor accepted the step `out` was scheduled for: what it told the stages is
@@ -403,6 +462,10 @@ class Scheduler:
         """Whether an in-flight group may get its next decode step as step `step_no` now."""
         if not self.schedule_ahead or len(seq_group.flights) != 1:
             return False
+        if seq_group.flights[0].speculative:
+            return False  # how many tokens that step yields is known only when it is back
+        if self._speculate and self._would_speculate(seq_group):
+            return False  # better: wait for the token, then verify drafts after it
         if step_no - seq_group.flights[0].step_no < self.budget.cohorts:
             return False  # the first stage would wait for that step's token
         params = seq_group.sampling_params

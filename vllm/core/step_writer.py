@@ -61,16 +61,24 @@ class StepWriter:
         token_chunk_sizes: dict[str, int],
         ahead: dict[str, int],
         chunk_offsets: dict[str, int] | None = None,
+        drafts: dict[str, dict[int, list[int]]] | None = None,
     ) -> StepRecords:
         """The records of the scheduled `groups`; the sequences of a group in `ahead` feed
         the token their step in flight samples (`num_pending=1`); a prefill chunk of a group
         in `chunk_offsets` starts that many tokens after its computed ones (its earlier
-        chunks are still in flight: chunked pipelining)."""
+        chunks are still in flight: chunked pipelining); the sequences of a group in `drafts`
+        verify those draft tokens (a speculative decode)."""
         offsets = chunk_offsets or {}
         step = StepRecords([], self._reset_pending, [], [])
         for group in groups:
             offset = offsets.get(group.request_id, 0)
-            step.records.append(self._write_group(group, token_chunk_sizes, ahead, offset, step))
+            record = self._write_group(group, token_chunk_sizes, ahead, offset, step)
+            planned = drafts.get(group.request_id) if drafts else None
+            if planned:
+                record = record._replace(
+                    drafts=tuple((seq_id, tuple(ids)) for seq_id, ids in planned.items())
+                )
+            step.records.append(record)
             step.groups.append(group)
         return step
 

@@ -16,6 +16,7 @@ from vllm.config import (
     SchedulerConfig,
 )
 from vllm.logger import init_logger
+from vllm.spec_decode.config import SpeculativeConfig
 
 logger = init_logger("vllm.engine.arg_utils")
 
@@ -88,6 +89,15 @@ class EngineArgs:
     task: str | None = None
     pooler_config: object = None
     override_pooler_config: object = None
+    # Speculative decoding: vLLM's dict (or its JSON text from --speculative-config), and
+    # vLLM 0.5's keywords it replaced (accepted as aliases).
+    speculative_config: object = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
+    speculative_disable_by_batch_size: int | None = None
+    speculative_draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNER_TYPES:
@@ -262,6 +272,14 @@ class EngineArgs:
             "with pipeline parallelism on the ray and mp backends.",
         )
         add(
+            "--speculative-config",
+            type=str,
+            default=None,
+            help='Speculative decoding as JSON, e.g. \'{"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (prompt lookup: '
+            "exact under greedy, the target's distribution when sampling).",
+        )
+        add(
             "--enable-lora",
             action="store_true",
             help="If True, enable handling of LoRA adapters.",
@@ -397,6 +415,20 @@ class EngineArgs:
             return None
         return [name] if isinstance(name, str) else list(name)
 
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        """`speculative_config`, or the dict vLLM 0.5's keywords describe (not both)."""
+        legacy = SpeculativeConfig.from_legacy(
+            {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        )
+        if legacy is not None and self.speculative_config is not None:
+            raise ValueError(
+                f"speculative_config and vLLM 0.5's keyword(s) {sorted(legacy)} were both "
+                "given; use speculative_config only."
+            )
+        return SpeculativeConfig.from_user(
+            legacy if legacy is not None else self.speculative_config
+        )
+
     def create_engine_config(self) -> EngineConfig:
         """The validated configs as one object, passed by name to the engine, executors and
         workers (Ray Data reads `.scheduler_config` and `.parallel_config` from it)."""
@@ -466,6 +498,7 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
         return EngineConfig(
+            speculative_config=self._speculative_config(),
             model_config=model_config,
             cache_config=cache_config,
             parallel_config=parallel_config,

@@ -47,6 +47,8 @@ from vllm.resilience.errors import EngineDeadError, StageFailedError
 from vllm.resilience.events import EngineHealth, FaultEvent, ReshapeEvent
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup
+from vllm.spec_decode.draft_model import DraftModelProposer, draft_engine_kwargs
+from vllm.spec_decode.planner import DraftPlanner, step_outcome
 from vllm.step_records import BlockOps, RequestRecord
 from vllm.worker.stage_report import StageInfo, StageStats
 
@@ -101,6 +103,7 @@ class LLMEngine:
             schedule_ahead=async_pipeline,
             max_loras=self.lora_config.max_loras if self.lora_config else None,
             pipeline_chunks=envs.get_bool("VLLM_PP_CHUNKED_PIPELINING"),
+            draft_planner=_draft_planner(engine_config),
         )
         self.batch_queue = BatchQueue(self.executor, budget.cohorts, async_pipeline)
         self.output_processor = OutputProcessor(
@@ -550,6 +553,9 @@ class LLMEngine:
             self.scheduler.finish_in_flight([g.request_id for g in groups])
             self._fail_errored_requests(groups, output)
             request_outputs = self.output_processor.process(groups, output)
+            planner = self.scheduler.draft_planner
+            if planner is not None and sched_out.drafts:
+                planner.observe(step_outcome(sched_out.drafts, groups, output))
             self._finished_request_ids.extend(g.request_id for g in groups if g.is_finished())
             self.scheduler.free_finished_seq_groups()
             if self.stats is not None:
@@ -666,6 +672,9 @@ class LLMEngine:
         if executor is not None:
             executor.shutdown()
             self.executor = None
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None and scheduler.draft_planner is not None:
+            scheduler.draft_planner.shutdown()
 
     def __del__(self) -> None:
         try:
@@ -771,6 +780,47 @@ def _use_async_pipeline(scheduler_config: SchedulerConfig, executor: Any) -> boo
             "running without it"
         )
     return supported and wanted is not False
+
+
+def _draft_planner(engine_config: EngineConfig) -> DraftPlanner | None:
+    """The scheduler's draft planner when speculative decoding is on."""
+    spec = engine_config.speculative_config
+    if spec is None:
+        return None
+    if engine_config.model_config.runner_type == "pooling":
+        raise ValueError("Speculative decoding is not supported for pooling models.")
+    lookup = ""
+    if spec.method == "ngram":
+        lookup = f", prompt_lookup_max={spec.prompt_lookup_max}"
+        lookup += f", prompt_lookup_min={spec.prompt_lookup_min}"
+    name = spec.method if spec.model is None else f"draft model {spec.model!r}"
+    logger.info(
+        "Speculative decoding: %s, num_speculative_tokens=%d%s",
+        name,
+        spec.num_speculative_tokens,
+        lookup,
+    )
+    proposer = None
+    if spec.method == "draft_model":
+        proposer = DraftModelProposer(_draft_engine(engine_config))
+    return DraftPlanner(spec, engine_config.scheduler_config.max_model_len, proposer)
+
+
+def _draft_engine(engine_config: EngineConfig) -> LLMEngine:
+    """The draft model's engine (one rank of its own), checked against the target's
+    vocabulary: the drafts are token ids of the target's tokenizer."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    draft = LLMEngine.from_engine_args(EngineArgs(**draft_engine_kwargs(engine_config)))
+    target_vocab = engine_config.model_config.get_vocab_size()
+    draft_vocab = draft.model_config.get_vocab_size()
+    if draft_vocab != target_vocab:
+        draft.shutdown()
+        raise ValueError(
+            f"speculative_config: the draft model's vocabulary ({draft_vocab} tokens) is not "
+            f"the target's ({target_vocab}); they must share a tokenizer."
+        )
+    return draft
 
 
 def _make_executor(engine_config: EngineConfig) -> Any:

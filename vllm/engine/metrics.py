@@ -17,6 +17,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 from vllm.sequence import SequenceStatus
+from vllm.spec_decode.planner import SpecOutcome, step_outcome
 
 logger = init_logger("vllm.engine.metrics")
 
@@ -57,6 +58,8 @@ class Stats:
     finished_reasons: list[str] = field(default_factory=list)
     finished_best_of: list[int] = field(default_factory=list)
     finished_n: list[int] = field(default_factory=list)
+    # The batch's speculative decodes (None: it had none).
+    spec_decode: SpecOutcome | None = None
 
     # vLLM 0.5's field names, for stat loggers written against vLLM's `Stats`.
     num_running_sys = property(lambda self: self.num_running)
@@ -75,7 +78,7 @@ class Stats:
     best_of_requests = property(lambda self: self.finished_best_of)
     n_requests = property(lambda self: self.finished_n)
     finished_reason_requests = property(lambda self: self.finished_reasons)
-    spec_decode_metrics = None
+    spec_decode_metrics = property(lambda self: self.spec_decode)
 
 
 class PrometheusMetrics:
@@ -195,6 +198,21 @@ class PrometheusMetrics:
             "Number of tokens re-prefilled because a stage lost its KV cache.",
             label,
         )
+        # Speculative decoding (vLLM's names).
+        self.spec_decode_num_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", label
+        )
+        self.spec_decode_num_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", label
+        )
+        self.spec_decode_num_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", label
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ["model_name", "position"],
+        )
         self.recomputed_token_stages = Counter(
             "vllm:recomputed_token_stages",
             "Recovery work in token-stages: tokens re-prefilled times the stages that ran "
@@ -274,12 +292,22 @@ class StatLoggerBase:
 
 
 class LoggingStatLogger(StatLoggerBase):
-    """vLLM's throughput line, every `local_interval` seconds."""
+    """vLLM's throughput line, every `local_interval` seconds (and vLLM's speculative
+    decoding line after it when drafts were verified in the interval)."""
+
+    def __init__(self, local_interval: float = LOCAL_LOGGING_INTERVAL_SEC) -> None:
+        super().__init__(local_interval)
+        self._spec = SpecOutcome()
 
     def log(self, stats: Stats) -> None:
+        if stats.spec_decode is not None:
+            self._spec.add(stats.spec_decode)
         throughput = self._interval_throughput(stats)
         if throughput is not None:
             logger.info(format_log_line(stats, *throughput))
+            if self._spec.num_drafts:
+                logger.info(format_spec_line(self._spec))
+                self._spec = SpecOutcome()
 
     def info(self, type: str, obj: Any) -> None:
         pass  # the configuration is logged when the engine starts
@@ -367,6 +395,14 @@ class StatLogger(StatLoggerBase):
                 histogram.observe(value)
         for reason in stats.finished_reasons:
             self.metrics.request_success.labels(self.model_name, reason).inc()
+        spec = stats.spec_decode
+        if spec is not None:
+            m, name = self.metrics, self.model_name
+            m.spec_decode_num_drafts.labels(name).inc(spec.num_drafts)
+            m.spec_decode_num_draft_tokens.labels(name).inc(spec.num_draft_tokens)
+            m.spec_decode_num_accepted_tokens.labels(name).inc(spec.num_accepted_tokens)
+            for position, count in enumerate(spec.accepted_per_pos):
+                m.spec_decode_num_accepted_tokens_per_pos.labels(name, str(position)).inc(count)
         throughput = self._interval_throughput(stats)
         if throughput is not None:
             self.metrics.avg_prompt_throughput.labels(self.model_name).set(throughput[0])
@@ -396,6 +432,19 @@ def format_log_line(stats: Stats, prompt_throughput: float, generation_throughpu
         f"Pending: {stats.num_waiting} reqs, "
         f"GPU KV cache usage: {stats.gpu_cache_usage * 100:.1f}%, "
         f"CPU KV cache usage: {stats.cpu_cache_usage * 100:.1f}%."
+    )
+
+
+def format_spec_line(spec: SpecOutcome) -> str:
+    """vLLM V1's speculative decoding line (its wording) for the drafts of one interval."""
+    per_pos = ", ".join(f"{count / spec.num_drafts:.3f}" for count in spec.accepted_per_pos)
+    return (
+        "SpecDecoding metrics: "
+        f"Mean acceptance length: {1 + spec.num_accepted_tokens / spec.num_drafts:.2f}, "
+        f"Accepted: {spec.num_accepted_tokens} tokens, "
+        f"Drafted: {spec.num_draft_tokens} tokens, "
+        f"Per-position acceptance rate: {per_pos}, "
+        f"Avg Draft acceptance rate: {spec.acceptance_rate * 100:.1f}%"
     )
 
 
@@ -462,7 +511,13 @@ class EngineStatsCollector:
         if sched_out is not None:
             if sched_out.prompt_run:
                 stats.num_prompt_tokens = sched_out.num_batched_tokens
-            stats.num_generation_tokens = sum(len(o.samples) for o in output)
+            stats.num_generation_tokens = sum(
+                1 + len(s.accepted or ()) for o in output for s in o.samples
+            )
+            if sched_out.drafts:
+                stats.spec_decode = step_outcome(
+                    sched_out.drafts, sched_out.scheduled_seq_groups, output
+                )
             for group, (first, last) in zip(sched_out.scheduled_seq_groups, before):
                 m = group.metrics
                 if m.first_token_time is None:

@@ -150,7 +150,7 @@ class OutputProcessor:
                 child.data.sample_index = parent.data.sample_index + 1 + j
                 self.append_token(child, sample, params)
                 children.append((child, parent))
-            self.append_token(parent, samples[-1], params)
+            self.append_speculated(parent, samples[-1], params)
             children.append((parent, parent))
         # Forks share the parent's blocks copy-on-write; fork before freeing anything.
         for seq, parent in children:
@@ -169,6 +169,21 @@ class OutputProcessor:
     def free_seq(self, seq: Sequence) -> None:
         """Release the KV blocks of `seq`."""
         self.scheduler.free_seq(seq)
+
+    def append_speculated(
+        self, seq: Sequence, sample: SequenceOutput, params: SamplingParams
+    ) -> None:
+        """Append a sample: after a speculative step its accepted drafts first, one at a time
+        (each checked against the stop conditions: nothing is emitted past a stop), then the
+        token the target sampled after them. The accepted drafts' KV is in the cache."""
+        if sample.accepted:
+            for token, logprobs in sample.accepted:
+                self.append_token(seq, SequenceOutput(seq.seq_id, token, logprobs), params)
+                if seq.is_finished():
+                    return
+            # Positions len-1 .. of the accepted drafts were written by the step.
+            seq.data.update_num_computed_tokens(len(sample.accepted))
+        self.append_token(seq, sample, params)
 
     def append_token(self, seq: Sequence, sample: SequenceOutput, params: SamplingParams) -> None:
         """Append a sampled token to `seq`, detokenize it, fill the decoded text of its logprob

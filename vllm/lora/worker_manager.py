@@ -141,7 +141,7 @@ def token_lora_ids(
     ids: list[int] = []
     lens = iter(prefill_lens)
     for meta in layout:
-        if meta.is_prompt:
+        if meta.is_prompt or meta.draft_token_ids is not None:  # speculative: several each
             for _ in meta.seq_data:
                 ids.extend([meta.lora_int_id] * next(lens))
         else:

@@ -41,15 +41,39 @@ class SeqGroupRows:
     sample_indices: list[int] = field(default_factory=list)
     # Output tokens each sequence has so far (the group's samples advance in lockstep).
     step: int = 0
+    # A row of a speculative decode: how many of its sequence's output tokens are drafts
+    # (the structured-output matcher consumes them tentatively).
+    num_drafts: int = 0
+    # A row of a speculative decode (one of several groups of the request in this step).
+    verify_row: bool = False
+
+
+@dataclass
+class VerifiedSeq:
+    """One sequence of a speculative decode: the drafts it verifies and the indices in
+    `SamplingMetadata.groups` of its one-row groups, one per position (len(drafts) + 1)."""
+
+    seq_id: int
+    drafts: list[int]
+    positions: list[int]
 
 
 @dataclass
 class SamplingMetadata:
-    """Rows to select from the flat hidden states, and how to sample each group."""
+    """Rows to select from the flat hidden states, and how to sample each group.
+
+    With speculative decodes in the step, `groups` holds for each such sequence one group
+    per position it samples (each sees the drafts before it as its output so far: penalties,
+    min_tokens and the seeded stream of that position apply exactly as without speculation),
+    and `verified` says, per scheduled group in order, which groups are its own: a plain group
+    is `None` there and its one group is `plain_index`."""
 
     # [S] int64: index into the step's flat token batch of each row to compute logits for.
     selected_token_indices: torch.Tensor
     groups: list[SeqGroupRows]
+    # None: no speculative decode in the step (groups[i] is scheduled group i). Else per
+    # scheduled group: its index in `groups` (an int) or its verified sequences.
+    verified: list[int | list[VerifiedSeq]] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -92,9 +116,17 @@ def build_sampling_metadata(
     """
     selected: list[int] = []
     groups: list[SeqGroupRows] = []
+    # Per layout entry: the SeqGroupRows it adds (several for a speculative decode).
+    per_entry: list[list[SeqGroupRows]] = []
+    verified_of: dict[int, list[VerifiedSeq]] = {}  # layout index -> its sequences
     offset = 0
-    for meta in layout:
+    for entry, meta in enumerate(layout):
         seq_ids = list(meta.seq_data)
+        if meta.draft_token_ids is not None:
+            rows_of, verified, offset = _verify_rows(meta, generators, device, selected, offset)
+            per_entry.append(rows_of)
+            verified_of[entry] = verified
+            continue
         params = meta.sampling_params
         gen = None
         if params.sampling_type == SamplingType.RANDOM_SEED:
@@ -141,7 +173,7 @@ def build_sampling_metadata(
                 sample_indices.append(meta.seq_data[seq_id].sample_index)
                 selected.append(offset)
                 offset += 1
-        groups.append(
+        per_entry.append([
             SeqGroupRows(
                 meta.request_id,
                 seq_ids,
@@ -157,8 +189,71 @@ def build_sampling_metadata(
                 sample_indices,
                 step,
             )
-        )
-    # Back in the scheduler's order: outputs are matched to groups positionally.
-    groups = [groups[position] for position in order]
+        ])  # fmt: skip
     indices = torch.tensor(selected, dtype=torch.long, device=device)
-    return SamplingMetadata(indices, groups)
+    # Back in the scheduler's order: outputs are matched to groups positionally.
+    if not verified_of:
+        groups = [per_entry[position][0] for position in order]
+        return SamplingMetadata(indices, groups)
+    mapped: list[int | list[VerifiedSeq]] = []
+    for position in order:
+        base = len(groups)
+        groups.extend(per_entry[position])
+        if position not in verified_of:
+            mapped.append(base)
+            continue
+        mapped.append(
+            [
+                VerifiedSeq(v.seq_id, v.drafts, [base + i for i in v.positions])
+                for v in verified_of[position]
+            ]
+        )
+    return SamplingMetadata(indices, groups, mapped)
+
+
+def _verify_rows(
+    meta: SequenceGroupMetadata,
+    generators: dict[str, torch.Generator],
+    device: torch.device,
+    selected: list[int],
+    offset: int,
+) -> tuple[list[SeqGroupRows], list[VerifiedSeq], int]:
+    """The one-row groups of a speculative decode (one per sequence and position, all rows
+    of its tokens selected), its sequences (positions relative to the first group returned)
+    and the offset after its tokens."""
+    assert meta.draft_token_ids is not None
+    params = meta.sampling_params
+    gen = None
+    if params.sampling_type == SamplingType.RANDOM_SEED:
+        gen = generators.get(meta.request_id)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            generators[meta.request_id] = gen
+    rows_of: list[SeqGroupRows] = []
+    verified: list[VerifiedSeq] = []
+    for seq_id, data in meta.seq_data.items():
+        drafts = meta.draft_token_ids.get(seq_id, [])
+        positions: list[int] = []
+        for i in range(len(drafts) + 1):
+            # Position i samples after the first i drafts: they are its output so far.
+            seen = data if i == 0 else _with_drafts(data, drafts[:i])
+            positions.append(len(rows_of))
+            rows_of.append(
+                SeqGroupRows(
+                    meta.request_id, [seq_id], params, False, [len(selected)], {seq_id: seen},
+                    gen, sample_indices=[data.sample_index], step=seen.get_output_len(),
+                    num_drafts=i, verify_row=True,
+                )
+            )  # fmt: skip
+            selected.append(offset + i)
+        offset += len(drafts) + 1
+        verified.append(VerifiedSeq(seq_id, drafts, positions))
+    return rows_of, verified, offset
+
+
+def _with_drafts(data: SequenceData, drafts: list[int]) -> SequenceData:
+    """The sequence as a position after `drafts` sees it (the prompt list is shared)."""
+    return SequenceData(
+        data.prompt_token_ids, data.output_token_ids + drafts, data.cumulative_logprob,
+        data.eos_token_id, data.get_num_computed_tokens(), data.stage, data.sample_index,
+    )  # fmt: skip

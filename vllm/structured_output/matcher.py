@@ -48,29 +48,65 @@ class SequenceMatcher:
         # mask, e.g. with ignore_eos past the end): masking stops for the sequence.
         self.broken = False
 
-    def sync(self, data: SequenceData) -> None:
-        """Consume the sequence's output tokens not consumed yet."""
+    def sync(self, data: SequenceData, num_drafts: int = 0) -> bool:
+        """Consume the sequence's output tokens not consumed yet, rolling back the ones that
+        are no longer there (draft tokens a speculative step rejected). The last
+        `num_drafts` tokens are drafts (a speculative step's row after them): a draft the
+        grammar refuses is not consumed and False is returned -- that row needs no mask, as
+        the draft is rejected at its own position, whose row was masked."""
         tokens = data.output_token_ids
         n = len(self.consumed)
-        if data is not self._source:
+        if data is not self._source or len(tokens) < n:
             self._source = data
-            if len(tokens) < n or list(tokens[:n]) != self.consumed:
-                self.matcher.reset()
-                self.consumed = []
-                self.broken = False
-                n = 0
-        elif len(tokens) < n:  # cannot happen to a sequence that only grows; rebuild anyway
-            self.matcher.reset()
-            self.consumed, self.broken, n = [], False, 0
-        for token in tokens[n:]:
+            common = _common_prefix(self.consumed, tokens)
+            if common < n:
+                self._rollback(n - common)
+                n = common
+        first_draft = len(tokens) - num_drafts
+        for index in range(n, len(tokens)):
+            token = tokens[index]
+            if self.broken:
+                self.consumed.append(token)
+                continue
+            if self.matcher.accept_token(token):
+                self.consumed.append(token)
+                continue
+            if index >= first_draft:
+                return False
             self.consumed.append(token)
-            if not self.broken and not self.matcher.accept_token(token):
-                self.broken = True
-                logger.warning(
-                    "structured outputs: token %d does not follow the grammar; the rest of "
-                    "this sequence is not constrained",
-                    token,
-                )
+            self.broken = True
+            logger.warning(
+                "structured outputs: token %d does not follow the grammar; the rest of this "
+                "sequence is not constrained",
+                token,
+            )
+        return True
+
+    def _rollback(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` consumed tokens."""
+        if self.broken:
+            # Tokens after the refused one were never given to the matcher: start over.
+            tokens = self.consumed[: len(self.consumed) - num_tokens]
+            self.matcher.reset()
+            self.consumed, self.broken = [], False
+            for token in tokens:
+                self.consumed.append(token)
+                if not self.broken and not self.matcher.accept_token(token):
+                    self.broken = True
+            return
+        self.matcher.rollback(num_tokens)
+        del self.consumed[len(self.consumed) - num_tokens :]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of `a` and `b`."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _stop_only_row(bitmask: torch.Tensor, row: int, stop_ids: list[int]) -> None:
@@ -105,6 +141,7 @@ class StructuredOutputState:
         future = self._grammars.get(group.request_id)
         if future is None:
             params = group.params.structured_outputs
+            assert params is not None  # only constrained groups are masked
             future = self._grammars[group.request_id] = self.cache.compile_async(
                 grammar_spec(params)
             )
@@ -121,14 +158,17 @@ class StructuredOutputState:
                 continue
             compiled = self._compiled(group)
             matchers = self._matchers.setdefault(group.request_id, {})
-            if len(matchers) > len(group.seq_ids):  # forks that finished: drop theirs
+            if not group.verify_row and len(matchers) > len(group.seq_ids):
+                # Forks that finished: drop theirs (a speculative row holds one sequence of
+                # its request: the others are still there).
                 for seq_id in matchers.keys() - set(group.seq_ids):
                     del matchers[seq_id]
             for seq_id, row in zip(group.seq_ids, group.rows):
                 matcher = matchers.get(seq_id)
                 if matcher is None:
                     matcher = matchers[seq_id] = SequenceMatcher(compiled)
-                matcher.sync(group.seq_data[seq_id])
+                if not matcher.sync(group.seq_data[seq_id], group.num_drafts):
+                    continue  # after a refused draft: the row's token is never used
                 if matcher.broken:
                     continue
                 if bitmask is None:

@@ -20,6 +20,7 @@ from vllm.model_executor.layers.sampler import Sampler
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.sampling_metadata import build_sampling_metadata
 from vllm.sequence import SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput
+from vllm.spec_decode.verify import accept_drafts
 from vllm.structured_output.compiler import compile_cache_for
 from vllm.structured_output.matcher import StructuredOutputState
 from vllm.worker.request_table import StepRows
@@ -41,6 +42,26 @@ def prepare_inputs(
     context_lens: list[int] = []
     tables: list[list[int]] = []
     for meta in layout:  # prefills first, so one pass puts their tokens ahead of decodes
+        if meta.draft_token_ids is not None:
+            # A speculative decode: each sequence feeds its last token and its drafts, like a
+            # prefill chunk after its cached context (positions len-1 .. len-1+k).
+            for seq_id, data in meta.seq_data.items():
+                drafts = meta.draft_token_ids.get(seq_id, [])
+                start = data.get_len() - 1
+                length = 1 + len(drafts)
+                table = meta.block_tables[seq_id]
+                input_ids.append(data.get_last_token_id())
+                input_ids.extend(drafts)
+                positions.extend(range(start, start + length))
+                slots.extend(
+                    table[p // block_size] * block_size + p % block_size
+                    for p in range(start, start + length)
+                )
+                prefill_lens.append(length)
+                prefill_contexts.append(start)
+                total_lens.append(start + length)
+                prefill_tables.append(table)
+            continue
         if not meta.is_prompt:
             for seq_id, data in meta.seq_data.items():
                 pos = data.get_len() - 1
@@ -195,7 +216,10 @@ class ModelRunner:
         if structured is not None:
             logits = logits.float()  # [S, V]; the mask kernel takes fp32
             structured.apply(logits, sampling_md)
-        return None, self.sampler(logits, sampling_md)
+        output = self.sampler(logits, sampling_md)
+        if sampling_md.verified is not None:
+            output = accept_drafts(output, sampling_md.verified)
+        return None, output
 
     def _pool(self, hidden: torch.Tensor, rows: StepRows) -> SamplerOutput:
         """The pooled outputs of a step of pooling requests (one per group, scheduler order):

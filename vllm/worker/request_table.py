@@ -41,10 +41,13 @@ class StepRows:
 
     @classmethod
     def of(cls, groups: list[SequenceGroupMetadata]) -> StepRows:
-        """Rows of `groups` (scheduler order), with the prefills-first layout derived."""
+        """Rows of `groups` (scheduler order), with the prefills-first layout derived:
+        prompts, then speculative decodes (each sequence feeds several tokens, like a prefill
+        chunk after its cached context), then plain decodes."""
         prefills = [i for i, meta in enumerate(groups) if meta.is_prompt]
-        decodes = [i for i, meta in enumerate(groups) if not meta.is_prompt]
-        positions = prefills + decodes
+        verifies = [i for i, m in enumerate(groups) if not m.is_prompt and m.draft_token_ids]
+        decodes = [i for i, m in enumerate(groups) if not m.is_prompt and not m.draft_token_ids]
+        positions = prefills + verifies + decodes
         order = [0] * len(groups)
         for position, index in enumerate(positions):
             order[index] = position
@@ -125,6 +128,9 @@ class RequestTable:
             do_sample=record.do_sample,
             lora_int_id=held.lora_int_id,
             pooling_params=held.pooling_params,
+            draft_token_ids=(
+                {seq_id: list(ids) for seq_id, ids in record.drafts} if record.drafts else None
+            ),
         )
 
     def _apply_seq(

@@ -1,0 +1,84 @@
+"""Speculative decoding through the pipeline: greedy tokens equal HF's at PP 2 (mp) and PP 3
+(ray) with chunked prefill and prefix caching, and at TP 2 x PP 2; a stage SIGKILLed
+mid-generation with speculation on loses nothing (outputs equal the fault-free run)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.utils import tiny_models
+from tests.utils.faults import after_steps, kill_stage_pid, token_ids
+from vllm import LLM, SamplingParams
+
+KIND = "llama-gqa-untied"
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+ENGINE = dict(
+    enable_chunked_prefill=True,
+    max_num_batched_tokens=64,
+    max_num_seqs=16,
+    enable_prefix_caching=True,
+    speculative_config=SPEC,
+)
+
+
+def _accepted(llm: LLM) -> int:
+    planner = llm.llm_engine.scheduler.draft_planner
+    assert planner is not None
+    return planner.totals.num_accepted_tokens
+
+
+@pytest.mark.parametrize(
+    ("backend", "pp", "tp"),
+    [("mp", 2, 1), ("ray", 3, 1), ("mp", 2, 2)],
+    ids=["mp-pp2", "ray-pp3", "mp-tp2-pp2"],
+)
+def test_greedy_equals_hf(backend, pp, tp, tiny_model_dirs, hf_reference, request) -> None:
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+    llm = LLM(
+        tiny_model_dirs[KIND],
+        pipeline_parallel_size=pp,
+        tensor_parallel_size=tp,
+        distributed_executor_backend=backend,
+        **ENGINE,
+    )
+    try:
+        outputs = llm.generate(tiny_models.PROMPTS, GREEDY, use_tqdm=False)
+        assert token_ids(outputs) == hf_reference(KIND)
+        assert _accepted(llm) >= 40
+    finally:
+        llm.shutdown()
+
+
+def test_stage_killed_mid_speculation_loses_nothing(tiny_model_dirs) -> None:
+    """Greedy and seeded requests; the last stage of PP 2 is killed once drafts are being
+    verified: the same tokens as the run before the kill."""
+    llm = LLM(
+        tiny_model_dirs[KIND],
+        pipeline_parallel_size=2,
+        distributed_executor_backend="mp",
+        max_stage_restarts=4,
+        **ENGINE,
+    )
+    try:
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+            if i % 2 == 0
+            else SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
+            for i in range(len(tiny_models.PROMPTS))
+        ]
+        reference = token_ids(llm.generate(tiny_models.PROMPTS, params, use_tqdm=False))
+        before = _accepted(llm)
+        victim: list[int] = []
+        thread = after_steps(llm, 12, lambda: victim.append(kill_stage_pid(llm, 1, signal.SIGKILL)))
+        outputs = token_ids(llm.generate(tiny_models.PROMPTS, params, use_tqdm=False))
+        thread.join(timeout=60)
+        assert victim, "the stage was never killed"
+        assert llm.llm_engine.fault_events, "the kill was not seen"
+        assert outputs == reference
+        assert _accepted(llm) > before
+    finally:
+        llm.shutdown()
