@@ -127,10 +127,13 @@ def files(tmp_path_factory) -> Iterator[dict[str, tuple[str, str]]]:
     from vllm.transformers_utils.gguf_config import resolve_model
 
     root = str(tmp_path_factory.mktemp("gemma_gguf"))
+    tok_dir = os.path.join(root, "tokenizer")
+    # SmolLM2's tokenizer (the source of the HF checkpoints) from the usual cache, as for every
+    # tiny model: under the module's new cache dir it would be rebuilt from the 138 MB GGUF
+    # (tens of seconds), and that cache is for gemma3's file only.
+    tiny_models.build_tokenizer(tok_dir)
     patch = pytest.MonkeyPatch()
     patch.setenv("VLLM_PP_CACHE_DIR", os.path.join(root, "cache"))
-    tok_dir = os.path.join(root, "tokenizer")
-    tiny_models.build_tokenizer(tok_dir)
     fields = family_models.gguf_tokenizer_fields(resolve_model("smollm2"))
     out = {}
     for kind, (hf_kind, overrides) in KINDS.items():

@@ -56,14 +56,11 @@ def hf_config(gguf_path: str) -> transformers.PretrainedConfig:
 
 
 @pytest.fixture(scope="module")
-def hf_state_dict(gguf_path: str, hf_config) -> dict[str, torch.Tensor]:
-    """transformers' float32 weights for the file, loaded once per module."""
-    directory, name = os.path.split(gguf_path)
+def hf_state_dict(gguf_path: str, hf_config, request) -> dict[str, torch.Tensor]:
+    """transformers' float32 weights for the file (its model is the package's `hf_smollm2`,
+    loaded once for the model tests)."""
     if importlib.util.find_spec("accelerate") is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            directory, gguf_file=name, dtype=torch.float32
-        )
-        return model.state_dict()
+        return request.getfixturevalue("hf_smollm2").state_dict()
     # from_pretrained refuses GGUF files without accelerate; for llama it fills the model with
     # exactly what this function returns, so it is the same oracle.
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint

@@ -324,21 +324,16 @@ NEAR_TIE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[list[list[int]], object, object]:
-    """Greedy ids of the dequantized path: HF transformers loading the same GGUF (to fp32),
-    which tests/test_smollm2.py holds our --quantization none path equal to; and the model,
-    to measure logit margins where tokens differ."""
-    from transformers import AutoModelForCausalLM
-
+def reference(hf_smollm2) -> tuple[list[list[int]], object, object]:
+    """Greedy ids of the dequantized path: HF transformers loading the same GGUF (to fp32,
+    the package's `hf_smollm2`), which tests/test_smollm2.py holds our --quantization none
+    path equal to; and the model, to measure logit margins where tokens differ."""
     from tests.utils import tiny_models
     from vllm.transformers_utils.gguf_config import load_gguf_tokenizer, resolve_model
 
-    path = resolve_model("smollm2")
-    directory, name = path.rsplit("/", 1)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    tokenizer = load_gguf_tokenizer(path)
-    ids = tiny_models.hf_greedy_with(model, tokenizer, PROMPTS, MAX_TOKENS)
-    return ids, model, tokenizer
+    tokenizer = load_gguf_tokenizer(resolve_model("smollm2"))
+    ids = tiny_models.hf_greedy_with(hf_smollm2, tokenizer, PROMPTS, MAX_TOKENS)
+    return ids, hf_smollm2, tokenizer
 
 
 def check_against_reference(ours: list[list[int]], reference) -> float:

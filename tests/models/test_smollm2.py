@@ -26,8 +26,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32)
 
 
 @pytest.fixture(scope="module")
-def hf_reference() -> list[list[int]]:
-    return tiny_models.hf_smollm2_greedy(PROMPTS, 32)
+def hf_reference(hf_smollm2) -> list[list[int]]:
+    return tiny_models.hf_smollm2_greedy(PROMPTS, 32, hf_smollm2)
 
 
 def test_smollm2_pp1_matches_hf_and_chats(hf_reference):

@@ -16,6 +16,7 @@ every layer, Qwen2's on the layers from max_window_layers (2) on.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -222,7 +223,17 @@ def _llama_cpp_permute(weight: Any, n_head: int) -> Any:
 
 
 def gguf_tokenizer_fields(path: str) -> dict[str, Any]:
-    """The tokenizer.* metadata of a GGUF file (SmolLM2's: a gpt2-style BPE), as Python values."""
+    """The tokenizer.* metadata of a GGUF file (SmolLM2's: a gpt2-style BPE), as Python values
+    (a copy of the values read once per file and test session)."""
+    return {
+        k: list(v) if isinstance(v, list) else v for k, v in _read_tokenizer_fields(path).items()
+    }
+
+
+@functools.lru_cache(maxsize=2)
+def _read_tokenizer_fields(path: str) -> dict[str, Any]:
+    # gguf-py parses each of the ~49k tokens and ~49k merges into an array of its own: tens of
+    # seconds on a busy 2-core machine, for a file that does not change during the session.
     import gguf
 
     reader = gguf.GGUFReader(path)

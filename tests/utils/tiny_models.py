@@ -119,18 +119,28 @@ def hf_greedy(model_dir: str, prompts: list[str], max_new_tokens: int) -> list[l
     return hf_greedy_with(load_hf(model_dir), tokenizer, prompts, max_new_tokens)
 
 
-def hf_smollm2_greedy(
-    prompts: list[str], max_new_tokens: int, dtype: torch.dtype = torch.float32
-) -> list[list[int]]:
-    """The same oracle for the bundled SmolLM2 GGUF, loaded the way transformers loads it."""
+def load_hf_smollm2(dtype: torch.dtype = torch.float32) -> Any:
+    """transformers' model of the bundled SmolLM2 GGUF, loaded the way transformers loads it
+    (dequantized to `dtype`), in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    from vllm.transformers_utils.gguf_config import resolve_model
+
+    directory, name = os.path.split(resolve_model("smollm2"))
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype).eval()
+
+
+def hf_smollm2_greedy(
+    prompts: list[str], max_new_tokens: int, model: Any = None
+) -> list[list[int]]:
+    """The same oracle for the bundled SmolLM2 GGUF: `model` (`load_hf_smollm2()` when not
+    given) with the tokenizer transformers builds from the file."""
     from vllm.transformers_utils.gguf_config import load_gguf_tokenizer, resolve_model
 
-    path = resolve_model("smollm2")
-    directory, name = os.path.split(path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
-    return hf_greedy_with(model, load_gguf_tokenizer(path), prompts, max_new_tokens)
+    if model is None:
+        model = load_hf_smollm2()
+    tokenizer = load_gguf_tokenizer(resolve_model("smollm2"))
+    return hf_greedy_with(model, tokenizer, prompts, max_new_tokens)
 
 
 def hf_greedy_with(
