@@ -43,6 +43,7 @@ from vllm import envs
 from vllm.core.stage_rollback import RollbackPlan, log_rollback
 from vllm.distributed.pipeline_resize import stages_of
 from vllm.engine.merge_rebuild import MergeRebuild, NotLocal, rebuild_merged_stage, refusal
+from vllm.executor.base import ExecutorBase
 from vllm.executor.stage_supervisor import FaultEvent, StageFailedError
 from vllm.logger import init_logger
 from vllm.step_delta import BlockOps
@@ -70,14 +71,9 @@ class PipelineResizeEvent:
         return dataclasses.asdict(self)
 
 
-def can_resize_pipeline(executor: Any) -> bool:
-    """Whether `executor` can take stages out of its pipeline and back (the mp backend)."""
-    from vllm.executor.base import ExecutorBase
-
-    remove = getattr(executor, "remove_stages", None)
-    return remove is not None and getattr(remove, "__func__", remove) is not (
-        ExecutorBase.remove_stages
-    )
+def can_resize_pipeline(executor: ExecutorBase) -> bool:
+    """Whether `executor` can take stages out of its pipeline and back (mp, ray)."""
+    return executor.stage_control is not None
 
 
 class ElasticPipeline:
@@ -144,7 +140,8 @@ class ElasticPipeline:
         requeued: list[str] = []
         if not_local is None:
             assert plan is not None
-            engine.executor.remove_stages(error.ranks, merge=True)
+            control = engine.executor.require_stage_control("remove a stage")
+            control.remove_stages(error.ranks, merge=True)
             try:
                 rebuilt = rebuild_merged_stage(engine, plan, unsent or [])
             except NotLocal as exc:
@@ -154,16 +151,17 @@ class ElasticPipeline:
                 logger.error("Shrinking the pipeline: %s", not_local)
             if rebuilt is None:
                 requeued = engine.scheduler.requeue_all()
-                engine.executor.split_evenly()
+                control.split_evenly()
         else:
             # The layers move between stages: no stage's KV is valid afterwards.
             requeued = engine.scheduler.requeue_all()
-            engine.executor.remove_stages(error.ranks)
+            engine.executor.require_stage_control("remove a stage").remove_stages(error.ranks)
         if not_local is not None and plan is not None:
             logger.warning(
                 "Shrinking the pipeline: every request is recomputed in full (%s)", not_local
             )
         seconds = time.monotonic() - started
+        pc = engine.parallel_config  # the pipeline as it runs now (the executor's shape)
         resize = PipelineResizeEvent(
             "shrink", old_pp, pc.pipeline_parallel_size, old_split, [], seconds
         )
@@ -259,7 +257,8 @@ class ElasticPipeline:
         old_pp, old_split = pc.pipeline_parallel_size, engine.reshaper.current_split()
         started = time.monotonic()
         try:
-            ranks = engine.executor.start_stages(missing, self._restore_partition)
+            control = engine.executor.require_stage_control("add a stage")
+            ranks = control.start_stages(missing, self._restore_partition)
         except Exception as exc:
             logger.warning(
                 "Growing the pipeline back to PP=%d failed (%s: %s); going on at PP=%d, next "
@@ -270,7 +269,7 @@ class ElasticPipeline:
         requeued = engine.scheduler.requeue_all()
         engine.batch_queue.reset()
         try:
-            engine.executor.join_stages()
+            control.join_stages()
         except Exception as exc:
             logger.error(
                 "Re-forming the pipeline at PP=%d failed (%s: %s); the new stage(s) leave again",
@@ -278,6 +277,7 @@ class ElasticPipeline:
             )  # fmt: skip
             self._remove_again(ranks, exc)
             return False
+        pc = engine.parallel_config  # the pipeline as it runs now (the executor's shape)
         resize = PipelineResizeEvent(
             "grow", old_pp, pc.pipeline_parallel_size, old_split, [], 0.0, len(requeued)
         )
@@ -297,7 +297,7 @@ class ElasticPipeline:
         engine.scheduler.requeue_all()
         engine.batch_queue.reset()
         try:
-            engine.executor.remove_stages(ranks)
+            engine.executor.require_stage_control("remove a stage").remove_stages(ranks)
         except StageFailedError as error:
             engine._fail(error, f"growing the pipeline failed ({cause}) and so did going back")
         self._after_resize(None)

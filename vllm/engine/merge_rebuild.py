@@ -61,7 +61,7 @@ def rebuild_merged_stage(
     `unsent`: block operations of steps no rank got, applied first on every rank.
     Raises NotLocal, before any stage changed, when its cache cannot keep every group's
     blocks; any other error leaves the caller to recompute in full."""
-    executor = engine.executor
+    executor = engine.executor.require_stage_control("merge a lost stage's layers")
     merged = executor.merged
     assert merged is not None, "remove_stages(merge=True) first"
     sched = engine.scheduler

@@ -107,7 +107,7 @@ class StageRecovery:
             and event.signature == previous.signature
         ):
             self._fail_recurring(event, previous, error)
-        if not can_replace_stages(engine.executor):
+        if engine.executor.stage_control is None:
             # Said before any "Replacing..." line: the in-process backend cannot replace one.
             engine._fail(error, f"the {type(engine.executor).__name__} cannot replace a stage")
         limit = engine.parallel_config.max_stage_restarts
@@ -129,7 +129,8 @@ class StageRecovery:
         if not event.recurring:
             self.restart_times.append(now)
         try:
-            event.recovery_s = engine.executor.replace_stages(error.ranks)
+            control = engine.executor.require_stage_control("replace a stage")
+            event.recovery_s = control.replace_stages(error.ranks)
             engine.loras.resync()  # the new stage processes load the registered adapters
         except Exception as exc:
             logger.error("Replacing stage(s) %s failed: %s", error.ranks, exc)
@@ -182,8 +183,9 @@ class StageRecovery:
                     return
         event.extra["caught_up_s"] = time.time() - event.detected_at
         self._catching_up = None
-        if self.engine.executor is not None:
-            self.engine.executor.refill_spares()  # for the next failure, now the CPU is free
+        control = self.engine.executor.stage_control
+        if control is not None and not self.engine.executor.is_shut_down:
+            control.refill_spares()  # for the next failure, now the CPU is free
         logger.info(
             "Every request is back where it was %.2f s after the failure was detected (%s "
             "recovery, %d sequences)",
@@ -281,7 +283,8 @@ class StageRecovery:
         """Run one replay step on every rank, within the deadline of a step of its tokens."""
         engine = self.engine
         num_tokens = sum(meta.token_chunk_size or 0 for meta in request.groups)
-        engine.executor.replay(request, engine.parallel_config.step_deadline_s(num_tokens))
+        control = engine.executor.require_stage_control("rebuild a stage")
+        control.replay(request, engine.parallel_config.step_deadline_s(num_tokens))
 
     def _rebuild_swapped_in_rounds(self, plan: RollbackPlan, stages: list[int]) -> int:
         """Swapped groups with no room to come back now, one round each: swapped in (running
@@ -358,13 +361,3 @@ def _committed_tokens(groups: Any) -> dict[int, int]:
         for g in groups
         for seq in g.get_unfinished_seqs()
     }
-
-
-def can_replace_stages(executor: Any) -> bool:
-    """Whether `executor` can replace a failed stage (the in-process one cannot)."""
-    from vllm.executor.base import ExecutorBase
-
-    replace = getattr(executor, "replace_stages", None)
-    return replace is not None and getattr(replace, "__func__", replace) is not (
-        ExecutorBase.replace_stages
-    )

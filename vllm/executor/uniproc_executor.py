@@ -34,7 +34,7 @@ class UniProcExecutor(ExecutorBase):
         assert output is not None  # the only stage is the last one: it samples
         return StepFuture.completed(output)
 
-    def shutdown(self, graceful: bool = True) -> None:
+    def _release_workers(self, graceful: bool) -> None:
         if getattr(self, "worker", None) is not None:
             self.worker.shutdown()
             self.worker = None  # type: ignore[assignment]  # shut down: nothing to call

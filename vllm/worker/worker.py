@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
-from vllm.config import EngineConfig, LoRAConfig
+from vllm.config import EngineConfig, LoRAConfig, ParallelConfig
 from vllm.distributed import net_utils as net
 from vllm.distributed import parallel_state as ps
 from vllm.distributed import tensor_parallel as tpu
 from vllm.distributed.communication import recv_tensor_dict, send_tensor_dict
+from vllm.distributed.pipeline_shape import PipelineShape
 from vllm.distributed.serialization import message_bytes
 from vllm.lora.request import LoRARequest
 from vllm.lora.worker_manager import StageLoRAManager
@@ -46,12 +47,14 @@ class Worker:
         rank: int = 0,
         distributed_init_method: str | None = None,
         num_threads: int | None = None,
+        shape: PipelineShape | None = None,
     ) -> None:
         """The one way every executor builds a rank: the engine's configs, the rank, the
-        rendezvous URL (world size > 1) and the CPU threads (None: torch's default)."""
+        rendezvous URL (world size > 1), the CPU threads (None: torch's default) and the
+        pipeline it is a rank of (None: the configured one)."""
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
-        self.parallel_config = engine_config.parallel_config
+        self._set_shape(shape or PipelineShape.configured(engine_config))
         self.scheduler_config = engine_config.scheduler_config
         self.device_config = engine_config.device_config
         self.cache_config = engine_config.cache_config
@@ -68,6 +71,17 @@ class Worker:
         self.request_table = RequestTable()
         self.sampled_ids = SampledIdChannel(rank, self.parallel_config)
         self.timers = StageTimers()
+
+    def _set_shape(self, shape: PipelineShape) -> None:
+        """The pipeline this rank belongs to from now on (the executor's, sent with each call
+        that changes it)."""
+        self.shape = shape
+        self._parallel_config = shape.parallel_config(self.engine_config.parallel_config)
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        """The parallel config as the pipeline runs now (size and split from `shape`)."""
+        return self._parallel_config
 
     @property
     def busy_since(self) -> float | None:
@@ -95,39 +109,36 @@ class Worker:
         self.profiler = StageProfiler(self.device, self.rank)
 
     def _stage_layout(self) -> StageLayout:
-        """The layers this stage owns under the parallel config's current split."""
-        pp_rank = ps.get_pipeline_model_parallel_rank()
-        sizes = self.model_config.get_pp_layer_sizes(self.parallel_config)
-        start = sum(sizes[:pp_rank])
-        end = start + sizes[pp_rank]
+        """The layers this stage owns in the current `shape`."""
+        start, end = self.shape.stage_layers(ps.get_pipeline_model_parallel_rank())
         return StageLayout(start, end, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
 
     def _join_process_groups(self) -> None:
-        pc = self.parallel_config
-        if pc.world_size > 1:
+        pc, shape = self.parallel_config, self.shape
+        if shape.world_size > 1:
             assert self.distributed_init_method is not None
             ps.init_distributed_environment(
-                pc.world_size,
+                shape.world_size,
                 self.rank,
                 self.distributed_init_method,
                 timeout_s=pc.comm_timeout_s(self.scheduler_config.max_num_batched_tokens),
                 local_rank=self.device.index or 0,  # NCCL binds to this rank's own GPU
             )
-            ps.initialize_model_parallel(pc.pipeline_parallel_size, pc.tensor_parallel_size)
+            ps.initialize_model_parallel(shape.pipeline_parallel_size, shape.tensor_parallel_size)
 
     def rejoin_process_groups(
         self,
         distributed_init_method: str,
         rank: int | None = None,
-        pipeline_parallel_size: int | None = None,
+        shape: PipelineShape | None = None,
     ) -> None:
         """A peer stage was replaced: leave the old process groups and join the new ones.
 
         This stage keeps its weights and cache tensors; the engine recomputes every request,
-        so no KV written before the failure is read again. With `rank` and
-        `pipeline_parallel_size` the pipeline changed size (a stage left or came back): this
-        rank joins under its new number, and the engine follows with `reshape` (the layers
-        of its new stage, a cache re-sized for them)."""
+        so no KV written before the failure is read again. With `rank` and `shape` the
+        pipeline changed size (a stage left or came back): this rank joins under its new
+        number, and the engine follows with `reshape` or `merge_layers` (the layers of its
+        new stage, a cache re-sized for them)."""
         # The previous send's peer may be gone: never wait on it.
         self._pending_send = None
         self.sampled_ids.reset()
@@ -138,22 +149,17 @@ class Worker:
         except Exception as exc:  # a group with a dead peer may not close cleanly
             logger.warning("rank %d: leaving the old process groups: %s", self.rank, exc)
         self.distributed_init_method = distributed_init_method
-        if rank is not None and pipeline_parallel_size is not None:
-            if (rank, pipeline_parallel_size) != (
-                self.rank,
-                self.parallel_config.pipeline_parallel_size,
-            ):
-                logger.info(
-                    "rank %d: now rank %d of a %d-stage pipeline",
-                    self.rank, rank, pipeline_parallel_size,
-                )  # fmt: skip
+        if rank is not None and shape is not None:
+            pp = shape.pipeline_parallel_size
+            if (rank, pp) != (self.rank, self.shape.pipeline_parallel_size):
+                logger.info("rank %d: now rank %d of a %d-stage pipeline", self.rank, rank, pp)
             self.rank = rank
-            self.parallel_config.pipeline_parallel_size = pipeline_parallel_size
+            self._set_shape(shape)
             # Peers (the last stage's driver, the first stage's ranks) follow the new size.
             self.sampled_ids = SampledIdChannel(rank, self.parallel_config)
         self._join_process_groups()
         self.model_runner.drop_requests(seeded)
-        if pipeline_parallel_size is not None:
+        if shape is not None:
             self.timers = StageTimers(ps.get_pipeline_model_parallel_rank())
         self.timers.abort()
 
@@ -163,8 +169,8 @@ class Worker:
             model, self.layout, self.cache_config.block_size, self.device, self.model_config
         )
 
-    def reshape(self, layer_split: list[int]) -> tuple[int, int]:
-        """Take the layers of this stage under a new split (same stages, same groups): load
+    def reshape(self, shape: PipelineShape) -> tuple[int, int]:
+        """Take the layers of this stage in `shape` (same stages, same groups): load
         them (reading only their tensors) unless the range is unchanged, drop the KV cache
         and return the blocks this stage can hold now, like `determine_num_available_blocks`
         (the engine then gives every stage the minimum through `initialize_cache`).
@@ -174,7 +180,7 @@ class Worker:
         if self._pending_send is not None:
             self._pending_send.wait()  # the pipeline is drained: it has completed
             self._pending_send = None
-        self.parallel_config.pp_layer_partition = ",".join(str(n) for n in layer_split)
+        self._set_shape(shape)
         old, new = self.layout, self._stage_layout()
         self.cache_engine = None  # sized for the old layer count
         self._gained = None
@@ -197,15 +203,15 @@ class Worker:
     # -- taking over a lost neighbour's layers (vllm.worker.stage_merge) ----------------------
 
     def merge_layers(
-        self, layer_split: list[int], lost: tuple[int, int, bool, bool]
+        self, shape: PipelineShape, lost: tuple[int, int, bool, bool]
     ) -> tuple[int, int] | None:
         """The pipeline lost a stage (its `StageLayout` fields: `lost`) and ONE neighbour
-        takes its layers (`layer_split`). A stage whose range is unchanged keeps everything
+        takes its layers (the split of `shape`). A stage whose range is unchanged keeps everything
         and returns None; the one taking them loads only them (its own module, KV, swap
         copies and boundary rows stay) and returns the (device, host) blocks it can hold
         with its new layers, like `determine_num_available_blocks`. Its cache grows in
         `grow_merged_cache`."""
-        self.parallel_config.pp_layer_partition = ",".join(str(n) for n in layer_split)
+        self._set_shape(shape)
         old, new = self.layout, self._stage_layout()
         if new == old:
             return None
@@ -240,8 +246,6 @@ class Worker:
             # Made here, outside inference mode: it becomes the boundary cache, written
             # by every later step.
             gained.boundary_out = cache.empty_boundary()
-        self.cache_config.num_gpu_blocks = num_gpu_blocks
-        self.cache_config.num_cpu_blocks = num_cpu_blocks
 
     def replay_gained_layers(self, request: ReplayRequest) -> None:
         """One replay step of the layers this stage took over (`vllm.worker.stage_merge`):
@@ -439,8 +443,6 @@ class Worker:
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         mc = self.model_config
-        self.cache_config.num_gpu_blocks = num_gpu_blocks
-        self.cache_config.num_cpu_blocks = num_cpu_blocks
         self.cache_engine = CacheEngine(
             self.layout.num_layers,
             self._num_kv_heads(),
@@ -462,7 +464,7 @@ class Worker:
         peer still waiting on this rank -- receives are posted ahead, so a neighbour can be
         several messages further on -- is released at once by the closed connection instead
         of waiting out the group timeout while the engine waits for it to rejoin."""
-        if self.parallel_config.world_size > 1 and not ps.model_parallel_is_initialized():
+        if self.shape.world_size > 1 and not ps.model_parallel_is_initialized():
             # A step queued before the engine saw an earlier failure of this rank's. Its block
             # operations are local and still applied: every surviving rank gets the same
             # steps, so after a stage replacement all of them hold the blocks the scheduler
@@ -481,7 +483,7 @@ class Worker:
     def _leave_groups_after(self, exc: BaseException) -> None:
         """A step or replay failed: close this rank's process groups (see execute_model)."""
         self.timers.abort()  # the step is over: a heartbeat must not report it busy
-        if self.parallel_config.world_size > 1:
+        if self.shape.world_size > 1:
             logger.warning(
                 "rank %d: step failed (%s: %s); leaving the process groups",
                 self.rank,
@@ -511,7 +513,7 @@ class Worker:
                 self.sampled_ids.receive(step.recv_sampled_through, self.request_table)
                 timers.lap("tokens_wait_s")
             rows = self.request_table.apply(step)
-            if layout.is_first and self.parallel_config.world_size > 1:
+            if layout.is_first and self.shape.world_size > 1:
                 # What the engine sent this stage for the step (records): ~20 us to count.
                 # In-process (one rank) nothing was pickled, and a request's logits processor
                 # need not be picklable at all.
@@ -642,7 +644,7 @@ class Worker:
                 self._pending_send.wait()
         finally:
             self._pending_send = None
-            if self.parallel_config.world_size > 1:
+            if self.shape.world_size > 1:
                 ps.destroy_model_parallel()
             # With PP=1 this is the user's process, which lives on: the weights and the cache
             # must not stay mapped in malloc's heap after the engine is gone.
