@@ -111,6 +111,8 @@ class WorkerHost:
 
     def __init__(self) -> None:
         self.worker: Any = None
+        # The built Worker's answer to each verb (`worker.worker_verbs`).
+        self.handlers: dict[Verb, Callable[..., Any]] | None = None
         self.table = VerbTable(self._verbs())
 
     def call(self, verb: str, args: tuple, kwargs: dict) -> Any:
@@ -123,12 +125,12 @@ class WorkerHost:
         from vllm.step_delta import ExecuteModelRequest, ReplayRequest
 
         def on_worker(verb: Verb, *params: Param) -> VerbSpec:
-            name = verb.value  # the Worker's method of the verb's name
-
             def handler(*args: Any, **kwargs: Any) -> Any:
-                if self.worker is None:
-                    raise RuntimeError(f"{name}: this rank has no Worker yet (init_worker first)")
-                return getattr(self.worker, name)(*args, **kwargs)
+                if self.worker is None or self.handlers is None:
+                    raise RuntimeError(
+                        f"{verb.value}: this rank has no Worker yet (init_worker first)"
+                    )
+                return self.handlers[verb](*args, **kwargs)
 
             return VerbSpec(handler, params)
 
@@ -214,11 +216,12 @@ class WorkerHost:
         `local_rank`: this rank's device index on its node, for a process started before its
         rank was known (an `mp` spare); `shape`: the pipeline it joins (None: the configured
         one)."""
-        from vllm.worker.worker import Worker
+        from vllm.worker.worker import Worker, worker_verbs
 
         if local_rank is not None:
             os.environ["LOCAL_RANK"] = str(local_rank)
         self.worker = Worker(engine_config, rank, distributed_init_method, num_threads, shape)
+        self.handlers = worker_verbs(self.worker)
         return os.getpid()
 
     def reshape(self, shape: Any) -> tuple[int, int]:
