@@ -39,4 +39,6 @@ class UniProcExecutor(ExecutorBase):
     def _release_workers(self, graceful: bool) -> None:
         if getattr(self, "worker", None) is not None:
             self.worker.shutdown()
+            # Nothing may keep the Worker (its weights, its cache) alive in the user's process.
+            self.handlers = {}
             self.worker = None  # type: ignore[assignment]  # shut down: nothing to call
