@@ -6,10 +6,11 @@ stay torch-free (dtypes are kept as strings and turned into torch dtypes in the 
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import FrozenInstanceError, dataclass, field
+from typing import Any, TypeVar
 
 from vllm import envs
 from vllm.spec_decode.config import SpeculativeConfig
@@ -33,6 +34,49 @@ _CANONICAL_DTYPE = {"float": "float32", "half": "float16"}
 # means "whatever the checkpoint is", which for a .gguf file is "gguf").
 QUANTIZATION_METHODS = ("gguf",)
 QUANTIZATION_OFF = "none"
+
+
+class FrozenConfig:
+    """A config that refuses writes once frozen (`freeze`, done when the `EngineConfig` is
+    built). What changes while the engine runs (the pipeline's size and split, the KV block
+    counts) is the executor's `PipelineShape`, not a field written here: in process the
+    engine and its worker would share the object, so a write by one would change the other's
+    copy under it."""
+
+    _frozen = False
+
+    def freeze(self) -> None:
+        """From now on every attribute write raises FrozenInstanceError (an AttributeError)."""
+        object.__setattr__(self, "_frozen", True)
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise FrozenInstanceError(
+                f"cannot assign to field {name!r}: this {type(self).__name__} is frozen (configs "
+                "do not change once the engine config is built; the running pipeline's size, "
+                "layer split and block counts are the executor's PipelineShape)"
+            )
+        super().__setattr__(name, value)
+
+
+_Config = TypeVar("_Config", bound=FrozenConfig)
+
+
+def derive(config: _Config, **changes: Any) -> _Config:
+    """A frozen copy of `config` with `changes`: the configs as the pipeline runs now, built
+    from a `PipelineShape` whose values were checked there. Not run through __post_init__ again:
+    that would read environment defaults (VLLM_PP_LAYER_PARTITION...) a second time."""
+    unknown = sorted(set(changes) - set(vars(config)))
+    if unknown:
+        raise TypeError(f"{type(config).__name__} has no field(s) {unknown}")
+    new = copy.copy(config)
+    vars(new).update(changes)
+    new.freeze()
+    return new
 
 
 def resolve_quantization(quantization: str | None, is_gguf: bool) -> str | None:
@@ -74,7 +118,7 @@ _TASKS = {
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(FrozenConfig):
     """Which model to run and how: path, tokenizer, dtype, context length.
 
     `model` may be a HF directory (config.json + safetensors/.bin), a .gguf file, a directory
@@ -400,7 +444,7 @@ def _derive_max_model_len(hf_config: Any, max_model_len: int | None) -> int:
 
 
 @dataclass
-class CacheConfig:
+class CacheConfig(FrozenConfig):
     """Paged KV cache: block size and memory budgets (per pipeline stage).
 
     On CUDA the device cache is sized from profiled free memory times gpu_memory_utilization;
@@ -417,7 +461,7 @@ class CacheConfig:
     # Automatic prefix caching: full blocks are shared by hash of their tokens and prefix.
     enable_prefix_caching: bool = False
     # vLLM's fields with the only values this engine has: the KV cache in the model's dtype,
-    # no CPU weight offload; sliding_window is the model's (set by the engine).
+    # no CPU weight offload; sliding_window is the model's (set by `EngineConfig`).
     cache_dtype: str = "auto"
     cpu_offload_gb: float = 0
     sliding_window: int | None = None
@@ -478,7 +522,7 @@ class CacheConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(FrozenConfig):
     """Pipeline and tensor parallel sizes and how workers are launched."""
 
     pipeline_parallel_size: int = 1
@@ -584,7 +628,7 @@ def _default_backend(world_size: int) -> str:
 
 
 @dataclass
-class SchedulerConfig:
+class SchedulerConfig(FrozenConfig):
     """Batching limits per step, the preemption mode and chunked prefill.
 
     With `enable_chunked_prefill` a step takes the running decodes first, then prefill chunks
@@ -645,7 +689,7 @@ class SchedulerConfig:
 
 
 @dataclass
-class DeviceConfig:
+class DeviceConfig(FrozenConfig):
     """The device kind: "cpu" or "cuda" ("auto" picks CUDA when available)."""
 
     device: str = "auto"
@@ -672,7 +716,7 @@ POSSIBLE_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass
-class LoRAConfig:
+class LoRAConfig(FrozenConfig):
     """Multi-LoRA serving (vLLM's `LoRAConfig`): `max_loras` adapters active in one batch (GPU
     slots), `max_cpu_loras` kept loaded per stage (default: max_loras), ranks up to
     `max_lora_rank`."""
@@ -696,10 +740,11 @@ class LoRAConfig:
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     """All of an engine's configs together: one object, passed by name from `EngineArgs` to
-    the engine, its executor and the stage workers (vLLM's `VllmConfig`)."""
+    the engine, its executor and the stage workers (vLLM's `VllmConfig`). Building it freezes
+    every config in it: none changes afterwards (see `FrozenConfig`)."""
 
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -710,3 +755,19 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None
     # None: no speculative decoding (vLLM's `speculative_config`).
     speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        cache_config = self.cache_config
+        if not cache_config.frozen:  # built now, not a copy of a built one (`replace`)
+            hf_config = self.model_config.hf_config
+            cache_config.sliding_window = getattr(hf_config, "sliding_window", None)
+        for config in (
+            self.model_config,
+            self.cache_config,
+            self.parallel_config,
+            self.scheduler_config,
+            self.device_config,
+            self.lora_config,
+        ):
+            if config is not None:
+                config.freeze()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -297,7 +298,9 @@ def test_restart_budget_is_a_rate(tiny_model_dirs, monkeypatch):
 
     llm = LLM(tiny_model_dirs["opt-pre"], max_stage_restarts=2)
     engine = llm.llm_engine
-    monkeypatch.setattr(engine.executor, "replace_stages", lambda ranks: 0.01, raising=False)
+    # An in-process executor given a stage control whose replacement always works.
+    replacing = SimpleNamespace(replace_stages=lambda ranks: 0.01, refill_spares=lambda: None)
+    monkeypatch.setattr(type(engine.executor), "stage_control", property(lambda _: replacing))
     clock = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     monkeypatch.setenv("VLLM_STAGE_RESTART_WINDOW_S", "600")

@@ -113,7 +113,7 @@ def test_a_rank_that_left_its_groups_still_applies_a_steps_block_operations():
         rank=1,
         parallel_config=ParallelConfig(2, distributed_executor_backend="mp"),
     )
-    rank._apply_block_ops = lambda bound, ops: Worker._apply_block_ops(rank, bound, ops)
+    rank.apply_block_ops = lambda bound, ops: Worker.apply_block_ops(rank, bound, ops)
     request = ExecuteModelRequest(
         step=None, blocks_to_swap_out={6: 2}, blocks_to_copy={5: [9]}, kv_blocks_bound=BLOCKS
     )

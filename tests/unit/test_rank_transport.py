@@ -337,7 +337,7 @@ class _Executor(ExecutorBase):
     def _submit_step(self, request: Any, num_tokens: int) -> Any:
         raise AssertionError("no steps")
 
-    def shutdown(self, graceful: bool = True) -> None:
+    def _release_workers(self, graceful: bool) -> None:
         pass
 
 

@@ -28,7 +28,7 @@ import time
 from typing import Any, Iterable, NoReturn
 
 from vllm import envs
-from vllm.config import EngineConfig, ModelConfig, SchedulerConfig
+from vllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.distributed.serialization import MessageNotSerializableError
@@ -36,6 +36,7 @@ from vllm.engine.batch_queue import BatchQueue
 from vllm.engine.interrupts import sigint_deferred
 from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.request_validation import check_sendable, validate_request
+from vllm.executor.base import ExecutorBase
 from vllm.logger import init_logger
 from vllm.lora.registry import LoRARegistry
 from vllm.lora.request import LoRARequest
@@ -70,8 +71,8 @@ class LLMEngine:
     ) -> None:
         self.engine_config = engine_config
         model_config = self.model_config = engine_config.model_config
-        cache_config = self.cache_config = engine_config.cache_config
-        parallel_config = self.parallel_config = engine_config.parallel_config
+        cache_config = engine_config.cache_config
+        parallel_config = engine_config.parallel_config
         scheduler_config = self.scheduler_config = engine_config.scheduler_config
         device_config = self.device_config = engine_config.device_config
         sizes = model_config.get_pp_layer_sizes(parallel_config)
@@ -89,7 +90,8 @@ class LLMEngine:
         self.tokenizer = None if model_config.skip_tokenizer_init else _load_tokenizer(model_config)
         self.generation_config = _load_generation_config(model_config)
         self.eos_token_id = _eos_token_id(self.tokenizer, model_config)
-        self.executor = _make_executor(engine_config)
+        # Owns the running pipeline's shape (`parallel_config` and `cache_config` below).
+        self.executor: ExecutorBase = _make_executor(engine_config)
         # The micro-batches (decode cohorts) in the pipeline, decided here (and again when the
         # pipeline changes size): one per stage unless VLLM_PP_MICRO_BATCHES says otherwise.
         budget, async_pipeline = _pipelining(scheduler_config, self.executor)
@@ -98,7 +100,7 @@ class LLMEngine:
         self.loras = LoRARegistry(self.lora_config, self.executor)
         self.scheduler = Scheduler(
             scheduler_config,
-            cache_config,
+            self.cache_config,  # with the block counts the stages hold
             budget,
             schedule_ahead=async_pipeline,
             max_loras=self.lora_config.max_loras if self.lora_config else None,
@@ -151,7 +153,6 @@ class LLMEngine:
                     )
                 self._stat_loggers.update(default_stat_loggers(self.served_model_name))
             self.stats = _make_stats_collector(self.scheduler, self._stat_loggers)
-            cache_config.sliding_window = getattr(model_config.hf_config, "sliding_window", None)
             for stat_logger in self._stat_loggers.values():
                 stat_logger.info("cache_config", self.cache_config)
 
@@ -168,6 +169,20 @@ class LLMEngine:
             served_model_name=_first_name(getattr(engine_args, "served_model_name", None))
             or engine_args.model,
         )
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        """The parallel config as the pipeline runs now: the configured one with the size and
+        layer split of the executor's `PipelineShape` (a stage that could not be replaced
+        leaves; the layers may be re-split). Frozen: the configured values are
+        `engine_config.parallel_config`."""
+        return self.executor.running_config.parallel_config
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        """The cache config with the block counts every stage holds now (the executor's
+        `PipelineShape`). Frozen."""
+        return self.executor.running_config.cache_config
 
     @property
     def stat_loggers(self) -> dict[str, Any]:
@@ -276,7 +291,7 @@ class LLMEngine:
                 f"best_of ({sampling_params.best_of}) must not exceed max_num_seqs "
                 f"({self.scheduler_config.max_num_seqs}): the request could never be scheduled."
             )
-        if self.executor is not None and self.executor.stages_in_own_processes:
+        if self.executor.stages_in_own_processes:
             check_sendable(sampling_params)
         if lora_request is not None:
             self.loras.ensure(lora_request)
@@ -613,7 +628,7 @@ class LLMEngine:
         Stages still run the abandoned steps, but before any later one (an actor runs its
         calls in order), so blocks the abandoned steps write are rewritten by the recompute
         or by their next owner afterwards."""
-        if self.executor is not None:
+        if not self.executor.is_shut_down:
             self.batch_queue.discard()
         requeued = self.scheduler.requeue_in_flight()
         if requeued:
@@ -661,17 +676,14 @@ class LLMEngine:
             "aborted and the workers released. Build a new LLM to continue."
         )
         self._dead.__cause__ = error
-        if self.executor is not None:
-            self.executor.shutdown(graceful=False)
-            self.executor = None
+        self.executor.shutdown(graceful=False)
         raise self._dead from error
 
     def shutdown(self) -> None:
         """Stop the workers (Ray actors and process groups); safe to call twice."""
-        executor = getattr(self, "executor", None)
-        if executor is not None:
+        executor: ExecutorBase | None = getattr(self, "executor", None)
+        if executor is not None:  # None: the engine failed before it had one
             executor.shutdown()
-            self.executor = None
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None and scheduler.draft_planner is not None:
             scheduler.draft_planner.shutdown()
@@ -762,14 +774,16 @@ def _load_tokenizer(model_config: ModelConfig) -> Any:
     )
 
 
-def _pipelining(scheduler_config: SchedulerConfig, executor: Any) -> tuple[MicroBatchBudget, bool]:
+def _pipelining(
+    scheduler_config: SchedulerConfig, executor: ExecutorBase
+) -> tuple[MicroBatchBudget, bool]:
     """One batch's budget (a cohort per stage) and whether decodes are scheduled ahead, for
     the executor's pipeline as it is now."""
     budget = MicroBatchBudget.for_pipeline(scheduler_config, executor.max_concurrent_batches)
     return budget, _use_async_pipeline(scheduler_config, executor)
 
 
-def _use_async_pipeline(scheduler_config: SchedulerConfig, executor: Any) -> bool:
+def _use_async_pipeline(scheduler_config: SchedulerConfig, executor: ExecutorBase) -> bool:
     """Async scheduling needs stage processes of their own (the first stage receives the last
     stage's sampled ids) and pipeline parallelism; None means on where it can be."""
     supported = bool(executor.supports_async_pipeline)
@@ -823,7 +837,7 @@ def _draft_engine(engine_config: EngineConfig) -> LLMEngine:
     return draft
 
 
-def _make_executor(engine_config: EngineConfig) -> Any:
+def _make_executor(engine_config: EngineConfig) -> ExecutorBase:
     backend = engine_config.parallel_config.distributed_executor_backend
     if backend == "ray":
         from vllm.executor.ray_executor import RayExecutor

@@ -13,16 +13,18 @@ from dataclasses import replace
 from typing import Any, Literal, overload
 
 from vllm import envs
-from vllm.config import EngineConfig
+from vllm.config import CacheConfig, EngineConfig, ParallelConfig
 from vllm.distributed.net_utils import get_file_init_method
+from vllm.distributed.pipeline_shape import PipelineShape
 from vllm.distributed.rank_verbs import UnknownVerbError, Verb
 from vllm.executor.liveness import local_process_problem
 from vllm.executor.rank_calls import Calls, RankCalls
+from vllm.executor.stage_control import StageControl
 from vllm.executor.step_future import StepFuture
 from vllm.executor.supervisor import HeartbeatStats, StageSupervisor
 from vllm.resilience.errors import StageFailedError, StageFailure
 from vllm.sequence import SamplerOutput
-from vllm.step_records import ExecuteModelRequest, ReplayRequest
+from vllm.step_records import ExecuteModelRequest
 from vllm.worker.stage_report import StageInfo, StageStats
 
 logger = logging.getLogger("vllm.executor")
@@ -34,6 +36,11 @@ class ExecutorBase(ABC):
     `execute_model(request, non_block=True)` submits one step and returns its `StepFuture` at
     once, so the engine can keep `max_concurrent_batches` batches inside the pipeline; the
     future's `result()` waits for that step's sampler output.
+
+    The executor owns the running pipeline's shape (`shape`, a `PipelineShape`: sizes, layer
+    split, block counts, generation) and publishes a new one whenever it changes; the configs
+    as they run now (`running_config`, `parallel_config`, `cache_config`) are read through it.
+    Executors that can change their stages while serving have a `stage_control`.
     """
 
     # Each rank's StageInfo, in rank order (set while the workers start).
@@ -42,10 +49,10 @@ class ExecutorBase(ABC):
     def __init__(self, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
-        self.cache_config = engine_config.cache_config
-        self.parallel_config = engine_config.parallel_config
         self.scheduler_config = engine_config.scheduler_config
         self.device_config = engine_config.device_config
+        self._publish(PipelineShape.configured(engine_config))
+        self._shut_down = False
         try:
             self._init_workers()
             self._log_stages_and_init_cache()
@@ -53,6 +60,53 @@ class ExecutorBase(ABC):
             # A failed start (bad placement, load error) must not leave actors behind.
             self.shutdown()
             raise
+
+    # -- the running pipeline's shape ----------------------------------------------------------
+
+    @property
+    def shape(self) -> PipelineShape:
+        """The pipeline as it runs now (replaced, never changed, when the pipeline changes)."""
+        return self._shape
+
+    @property
+    def running_config(self) -> EngineConfig:
+        """The engine's configs with the current shape applied (frozen copies)."""
+        return self._running_config
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        """The parallel config as the pipeline runs now (its size and split: `shape`)."""
+        return self._running_config.parallel_config
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        """The cache config as the pipeline runs now (its block counts: `shape`)."""
+        return self._running_config.cache_config
+
+    def _publish(self, shape: PipelineShape) -> None:
+        """`shape` is the pipeline's from now on (the only writer of `shape`)."""
+        self._shape = shape
+        self._running_config = shape.running_config(self.engine_config)
+
+    @property
+    def stage_control(self) -> StageControl | None:
+        """What the engine may do to the stages while serving (replace, replay, remove,
+        merge, start, join), or None when this executor cannot change its stages."""
+        return self if isinstance(self, StageControl) else None
+
+    def require_stage_control(self, action: str) -> StageControl:
+        """`stage_control`, or a RuntimeError naming `action` and this executor."""
+        control = self.stage_control
+        if control is None:
+            raise RuntimeError(
+                f"{type(self).__name__} cannot {action}: its stages run in the engine's process"
+            )
+        return control
+
+    @property
+    def is_shut_down(self) -> bool:
+        """Whether `shutdown` ran (the workers are released; nothing may be called)."""
+        return self._shut_down
 
     def _log_stages_and_init_cache(self) -> None:
         self._refresh_stage_infos()
@@ -118,20 +172,18 @@ class ExecutorBase(ABC):
                 "Try increasing `gpu_memory_utilization` (or `kv_cache_space` on CPU) or "
                 "decreasing `max_model_len` when initializing the engine."
             )
-        self.cache_config.num_gpu_blocks = num_gpu
-        self.cache_config.num_cpu_blocks = num_cpu
+        self._publish(self.shape.with_blocks(num_gpu, num_cpu))
         self._run_workers(Verb.INITIALIZE_CACHE, num_gpu, num_cpu)
 
     def reshape_pipeline(self, layer_split: list[int]) -> None:
         """Re-split the decoder layers over the same stages while serving: every stage takes
         its range under `layer_split` (loading only what it did not hold), its KV cache is
         re-sized from its new layer count and all caches are re-made at the new minimum
-        (`cache_config.num_gpu_blocks`). The pipeline must be empty and the engine must
-        recompute every request afterwards. A ValueError (the new minimum holds too few
-        blocks) leaves the stages with the new layers but no cache: the caller re-splits
-        back."""
-        self.parallel_config.pp_layer_partition = ",".join(str(n) for n in layer_split)
-        per_stage = self._run_workers(Verb.RESHAPE, layer_split)
+        (`shape.num_gpu_blocks`). The pipeline must be empty and the engine must recompute
+        every request afterwards. A ValueError (the new minimum holds too few blocks) leaves
+        the stages with the new layers but no cache: the caller re-splits back."""
+        self._publish(self.shape.resplit(layer_split))
+        per_stage = self._run_workers(Verb.RESHAPE, self.shape)
         self._refresh_stage_infos()
         self._init_cache(per_stage)
 
@@ -154,7 +206,7 @@ class ExecutorBase(ABC):
     @property
     def max_concurrent_batches(self) -> int:
         """Micro-batches that can be inside the pipeline at once: one per stage."""
-        return self.parallel_config.pipeline_parallel_size
+        return self.shape.pipeline_parallel_size
 
     # Stages run in processes of their own (Ray actors, mp processes), not in the engine's.
     _stages_in_own_processes = False
@@ -168,21 +220,22 @@ class ExecutorBase(ABC):
     def supports_async_pipeline(self) -> bool:
         """Whether the last stage can pass sampled ids to a first stage of its own (needed to
         schedule a decode ahead of its output)."""
-        return self._stages_in_own_processes and self.parallel_config.pipeline_parallel_size > 1
+        return self._stages_in_own_processes and self.shape.pipeline_parallel_size > 1
 
     @property
     def output_rank(self) -> int:
         """The rank whose step result is the sampler output: the last stage's TP driver."""
-        return self.parallel_config.last_stage_driver_rank
+        return self.shape.last_stage_driver_rank
 
     def _requests_per_rank(self, request: ExecuteModelRequest) -> list[ExecuteModelRequest]:
         """What each rank gets for one step: every rank of the first and last stage the step
         message (each TP rank builds its own inputs), middle stages only the block operations
         (they take their batch from the previous stage)."""
         light = replace(request, step=None)
-        tp = self.parallel_config.tensor_parallel_size
-        last_stage = self.parallel_config.pipeline_parallel_size - 1
-        world = self.parallel_config.world_size
+        shape = self.shape
+        tp = shape.tensor_parallel_size
+        last_stage = shape.pipeline_parallel_size - 1
+        world = shape.world_size
         return [request if rank // tp in (0, last_stage) else light for rank in range(world)]
 
     @abstractmethod
@@ -223,38 +276,17 @@ class ExecutorBase(ABC):
     def discard_steps(self) -> None:  # noqa: B027  (optional hook: nothing to do in-process)
         """Forget the outputs of every submitted step (the engine will not collect them)."""
 
-    def replace_stages(self, ranks: list[int]) -> float:
-        """Replace failed stages with fresh ones (same layers, caches of the engine's size);
-        returns the seconds it took. Executors without separate stage processes cannot."""
-        raise NotImplementedError(f"{type(self).__name__} cannot replace a stage")
-
-    def replay(self, request: ReplayRequest, timeout_s: float) -> None:
-        """Run one replay step of a stage-local KV rebuild on every rank (see
-        `ReplayRequest`), waiting at most `timeout_s`; raises StageFailedError when a rank
-        fails it. Executors that cannot replace a stage have nothing to rebuild."""
-        raise NotImplementedError(f"{type(self).__name__} cannot rebuild a stage")
-
-    def refill_spares(self) -> None:
-        """Start the warm spare processes a replacement takes (`VLLM_PP_SPARE_PROCESSES`) up
-        to their number; executors without stage processes have none."""
-        return None
-
-    def remove_stages(self, ranks: list[int]) -> float:
-        """The stages holding `ranks` leave the pipeline (PP N -> N-1); the others re-form
-        with an even layer split (`vllm.executor.elastic`). Returns the seconds it took."""
-        raise NotImplementedError(f"{type(self).__name__} cannot remove a stage")
-
-    def start_stages(self, num_stages: int, layer_partition: str | None) -> list[int]:
-        """Start `num_stages` more stages without touching the pipeline; their ranks."""
-        raise NotImplementedError(f"{type(self).__name__} cannot add a stage")
-
-    def join_stages(self) -> float:
-        """The stages `start_stages` started join the pipeline; the seconds it took."""
-        raise NotImplementedError(f"{type(self).__name__} cannot add a stage")
+    def shutdown(self, graceful: bool = True) -> None:
+        """Release the workers; `graceful=False` kills them without waiting on them. Safe to
+        call again (nothing is done)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._release_workers(graceful)
 
     @abstractmethod
-    def shutdown(self, graceful: bool = True) -> None:
-        """Release the workers; `graceful=False` kills them without waiting on them."""
+    def _release_workers(self, graceful: bool) -> None:
+        """The backend's part of `shutdown` (runs once)."""
 
 
 class StageProcessExecutor(ExecutorBase):
@@ -359,7 +391,7 @@ class StageProcessExecutor(ExecutorBase):
     def _load_replacements(self, ranks: list[int], budget: float) -> None:
         """New ranks that joined the groups: load their layers, give them caches of the
         engine's size and record (and log) where they run."""
-        num_gpu, num_cpu = self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks
+        num_gpu, num_cpu = self.shape.num_gpu_blocks, self.shape.num_cpu_blocks
         self._call_ranks(ranks, Verb.LOAD_MODEL, timeout=budget)
         self._call_ranks(ranks, Verb.INITIALIZE_CACHE, num_gpu, num_cpu, timeout=budget)
         infos = self._call_ranks(ranks, Verb.GET_STAGE_INFO, timeout=budget)
@@ -399,14 +431,11 @@ class StageProcessExecutor(ExecutorBase):
         return self._wait_calls(ranks, call_id, timeout)
 
     def _run_workers(self, method: Verb, *args: Any, **kwargs: Any) -> list[Any]:
-        ranks = list(range(self.parallel_config.world_size))
+        ranks = list(range(self.shape.world_size))
         return self._wait_calls(ranks, self._submit({r: (method, args, kwargs) for r in ranks}))
 
-    def replay(self, request: ReplayRequest, timeout_s: float) -> None:
-        self._run_workers_within(Verb.REPLAY_STAGES, timeout_s, request)
-
     def _run_workers_within(self, method: Verb, timeout_s: float, *args: Any) -> list[Any]:
-        ranks = list(range(self.parallel_config.world_size))
+        ranks = list(range(self.shape.world_size))
         call_id = self._submit({r: (method, args, {}) for r in ranks})
         return self._wait_calls(ranks, call_id, timeout_s)
 

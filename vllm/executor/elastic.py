@@ -19,6 +19,9 @@ changed; `join_stages` then re-forms the groups with the survivors at the grown 
 restores the configured split (survivors reload, new ranks load their layers), caches
 re-sized.
 
+Every change publishes the pipeline's new `PipelineShape` (size, split, block counts) before
+the ranks are told: they get the shape with the call that changes them (no config is written).
+
 The backend says how a rank's process is stopped, started and renumbered (`_stop_ranks`,
 `_start_processes`, `_renumber_processes`), how its Worker is built (`_init_worker_calls`) and
 where the ranks meet (`_regroup_init_method`).
@@ -28,19 +31,20 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from vllm import envs
-from vllm.config import EngineConfig
 from vllm.distributed.pipeline_resize import (
     PipelineResize,
     merged_split,
     with_stages,
     without_stages,
 )
+from vllm.distributed.pipeline_shape import PipelineShape, split_layers
 from vllm.distributed.rank_verbs import Verb
 from vllm.executor.base import StageProcessExecutor
 from vllm.executor.rank_calls import Calls
+from vllm.executor.stage_control import MergedStage, StageControl
 from vllm.logger import init_logger
 from vllm.step_records import ReplayRequest
 from vllm.worker.stage_report import StageInfo
@@ -48,35 +52,29 @@ from vllm.worker.stage_report import StageInfo
 logger = init_logger("vllm.executor.elastic")
 
 
-@dataclass
-class MergedStage:
-    """The stage that took over a lost stage's layers (`remove_stages` with `merge`)."""
-
-    stage: int  # its number in the smaller pipeline
-    lost_stage: int  # the lost stage's number in the old pipeline
-    lost_layers: tuple[int, int]  # [start, end) it took over
-    layers: tuple[int, int]  # its range now
-    # (device, host) blocks it can hold with its new layers, within its own budget.
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-
-
-@dataclass
+@dataclass(frozen=True)
 class _StartedStages:
     """Stages started by `start_stages`, waiting for `join_stages`."""
 
     plan: PipelineResize
     init_method: str
-    layer_partition: str | None
+    shape: PipelineShape  # the pipeline once they join (split as configured)
 
 
-class ElasticStageExecutor(StageProcessExecutor):
+class ElasticStageExecutor(StageProcessExecutor, StageControl):
     """A stage-process executor whose pipeline can lose stages and get them back (see the
-    module docstring)."""
+    module docstring): the `StageControl` of the `mp` and `ray` backends."""
 
     _started: _StartedStages | None = None
     # Set by `remove_stages(merge=True)` until `finish_merge` / `split_evenly`.
-    merged: MergedStage | None = None
+    _merged: MergedStage | None = None
+
+    @property
+    def merged(self) -> MergedStage | None:
+        return self._merged
+
+    def replay(self, request: ReplayRequest, timeout_s: float) -> None:
+        self._run_workers_within(Verb.REPLAY_STAGES, timeout_s, request)
 
     @abstractmethod
     def _stop_ranks(self, ranks: list[int]) -> None:
@@ -91,10 +89,10 @@ class ElasticStageExecutor(StageProcessExecutor):
 
     @abstractmethod
     def _init_worker_calls(
-        self, ranks: list[int], init_method: str, engine_config: EngineConfig | None = None
+        self, ranks: list[int], init_method: str, shape: PipelineShape | None = None
     ) -> Calls:
-        """The calls that build the Workers of `ranks` from `engine_config` (the engine's
-        when None) with rendezvous `init_method`."""
+        """The calls that build the Workers of `ranks` for a pipeline of `shape` (the
+        current one when None) with rendezvous `init_method`."""
 
     def _regroup_init_method(self, timeout: float) -> str:
         """A rendezvous for the next formation of the groups (every rank on this node: a
@@ -120,9 +118,9 @@ class ElasticStageExecutor(StageProcessExecutor):
         self._renumber_processes(order)
 
     def _regroup(self, plan: PipelineResize, init_method: str, budget: float) -> None:
-        """The groups re-formed at `plan.new_pp` stages: survivors rejoin under their new
-        number while new ranks join for the first time (the rendezvous needs every rank at
-        once: all calls are sent, then waited on).
+        """The groups re-formed at `plan.new_pp` stages (the published `shape`): survivors
+        rejoin under their new number while new ranks join for the first time (the
+        rendezvous needs every rank at once: all calls are sent, then waited on).
 
         The wait is `budget` plus the groups' timeout: a survivor may first sit out an
         earlier rendezvous whose new rank died in it (a replacement that failed there), which
@@ -132,7 +130,7 @@ class ElasticStageExecutor(StageProcessExecutor):
             new: (
                 Verb.REJOIN_PROCESS_GROUPS,
                 (init_method,),
-                {"rank": new, "pipeline_parallel_size": plan.new_pp},
+                {"rank": new, "shape": self.shape},
             )
             for new in plan.staying
         }
@@ -150,16 +148,24 @@ class ElasticStageExecutor(StageProcessExecutor):
         module docstring). Returns the seconds it took. The pipeline must be empty; the
         engine recomputes every request, or with `merge` rebuilds the gained layers' KV."""
         started = time.monotonic()
-        pc = self.parallel_config
-        plan = without_stages(pc.pipeline_parallel_size, pc.tensor_parallel_size, ranks)
-        old_sizes = self.model_config.get_pp_layer_sizes(pc)
+        shape = self.shape
+        plan = without_stages(shape.pipeline_parallel_size, shape.tensor_parallel_size, ranks)
+        old_sizes = list(shape.layer_split)
+        lost_stages = sorted({r // plan.tp for r in plan.leaving})
+        if merge and len(lost_stages) != 1:
+            raise ValueError(f"merge takes one lost stage, got stages {lost_stages}.")
         budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
         self.watch.arm(armed=False)  # set-up: no heartbeat timeout until it is over
         self._stop_ranks(plan.leaving)
         # The survivors still run (and fail) the steps sent before: nobody wants those.
         self.calls.forget()
         self._renumber(plan.order)
-        pc.pipeline_parallel_size = plan.new_pp
+        if merge:
+            sizes, _ = merged_split(old_sizes, lost_stages[0])
+            partition = ",".join(str(n) for n in sizes)
+            self._publish(shape.resized(plan.new_pp, sizes, partition))
+        else:
+            self._publish(self._evenly_split(plan.new_pp))
         self._regroup(plan, self._regroup_init_method(budget), budget)
         if merge:
             self._merge_lost_stage(plan, old_sizes)
@@ -167,38 +173,41 @@ class ElasticStageExecutor(StageProcessExecutor):
             self.split_evenly()
         return time.monotonic() - started
 
+    def _evenly_split(self, pipeline_parallel_size: int) -> PipelineShape:
+        split = split_layers(self.model_config, pipeline_parallel_size, None)
+        return self.shape.resized(pipeline_parallel_size, split, None)
+
     def split_evenly(self) -> None:
         """Every stage takes its range under an even split of the layers, caches re-made at
         the new minimum (the engine recomputes every request)."""
-        self.merged = None
-        self.parallel_config.pp_layer_partition = None
-        self.reshape_pipeline(self.model_config.get_pp_layer_sizes(self.parallel_config))
+        self._merged = None
+        self._publish(self._evenly_split(self.shape.pipeline_parallel_size))
+        self.reshape_pipeline(list(self.shape.layer_split))
 
     def _merge_lost_stage(self, plan: PipelineResize, old_sizes: list[int]) -> None:
-        """A neighbour of the lost stage takes its layers; the others keep theirs."""
-        lost_stages = sorted({r // plan.tp for r in plan.leaving})
-        if len(lost_stages) != 1:
-            raise ValueError(f"merge takes one lost stage, got stages {lost_stages}.")
-        lost = lost_stages[0]
+        """A neighbour of the lost stage takes its layers (the published split); the others
+        keep theirs."""
+        lost = sorted({r // plan.tp for r in plan.leaving})[0]
         sizes, stage = merged_split(old_sizes, lost)
         start = sum(old_sizes[:lost])
         lost_layout = (start, start + old_sizes[lost], lost == 0, lost == plan.old_pp - 1)
-        self.parallel_config.pp_layer_partition = ",".join(str(n) for n in sizes)
         # Loading layers is set-up: it may hold a rank's GIL for a while outside any step.
         with self._heartbeat_timeout_lifted():
-            blocks = self._run_workers(Verb.MERGE_LAYERS, sizes, lost_layout)
+            blocks = self._run_workers(Verb.MERGE_LAYERS, self.shape, lost_layout)
         self._refresh_stage_infos()
         taken = [b for b in blocks if b is not None]
         first = sum(sizes[:stage])
-        self.merged = MergedStage(
+        self._merged = MergedStage(
             stage, lost, (lost_layout[0], lost_layout[1]), (first, first + sizes[stage]),
             min(b[0] for b in taken), min(b[1] for b in taken),
         )  # fmt: skip
 
     def _merged_ranks(self) -> list[int]:
-        assert self.merged is not None, "remove_stages(merge=True) first"
-        tp = self.parallel_config.tensor_parallel_size
-        return [self.merged.stage * tp + i for i in range(tp)]
+        merged = self._merged
+        if merged is None:
+            raise RuntimeError("no merged stage: remove_stages(merge=True) first")
+        tp = self.shape.tensor_parallel_size
+        return [merged.stage * tp + i for i in range(tp)]
 
     def grow_merged_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """The merged stage's cache gets the gained layers, every tensor at these counts
@@ -207,8 +216,7 @@ class ElasticStageExecutor(StageProcessExecutor):
             self._call_ranks(
                 self._merged_ranks(), Verb.GROW_MERGED_CACHE, num_gpu_blocks, num_cpu_blocks
             )
-        self.cache_config.num_gpu_blocks = num_gpu_blocks
-        self.cache_config.num_cpu_blocks = num_cpu_blocks
+        self._publish(self.shape.with_blocks(num_gpu_blocks, num_cpu_blocks))
 
     def replay_gained_layers(self, request: ReplayRequest, timeout_s: float) -> None:
         """One replay step of the merged stage's gained layers (every rank applies the
@@ -218,7 +226,7 @@ class ElasticStageExecutor(StageProcessExecutor):
     def finish_merge(self) -> None:
         """The gained layers have their KV (or the engine recomputes everything)."""
         self._call_ranks(self._merged_ranks(), Verb.FINISH_MERGE)
-        self.merged = None
+        self._merged = None
 
     # ---- stages come back --------------------------------------------------------------------
 
@@ -228,23 +236,23 @@ class ElasticStageExecutor(StageProcessExecutor):
         ranks. On failure (a process that cannot be started, or dies, or the restart
         deadline passes) they are stopped and the executor is as before; the error is
         raised."""
-        pc = self.parallel_config
-        plan = with_stages(pc.pipeline_parallel_size, pc.tensor_parallel_size, num_stages)
+        shape = self.shape
+        plan = with_stages(shape.pipeline_parallel_size, shape.tensor_parallel_size, num_stages)
         budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
-        grown = replace(pc, pipeline_parallel_size=plan.new_pp, pp_layer_partition=layer_partition)
-        config = replace(self.engine_config, parallel_config=grown)
+        split = split_layers(self.model_config, plan.new_pp, layer_partition)
+        grown = shape.resized(plan.new_pp, split, layer_partition)
         self._renumber(plan.order)
         try:
             self._start_processes(plan.joining, budget)
             # Known once they run (on Ray: on which node).
             init_method = self._regroup_init_method(budget)
-            calls = self._init_worker_calls(plan.joining, init_method, config)
+            calls = self._init_worker_calls(plan.joining, init_method, grown)
             self._wait_calls(plan.joining, self._submit(calls), budget)
         except BaseException:
             self._stop_ranks(plan.joining)
-            self._renumber(list(range(pc.world_size)))
+            self._renumber(list(range(shape.world_size)))
             raise
-        self._started = _StartedStages(plan, init_method, layer_partition)
+        self._started = _StartedStages(plan, init_method, grown)
         return plan.joining
 
     def join_stages(self) -> float:
@@ -254,18 +262,19 @@ class ElasticStageExecutor(StageProcessExecutor):
         empty and the engine recomputes every request. On failure the pipeline is left at the
         grown size (the engine removes the new stages again)."""
         started = time.monotonic()
-        assert self._started is not None, "start_stages first"
-        plan, init_method = self._started.plan, self._started.init_method
-        partition = self._started.layer_partition
-        self._started = None
-        pc = self.parallel_config
+        started_stages, self._started = self._started, None
+        if started_stages is None:
+            raise RuntimeError("join_stages: no stages started (start_stages first)")
+        plan, init_method = started_stages.plan, started_stages.init_method
+        grown = started_stages.shape
         budget = envs.get_float("VLLM_PP_STAGE_RESTART_TIMEOUT_S")
         self.watch.arm(armed=False)
         self.calls.forget()
-        pc.pipeline_parallel_size = plan.new_pp
-        pc.pp_layer_partition = partition
+        # The block counts stay until the caches are re-sized below.
+        self._publish(self.shape.resized(plan.new_pp, grown.layer_split, grown.layer_partition))
         self._regroup(plan, init_method, budget)
         self._call_ranks(plan.joining, Verb.LOAD_MODEL, timeout=budget)
-        self.reshape_pipeline(self.model_config.get_pp_layer_sizes(pc))
-        pc.pp_layer_partition = partition  # as configured ("auto" stays "auto")
+        self.reshape_pipeline(list(grown.layer_split))
+        # As configured ("auto" stays "auto"), for the next time a stage is lost.
+        self._publish(self.shape.with_partition(grown.layer_partition))
         return time.monotonic() - started

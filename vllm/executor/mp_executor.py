@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Iterator
 
 from vllm import envs
-from vllm.config import EngineConfig
+from vllm.distributed.pipeline_shape import PipelineShape
 from vllm.distributed.rank_verbs import Verb
 from vllm.executor.elastic import ElasticStageExecutor
 from vllm.executor.rank_calls import Calls, RankCallError
@@ -225,16 +225,21 @@ class MultiprocessingExecutor(ElasticStageExecutor):
             logger.debug("Spare rank process started (pid %d)", spare.proc.pid)
 
     def _init_worker_calls(
-        self, ranks: list[int], init_method: str, engine_config: EngineConfig | None = None
+        self, ranks: list[int], init_method: str, shape: PipelineShape | None = None
     ) -> Calls:
         use_gpu = self.device_config.device == "cuda"
         kwargs = dict(
-            distributed_init_method=init_method, num_threads=None if use_gpu else self._threads
+            distributed_init_method=init_method,
+            num_threads=None if use_gpu else self._threads,
+            shape=shape or self.shape,
         )
-        config = engine_config or self.engine_config
         # local_rank: a spare learns its device here (one node: the rank is the local rank).
         return {
-            rank: (Verb.INIT_WORKER, (config,), dict(kwargs, rank=rank, local_rank=rank))
+            rank: (
+                Verb.INIT_WORKER,
+                (self.engine_config,),
+                dict(kwargs, rank=rank, local_rank=rank),
+            )
             for rank in ranks
         }
 
@@ -314,7 +319,7 @@ class MultiprocessingExecutor(ElasticStageExecutor):
 
     # ---- shutdown --------------------------------------------------------------------------
 
-    def shutdown(self, graceful: bool = True) -> None:
+    def _release_workers(self, graceful: bool) -> None:
         spares: list[_Process] = getattr(self, "spares", [])
         self.spares = []
         for spare in spares:  # a spare leaves when its calls pipe closes

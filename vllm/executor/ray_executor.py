@@ -31,8 +31,8 @@ from ray.util.scheduling_strategies import (
 )
 
 from vllm import envs
-from vllm.config import EngineConfig
 from vllm.distributed.net_utils import get_distributed_init_method
+from vllm.distributed.pipeline_shape import PipelineShape
 from vllm.distributed.rank_handshake import HandshakeKey
 from vllm.distributed.rank_verbs import Verb
 from vllm.executor.elastic import ElasticStageExecutor
@@ -268,13 +268,14 @@ class RayExecutor(ElasticStageExecutor):
         return get_distributed_init_method(self.stage_infos[0].ip, port)
 
     def _init_worker_calls(
-        self, ranks: list[int], init_method: str, engine_config: EngineConfig | None = None
+        self, ranks: list[int], init_method: str, shape: PipelineShape | None = None
     ) -> Calls:
         threads = None if self._use_gpu else _threads_per_stage()
         kwargs = dict(
-            engine_config=engine_config or self.engine_config,
+            engine_config=self.engine_config,
             distributed_init_method=init_method,
             num_threads=threads,
+            shape=shape or self.shape,
         )
         return {r: (Verb.INIT_WORKER, (), dict(kwargs, rank=r)) for r in ranks}
 
@@ -401,7 +402,7 @@ class RayExecutor(ElasticStageExecutor):
             self.workers[rank] = None
             self.calls.detach(rank)
 
-    def shutdown(self, graceful: bool = True) -> None:
+    def _release_workers(self, graceful: bool) -> None:
         from ray.util.placement_group import remove_placement_group
 
         standby: list[Any] = getattr(self, "standby", [])

@@ -46,16 +46,6 @@ from vllm.step_records import BlockOps
 logger = init_logger("vllm.resilience.coordinator")
 
 
-def can_replace_stages(executor: Any) -> bool:
-    """Whether `executor` can replace a failed stage (the in-process one cannot)."""
-    from vllm.executor.base import ExecutorBase
-
-    replace = getattr(executor, "replace_stages", None)
-    return replace is not None and getattr(replace, "__func__", replace) is not (
-        ExecutorBase.replace_stages
-    )
-
-
 class RestartBudget:
     """How many stage replacements `max_stage_restarts` allows now: a count within the last
     VLLM_STAGE_RESTART_WINDOW_S, so a long-lived server is not worn out by rare faults."""
@@ -128,8 +118,9 @@ class RecoveryCoordinator:
                     return
         event.caught_up_s = time.time() - event.detected_at
         self._catching_up = None
-        if self.engine.executor is not None:
-            self.engine.executor.refill_spares()  # for the next failure, now the CPU is free
+        control = self.engine.executor.stage_control
+        if control is not None and not self.engine.executor.is_shut_down:
+            control.refill_spares()  # for the next failure, now the CPU is free
         logger.info(
             "Every request is back where it was %.2f s after the failure was detected (%s "
             "recovery, %d sequences)",
@@ -155,7 +146,7 @@ class RecoveryCoordinator:
         try:
             self.engine.executor.check_health()
         except StageFailedError as error:
-            if not can_replace_stages(self.engine.executor) or self.budget.exhausted():
+            if self.engine.executor.stage_control is None or self.budget.exhausted():
                 raise
             return EngineHealth("degraded", f"{error} (the next step replaces it)", error.ranks)
         if self.resizes.missing_stages > 0:
@@ -203,7 +194,7 @@ class RecoveryCoordinator:
         if previous is not None and _same_failure(event, previous):
             self._fail_recurring(event, previous, error)
         # 3. change the stages, within the budget.
-        if not can_replace_stages(engine.executor):
+        if engine.executor.stage_control is None:
             # Said before any "Replacing..." line: the in-process backend cannot replace one.
             engine.fail(error, f"the {type(engine.executor).__name__} cannot replace a stage")
         used, limit = self.budget.used(), self.budget.limit
@@ -224,7 +215,8 @@ class RecoveryCoordinator:
         if not event.recurring:
             self.budget.spend()
         try:
-            event.recovery_s = engine.executor.replace_stages(error.ranks)
+            control = engine.executor.require_stage_control("replace a stage")
+            event.recovery_s = control.replace_stages(error.ranks)
             engine.loras.resync()  # the new stage processes load the registered adapters
         except Exception as exc:
             logger.error("Replacing stage(s) %s failed: %s", error.ranks, exc)

@@ -5,11 +5,12 @@ Imports no torch."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 if TYPE_CHECKING:
     from vllm.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
     from vllm.core.scheduler import Scheduler
+    from vllm.executor.base import ExecutorBase
     from vllm.lora.registry import LoRARegistry
     from vllm.resilience.errors import StageFailedError
     from vllm.resilience.events import FaultEvent
@@ -24,7 +25,7 @@ class EngineControl(Protocol):
     def scheduler(self) -> Scheduler: ...
 
     @property
-    def executor(self) -> Any: ...
+    def executor(self) -> ExecutorBase: ...
 
     @property
     def model_config(self) -> ModelConfig: ...

@@ -111,6 +111,8 @@ class WorkerHost:
 
     def __init__(self) -> None:
         self.worker: Any = None
+        # The built Worker's answer to each verb (`worker.worker_verbs`).
+        self.handlers: dict[Verb, Callable[..., Any]] | None = None
         self.table = VerbTable(self._verbs())
 
     def call(self, verb: str, args: tuple, kwargs: dict) -> Any:
@@ -118,16 +120,17 @@ class WorkerHost:
 
     def _verbs(self) -> dict[str, VerbSpec]:
         from vllm.config import EngineConfig, LoRAConfig
+        from vllm.distributed.pipeline_shape import PipelineShape
         from vllm.lora.request import LoRARequest
         from vllm.step_records import ExecuteModelRequest, ReplayRequest
 
         def on_worker(verb: Verb, *params: Param) -> VerbSpec:
-            name = verb.value  # the Worker's method of the verb's name
-
             def handler(*args: Any, **kwargs: Any) -> Any:
-                if self.worker is None:
-                    raise RuntimeError(f"{name}: this rank has no Worker yet (init_worker first)")
-                return getattr(self.worker, name)(*args, **kwargs)
+                if self.worker is None or self.handlers is None:
+                    raise RuntimeError(
+                        f"{verb.value}: this rank has no Worker yet (init_worker first)"
+                    )
+                return self.handlers[verb](*args, **kwargs)
 
             return VerbSpec(handler, params)
 
@@ -144,6 +147,7 @@ class WorkerHost:
                         ("distributed_init_method", (str, _NONE)),
                         ("num_threads", optional_int),
                         ("local_rank", optional_int),
+                        ("shape", (PipelineShape, _NONE)),
                     ),
                 ),
             ),
@@ -159,15 +163,13 @@ class WorkerHost:
                     Verb.REJOIN_PROCESS_GROUPS,
                     ("distributed_init_method", str),
                     ("rank", optional_int),
-                    ("pipeline_parallel_size", optional_int),
+                    ("shape", (PipelineShape, _NONE)),
                 ),
             ),
-            (Verb.RESHAPE, VerbSpec(self.reshape, (("layer_split", (list, tuple)),))),
+            (Verb.RESHAPE, VerbSpec(self.reshape, (("shape", PipelineShape),))),
             (
                 Verb.MERGE_LAYERS,
-                on_worker(
-                    Verb.MERGE_LAYERS, ("layer_split", (list, tuple)), ("lost", (tuple, list))
-                ),
+                on_worker(Verb.MERGE_LAYERS, ("shape", PipelineShape), ("lost", (tuple, list))),
             ),
             (Verb.GROW_MERGED_CACHE, on_worker(Verb.GROW_MERGED_CACHE, *blocks)),
             (
@@ -208,23 +210,26 @@ class WorkerHost:
         distributed_init_method: str | None = None,
         num_threads: int | None = None,
         local_rank: int | None = None,
+        shape: Any = None,
     ) -> int:
         """Build the Worker (`Worker(engine_config, rank, ...)`); returns this process's pid.
         `local_rank`: this rank's device index on its node, for a process started before its
-        rank was known (an `mp` spare)."""
-        from vllm.worker.worker import Worker
+        rank was known (an `mp` spare); `shape`: the pipeline it joins (None: the configured
+        one)."""
+        from vllm.worker.worker import Worker, worker_verbs
 
         if local_rank is not None:
             os.environ["LOCAL_RANK"] = str(local_rank)
-        self.worker = Worker(engine_config, rank, distributed_init_method, num_threads)
+        self.worker = Worker(engine_config, rank, distributed_init_method, num_threads, shape)
+        self.handlers = worker_verbs(self.worker)
         return os.getpid()
 
-    def reshape(self, layer_split: list[int]) -> tuple[int, int]:
+    def reshape(self, shape: Any) -> tuple[int, int]:
         """A new layer split (`Worker.reshape`). The old model and cache were frozen out of
         the cyclic GC at `initialize_cache`: unfrozen first, so whatever of them sits in a
         reference cycle is collected; `initialize_cache` freezes what exists again."""
         gc.unfreeze()
-        return self.worker.reshape(layer_split)
+        return self.worker.reshape(shape)
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)

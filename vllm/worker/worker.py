@@ -8,30 +8,31 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from vllm.config import EngineConfig, LoRAConfig
+from vllm.config import EngineConfig, LoRAConfig, ParallelConfig
 from vllm.distributed import net_utils as net
 from vllm.distributed import parallel_state as ps
 from vllm.distributed import tensor_parallel as tpu
 from vllm.distributed.communication import recv_tensor_dict, send_tensor_dict
+from vllm.distributed.pipeline_shape import PipelineShape
+from vllm.distributed.rank_verbs import Verb
 from vllm.distributed.serialization import message_bytes
 from vllm.lora.request import LoRARequest
 from vllm.lora.worker_manager import StageLoRAManager
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import SamplerOutput
-from vllm.step_records import BlockOps, ExecuteModelRequest, ReplayRequest
+from vllm.step_records import BlockOps, ExecuteModelRequest
 from vllm.worker.cache_engine import CacheEngine, layers_block_bytes
 from vllm.worker.cpu_memory import release_memory, tune_malloc
 from vllm.worker.model_runner import ModelRunner
 from vllm.worker.profiler import StageProfiler
+from vllm.worker.rank_recovery import RankRecovery
 from vllm.worker.request_table import RequestTable, StepRows
 from vllm.worker.sampled_ids import SampledIdChannel
-from vllm.worker.stage_merge import GainedLayers, load_gained, replay_gained
-from vllm.worker.stage_merge import finish as finish_merge
 from vllm.worker.stage_report import StageInfo, StageStats, StageTimers
 
 logger = logging.getLogger("vllm.worker")
@@ -46,12 +47,14 @@ class Worker:
         rank: int = 0,
         distributed_init_method: str | None = None,
         num_threads: int | None = None,
+        shape: PipelineShape | None = None,
     ) -> None:
         """The one way every executor builds a rank: the engine's configs, the rank, the
-        rendezvous URL (world size > 1) and the CPU threads (None: torch's default)."""
+        rendezvous URL (world size > 1), the CPU threads (None: torch's default) and the
+        pipeline it is a rank of (None: the configured one)."""
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
-        self.parallel_config = engine_config.parallel_config
+        self.set_shape(shape or PipelineShape.configured(engine_config))
         self.scheduler_config = engine_config.scheduler_config
         self.device_config = engine_config.device_config
         self.cache_config = engine_config.cache_config
@@ -60,14 +63,25 @@ class Worker:
         self.num_threads = num_threads
         self.cache_engine: CacheEngine | None = None
         self._pending_send: Any = None
-        # Layers taken over from a lost neighbour, until their KV is replayed (merge_layers).
-        self._gained: GainedLayers | None = None
+        # Replays of a stage-local rebuild, and layers taken over from a lost neighbour.
+        self.recovery = RankRecovery(self)
         # First and last stage: the requests the step records told this stage (with their
         # seeded generators), and the channel of sampled ids from the last stage to the
         # first (asynchronous pipeline).
         self.request_table = RequestTable()
         self.sampled_ids = SampledIdChannel(rank, self.parallel_config)
         self.timers = StageTimers()
+
+    def set_shape(self, shape: PipelineShape) -> None:
+        """The pipeline this rank belongs to from now on (the executor's, sent with each call
+        that changes it)."""
+        self.shape = shape
+        self._parallel_config = shape.parallel_config(self.engine_config.parallel_config)
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        """The parallel config as the pipeline runs now (size and split from `shape`)."""
+        return self._parallel_config
 
     @property
     def busy_since(self) -> float | None:
@@ -90,44 +104,41 @@ class Worker:
         torch.manual_seed(self.model_config.seed)
         self._join_process_groups()
         pp_rank = ps.get_pipeline_model_parallel_rank()
-        self.layout = self._stage_layout()
+        self.layout = self.stage_layout()
         self.timers = StageTimers(pp_rank)
         self.profiler = StageProfiler(self.device, self.rank)
 
-    def _stage_layout(self) -> StageLayout:
-        """The layers this stage owns under the parallel config's current split."""
-        pp_rank = ps.get_pipeline_model_parallel_rank()
-        sizes = self.model_config.get_pp_layer_sizes(self.parallel_config)
-        start = sum(sizes[:pp_rank])
-        end = start + sizes[pp_rank]
+    def stage_layout(self) -> StageLayout:
+        """The layers this stage owns in the current `shape`."""
+        start, end = self.shape.stage_layers(ps.get_pipeline_model_parallel_rank())
         return StageLayout(start, end, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
 
     def _join_process_groups(self) -> None:
-        pc = self.parallel_config
-        if pc.world_size > 1:
+        pc, shape = self.parallel_config, self.shape
+        if shape.world_size > 1:
             assert self.distributed_init_method is not None
             ps.init_distributed_environment(
-                pc.world_size,
+                shape.world_size,
                 self.rank,
                 self.distributed_init_method,
                 timeout_s=pc.comm_timeout_s(self.scheduler_config.max_num_batched_tokens),
                 local_rank=self.device.index or 0,  # NCCL binds to this rank's own GPU
             )
-            ps.initialize_model_parallel(pc.pipeline_parallel_size, pc.tensor_parallel_size)
+            ps.initialize_model_parallel(shape.pipeline_parallel_size, shape.tensor_parallel_size)
 
     def rejoin_process_groups(
         self,
         distributed_init_method: str,
         rank: int | None = None,
-        pipeline_parallel_size: int | None = None,
+        shape: PipelineShape | None = None,
     ) -> None:
         """A peer stage was replaced: leave the old process groups and join the new ones.
 
         This stage keeps its weights and cache tensors; the engine recomputes every request,
-        so no KV written before the failure is read again. With `rank` and
-        `pipeline_parallel_size` the pipeline changed size (a stage left or came back): this
-        rank joins under its new number, and the engine follows with `reshape` (the layers
-        of its new stage, a cache re-sized for them)."""
+        so no KV written before the failure is read again. With `rank` and `shape` the
+        pipeline changed size (a stage left or came back): this rank joins under its new
+        number, and the engine follows with `reshape` or `merge_layers` (the layers of its
+        new stage, a cache re-sized for them)."""
         # The previous send's peer may be gone: never wait on it.
         self._pending_send = None
         self.sampled_ids.reset()
@@ -138,23 +149,24 @@ class Worker:
         except Exception as exc:  # a group with a dead peer may not close cleanly
             logger.warning("rank %d: leaving the old process groups: %s", self.rank, exc)
         self.distributed_init_method = distributed_init_method
-        if rank is not None and pipeline_parallel_size is not None:
-            if (rank, pipeline_parallel_size) != (
-                self.rank,
-                self.parallel_config.pipeline_parallel_size,
-            ):
-                logger.info(
-                    "rank %d: now rank %d of a %d-stage pipeline",
-                    self.rank, rank, pipeline_parallel_size,
-                )  # fmt: skip
+        if rank is not None and shape is not None:
+            pp = shape.pipeline_parallel_size
+            if (rank, pp) != (self.rank, self.shape.pipeline_parallel_size):
+                logger.info("rank %d: now rank %d of a %d-stage pipeline", self.rank, rank, pp)
             self.rank = rank
-            self.parallel_config.pipeline_parallel_size = pipeline_parallel_size
+            self.set_shape(shape)
             # Peers (the last stage's driver, the first stage's ranks) follow the new size.
             self.sampled_ids = SampledIdChannel(rank, self.parallel_config)
         self._join_process_groups()
         self.model_runner.drop_requests(seeded)
-        if pipeline_parallel_size is not None:
+        if shape is not None:
             self.timers = StageTimers(ps.get_pipeline_model_parallel_rank())
+        self.timers.abort()
+
+    def use_layers(self, layout: StageLayout, runner: ModelRunner) -> None:
+        """This stage holds `layout` from now on, run by `runner` (layers taken over from a
+        lost neighbour: `RankRecovery.merge_layers`)."""
+        self.layout, self.model_runner = layout, runner
         self.timers.abort()
 
     def load_model(self) -> None:
@@ -163,21 +175,20 @@ class Worker:
             model, self.layout, self.cache_config.block_size, self.device, self.model_config
         )
 
-    def reshape(self, layer_split: list[int]) -> tuple[int, int]:
-        """Take the layers of this stage under a new split (same stages, same groups): load
+    def reshape(self, shape: PipelineShape) -> tuple[int, int]:
+        """Take the layers of this stage in `shape` (same stages, same groups): load
         them (reading only their tensors) unless the range is unchanged, drop the KV cache
         and return the blocks this stage can hold now, like `determine_num_available_blocks`
         (the engine then gives every stage the minimum through `initialize_cache`).
 
         The engine drained the pipeline and recomputes every request afterwards (the step
         after this one tells the stages to forget every request), so no KV is read again."""
-        if self._pending_send is not None:
-            self._pending_send.wait()  # the pipeline is drained: it has completed
-            self._pending_send = None
-        self.parallel_config.pp_layer_partition = ",".join(str(n) for n in layer_split)
-        old, new = self.layout, self._stage_layout()
+        self.wait_for_send()  # the pipeline is drained: it has completed
+        self.drop_pending_send()
+        self.set_shape(shape)
+        old, new = self.layout, self.stage_layout()
         self.cache_engine = None  # sized for the old layer count
-        self._gained = None
+        self.recovery.forget()
         # A stage keeping its layers keeps its runner: its structured-output matchers of the
         # held requests go (they are sent again in full).
         self.model_runner.drop_requests(self.request_table.request_ids())
@@ -193,83 +204,6 @@ class Worker:
             )  # fmt: skip
         self.timers.abort()
         return self.determine_num_available_blocks()
-
-    # -- taking over a lost neighbour's layers (vllm.worker.stage_merge) ----------------------
-
-    def merge_layers(
-        self, layer_split: list[int], lost: tuple[int, int, bool, bool]
-    ) -> tuple[int, int] | None:
-        """The pipeline lost a stage (its `StageLayout` fields: `lost`) and ONE neighbour
-        takes its layers (`layer_split`). A stage whose range is unchanged keeps everything
-        and returns None; the one taking them loads only them (its own module, KV, swap
-        copies and boundary rows stay) and returns the (device, host) blocks it can hold
-        with its new layers, like `determine_num_available_blocks`. Its cache grows in
-        `grow_merged_cache`."""
-        self.parallel_config.pp_layer_partition = ",".join(str(n) for n in layer_split)
-        old, new = self.layout, self._stage_layout()
-        if new == old:
-            return None
-        lost_layout = StageLayout(*lost)
-        default_shape = (self._num_kv_heads(), self.model_config.get_head_size())
-        runner, self._gained = load_gained(
-            self.model_config, self.model_runner.model, old, lost_layout, new,
-            self.cache_config.block_size, self.device, default_shape,
-        )  # fmt: skip
-        self.layout, self.model_runner = new, runner
-        self.timers.abort()
-        logger.info(
-            "rank %d: layers [%d, %d) -> [%d, %d) (took over [%d, %d): loaded only those)",
-            self.rank, old.start_layer, old.end_layer, new.start_layer, new.end_layer,
-            lost_layout.start_layer, lost_layout.end_layer,
-        )  # fmt: skip
-        return self.determine_num_available_blocks()
-
-    def grow_merged_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """The stage that took over layers (`merge_layers`): KV tensors for them, device and
-        host, and every tensor at the engine's (possibly smaller) block counts."""
-        gained, cache = self._gained, self.cache_engine
-        assert gained is not None and cache is not None, "merge_layers first"
-        model = gained.runner.model
-        if hasattr(model, "kv_cache_shapes"):
-            shapes = list(model.kv_cache_shapes())
-        else:
-            shape = (self._num_kv_heads(), self.model_config.get_head_size())
-            shapes = [shape] * gained.runner.layout.num_layers
-        gained.kv = cache.add_layers(shapes, gained.before, num_gpu_blocks, num_cpu_blocks)
-        if cache.gpu_boundary is not None and not self.layout.is_last and not gained.before:
-            # Made here, outside inference mode: it becomes the boundary cache, written
-            # by every later step.
-            gained.boundary_out = cache.empty_boundary()
-        self.cache_config.num_gpu_blocks = num_gpu_blocks
-        self.cache_config.num_cpu_blocks = num_cpu_blocks
-
-    def replay_gained_layers(self, request: ReplayRequest) -> None:
-        """One replay step of the layers this stage took over (`vllm.worker.stage_merge`):
-        every rank applies the block operations (as `replay_stages`); the stage that took
-        them runs only them on the committed tokens from data it holds. Nothing is sent or
-        sampled."""
-        assert self.cache_engine is not None, "initialize_cache() first"
-        cache = self.cache_engine
-        for ops in request.before:
-            self._apply_block_ops(request.kv_blocks_bound, ops)
-        if request.groups and self._gained is not None:
-            try:
-                replay_gained(
-                    self._gained, cache, StepRows.of(request.groups),
-                    self.model_config.get_hidden_size(),
-                )  # fmt: skip
-            except BaseException as exc:
-                self._leave_groups_after(exc)
-                raise
-        for ops in request.after:
-            self._apply_block_ops(request.kv_blocks_bound, ops)
-
-    def finish_merge(self) -> None:
-        """The layers taken over have their KV: the boundary cache holds what this stage
-        sends downstream now (none on a stage that became the last one)."""
-        gained, self._gained = self._gained, None
-        if gained is not None and self.cache_engine is not None:
-            finish_merge(gained, self.cache_engine, self.layout.is_last)
 
     # -- LoRA adapters (the engine's registry, mirrored on every rank) ------------------------
 
@@ -346,7 +280,7 @@ class Worker:
             stats["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return stats
 
-    def _num_kv_heads(self) -> int:
+    def num_kv_heads(self) -> int:
         """KV heads this rank caches: its TP share (replicated when kv heads < TP)."""
         return tpu.num_kv_heads_per_rank(
             self.model_config.get_num_kv_heads(), self.parallel_config.tensor_parallel_size
@@ -358,7 +292,7 @@ class Worker:
         model = getattr(getattr(self, "model_runner", None), "model", None)
         if model is not None and hasattr(model, "kv_cache_shapes"):
             return list(model.kv_cache_shapes())
-        shape = (self._num_kv_heads(), self.model_config.get_head_size())
+        shape = (self.num_kv_heads(), self.model_config.get_head_size())
         return [shape] * self.layout.num_layers
 
     def _boundary_width(self) -> int:
@@ -439,11 +373,9 @@ class Worker:
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         mc = self.model_config
-        self.cache_config.num_gpu_blocks = num_gpu_blocks
-        self.cache_config.num_cpu_blocks = num_cpu_blocks
         self.cache_engine = CacheEngine(
             self.layout.num_layers,
-            self._num_kv_heads(),
+            self.num_kv_heads(),
             mc.get_head_size(),
             self.cache_config.block_size,
             num_gpu_blocks,
@@ -467,7 +399,7 @@ class Worker:
             # operations are local and still applied: every surviving rank gets the same
             # steps, so after a stage replacement all of them hold the blocks the scheduler
             # moved or copied, and only the replaced stage must rebuild its KV.
-            self._apply_block_ops(request.kv_blocks_bound, request.block_ops())
+            self.apply_block_ops(request.kv_blocks_bound, request.block_ops())
             raise RuntimeError(
                 f"rank {self.rank}: this stage left its process groups after a failed step "
                 "and waits for the engine to re-form them"
@@ -475,10 +407,10 @@ class Worker:
         try:
             return self._execute_model(request)
         except BaseException as exc:
-            self._leave_groups_after(exc)
+            self.leave_groups_after(exc)
             raise
 
-    def _leave_groups_after(self, exc: BaseException) -> None:
+    def leave_groups_after(self, exc: BaseException) -> None:
         """A step or replay failed: close this rank's process groups (see execute_model)."""
         self.timers.abort()  # the step is over: a heartbeat must not report it busy
         if self.parallel_config.world_size > 1:
@@ -500,7 +432,7 @@ class Worker:
         timers.begin()
         cache = self.cache_engine
         # Block operations come before the forward: this step's batch may use moved blocks.
-        self._apply_block_ops(request.kv_blocks_bound, request.block_ops())
+        self.apply_block_ops(request.kv_blocks_bound, request.block_ops())
         self.model_runner.drop_requests(request.finished_request_ids)
         rows: StepRows | None = None
         if step is not None:
@@ -518,7 +450,7 @@ class Worker:
                 timers.stats.step_bytes += message_bytes(step)
         # Cache work first: on a later stage it overlaps with the previous stage's compute.
         timers.lap("cache_s")
-        received = None if layout.is_first else self._receive_hidden()
+        received = None if layout.is_first else self.receive_hidden()
         timers.lap("recv_s")
         cpu_started = time.thread_time()
         to_send, output = self.model_runner.execute_stage(
@@ -529,12 +461,12 @@ class Worker:
         timers.lap("compute_s")
         timers.stats.compute_cpu_s += time.thread_time() - cpu_started
         if to_send is not None:
-            self._send_hidden(to_send)
+            self.send_hidden(to_send)
         timers.lap("send_s")
         timers.end()
         return output
 
-    def _apply_block_ops(self, kv_blocks_bound: int, ops: BlockOps) -> None:
+    def apply_block_ops(self, kv_blocks_bound: int, ops: BlockOps) -> None:
         """Map the cache up to `kv_blocks_bound` blocks, then swap in, swap out and copy."""
         cache = self.cache_engine
         assert cache is not None, "initialize_cache() first"
@@ -543,14 +475,14 @@ class Worker:
         cache.swap_out(ops.swap_out)
         cache.copy(ops.copy)
 
-    def _receive_hidden(self) -> dict[str, Any]:
+    def receive_hidden(self) -> dict[str, Any]:
         """The previous stage's hidden states and metadata (TP: all-gathered from slices)."""
         received = recv_tensor_dict(ps.get_pipeline_model_parallel_prev_rank(), device=self.device)
         if received.pop("hidden_tp_sliced", False):
             received["hidden"] = tpu.all_gather_last_dim(received["hidden"])
         return received
 
-    def _send_hidden(self, to_send: dict[str, Any], send: bool = True) -> None:
+    def send_hidden(self, to_send: dict[str, Any], send: bool = True) -> None:
         """Send to the next stage without waiting for it (the next stage overlaps with this
         one), after the previous step's send finished (keeps order and bounds memory). The
         rows sent are kept in the boundary cache at the step's slots; with `send=False`
@@ -565,61 +497,22 @@ class Worker:
         if cache is not None and cache.gpu_boundary is not None:
             cache.write_boundary(to_send["md.slot_mapping"], to_send["hidden"])
         if send:
-            self._send_to_next(to_send)
+            self.send_to_next(to_send)
 
-    def _send_to_next(self, to_send: dict[str, Any]) -> None:
+    def send_to_next(self, to_send: dict[str, Any]) -> None:
+        """Send `to_send` to the next stage without waiting (`wait_for_send` waits)."""
         self._pending_send = send_tensor_dict(
             to_send, ps.get_pipeline_model_parallel_next_rank(), async_op=True
         )
 
-    def replay_stages(self, request: ReplayRequest) -> None:
-        """One replay step of a stage-local rebuild (see `ReplayRequest`): a rebuilt stage
-        runs its layers on the committed tokens (writing their KV and its own boundary
-        rows) and passes them on to a rebuilt next stage; a kept stage whose next stage is
-        rebuilt sends the rows its boundary cache holds for those slots; others only apply
-        the block operations. Nothing is sampled."""
-        assert self.cache_engine is not None, "initialize_cache() first"
-        for ops in request.before:
-            self._apply_block_ops(request.kv_blocks_bound, ops)
-        if request.groups:
-            pp_rank = ps.get_pipeline_model_parallel_rank()
-            rebuilt = set(request.rebuild_stages)
-            next_rebuilt = pp_rank + 1 in rebuilt and not self.layout.is_last
-            rows = StepRows.of(request.groups)
-            try:
-                self._replay(rows, pp_rank in rebuilt, next_rebuilt)
-            except BaseException as exc:
-                self._leave_groups_after(exc)
-                raise
-        # The rows it wrote (KV, boundary) are complete and its sends done.
-        for ops in request.after:
-            self._apply_block_ops(request.kv_blocks_bound, ops)
+    def wait_for_send(self) -> None:
+        """Wait until the last send to the next stage completed."""
+        if self._pending_send is not None:
+            self._pending_send.wait()
 
-    @torch.inference_mode()
-    def _replay(self, rows: StepRows, rebuilt: bool, next_rebuilt: bool) -> None:
-        cache = self.cache_engine
-        assert cache is not None
-        try:
-            if rebuilt:
-                received = None if self.layout.is_first else self._receive_hidden()
-                to_send = self.model_runner.replay_stage(cache.gpu_cache, rows, received)
-                if to_send is not None:
-                    self._send_hidden(to_send, send=next_rebuilt)
-            elif next_rebuilt:
-                to_send = self.model_runner.replay_inputs(rows)
-                to_send["hidden"] = cache.read_boundary(to_send["md.slot_mapping"])
-                if self.parallel_config.tensor_parallel_size > 1:
-                    # Kept as sent: this rank's slice (see `_boundary_width`).
-                    sliced = to_send["hidden"].shape[-1] < self.model_config.get_hidden_size()
-                    if sliced:
-                        to_send["hidden_tp_sliced"] = True
-                if self._pending_send is not None:
-                    self._pending_send.wait()
-                self._send_to_next(to_send)
-            if self._pending_send is not None:
-                self._pending_send.wait()
-        finally:
-            self._pending_send = None
+    def drop_pending_send(self) -> None:
+        """Forget the last send (completed, or its peer is gone: never wait on it)."""
+        self._pending_send = None
 
     def get_stage_stats(self, reset: bool = True) -> StageStats:
         """Where this stage's time went since the last reset (`StageStats`)."""
@@ -649,3 +542,33 @@ class Worker:
             self.cache_engine = None
             self.model_runner = None  # type: ignore[assignment]
             release_memory()
+
+
+def worker_verbs(worker: Worker) -> dict[Verb, Callable[..., Any]]:
+    """What answers each verb a built Worker takes (`vllm.distributed.rank_verbs`): the step
+    and its set-up on the Worker, a recovery's calls on its `RankRecovery`. One table, used
+    by a rank's process (`rank_server.WorkerHost`) and in-process (`UniProcExecutor`)."""
+    recovery = worker.recovery
+    return {
+        Verb.INIT_DEVICE: worker.init_device,
+        Verb.LOAD_MODEL: worker.load_model,
+        Verb.DETERMINE_NUM_AVAILABLE_BLOCKS: worker.determine_num_available_blocks,
+        Verb.INITIALIZE_CACHE: worker.initialize_cache,
+        Verb.EXECUTE_MODEL: worker.execute_model,
+        Verb.REPLAY_STAGES: recovery.replay_stages,
+        Verb.REJOIN_PROCESS_GROUPS: worker.rejoin_process_groups,
+        Verb.RESHAPE: worker.reshape,
+        Verb.MERGE_LAYERS: recovery.merge_layers,
+        Verb.GROW_MERGED_CACHE: recovery.grow_merged_cache,
+        Verb.REPLAY_GAINED_LAYERS: recovery.replay_gained_layers,
+        Verb.FINISH_MERGE: recovery.finish_merge,
+        Verb.SYNC_LORAS: worker.sync_loras,
+        Verb.ADD_LORA: worker.add_lora,
+        Verb.REMOVE_LORA: worker.remove_lora,
+        Verb.GET_STAGE_INFO: worker.get_stage_info,
+        Verb.GET_STAGE_STATS: worker.get_stage_stats,
+        Verb.GET_MEMORY_STATS: worker.get_memory_stats,
+        Verb.START_PROFILE: worker.start_profile,
+        Verb.STOP_PROFILE: worker.stop_profile,
+        Verb.SHUTDOWN: worker.shutdown,
+    }

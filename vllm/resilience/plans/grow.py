@@ -35,7 +35,8 @@ def grow(engine: EngineControl, resizes: PipelineResizes) -> bool:
     old_pp, old_split = pc.pipeline_parallel_size, resizes.reshaper.current_split()
     started = time.monotonic()
     try:
-        ranks = engine.executor.start_stages(missing, resizes.restore_partition)
+        control = engine.executor.require_stage_control("add a stage")
+        ranks = control.start_stages(missing, resizes.restore_partition)
     except Exception as exc:
         logger.warning(
             "Growing the pipeline back to PP=%d failed (%s: %s); going on at PP=%d, next "
@@ -46,7 +47,7 @@ def grow(engine: EngineControl, resizes: PipelineResizes) -> bool:
     requeued = engine.scheduler.requeue_all()
     engine.abandon_in_flight()  # nothing is in flight: the queue starts again
     try:
-        engine.executor.join_stages()
+        control.join_stages()
     except Exception as exc:
         logger.error(
             "Re-forming the pipeline at PP=%d failed (%s: %s); the new stage(s) leave again",
@@ -54,6 +55,7 @@ def grow(engine: EngineControl, resizes: PipelineResizes) -> bool:
         )  # fmt: skip
         _remove_again(engine, resizes, ranks, exc)
         return False
+    pc = engine.parallel_config  # the pipeline as it runs now (the executor's shape)
     resize = PipelineResizeEvent(
         "grow", old_pp, pc.pipeline_parallel_size, old_split, [], 0.0, len(requeued)
     )
@@ -75,7 +77,7 @@ def _remove_again(
     engine.scheduler.requeue_all()
     engine.abandon_in_flight()
     try:
-        engine.executor.remove_stages(ranks)
+        engine.executor.require_stage_control("remove a stage").remove_stages(ranks)
     except StageFailedError as error:
         engine.fail(error, f"growing the pipeline failed ({cause}) and so did going back")
     resizes.after_resize(None)

@@ -58,7 +58,7 @@ def rebuild(
     try:
         before = [*unsent, BlockOps(swap_in=plan.blocks_to_swap_in)]
         replayed = run_replay(
-            engine.executor.replay,
+            engine.executor.require_stage_control("rebuild a stage").replay,
             engine.parallel_config.step_deadline_s,
             stages,
             steps,
@@ -115,7 +115,7 @@ def _rebuild_swapped_in_rounds(engine: EngineControl, plan: RollbackPlan, stages
         # Every block the round hands out (the lent groups' new ones too) is below it.
         sched.refresh_kv_blocks_bound()
         replayed += run_replay(
-            engine.executor.replay,
+            engine.executor.require_stage_control("rebuild a stage").replay,
             engine.parallel_config.step_deadline_s,
             stages,
             steps,

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from vllm.core.stage_rollback import RollbackPlan, log_rollback, requeue_after_replay
 from vllm.distributed.pipeline_resize import stages_of
+from vllm.executor.base import ExecutorBase
 from vllm.logger import init_logger
 from vllm.resilience.engine_control import EngineControl
 from vllm.resilience.errors import StageFailedError
@@ -60,14 +60,9 @@ class MergeRebuild:
     num_gpu_blocks: int
 
 
-def can_resize_pipeline(executor: Any) -> bool:
-    """Whether `executor` can take stages out of its pipeline and back (the mp backend)."""
-    from vllm.executor.base import ExecutorBase
-
-    remove = getattr(executor, "remove_stages", None)
-    return remove is not None and getattr(remove, "__func__", remove) is not (
-        ExecutorBase.remove_stages
-    )
+def can_resize_pipeline(executor: ExecutorBase) -> bool:
+    """Whether `executor` can take stages out of its pipeline and back (mp, ray)."""
+    return executor.stage_control is not None
 
 
 def can_shrink(engine: EngineControl, error: StageFailedError) -> bool:
@@ -116,7 +111,8 @@ def shrink(
     requeued: list[str] = []
     if not_local is None:
         assert plan is not None
-        engine.executor.remove_stages(error.ranks, merge=True)
+        control = engine.executor.require_stage_control("remove a stage")
+        control.remove_stages(error.ranks, merge=True)
         try:
             rebuilt = _rebuild_merged_stage(engine, plan, unsent)
         except NotLocal as exc:
@@ -126,16 +122,17 @@ def shrink(
             logger.error("Shrinking the pipeline: %s", not_local)
         if rebuilt is None:
             requeued = engine.scheduler.requeue_all()
-            engine.executor.split_evenly()
+            control.split_evenly()
     else:
         # The layers move between stages: no stage's KV is valid afterwards.
         requeued = engine.scheduler.requeue_all()
-        engine.executor.remove_stages(error.ranks)
+        engine.executor.require_stage_control("remove a stage").remove_stages(error.ranks)
     if not_local is not None and plan is not None:
         logger.warning(
             "Shrinking the pipeline: every request is recomputed in full (%s)", not_local
         )
     seconds = time.monotonic() - started
+    pc = engine.parallel_config  # the pipeline as it runs now (the executor's shape)
     resize = PipelineResizeEvent(
         "shrink", old_pp, pc.pipeline_parallel_size, old_split, [], seconds
     )
@@ -171,7 +168,7 @@ def _rebuild_merged_stage(
     """Rebuild the KV of the layers the merged stage took over (see the module docstring).
     Raises NotLocal, before any stage changed, when its cache cannot keep every group's
     blocks; any other error leaves the caller to recompute in full."""
-    executor = engine.executor
+    executor = engine.executor.require_stage_control("merge a lost stage's layers")
     merged = executor.merged
     assert merged is not None, "remove_stages(merge=True) first"
     sched = engine.scheduler
