@@ -70,7 +70,6 @@ def rebuild_merged_stage(
     # stage's: `StageRecovery._rebuild_swapped_in_rounds`): recomputed instead, here rare.
     for group in plan.swap_rounds:
         plan.recomputed[group.request_id] = "swapped, and no room to swap it in with the replay"
-        sched.swapped.remove(group)
     sched.requeue(plan.swap_rounds)
     plan.swap_rounds = []
     cc = engine.cache_config

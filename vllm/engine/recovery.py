@@ -302,7 +302,6 @@ class StageRecovery:
                     "swapped, and no room to swap it in for the replay even with running "
                     "requests swapped out meanwhile"
                 )
-                sched.swapped.remove(group)
                 sched.requeue([group])
                 continue
             steps = replay_steps([group], bm, max_tokens) or [[]]
