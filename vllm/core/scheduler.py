@@ -581,9 +581,10 @@ class Scheduler:
         out: SchedulerOutputs,
         next_victim: Callable[[], SequenceGroup | None],
     ) -> bool:
-        """Make room for the group's next tokens by preempting lower-priority groups (from
-        `next_victim`) and append its slots; True if it runs, False if it had to be
-        preempted itself because no victim was left."""
+        """Make room for the running group's next tokens by preempting lower-priority
+        running groups (from `next_victim`) and append its slots; True if it runs, False if
+        it had to be preempted itself because no victim was left. A preempted group leaves
+        `running` for `waiting` (recompute) or `swapped`."""
         while not self.block_manager.can_append_slots(seq_group):
             victim = next_victim()
             if victim is None:
@@ -600,11 +601,11 @@ class Scheduler:
 
     def _preempt(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
         mode = self._preemption_mode(seq_group)
-        self.running.remove(seq_group)
         if mode == PreemptionMode.RECOMPUTE:
             for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
                 seq.reset_for_recompute()
                 self.block_manager.free(seq)
+            self.running.remove(seq_group)
             self.waiting.appendleft(seq_group)
         else:
             if not self.block_manager.can_swap_out(seq_group):
@@ -615,6 +616,7 @@ class Scheduler:
             out.blocks_to_swap_out.update(self.block_manager.swap_out(seq_group))
             for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED
+            self.running.remove(seq_group)
             self.swapped.append(seq_group)
         # Resumed, it is sent to the stages in full (its table and tokens start over).
         StepWriter.forget(seq_group)
