@@ -30,9 +30,7 @@ GUARDED = ("vllm/engine/", "vllm/resilience/")
 
 # Circles other work removes (the scheduler and its two policies, each typed against the
 # whole scheduler: issue 39, one writer per scheduler queue). Once one is gone, delete it here.
-KNOWN_CYCLES: list[frozenset[str]] = [
-    frozenset({"vllm.core.chunked_policy", "vllm.core.classic_policy", "vllm.core.scheduler"}),
-]
+KNOWN_CYCLES: list[frozenset[str]] = []
 
 
 def _private(name: str) -> bool:

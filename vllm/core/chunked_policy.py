@@ -6,7 +6,8 @@ flight like a decode: chunks reach the cache in order). With pipeline parallelis
 micro-batches are balanced by tokens (`MicroBatchBudget.token_budget`).
 
 `Scheduler.schedule` calls `ChunkedPolicy.schedule`; the queues, admission, swap-in,
-preemption and scheduling ahead are the scheduler's (`vllm.core.scheduler`). Imports no torch.
+preemption and scheduling ahead are the scheduler's (`vllm.core.scheduler`), which the policy
+sees as `PolicyQueues`: it decides, the scheduler applies. Imports no torch.
 """
 
 from __future__ import annotations
@@ -14,13 +15,10 @@ from __future__ import annotations
 import collections
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from vllm.core.budget import over_cap
+from vllm.core.policy_api import PolicyQueues, SchedulerOutputs
 from vllm.sequence import SequenceGroup, SequenceStatus
-
-if TYPE_CHECKING:
-    from vllm.core.scheduler import Scheduler, SchedulerOutputs
 
 # The scheduler's logger: its warnings read the same whichever policy runs.
 logger = logging.getLogger("vllm.core.scheduler")
@@ -59,8 +57,12 @@ class ChunkedPolicy:
     within one token budget per step; a decode that needs a block preempts the
     latest-arriving group not scheduled yet."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.sched = scheduler
+    def __init__(self, queues: PolicyQueues, long_prefill_token_threshold: int = 0) -> None:
+        self.sched = queues
+        # Tokens one prompt may take in a step (vLLM's `long_prefill_token_threshold`; a huge
+        # number when unset). Several diverged sequences are never chunked: they are checked
+        # against the step's budget only.
+        self._cap = long_prefill_token_threshold if long_prefill_token_threshold > 0 else 1 << 62
 
     def schedule(self, out: SchedulerOutputs, seq_cap: int, step_no: int) -> None:
         """Fill `out` with one step, at most `seq_cap` decoding sequences (the first group
@@ -102,24 +104,22 @@ class ChunkedPolicy:
         return sched.budget.token_budget(decode_tokens, prefill_tokens)
 
     def _sort_running(self, step: _Step) -> None:
-        """Take `running` apart, FCFS: groups in flight (or finished) stay in it, the others
-        are sorted into decodes and prefills, put back as they are scheduled or passed over."""
+        """Order `running` by phase, each FCFS: groups in flight (or finished), then decodes,
+        then prefills; sort the decodes and prefills into the step's queues (the groups stay
+        in `running` unless the scheduler preempts them)."""
         sched = self.sched
-        pending = sorted(sched.running, key=lambda g: g.arrival_time)
-        sched.running = collections.deque()
-        for seq_group in pending:
-            if seq_group.is_in_flight() or seq_group.is_finished():
-                sched.running.append(seq_group)
+        sched.sort_running(lambda g: (_phase(g), g.arrival_time))
+        for seq_group in sched.running:
+            phase = _phase(seq_group)
+            if phase == 0:
                 if seq_group.is_finished():
                     continue
                 if sched.can_go_ahead(seq_group, step.step_no):
                     step.ahead.append(seq_group)
                 elif seq_group.is_in_flight() and sched.can_pipeline_chunk(seq_group):
                     step.chunks_behind.append(seq_group)
-            elif seq_group.is_prefill():
-                step.prefills.append(seq_group)
             else:
-                step.decodes.append(seq_group)
+                (step.prefills if phase == 2 else step.decodes).append(seq_group)
 
     def _schedule_decodes(self, step: _Step) -> None:
         """The running decodes (preempting later groups for blocks), then those in flight
@@ -129,12 +129,10 @@ class ChunkedPolicy:
             seq_group = step.decodes.popleft()
             group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
             if not self._decode_fits(step, group_seqs):
-                sched.running.append(seq_group)
                 continue
             if sched.grow_or_preempt(
                 seq_group, step.out, lambda: _pop_victim(step.decodes, step.prefills)
             ):
-                sched.running.append(seq_group)
                 step.take(seq_group, group_seqs, prefill=False)
                 step.batch_seqs += group_seqs
         for seq_group in step.ahead:
@@ -144,14 +142,6 @@ class ChunkedPolicy:
             ):
                 step.take(seq_group, group_seqs, prefill=False)
                 step.batch_seqs += group_seqs
-
-    @property
-    def _cap(self) -> int:
-        """Tokens one prompt may take in a step (`long_prefill_token_threshold`, vLLM's; a
-        huge number when unset). Several diverged sequences are never chunked: they are
-        checked against the step's budget only."""
-        cap = self.sched.scheduler_config.long_prefill_token_threshold
-        return cap if cap > 0 else 1 << 62
 
     @staticmethod
     def _decode_fits(step: _Step, group_seqs: int) -> bool:
@@ -166,11 +156,8 @@ class ChunkedPolicy:
         """The next chunk of each running prefill, FCFS while tokens are left: those with
         no step in flight, and those whose earlier chunks are still in the pipeline (the new
         chunk follows them through every stage; it needs no new block)."""
-        behind = {id(g) for g in step.chunks_behind}
         pending = sorted([*step.prefills, *step.chunks_behind], key=lambda g: g.arrival_time)
         for seq_group in pending:
-            if id(seq_group) not in behind:
-                self.sched.running.append(seq_group)  # in flight: already in `running`
             chunk = _chunk(seq_group, SequenceStatus.RUNNING, step.budget - step.used, self._cap)
             if chunk > 0:
                 step.take(seq_group, chunk, prefill=True)
@@ -228,6 +215,14 @@ class ChunkedPolicy:
             sched.admit(seq_group, waiting_seqs)
             step.take(seq_group, chunk, prefill=True)
             num_seqs += num_new_seqs
+
+
+def _phase(seq_group: SequenceGroup) -> int:
+    """The chunked policy's order of `running`: in flight or finished (0), decoding (1),
+    prefilling (2)."""
+    if seq_group.is_in_flight() or seq_group.is_finished():
+        return 0
+    return 2 if seq_group.is_prefill() else 1
 
 
 def _chunk(seq_group: SequenceGroup, status: SequenceStatus, room: int, cap: int) -> int:

@@ -1,19 +1,17 @@
 """The scheduler's default policy, vLLM V0's: a step runs either new prompts (whole) or decodes.
 
 `Scheduler.schedule` calls `ClassicPolicy.schedule`; the queues, admission, swap-in,
-preemption and scheduling ahead are the scheduler's (`vllm.core.scheduler`). Imports no torch.
+preemption and scheduling ahead are the scheduler's (`vllm.core.scheduler`), which the policy
+sees as `PolicyQueues`: it decides, the scheduler applies. Imports no torch.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
 
 from vllm.core.budget import over_cap
+from vllm.core.policy_api import PolicyQueues, SchedulerOutputs
 from vllm.sequence import SequenceGroup, SequenceStatus
-
-if TYPE_CHECKING:
-    from vllm.core.scheduler import Scheduler, SchedulerOutputs
 
 
 class ClassicPolicy:
@@ -22,8 +20,8 @@ class ClassicPolicy:
     Like vLLM V0, swapped groups are resumed before any new prompt is admitted; a decode that
     needs a block preempts the latest-arriving group that is not in flight."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.sched = scheduler
+    def __init__(self, queues: PolicyQueues) -> None:
+        self.sched = queues
 
     def schedule(self, out: SchedulerOutputs, seq_cap: int, step_no: int) -> None:
         """Fill `out` with one step, at most `seq_cap` sequences (the first group always
@@ -68,29 +66,25 @@ class ClassicPolicy:
     def _schedule_decodes(self, out: SchedulerOutputs, seq_cap: int, step_no: int) -> None:
         sched = self.sched
         scheduled = out.scheduled_seq_groups
-        # FCFS: earliest arrival has the highest priority (stable for equal times).
-        pending = collections.deque(sorted(sched.running, key=lambda g: g.arrival_time))
-        sched.running = collections.deque()
+        # FCFS: earliest arrival has the highest priority (stable for equal times). The
+        # groups stay in `running` unless the scheduler preempts them.
+        sched.sort_running(lambda g: (0, g.arrival_time))
+        pending = collections.deque(sched.running)
         self._batch_seqs = 0
         while pending:
             seq_group = pending.popleft()
             if seq_group.is_finished():
-                sched.running.append(seq_group)
                 continue
             group_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
             if over_cap(scheduled, self._batch_seqs + group_seqs, seq_cap):
-                # This micro-batch is full; the group waits for the next one.
-                sched.running.append(seq_group)
-                continue
+                continue  # this micro-batch is full; the group waits for the next one
             if seq_group.is_in_flight():
-                sched.running.append(seq_group)
                 if sched.can_go_ahead(seq_group, step_no) and sched.try_schedule_ahead(
                     seq_group, out
                 ):
                     self._take(out, seq_group, group_seqs)
                 continue
             if sched.grow_or_preempt(seq_group, out, lambda: _pop_victim(pending)):
-                sched.running.append(seq_group)
                 self._take(out, seq_group, group_seqs)
 
     def _swap_in(self, out: SchedulerOutputs, seq_cap: int) -> None:

@@ -11,6 +11,11 @@ step is written once, as records for the first and last stages (`vllm.core.step_
 a request in full when they do not hold it, else what changed), committed by `commit_step`
 once the executor accepted it. Imports no torch.
 
+One writer per queue: `waiting`, `running`, `swapped` and the in-flight index are written in
+this module only. A policy reads them through `PolicyQueues` (`vllm.core.policy_api`) and a
+stage rollback through `RollbackQueues` (`vllm.core.stage_rollback`); both decide, and the
+scheduler's methods apply their decisions (tests/unit/test_queue_writers.py keeps it so).
+
 In flight: with pipeline parallelism the engine keeps several batches inside the pipeline at
 once; a group in flight has not produced its next token yet, so it is not scheduled, preempted
 or swapped until the engine reports its batch back (`finish_in_flight`). The facts of each
@@ -32,7 +37,6 @@ import enum
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.block_manager import AllocStatus, BlockSpaceManager
@@ -40,7 +44,8 @@ from vllm.core.budget import NO_CAP, MicroBatchBudget
 from vllm.core.chunked_policy import ChunkedPolicy
 from vllm.core.classic_policy import ClassicPolicy
 from vllm.core.lora_admission import LoRAAdmission
-from vllm.core.step_writer import StepRecords, StepWriter
+from vllm.core.policy_api import SchedulerOutputs
+from vllm.core.step_writer import StepWriter
 from vllm.sequence import Flight, Sequence, SequenceGroup, SequenceStatus
 from vllm.spec_decode.planner import DraftPlanner
 from vllm.step_records import RequestRecord
@@ -56,44 +61,6 @@ class PreemptionMode(enum.Enum):
 
     SWAP = enum.auto()
     RECOMPUTE = enum.auto()
-
-
-@dataclass
-class SchedulerOutputs:
-    """One step's decisions: the groups to run and the block operations to apply first."""
-
-    scheduled_seq_groups: list[SequenceGroup] = field(default_factory=list)
-    prompt_run: bool = False
-    num_batched_tokens: int = 0
-    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)
-    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)
-    blocks_to_copy: dict[int, list[int]] = field(default_factory=dict)
-    ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
-    num_preempted: int = 0
-    # request id -> tokens this step feeds for the group (1 per sequence for a decode).
-    token_chunk_sizes: dict[str, int] = field(default_factory=dict)
-    # Groups scheduled ahead -> the step number of their step in flight: each of their
-    # sequences feeds the token that step samples.
-    ahead: dict[str, int] = field(default_factory=dict)
-    # Groups with earlier chunks of their prompt still in flight (chunked pipelining) -> the
-    # prompt tokens those chunks feed: this step's chunk starts after them.
-    chunk_offsets: dict[str, int] = field(default_factory=dict)
-    # Speculative decodes: request id -> seq id -> the draft tokens it verifies this step
-    # (their slots are appended; `vllm.spec_decode.planner`).
-    drafts: dict[str, dict[int, list[int]]] = field(default_factory=dict)
-    # The step number this batch was scheduled as (0 when it is empty).
-    step_no: int = 0
-    # The step's records as written, for `Scheduler.commit_step`.
-    written: StepRecords | None = None
-
-    def is_empty(self) -> bool:
-        """True when there is nothing to run and no block to move or copy."""
-        return not (
-            self.scheduled_seq_groups
-            or self.blocks_to_swap_in
-            or self.blocks_to_swap_out
-            or self.blocks_to_copy
-        )
 
 
 class Scheduler:
@@ -130,7 +97,11 @@ class Scheduler:
         # How many distinct LoRA adapters the running groups may use (None: no LoRA).
         self.lora_admission = LoRAAdmission(max_loras)
         chunked = scheduler_config.enable_chunked_prefill
-        self.policy = ChunkedPolicy(self) if chunked else ClassicPolicy(self)
+        self.policy: ClassicPolicy | ChunkedPolicy = (
+            ChunkedPolicy(self, scheduler_config.long_prefill_token_threshold)
+            if chunked
+            else ClassicPolicy(self)
+        )
         self.block_manager = BlockSpaceManager(
             cache_config.block_size,
             cache_config.num_gpu_blocks,
@@ -268,7 +239,6 @@ class Scheduler:
         keeping the ones it already generated. Groups aborted while in flight are released.
         Returns the re-queued request ids."""
         requeued = [g for g in self.running if g.is_in_flight()]
-        self.running = collections.deque(g for g in self.running if not g.is_in_flight())
         self.drop_steps_in_flight()
         self.requeue(requeued)
         return [g.request_id for g in requeued]
@@ -282,15 +252,33 @@ class Scheduler:
         self._clear_flights()
 
     def requeue(self, groups: list[SequenceGroup]) -> None:
-        """Recompute `groups` (no longer in `running` or `swapped`): their blocks are freed
-        and they wait again, by arrival, with the tokens they have."""
+        """Recompute `groups`: taken out of `running` or `swapped` (if still there), their
+        blocks are freed and they wait again, by arrival, with the tokens they have."""
+        self.set_aside(groups)
         self._requeue(groups, free_blocks=True)
+
+    def set_aside(self, groups: Iterable[SequenceGroup]) -> None:
+        """Take `groups` out of `running` and `swapped` keeping their blocks, for a rollback
+        that requeues them once it has decided every group (`requeue`) or drops them
+        (finished)."""
+        ids = {g.request_id for g in groups}
+        if ids:
+            self.running = collections.deque(g for g in self.running if g.request_id not in ids)
+            self.swapped = collections.deque(g for g in self.swapped if g.request_id not in ids)
+
+    def swap_in_for_replay(self, seq_group: SequenceGroup) -> dict[int, int]:
+        """Bring a swapped group back into `running` outside a step (a rollback replays its
+        committed tokens): its sequences run again; returns {cpu block: gpu block}."""
+        self.swapped.remove(seq_group)
+        blocks = self.block_manager.swap_in(seq_group)
+        for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
+            seq.status = SequenceStatus.RUNNING
+        self.running.append(seq_group)
+        return blocks
 
     def recompute_groups(self, groups: list[SequenceGroup]) -> None:
         """Recompute running groups that are not in flight from their first token (a pooling
         request whose last stage lost its earlier chunks): blocks freed, sent in full again."""
-        ids = {g.request_id for g in groups}
-        self.running = collections.deque(g for g in self.running if g.request_id not in ids)
         for group in groups:
             StepWriter.forget(group)
         self.requeue(groups)
@@ -595,6 +583,12 @@ class Scheduler:
         """FCFS order of the swapped groups (earliest arrival first)."""
         self.swapped = collections.deque(sorted(self.swapped, key=lambda g: g.arrival_time))
 
+    def sort_running(self, key: Callable[[SequenceGroup], tuple[int, float]]) -> None:
+        """Order `running` by a policy's priority (stable: equal keys keep their order). The
+        policy then walks it; a group it preempts leaves it, one admitted or swapped in joins
+        its end."""
+        self.running = collections.deque(sorted(self.running, key=key))
+
     def next_swappable(self, out: SchedulerOutputs, num_seqs: int) -> SequenceGroup | None:
         """The first swapped group if it can come back now (blocks free, and room for its
         sequences next to the `num_seqs` running). Groups that can never come back are
@@ -647,9 +641,10 @@ class Scheduler:
         out: SchedulerOutputs,
         next_victim: Callable[[], SequenceGroup | None],
     ) -> bool:
-        """Make room for the group's next tokens by preempting lower-priority groups (from
-        `next_victim`) and append its slots; True if it runs, False if it had to be
-        preempted itself because no victim was left."""
+        """Make room for the running group's next tokens by preempting lower-priority
+        running groups (from `next_victim`) and append its slots; True if it runs, False if
+        it had to be preempted itself because no victim was left. A preempted group leaves
+        `running` for `waiting` (recompute) or `swapped`."""
         while not self.block_manager.can_append_slots(seq_group):
             victim = next_victim()
             if victim is None:
@@ -670,6 +665,7 @@ class Scheduler:
             for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
                 seq.reset_for_recompute()
                 self.block_manager.free(seq)
+            self.running.remove(seq_group)
             self.waiting.appendleft(seq_group)
         else:
             if not self.block_manager.can_swap_out(seq_group):
@@ -680,6 +676,7 @@ class Scheduler:
             out.blocks_to_swap_out.update(self.block_manager.swap_out(seq_group))
             for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED
+            self.running.remove(seq_group)
             self.swapped.append(seq_group)
         # Resumed, it is sent to the stages in full (its table and tokens start over).
         StepWriter.forget(seq_group)

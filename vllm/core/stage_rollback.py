@@ -19,22 +19,59 @@ A swapped group with no room to come back now stays swapped and is rebuilt in a 
 own (`next_swap_round`): swapped in (running groups already rebuilt lend their blocks,
 swapped out meanwhile), replayed on the replaced stages, swapped out again.
 Free blocks of the prefix cache are garbage on the new stage: dropped from the cache.
+
+The rollback decides; the scheduler, seen as `RollbackQueues`, applies each decision to its
+queues (set a group aside, swap one in for the replay, requeue), as it does a policy's.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from vllm.core.block_manager import AllocStatus
+from vllm.config import SchedulerConfig
+from vllm.core.block_manager import AllocStatus, BlockSpaceManager
+from vllm.core.budget import MicroBatchBudget
+from vllm.core.lora_admission import LoRAAdmission
 from vllm.sequence import SequenceGroup, SequenceStatus
 from vllm.step_records import BlockOps
 
-if TYPE_CHECKING:
-    from vllm.core.scheduler import Scheduler
-
 logger = logging.getLogger("vllm.core.stage_rollback")
+
+
+class RollbackQueues(Protocol):
+    """The scheduler as a rollback sees it: its queues read-only, the block manager (whose
+    blocks a rollback swaps), and the operations that apply the rollback's decisions."""
+
+    @property
+    def running(self) -> Sequence[SequenceGroup]: ...
+
+    @property
+    def swapped(self) -> Sequence[SequenceGroup]: ...
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig: ...
+
+    @property
+    def block_manager(self) -> BlockSpaceManager: ...
+
+    @property
+    def budget(self) -> MicroBatchBudget: ...
+
+    @property
+    def lora_admission(self) -> LoRAAdmission: ...
+
+    def num_running_seqs(self) -> int: ...
+
+    def drop_steps_in_flight(self) -> None: ...
+
+    def set_aside(self, groups: Iterable[SequenceGroup]) -> None: ...
+
+    def swap_in_for_replay(self, seq_group: SequenceGroup) -> dict[int, int]: ...
+
+    def requeue(self, groups: list[SequenceGroup]) -> None: ...
 
 
 @dataclass
@@ -57,7 +94,7 @@ class RollbackPlan:
     requeue_after: dict[str, str] = field(default_factory=dict)
 
 
-def roll_back_for_replay(sched: Scheduler) -> RollbackPlan:
+def roll_back_for_replay(sched: RollbackQueues) -> RollbackPlan:
     """Roll the groups in flight back to their committed state without freeing their blocks,
     and decide per unfinished group: replay (kept) or full recompute (re-queued)."""
     sched.drop_steps_in_flight()  # the replaced stages hold nothing; all re-learn in full
@@ -65,39 +102,37 @@ def roll_back_for_replay(sched: Scheduler) -> RollbackPlan:
     bm = sched.block_manager
     chunked = sched.scheduler_config.enable_chunked_prefill
     recompute: list[SequenceGroup] = []
-    kept = []
+    # Finished groups leave the queues; recomputed ones too, their blocks freed only once
+    # every group is decided (the swapped groups' room is counted without those frees).
+    leave: list[SequenceGroup] = []
     for group in sched.running:
         if group.is_finished():
+            leave.append(group)
             continue
         why = _why_recompute(group, chunked)
         if why is None:
-            kept.append(group)
-        elif any(seq.data.get_num_computed_tokens() for seq in group.get_unfinished_seqs()):
-            kept.append(group)
+            continue
+        if any(seq.data.get_num_computed_tokens() for seq in group.get_unfinished_seqs()):
             plan.requeue_after[group.request_id] = why
         else:
             plan.recomputed[group.request_id] = why
             recompute.append(group)
-    sched.running.clear()
-    sched.running.extend(kept)
-    still_swapped = list(sched.swapped)
-    sched.swapped.clear()
-    for group in still_swapped:
+            leave.append(group)
+    sched.set_aside(leave)
+    for group in list(sched.swapped):
         if group.is_finished():
+            sched.set_aside([group])
             continue
         why = _why_recompute(group, chunked) or _lora_refusal(sched, group)
         if why is not None:
             plan.recomputed[group.request_id] = why
             recompute.append(group)
+            sched.set_aside([group])
             continue
         if not _room_to_swap_in(sched, group):
-            plan.swap_rounds.append(group)
-            sched.swapped.append(group)
+            plan.swap_rounds.append(group)  # stays swapped
             continue
-        plan.blocks_to_swap_in.update(bm.swap_in(group))
-        for seq in group.get_seqs(status=SequenceStatus.SWAPPED):
-            seq.status = SequenceStatus.RUNNING
-        sched.running.append(group)
+        plan.blocks_to_swap_in.update(sched.swap_in_for_replay(group))
         plan.swapped_in.append(group.request_id)
     sched.requeue(recompute)
     # After the frees above: blocks they parked in the prefix cache are garbage too.
@@ -106,12 +141,10 @@ def roll_back_for_replay(sched: Scheduler) -> RollbackPlan:
     return plan
 
 
-def requeue_after_replay(sched: Scheduler, plan: RollbackPlan) -> list[SequenceGroup]:
+def requeue_after_replay(sched: RollbackQueues, plan: RollbackPlan) -> list[SequenceGroup]:
     """After the replay: the groups of `plan.requeue_after` wait again (their blocks freed,
     their replayed prefix left in the prefix cache); returns them."""
     groups = [g for g in sched.running if g.request_id in plan.requeue_after]
-    for group in groups:
-        sched.running.remove(group)
     sched.requeue(groups)
     return groups
 
@@ -135,7 +168,7 @@ def _why_recompute(group: SequenceGroup, chunked: bool) -> str | None:
     return None
 
 
-def _room_to_swap_in(sched: Scheduler, group: SequenceGroup) -> bool:
+def _room_to_swap_in(sched: RollbackQueues, group: SequenceGroup) -> bool:
     """Whether the swapped `group` can come back now, with the replay."""
     if sched.block_manager.can_swap_in(group) != AllocStatus.OK:
         return False
@@ -143,7 +176,7 @@ def _room_to_swap_in(sched: Scheduler, group: SequenceGroup) -> bool:
     return num_seqs <= sched.budget.max_num_seqs
 
 
-def _lora_refusal(sched: Scheduler, group: SequenceGroup) -> str | None:
+def _lora_refusal(sched: RollbackQueues, group: SequenceGroup) -> str | None:
     if not sched.lora_admission.allows(group, sched.running):
         return "swapped, and max_loras leaves no room to swap it in with the replay"
     return None
@@ -161,7 +194,7 @@ class SwapRound:
 
 
 def next_swap_round(
-    sched: Scheduler, group: SequenceGroup, lenders: list[SequenceGroup]
+    sched: RollbackQueues, group: SequenceGroup, lenders: list[SequenceGroup]
 ) -> SwapRound | None:
     """Swap the swapped `group` in for its replay. When the free device blocks do not hold
     it, running groups of `lenders` (already rebuilt; the last ones first) whose blocks are
@@ -195,7 +228,7 @@ def next_swap_round(
     return SwapRound(group, lent, before)
 
 
-def end_swap_round(sched: Scheduler, swap_round: SwapRound) -> list[BlockOps]:
+def end_swap_round(sched: RollbackQueues, swap_round: SwapRound) -> list[BlockOps]:
     """The round's group goes back to the host and the lent groups come back (to blocks of
     their own again); the block operations that do it, in order."""
     bm = sched.block_manager

@@ -107,7 +107,6 @@ def _rebuild_swapped_in_rounds(engine: EngineControl, plan: RollbackPlan, stages
                 "swapped, and no room to swap it in for the replay even with running "
                 "requests swapped out meanwhile"
             )
-            sched.swapped.remove(group)
             sched.requeue([group])
             continue
         steps = replay_steps([group], bm, max_tokens) or [[]]

@@ -177,7 +177,6 @@ def _rebuild_merged_stage(
     # stage's: `plans/local_rebuild.py`): recomputed instead, here rare.
     for group in plan.swap_rounds:
         plan.recomputed[group.request_id] = "swapped, and no room to swap it in with the replay"
-        sched.swapped.remove(group)
     sched.requeue(plan.swap_rounds)
     plan.swap_rounds = []
     cc = engine.cache_config
