@@ -119,7 +119,8 @@ def test_planner_caps_and_pauses() -> None:
     # vLLM's disable_by_batch_size, and a pause while drafts are rarely accepted.
     small = DraftPlanner(SpeculativeConfig.from_user({**NGRAM, "disable_by_batch_size": 4}), 64)  # type: ignore[arg-type]
     assert small.begin_step(4) and not small.begin_step(5) and small.begin_step(3)
-    assert planner.begin_step(1000)
+    # Without disable_by_batch_size: paused above the default (a compute-bound batch).
+    assert planner.begin_step(16) and not planner.begin_step(17) and planner.begin_step(1)
     planner.observe(SpecOutcome(100, 300, 3, [3, 0, 0]))
     assert not planner.begin_step(1)
     assert planner.totals.num_draft_tokens == 300 and planner.totals.accepted_per_pos == [3, 0, 0]
