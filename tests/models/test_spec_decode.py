@@ -149,8 +149,8 @@ def test_structured_outputs_stay_valid_and_equal(engines) -> None:
 def test_preemption_keeps_outputs(engines) -> None:
     """More work than the 48 blocks hold: groups are preempted (recompute) mid-speculation."""
     spec, plain = engines
-    prompts = [p * 4 for p in tiny_models.PROMPTS]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [p * 6 for p in tiny_models.PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     before = spec.llm_engine.scheduler.num_cumulative_preemption
     spec_out, plain_out = _both(engines, prompts, greedy)
     assert _ids(spec_out) == _ids(plain_out)
