@@ -128,12 +128,7 @@ def build_sampling_metadata(
             verified_of[entry] = verified
             continue
         params = meta.sampling_params
-        gen = None
-        if params.sampling_type == SamplingType.RANDOM_SEED:
-            gen = generators.get(meta.request_id)
-            if gen is None:
-                gen = torch.Generator(device=device)
-                generators[meta.request_id] = gen
+        gen = _generator(meta, generators, device)
         # The group's sequences advance in lockstep, so any one's length is the step.
         step = meta.seq_data[seq_ids[0]].get_output_len()
         rows: list[int] = []
@@ -223,12 +218,7 @@ def _verify_rows(
     and the offset after its tokens."""
     assert meta.draft_token_ids is not None
     params = meta.sampling_params
-    gen = None
-    if params.sampling_type == SamplingType.RANDOM_SEED:
-        gen = generators.get(meta.request_id)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            generators[meta.request_id] = gen
+    gen = _generator(meta, generators, device)
     rows_of: list[SeqGroupRows] = []
     verified: list[VerifiedSeq] = []
     for seq_id, data in meta.seq_data.items():
@@ -249,6 +239,18 @@ def _verify_rows(
         offset += len(drafts) + 1
         verified.append(VerifiedSeq(seq_id, drafts, positions))
     return rows_of, verified, offset
+
+
+def _generator(
+    meta: SequenceGroupMetadata, generators: dict[str, torch.Generator], device: torch.device
+) -> torch.Generator | None:
+    """The request's seeded generator (made on its first draw), None unless it has a seed."""
+    if meta.sampling_params.sampling_type != SamplingType.RANDOM_SEED:
+        return None
+    gen = generators.get(meta.request_id)
+    if gen is None:
+        gen = generators[meta.request_id] = torch.Generator(device=device)
+    return gen
 
 
 def _with_drafts(data: SequenceData, drafts: list[int]) -> SequenceData:

@@ -41,26 +41,29 @@ def prepare_inputs(
     prefill_tables: list[list[int]] = []
     context_lens: list[int] = []
     tables: list[list[int]] = []
+
+    def add_chunk(tokens: list[int], start: int, table: list[int], total_len: int) -> None:
+        """Tokens fed at positions start.. after `start` cached ones (a prompt, a chunk of
+        one, or a speculative decode's last token and drafts)."""
+        end = start + len(tokens)
+        input_ids.extend(tokens)
+        positions.extend(range(start, end))
+        slots.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(start, end)
+        )
+        prefill_lens.append(len(tokens))
+        prefill_contexts.append(start)
+        total_lens.append(total_len)
+        prefill_tables.append(table)
+
     for meta in layout:  # prefills first, so one pass puts their tokens ahead of decodes
         if meta.draft_token_ids is not None:
             # A speculative decode: each sequence feeds its last token and its drafts, like a
             # prefill chunk after its cached context (positions len-1 .. len-1+k).
             for seq_id, data in meta.seq_data.items():
-                drafts = meta.draft_token_ids.get(seq_id, [])
+                tokens = [data.get_last_token_id(), *meta.draft_token_ids.get(seq_id, [])]
                 start = data.get_len() - 1
-                length = 1 + len(drafts)
-                table = meta.block_tables[seq_id]
-                input_ids.append(data.get_last_token_id())
-                input_ids.extend(drafts)
-                positions.extend(range(start, start + length))
-                slots.extend(
-                    table[p // block_size] * block_size + p % block_size
-                    for p in range(start, start + length)
-                )
-                prefill_lens.append(length)
-                prefill_contexts.append(start)
-                total_lens.append(start + length)
-                prefill_tables.append(table)
+                add_chunk(tokens, start, meta.block_tables[seq_id], start + len(tokens))
             continue
         if not meta.is_prompt:
             for seq_id, data in meta.seq_data.items():
@@ -79,22 +82,12 @@ def prepare_inputs(
             length = data.get_len() - start
             if len(meta.seq_data) == 1 and meta.token_chunk_size is not None:
                 length = meta.token_chunk_size
-            tokens = data.get_token_ids()[start : start + length]
-            table = meta.block_tables[seq_id]
             if data.token_type_ids is not None:
                 # Placed at the token's index in the batch (a decode's is filled with 0 below).
                 type_ids.extend([0] * (len(input_ids) - len(type_ids)))
                 type_ids.extend(data.token_type_ids[start : start + length])
-            input_ids.extend(tokens)
-            positions.extend(range(start, start + length))
-            slots.extend(
-                table[p // block_size] * block_size + p % block_size
-                for p in range(start, start + length)
-            )
-            prefill_lens.append(length)
-            prefill_contexts.append(start)
-            total_lens.append(data.get_len())
-            prefill_tables.append(table)
+            tokens = data.get_token_ids()[start : start + length]
+            add_chunk(tokens, start, meta.block_tables[seq_id], data.get_len())
 
     def long_tensor(values: Any) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
