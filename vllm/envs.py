@@ -51,6 +51,15 @@ _VARS = (
         "in order), so one long prompt keeps every stage busy; 0 sends one chunk at a time.",
     ),
     EnvVar(
+        "VLLM_PP_DYNAMIC_CHUNKS",
+        "1",
+        bool,
+        "With chunked prefill: a prompt's chunks shrink as they start further into it, so "
+        "each step costs what its first chunk did (attention grows with the position; the "
+        "cost ratio is measured from the engine's own steps); 0 cuts chunks of the whole "
+        "token budget, as vLLM does.",
+    ),
+    EnvVar(
         "VLLM_PP_STEP_TIMEOUT_S",
         "60",
         float,

@@ -367,7 +367,7 @@ def _metadata_state(meta: Any) -> dict[str, Any]:
 # `written` (the live step records) is compared through the stage's rows.
 _MAPPED = {
     "scheduled_seq_groups", "ignored_seq_groups", "ahead", "batch_no", "step_no", "written",
-    "chunk_offsets", "drafts",
+    "chunk_offsets", "drafts", "cost",
 }  # fmt: skip
 
 
@@ -382,6 +382,8 @@ def compare(ref: Side, live: Side, ref_result: Any, live_result: Any, where: str
     assert not live_out.chunk_offsets, where
     # Speculation is off here: no decode verifies drafts.
     assert not live_out.drafts, where
+    # The step's cost (the chunk sizer's input; the reference has none) counts its tokens.
+    assert live_out.cost.tokens == live_out.num_batched_tokens, where
     for name in sorted(ref_fields):
         assert getattr(live_out, name) == getattr(ref_out, name), f"{where}: {name}"
     # The step a decode scheduled ahead feeds from, and the step number of the batch.

@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 
 from vllm.core.budget import over_cap
+from vllm.core.chunk_sizer import ChunkSizer
 from vllm.core.policy_api import PolicyQueues, SchedulerOutputs
 from vllm.sequence import SequenceGroup, SequenceStatus
 
@@ -57,8 +58,15 @@ class ChunkedPolicy:
     within one token budget per step; a decode that needs a block preempts the
     latest-arriving group not scheduled yet."""
 
-    def __init__(self, queues: PolicyQueues, long_prefill_token_threshold: int = 0) -> None:
+    def __init__(
+        self,
+        queues: PolicyQueues,
+        long_prefill_token_threshold: int = 0,
+        sizer: ChunkSizer | None = None,
+    ) -> None:
         self.sched = queues
+        # Sizes one prompt's chunk to an even step cost (None: the whole room, vLLM's way).
+        self.sizer = sizer
         # Tokens one prompt may take in a step (vLLM's `long_prefill_token_threshold`; a huge
         # number when unset). Several diverged sequences are never chunked: they are checked
         # against the step's budget only.
@@ -158,7 +166,8 @@ class ChunkedPolicy:
         chunk follows them through every stage; it needs no new block)."""
         pending = sorted([*step.prefills, *step.chunks_behind], key=lambda g: g.arrival_time)
         for seq_group in pending:
-            chunk = _chunk(seq_group, SequenceStatus.RUNNING, step.budget - step.used, self._cap)
+            room = step.budget - step.used
+            chunk = _chunk(seq_group, SequenceStatus.RUNNING, room, self._cap, self.sizer)
             if chunk > 0:
                 step.take(seq_group, chunk, prefill=True)
 
@@ -171,9 +180,8 @@ class ChunkedPolicy:
             num_new_seqs = seq_group.get_max_num_running_seqs()
             is_prefill = seq_group.is_prefill()
             if is_prefill:
-                tokens = _chunk(
-                    seq_group, SequenceStatus.SWAPPED, step.budget - step.used, self._cap
-                )
+                room = step.budget - step.used
+                tokens = _chunk(seq_group, SequenceStatus.SWAPPED, room, self._cap, self.sizer)
                 if tokens == 0:
                     break
             else:
@@ -197,7 +205,10 @@ class ChunkedPolicy:
             new_tokens = num_prompt_tokens - sched.block_manager.num_cached_tokens(seq_group)
             max_tokens = budget.max_num_batched_tokens
             if len(waiting_seqs) == 1:
-                chunk = min(new_tokens, step.budget - step.used, self._cap)
+                room = min(step.budget - step.used, self._cap)
+                cached = num_prompt_tokens - new_tokens
+                sizer = self.sizer
+                chunk = sizer.chunk(cached, new_tokens, room) if sizer else min(new_tokens, room)
             elif new_tokens > max_tokens:
                 # Several sequences (diverged before a recompute) are never chunked: if
                 # together they exceed a step's tokens they could never run.
@@ -225,15 +236,24 @@ def _phase(seq_group: SequenceGroup) -> int:
     return 2 if seq_group.is_prefill() else 1
 
 
-def _chunk(seq_group: SequenceGroup, status: SequenceStatus, room: int, cap: int) -> int:
+def _chunk(
+    seq_group: SequenceGroup,
+    status: SequenceStatus,
+    room: int,
+    cap: int,
+    sizer: ChunkSizer | None,
+) -> int:
     """Tokens of a prefilling group this step can take (0 if none fit): the prompt tokens
-    neither computed nor in an earlier chunk still in flight, at most `cap` for one
-    sequence."""
+    neither computed nor in an earlier chunk still in flight; for one sequence at most `cap`,
+    and what `sizer` gives a chunk starting where this one does."""
     seqs = seq_group.get_seqs(status=status)
-    new_tokens = sum(seq.get_num_new_tokens() for seq in seqs)
-    new_tokens -= seq_group.prefill_tokens_in_flight()
+    in_flight = seq_group.prefill_tokens_in_flight()
+    new_tokens = sum(seq.get_num_new_tokens() for seq in seqs) - in_flight
     if len(seqs) == 1:
-        return max(0, min(new_tokens, room, cap))
+        room = min(room, cap)
+        if sizer is None or new_tokens <= 0 or room <= 0:
+            return max(0, min(new_tokens, room))
+        return sizer.chunk(seqs[0].data.get_num_computed_tokens() + in_flight, new_tokens, room)
     return new_tokens if new_tokens <= room else 0
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from vllm.core.budget import MicroBatchBudget
+from vllm.core.chunk_sizer import StepCost
 from vllm.core.step_writer import StepRecords
 from vllm.sequence import Sequence as Seq
 from vllm.sequence import SequenceGroup
@@ -45,6 +46,9 @@ class SchedulerOutputs:
     # Speculative decodes: request id -> seq id -> the draft tokens it verifies this step
     # (their slots are appended; `vllm.spec_decode.planner`).
     drafts: dict[str, dict[int, list[int]]] = field(default_factory=dict)
+    # The step's work (tokens fed, query-key pairs scored): with its measured duration it
+    # calibrates the chunk sizer (`vllm.core.chunk_sizer`).
+    cost: StepCost = StepCost(0, 0)
     # The step number this batch was scheduled as (0 when it is empty).
     step_no: int = 0
     # The step's records as written, for `Scheduler.commit_step`.

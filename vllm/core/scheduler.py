@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.block_manager import AllocStatus, BlockSpaceManager
 from vllm.core.budget import NO_CAP, MicroBatchBudget
+from vllm.core.chunk_sizer import ChunkSizer, StepCost
 from vllm.core.chunked_policy import ChunkedPolicy
 from vllm.core.classic_policy import ClassicPolicy
 from vllm.core.lora_admission import LoRAAdmission
@@ -79,6 +80,7 @@ class Scheduler:
         max_loras: int | None = None,
         pipeline_chunks: bool = True,
         draft_planner: DraftPlanner | None = None,
+        chunk_sizer: ChunkSizer | None = None,
     ) -> None:
         if cache_config.num_gpu_blocks is None or cache_config.num_cpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks and num_cpu_blocks must be set.")
@@ -96,9 +98,12 @@ class Scheduler:
         self._speculate = False
         # How many distinct LoRA adapters the running groups may use (None: no LoRA).
         self.lora_admission = LoRAAdmission(max_loras)
+        # Sizes prompt chunks to an even step cost (None: fixed-size chunks); fed each
+        # finished step's duration by the engine.
+        self.chunk_sizer = chunk_sizer
         chunked = scheduler_config.enable_chunked_prefill
         self.policy: ClassicPolicy | ChunkedPolicy = (
-            ChunkedPolicy(self, scheduler_config.long_prefill_token_threshold)
+            ChunkedPolicy(self, scheduler_config.long_prefill_token_threshold, chunk_sizer)
             if chunked
             else ClassicPolicy(self)
         )
@@ -380,16 +385,19 @@ class Scheduler:
         if not out.is_empty():
             out.step_no = step_no
         now = time.time()
+        pairs = 0
         for seq_group in out.scheduled_seq_groups:
             seq_group.maybe_set_first_scheduled_time(now)
             chunk = out.token_chunk_sizes[seq_group.request_id]
             if offset := seq_group.prefill_tokens_in_flight():
                 out.chunk_offsets[seq_group.request_id] = offset
+            pairs += _attention_pairs(seq_group, chunk, offset, out.drafts)
             speculative = seq_group.request_id in out.drafts
             seq_group.flights.append(
                 Flight(chunk if seq_group.is_prefill() else 1, step_no, speculative)
             )
             self.in_flight[seq_group.request_id] = seq_group
+        out.cost = StepCost(out.num_batched_tokens, pairs)
         out.written = self.step_writer.write(
             out.scheduled_seq_groups,
             out.token_chunk_sizes,
@@ -749,3 +757,20 @@ class Scheduler:
         total += self.block_manager.get_num_cached_free_blocks()
         total = max(total, self.block_manager.gpu_high_water())
         return min(total, self.block_manager.num_total_gpu_blocks)
+
+
+def _attention_pairs(
+    seq_group: SequenceGroup, chunk: int, offset: int, drafts: dict[str, dict[int, list[int]]]
+) -> int:
+    """Query-key pairs the attention of `seq_group`'s part of a step scores: its prompt chunk
+    after the tokens computed or in flight, or one position (plus its drafts) per decoding
+    sequence over its whole length."""
+    seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
+    if seq_group.is_prefill():
+        if len(seqs) == 1:
+            return StepCost.chunk_pairs(seqs[0].data.get_num_computed_tokens() + offset, chunk)
+        return sum(
+            StepCost.chunk_pairs(s.data.get_num_computed_tokens(), s.get_num_new_tokens()) for s in seqs
+        )
+    group_drafts = drafts.get(seq_group.request_id, {})
+    return sum((1 + len(group_drafts.get(s.seq_id, ()))) * s.get_len() for s in seqs)

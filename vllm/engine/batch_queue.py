@@ -12,6 +12,7 @@ numbers the steps (`next_step_no`, the number `Scheduler.schedule` is given).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -40,6 +41,7 @@ class InFlightBatch:
     future: StepFuture
     scheduler_outputs: SchedulerOutputs
     step_no: int
+    submitted_at: float = 0.0  # perf_counter()
 
 
 @dataclass
@@ -62,6 +64,7 @@ class BatchQueue:
     def __init__(self, executor: StepExecutor, pipeline_depth: int, async_pipeline: bool) -> None:
         self.executor = executor
         self.async_pipeline = async_pipeline
+        self.pipeline_depth = pipeline_depth
         self.max_concurrent_batches = pipeline_depth * (2 if async_pipeline else 1)
         self._batches: deque[InFlightBatch] = deque()
         # The one numbering of steps: the scheduler's flights and scheduling ahead, and the
@@ -75,6 +78,10 @@ class BatchQueue:
         self.stats = BatchQueueStats()
         # Batches whose submission raised (see unsent_block_ops).
         self._failed_submits: list[SchedulerOutputs] = []
+        # When the last output was collected, and how long the pipeline's slowest stage took
+        # over the batch collected last (None when that cannot be told: see collect_oldest).
+        self._collected_at = 0.0
+        self.last_step_s: float | None = None
 
     def __len__(self) -> int:
         return len(self._batches)
@@ -145,7 +152,9 @@ class BatchQueue:
         self.stats.steps += 1
         self.stats.groups += len(records)
         self.stats.ahead_groups += len(scheduler_outputs.ahead)
-        self._batches.append(InFlightBatch(future, scheduler_outputs, self._step_no))
+        self._batches.append(
+            InFlightBatch(future, scheduler_outputs, self._step_no, time.perf_counter())
+        )
 
     def request_ids_of_call(self, call_id: int | None) -> list[str]:
         """The requests of the in-flight step that the executor submitted as call `call_id`
@@ -168,10 +177,23 @@ class BatchQueue:
 
     def collect_oldest(self) -> tuple[SchedulerOutputs, SamplerOutput]:
         """Wait for the oldest batch; it leaves the queue only once its output is here (a
-        failure while waiting leaves it for `discard` or `reset`)."""
+        failure while waiting leaves it for `discard` or `reset`).
+
+        Sets `last_step_s`: with one stage, the time from the batch's submission; with
+        several, the time since the previous output when the batch was submitted before it
+        (the pipeline was busy: outputs then leave at the pace of the slowest stage), else
+        None (the batch ran through an idle pipeline: that time is every stage's, not one's)."""
         batch = self._batches[0]
         output = batch.future.result()
+        now = time.perf_counter()
         self._batches.popleft()
+        if self.pipeline_depth == 1:
+            self.last_step_s = now - max(batch.submitted_at, self._collected_at)
+        elif batch.submitted_at < self._collected_at:
+            self.last_step_s = now - self._collected_at
+        else:
+            self.last_step_s = None
+        self._collected_at = now
         self._collected_through = batch.step_no
         return batch.scheduler_outputs, output
 
@@ -208,6 +230,7 @@ class BatchQueue:
         are scheduled ahead; the groups were re-formed, so the queue starts again (`reset`)."""
         self.reset()
         self.async_pipeline = async_pipeline
+        self.pipeline_depth = pipeline_depth
         self.max_concurrent_batches = pipeline_depth * (2 if async_pipeline else 1)
 
     def reset_stats(self) -> BatchQueueStats:

@@ -30,6 +30,7 @@ from typing import Any, Iterable, NoReturn
 from vllm import envs
 from vllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from vllm.core.budget import MicroBatchBudget
+from vllm.core.chunk_sizer import ChunkSizer, prior_pair_cost
 from vllm.core.scheduler import Scheduler, SchedulerOutputs
 from vllm.distributed.serialization import MessageNotSerializableError
 from vllm.engine.batch_queue import BatchQueue
@@ -106,6 +107,7 @@ class LLMEngine:
             max_loras=self.lora_config.max_loras if self.lora_config else None,
             pipeline_chunks=envs.get_bool("VLLM_PP_CHUNKED_PIPELINING"),
             draft_planner=_draft_planner(engine_config),
+            chunk_sizer=_chunk_sizer(engine_config),
         )
         self.batch_queue = BatchQueue(self.executor, budget.cohorts, async_pipeline)
         self.output_processor = OutputProcessor(
@@ -568,6 +570,9 @@ class LLMEngine:
             self.scheduler.finish_in_flight([g.request_id for g in groups])
             self._fail_errored_requests(groups, output)
             request_outputs = self.output_processor.process(groups, output)
+            sizer, seconds = self.scheduler.chunk_sizer, self.batch_queue.last_step_s
+            if sizer is not None and seconds is not None:
+                sizer.observe(sched_out.cost, seconds)
             planner = self.scheduler.draft_planner
             if planner is not None and sched_out.drafts:
                 planner.observe(step_outcome(sched_out.drafts, groups, output))
@@ -794,6 +799,19 @@ def _use_async_pipeline(scheduler_config: SchedulerConfig, executor: ExecutorBas
             "running without it"
         )
     return supported and wanted is not False
+
+
+def _chunk_sizer(engine_config: EngineConfig) -> ChunkSizer | None:
+    """The scheduler's chunk sizer with chunked prefill (`VLLM_PP_DYNAMIC_CHUNKS=0`: chunks
+    of the whole room, as vLLM cuts them)."""
+    if not engine_config.scheduler_config.enable_chunked_prefill:
+        return None
+    mc = engine_config.model_config
+    layer, _ = mc.get_gemm_shapes()
+    prior = prior_pair_cost(
+        sum(n * k for n, k in layer), mc.get_num_attention_heads(), mc.get_head_size()
+    )
+    return ChunkSizer(prior, enabled=envs.get_bool("VLLM_PP_DYNAMIC_CHUNKS"))
 
 
 def _draft_planner(engine_config: EngineConfig) -> DraftPlanner | None:
