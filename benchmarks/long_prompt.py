@@ -1,9 +1,10 @@
 """One long prompt through the pipeline: time to first token at PP 1, 2, 3, 4 (one thread per
 stage), with chunked pipelining (several chunks of the prompt in flight, on different stages)
-and without it (one chunk at a time), in one run.
+and without it (one chunk at a time), with chunks sized by cost (`VLLM_PP_DYNAMIC_CHUNKS`,
+shrinking along the prompt) and of a fixed size, in one run.
 
     python -m benchmarks.long_prompt                           # 4096 tokens, PP 1 and 2
-    python -m benchmarks.long_prompt --pp-sizes 1,2,3,4 --prompt-lens 4096,8000
+    python -m benchmarks.long_prompt --pp-sizes 1,2,3,4 --prompt-lens 4096,16384
     python -m benchmarks.long_prompt --decodes 32              # 32 requests decode meanwhile
 
 For each prompt length and pipeline size an engine is built (chunked prefill, chunks of
@@ -11,9 +12,11 @@ For each prompt length and pipeline size an engine is built (chunked prefill, ch
 short prompt, and then times `--rounds` long prompts of random token ids with `max_tokens=1`;
 the best round counts. With `--decodes N`, N short requests are decoding when the long prompt
 arrives: their decode rate during its prefill is printed too. The ratio column is TTFT at PP=N
-over TTFT at PP=1 (same run); strong-scaling efficiency is PP=1's TTFT / (N x PP=N's). Stages
-beyond the machine's cores share them: compare those rows with that in mind (the header says
-how many CPUs there are).
+over TTFT at PP=1 (same run), PP=1 taking the better of its two chunk sizings; strong-scaling
+efficiency is PP=1's TTFT / (N x PP=N's). Stages beyond the machine's cores share them: compare
+those rows with that in mind (the header says how many CPUs there are). Prompts longer than the
+model's context (SmolLM2: 8192) run with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: the positions past it
+give meaningless tokens, but the same work.
 """
 
 from __future__ import annotations
@@ -53,13 +56,17 @@ def _long_prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(length)]
 
 
-def run(args: argparse.Namespace, pp: int, length: int, pipelining: bool) -> dict[str, Any]:
+def run(
+    args: argparse.Namespace, pp: int, length: int, pipelining: bool, dynamic: bool
+) -> dict[str, Any]:
     """TTFT of the long prompt (best of the rounds) on one engine."""
     from vllm import LLM, SamplingParams
 
     with (
         env_var("VLLM_PP_CHUNKED_PIPELINING", "1" if pipelining else "0"),
+        env_var("VLLM_PP_DYNAMIC_CHUNKS", "1" if dynamic else "0"),
         env_var("VLLM_CPU_THREADS_PER_STAGE", "1"),
+        env_var("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1"),
     ):
         llm = LLM(
             model=args.model,
@@ -105,6 +112,7 @@ def run(args: argparse.Namespace, pp: int, length: int, pipelining: bool) -> dic
         "pp": pp,
         "prompt_len": length,
         "pipelining": pipelining,
+        "dynamic_chunks": dynamic,
         "ttft_s": ttfts[best],
         "ttfts_s": ttfts,
         "decode_tok_per_s": rates[best] if decoding else None,
@@ -118,11 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for length in lengths:
         for pp in pp_sizes:
-            modes = [True] if pp == 1 or args.no_compare else [True, False]
-            for pipelining in modes:
-                results.append(run(args, pp, length, pipelining))
+            # (chunked pipelining, chunks sized by cost); PP=1 has no pipeline to fill.
+            modes = [(True, True), (True, False)]
+            if pp > 1 and not args.no_compare:
+                modes.append((False, False))
+            for pipelining, dynamic in modes:
+                results.append(run(args, pp, length, pipelining, dynamic))
                 r = results[-1]
-                print(f"PP={pp} {length} tokens pipelining={pipelining}: TTFT {r['ttft_s']:.2f} s")
+                print(
+                    f"PP={pp} {length} tokens pipelining={pipelining} dynamic={dynamic}: "
+                    f"TTFT {r['ttft_s']:.2f} s",
+                    flush=True,
+                )
     print(
         f"\n=== one long prompt, chunks of {args.max_num_batched_tokens} tokens a round, one "
         f"thread per stage, {args.decodes} requests decoding meanwhile, {os.cpu_count()} CPUs, "
@@ -130,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = []
     for r in results:
-        base = next(
+        base = min(
             b["ttft_s"] for b in results if b["pp"] == 1 and b["prompt_len"] == r["prompt_len"]
         ) if 1 in pp_sizes else None  # fmt: skip
         ratio = f"{r['ttft_s'] / base:.2f}" if base else "-"
@@ -140,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             [
                 r["prompt_len"],
                 r["pp"],
-                "on" if r["pipelining"] else "off (one chunk at a time)",
+                "-" if r["pp"] == 1 else "on" if r["pipelining"] else "off (one at a time)",
+                "by cost" if r["dynamic_chunks"] else "fixed",
                 f"{r['ttft_s']:.2f}",
                 ratio,
                 efficiency,
@@ -152,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens",
             "PP",
             "chunked pipelining",
+            "chunk sizes",
             "TTFT s",
             "vs PP=1",
             "scaling efficiency",

@@ -435,11 +435,19 @@ def _derive_max_model_len(hf_config: Any, max_model_len: int | None) -> int:
     if not isinstance(max_model_len, int) or max_model_len <= 0:
         raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}.")
     if max_model_len > derived:
-        raise ValueError(
+        msg = (
             f"User-specified max_model_len ({max_model_len}) is greater than the derived "
             f"max_model_len ({key}={derived} in model's config.json). This may lead to "
             "incorrect model outputs or CUDA errors."
         )
+        from vllm import envs
+
+        if not envs.get_bool("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+            raise ValueError(
+                f"{msg} To allow overriding this maximum, set the env var "
+                "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"
+            )
+        logger.warning("%s Make sure the value is correct and within the model context size.", msg)
     return max_model_len
 
 

@@ -240,6 +240,13 @@ _VARS = (
         forward=False,  # read by the API server only
     ),
     EnvVar(
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN",
+        "0",
+        bool,
+        "1 allows a max_model_len above the model's context (its positions past what it was "
+        "trained on give poor outputs: for timing long prompts), as vLLM's variable does.",
+    ),
+    EnvVar(
         "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH",
         "0",
         bool,

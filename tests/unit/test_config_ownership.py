@@ -187,3 +187,17 @@ def test_stage_control_is_a_typed_interface_not_stubs() -> None:
     from vllm.executor.stage_control import StageControl
 
     assert issubclass(ElasticStageExecutor, StageControl)
+
+
+def test_max_model_len_above_the_context_needs_vllms_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's rule and message: a max_model_len past the model's positions is refused unless
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (long-prompt benchmarks time work past SmolLM2's 8k)."""
+    hf = _engine_config().model_config.hf_config
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    with pytest.raises(ValueError, match="VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        ModelConfig("tiny-llama", hf_config=hf, skip_tokenizer_init=True, max_model_len=512)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    config = ModelConfig("tiny-llama", hf_config=hf, skip_tokenizer_init=True, max_model_len=512)
+    assert config.max_model_len == 512

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 # A chunk is never cut below this many tokens, nor below this share of the step's room (a
 # small chunk costs a whole step's overhead, and a bad fit must not shred a prompt).
 MIN_CHUNK = 32
-MIN_SHARE = 0.25
+MIN_SHARE = 0.125
 # Steps in the fit's window, and the fewest that make a fit.
 WINDOW = 64
 MIN_SAMPLES = 8

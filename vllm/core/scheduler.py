@@ -770,7 +770,8 @@ def _attention_pairs(
         if len(seqs) == 1:
             return StepCost.chunk_pairs(seqs[0].data.get_num_computed_tokens() + offset, chunk)
         return sum(
-            StepCost.chunk_pairs(s.data.get_num_computed_tokens(), s.get_num_new_tokens()) for s in seqs
+            StepCost.chunk_pairs(s.data.get_num_computed_tokens(), s.get_num_new_tokens())
+            for s in seqs
         )
     group_drafts = drafts.get(seq_group.request_id, {})
     return sum((1 + len(group_drafts.get(s.seq_id, ()))) * s.get_len() for s in seqs)
