@@ -4,8 +4,8 @@ TP 2 (mp, and Ray at TP 2 x PP 2), and equal the merged model (`merge_and_unload
 mixing three adapters and the base model gives each request what it gets alone; `max_loras=1`
 with three adapters swaps slots and finishes everything (and `max_cpu_loras=1` reloads evicted
 adapters from disk); OPT, Qwen2 and Phi-3 (whose checkpoints fuse q/k/v and gate/up, so its
-adapters do too); prefix caching never shares blocks across adapters; vLLM's errors for bad
-adapters and bad requests.
+adapters do too); prefix caching never shares blocks across adapters; n-gram speculation
+verifies with each request's adapter; vLLM's errors for bad adapters and bad requests.
 """
 
 from __future__ import annotations
@@ -165,6 +165,27 @@ def test_one_slot_swaps_and_finishes_everything(tiny_model_dirs, requests_, hf) 
         assert len(manager.cache) == 1  # the others were evicted and read again from disk
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_speculation_keeps_each_adapters_outputs(tiny_model_dirs, requests_, hf) -> None:
+    """n-gram speculation with adapters: the target verifies drafts with each request's
+    adapter, so a mixed batch still equals HF + PEFT, and drafts were really accepted."""
+    from prometheus_client import REGISTRY
+
+    model = tiny_model_dirs[KIND]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    llm = engine(model, speculative_config=spec, disable_log_stats=False)
+
+    def accepted() -> float:
+        labels = {"model_name": model}
+        return REGISTRY.get_sample_value("vllm:spec_decode_num_accepted_tokens_total", labels) or 0
+
+    before = accepted()
+    try:
+        check_mixed(llm, ["a4", None, "b8"], requests_, hf)
+    finally:
+        llm.llm_engine.shutdown()
+    assert accepted() - before >= 10
 
 
 # -- pipeline and tensor parallelism ----------------------------------------------------------
