@@ -322,9 +322,13 @@ class MultiprocessingExecutor(ElasticStageExecutor):
     def _release_workers(self, graceful: bool) -> None:
         spares: list[_Process] = getattr(self, "spares", [])
         self.spares = []
-        for spare in spares:  # a spare leaves when its calls pipe closes
+        for spare in spares:
             spare.conn.close()
             spare.heartbeat.close()
+            # A spare holds no state, and one still importing torch would notice its pipe
+            # closing only seconds later: stopped at once rather than waited for.
+            if spare.proc.is_alive():
+                spare.proc.terminate()
         slots: list[Any] = getattr(self, "procs", [])
         # A slot is empty when its stage left the pipeline (or never started).
         procs = [proc for proc in slots if proc is not None]
