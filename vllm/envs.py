@@ -51,6 +51,14 @@ _VARS = (
         "in order), so one long prompt keeps every stage busy; 0 sends one chunk at a time.",
     ),
     EnvVar(
+        "VLLM_SPEC_DRAFT_PLACEMENT",
+        "driver",
+        str,
+        "Where a speculative draft model runs: 'driver' (in the engine's process) or 'rank' "
+        "(a process of its own); see vllm/spec_decode/draft_model.py.",
+        forward=False,
+    ),
+    EnvVar(
         "VLLM_PP_STEP_TIMEOUT_S",
         "60",
         float,
