@@ -1,4 +1,5 @@
-"""Speculative decoding (prompt lookup or a draft model): one user's decode rate with and without it, in one run.
+"""Speculative decoding (prompt lookup or a draft model): one user's decode rate with and
+without it, in one run.
 
     python -m benchmarks.spec_decode                       # SmolLM2 Q4_1, PP 1 and 2
     python -m benchmarks.spec_decode --pp-sizes 1 --batch 64 --dtype float32

@@ -67,6 +67,8 @@ def draft_engine_kwargs(engine_config: EngineConfig, placement: str) -> dict[str
         block_size=engine_config.cache_config.block_size,
         kv_cache_space=engine_config.cache_config.kv_cache_space,
         distributed_executor_backend="mp" if placement == "rank" else None,
+        # A lost draft is rebuilt by the proposer, as a whole: no spare process kept for it.
+        max_stage_restarts=0,
         disable_log_stats=True,
     )
 

@@ -18,6 +18,7 @@ not used for the longest time are evicted (a later proposal for one re-prefills 
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,10 @@ import torch
 
 from vllm.model_executor.input_metadata import InputMetadata
 
+# New tokens per sequence up to which a proposal's first forward runs them as decode rows
+# (`DraftRunner._decode_rows`); longer ones (a new prompt) as a prefill chunk, whose kernels
+# are made for many rows. Measured with the SmolLM2 Q4_1 draft: see docs/PERFORMANCE.md.
+_MAX_DECODE_ROWS = 8
 # A proposal asked of the runner: (request id, sequence id, the target's token ids, k).
 DraftRequest = tuple[str, int, list[int], int]
 
@@ -169,7 +174,13 @@ class DraftRunner:
 
     def _feed_new_tokens(self, chunks: list[tuple[_DraftSeq, int]]) -> list[int]:
         """One forward of every sequence's tokens from `kept` on (its KV before `kept` is in
-        the cache); the argmax after each sequence's last token."""
+        the cache); the argmax after each sequence's last token. A few new tokens each (the
+        usual case: the last draft and the target's token) go as decode rows."""
+        if all(len(seq.tokens) - kept <= _MAX_DECODE_ROWS for seq, kept in chunks):
+            rows = [(seq, p, seq.tokens[p]) for seq, kept in chunks
+                    for p in range(kept, len(seq.tokens))]  # fmt: skip
+            ends = list(itertools.accumulate(len(seq.tokens) - kept for seq, kept in chunks))
+            return self._argmax(self._decode_rows(rows), [end - 1 for end in ends])
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -207,31 +218,39 @@ class DraftRunner:
         md._prefill_context_list = contexts
         md._decode_max_len = 0
         hidden = self.model(self._long(input_ids), self._long(positions), self.kv_caches, md)
-        ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
-        return self._argmax(hidden, ends)
+        return self._argmax(hidden, [end - 1 for end in itertools.accumulate(lens)])
 
-    def _decode(self, seqs: list[_DraftSeq], fed: list[int]) -> list[int]:
-        """One decode forward: each sequence's last token (`fed`, already appended to its
-        tokens) at its last position; the argmax of each."""
-        positions = [len(seq.tokens) - 1 for seq in seqs]
-        slots = [self._slots(seq, p, p + 1)[0] for seq, p in zip(seqs, positions)]
-        width = max(len(seq.blocks) for seq in seqs)
-        tables = [b for seq in seqs for b in seq.blocks + [0] * (width - len(seq.blocks))]
+    def _decode_rows(self, rows: list[tuple[_DraftSeq, int, int]]) -> torch.Tensor:
+        """One forward of decode rows (sequence, position, token), a sequence's rows in
+        position order; returns the hidden states [R, H]. Rows of one sequence may follow
+        each other: every layer writes all rows' KV before it attends, and a row attends
+        only up to its own position, so this is the causal forward of a chunk -- on the
+        decode fast path (`llama_decode`), which a chunk never takes."""
+        width = max(len(seq.blocks) for seq, _, _ in rows)
+        tables = [b for seq, _, _ in rows for b in seq.blocks + [0] * (width - len(seq.blocks))]
+        slots = [self._slots(seq, p, p + 1)[0] for seq, p, _ in rows]
         empty = torch.empty(0, dtype=torch.long)
         md = InputMetadata(
             num_prefills=0,
             num_prefill_tokens=0,
-            num_decode_tokens=len(seqs),
+            num_decode_tokens=len(rows),
             slot_mapping=self._long(slots),
             prefill_seq_lens=empty,
-            decode_context_lens=self._long([p + 1 for p in positions]),
-            decode_block_tables=self._long(tables).view(len(seqs), width),
+            decode_context_lens=self._long([p + 1 for _, p, _ in rows]),
+            decode_block_tables=self._long(tables).view(len(rows), width),
         )
         md._prefill_lens_list = []
         md._prefill_context_list = []
-        md._decode_max_len = max(positions) + 1
-        hidden = self.model(self._long(fed), self._long(positions), self.kv_caches, md)
-        return self._argmax(hidden, list(range(len(seqs))))
+        md._decode_max_len = max(p for _, p, _ in rows) + 1
+        ids = self._long([token for _, _, token in rows])
+        positions = self._long([p for _, p, _ in rows])
+        return self.model(ids, positions, self.kv_caches, md)
+
+    def _decode(self, seqs: list[_DraftSeq], fed: list[int]) -> list[int]:
+        """One decode forward: each sequence's last token (`fed`, already appended to its
+        tokens) at its last position; the argmax of each."""
+        rows = [(seq, len(seq.tokens) - 1, token) for seq, token in zip(seqs, fed)]
+        return self._argmax(self._decode_rows(rows), list(range(len(seqs))))
 
     def _argmax(self, hidden: torch.Tensor, rows: list[int]) -> list[int]:
         """The greedy token after each of `rows` of `hidden` [T, H]."""
