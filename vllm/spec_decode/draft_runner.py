@@ -80,7 +80,8 @@ class DraftRunner:
         self.device = device
         self._reserve = reserve
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low blocks first
-        self._reserved = 0
+        self._reserved = 0  # blocks below this are mapped
+        self._top = 0  # blocks below this were handed out at some point
         # (request id, seq id) -> its draft sequence, least recently used first.
         self._seqs: collections.OrderedDict[tuple[str, int], _DraftSeq] = collections.OrderedDict()
 
@@ -153,17 +154,16 @@ class DraftRunner:
                 return False
             self._free.extend(self._seqs.pop(victim).blocks)
         for _ in range(max(needed, 0)):
-            seq.blocks.append(self._free.pop())
+            block = self._free.pop()
+            seq.blocks.append(block)
+            self._top = max(self._top, block + 1)
         return True
 
     def _map_blocks(self) -> None:
         """Map the blocks handed out so far before the forward writes them."""
-        if self._reserve is None:
-            return
-        top = max((max(s.blocks) + 1 for s in self._seqs.values() if s.blocks), default=0)
-        if top > self._reserved:
-            self._reserve(top)
-            self._reserved = top
+        if self._reserve is not None and self._top > self._reserved:
+            self._reserve(self._top)
+            self._reserved = self._top
 
     def _slots(self, seq: _DraftSeq, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.blocks
