@@ -60,6 +60,14 @@ _VARS = (
         "token budget, as vLLM does.",
     ),
     EnvVar(
+        "VLLM_SPEC_DRAFT_PLACEMENT",
+        "driver",
+        str,
+        "Where a speculative draft model runs: 'driver' (in the engine's process) or 'rank' "
+        "(a process of its own); see vllm/spec_decode/draft_model.py.",
+        forward=False,
+    ),
+    EnvVar(
         "VLLM_PP_STEP_TIMEOUT_S",
         "60",
         float,

@@ -4,12 +4,13 @@ mid-generation with speculation on loses nothing (outputs equal the fault-free r
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
 
 from tests.utils import tiny_models
-from tests.utils.faults import after_steps, kill_stage_pid, token_ids
+from tests.utils.faults import after_steps, greedy_and_seeded, kill_stage_pid, token_ids
 from vllm import LLM, SamplingParams
 
 KIND = "llama-gqa-untied"
@@ -80,5 +81,40 @@ def test_stage_killed_mid_speculation_loses_nothing(tiny_model_dirs) -> None:
         assert llm.llm_engine.fault_events, "the kill was not seen"
         assert outputs == reference
         assert _accepted(llm) > before
+    finally:
+        llm.shutdown()
+
+
+def test_draft_model_rank_killed_loses_nothing(tiny_model_dirs, hf_reference, monkeypatch) -> None:
+    """A draft model (the target's own weights: every draft accepted) in a rank of its own,
+    under PP 2 on mp: greedy tokens equal HF's, seeded samples equal across runs; its rank
+    SIGKILLed mid-generation: the step goes on without drafts, the draft is rebuilt and
+    drafts again, and every output equals the run before the kill."""
+    monkeypatch.setenv("VLLM_SPEC_DRAFT_PLACEMENT", "rank")
+    model = tiny_model_dirs[KIND]
+    llm = LLM(
+        model,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="mp",
+        **dict(ENGINE, speculative_config={"model": model, "num_speculative_tokens": 3}),
+    )
+    try:
+        params = greedy_and_seeded(len(tiny_models.PROMPTS))
+        reference = token_ids(llm.generate(tiny_models.PROMPTS, params, use_tqdm=False))
+        assert reference[::2] == hf_reference(KIND)[::2]
+        planner = llm.llm_engine.scheduler.draft_planner
+        assert planner is not None
+        proposer = planner.proposer
+        assert planner.totals.num_accepted_tokens >= 40
+        pid = proposer.executor.stage_infos[0].pid
+        thread = after_steps(llm, 4, lambda: os.kill(pid, signal.SIGKILL))
+        before = planner.totals.num_accepted_tokens
+        outputs = token_ids(llm.generate(tiny_models.PROMPTS, params, use_tqdm=False))
+        thread.join(timeout=60)
+        assert outputs == reference
+        assert proposer.rebuilds == 1 and proposer.active
+        assert proposer.executor.stage_infos[0].pid != pid
+        # Drafting resumed on the rebuilt draft (empty draft sequences, prefilled again).
+        assert planner.totals.num_accepted_tokens > before
     finally:
         llm.shutdown()

@@ -217,3 +217,63 @@ def test_draft_model(draft, tiny_model_dirs, hf_reference, caplog) -> None:
             assert "Speculative decoding paused" in caplog.text
     finally:
         llm.shutdown()
+
+
+def test_draft_runner_keeps_rolls_back_and_frees_draft_kv(tiny_model_dirs) -> None:
+    """A draft model's stage (`propose_drafts`) over one persistent draft sequence: after
+    partial acceptance, full acceptance with a bonus token and a diverging history, each
+    proposal equals HF's greedy continuation of the tokens it was given; a finished request's
+    blocks come back; when blocks run out the least recently used sequence is evicted, and a
+    sequence longer than the whole cache gets no drafts."""
+    from vllm.distributed.rank_verbs import Verb
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.executor.uniproc_executor import UniProcExecutor
+
+    model = tiny_model_dirs[KIND]
+    config = EngineArgs(
+        model=model,
+        skip_tokenizer_init=True,
+        block_size=16,
+        num_gpu_blocks_override=8,
+        max_model_len=128,
+    ).create_engine_config()
+    executor = UniProcExecutor(config)
+    hf = tiny_models.load_hf(model)
+    k = 4
+
+    def propose(requests, finished=()):
+        return executor.collective_rpc(Verb.PROPOSE_DRAFTS, (requests, list(finished)))[0]
+
+    def greedy(ids):
+        return tiny_models.hf_greedy_ids(hf, [ids], k)[0]
+
+    try:
+        prompt = list(range(5, 45))  # 40 tokens: 3 blocks with the drafts
+        history = [prompt]
+        drafts = propose([("a", 0, prompt, k)])[0]
+        assert drafts == greedy(prompt)
+        rejected = (drafts[2] + 1) % 100  # the target sampled another token at position 2
+        history.append(prompt + drafts[:2] + [rejected])
+        drafts = propose([("a", 0, history[-1], k)])[0]
+        assert drafts == greedy(history[-1])
+        history.append(history[-1] + drafts + greedy(history[-1] + drafts)[:1])  # + bonus
+        drafts = propose([("a", 0, history[-1], k)])[0]
+        assert drafts == greedy(history[-1])
+        diverged = prompt[:20] + [7, 8, 9]  # recomputed with another history
+        assert propose([("a", 0, diverged, k)])[0] == greedy(diverged)
+
+        runner = executor.worker.draft_runner
+        # 51 tokens at most (48 + 3 drafts): 4 blocks, kept by the sequence when it rolls back.
+        assert runner is not None and runner.num_free_blocks == 8 - 4
+        propose([], finished=["a"])
+        assert runner.num_free_blocks == 8 and runner.num_seqs == 0
+
+        # 8 blocks: "b" and "c" take 4 each; "d" evicts "b" (the least recently used).
+        long_ids = [list(range(10 + i, 70 + i)) for i in range(3)]  # 60 tokens + 3 drafts
+        out = propose([("b", 0, long_ids[0], k), ("c", 0, long_ids[1], k)])
+        assert out == [greedy(long_ids[0]), greedy(long_ids[1])]
+        assert propose([("d", 0, long_ids[2], k)])[0] == greedy(long_ids[2])
+        assert runner.num_seqs == 2
+        assert propose([("e", 0, list(range(126)), k)]) == [[]]  # 9 blocks: never fits
+    finally:
+        executor.shutdown()

@@ -24,6 +24,8 @@ class Verb(str, enum.Enum):
     # Steps.
     EXECUTE_MODEL = "execute_model"
     REPLAY_STAGES = "replay_stages"
+    # A draft model's rank: k greedy draft tokens per sequence (`vllm.spec_decode`).
+    PROPOSE_DRAFTS = "propose_drafts"
     # The pipeline changes: groups re-formed, layers re-split or merged into a neighbour.
     REJOIN_PROCESS_GROUPS = "rejoin_process_groups"
     RESHAPE = "reshape"

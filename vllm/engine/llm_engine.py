@@ -482,6 +482,8 @@ class LLMEngine:
 
     def _submit(self, scheduler_outputs: SchedulerOutputs, records: list[RequestRecord]) -> None:
         finished, self._finished_request_ids = self._finished_request_ids, []
+        if self.scheduler.draft_planner is not None:
+            self.scheduler.draft_planner.release(finished)
         try:
             self.batch_queue.submit(
                 scheduler_outputs, records, finished, self.scheduler.kv_blocks_bound()
@@ -834,20 +836,22 @@ def _draft_planner(engine_config: EngineConfig) -> DraftPlanner | None:
     )
     proposer = None
     if spec.method == "draft_model":
-        proposer = DraftModelProposer(_draft_engine(engine_config))
+        draft_config = _draft_config(engine_config)
+        proposer = DraftModelProposer(lambda: _make_executor(draft_config))
     return DraftPlanner(spec, engine_config.scheduler_config.max_model_len, proposer)
 
 
-def _draft_engine(engine_config: EngineConfig) -> LLMEngine:
-    """The draft model's engine (one rank of its own), checked against the target's
-    vocabulary: the drafts are token ids of the target's tokenizer."""
+def _draft_config(engine_config: EngineConfig) -> EngineConfig:
+    """The draft model's stage (placed by VLLM_SPEC_DRAFT_PLACEMENT), checked against the
+    target's vocabulary: the drafts are token ids of the target's tokenizer."""
     from vllm.engine.arg_utils import EngineArgs
 
-    draft = LLMEngine.from_engine_args(EngineArgs(**draft_engine_kwargs(engine_config)))
+    placement = envs.get_str("VLLM_SPEC_DRAFT_PLACEMENT")
+    kwargs = draft_engine_kwargs(engine_config, placement)
+    draft = EngineArgs(**kwargs).create_engine_config()
     target_vocab = engine_config.model_config.get_vocab_size()
     draft_vocab = draft.model_config.get_vocab_size()
     if draft_vocab != target_vocab:
-        draft.shutdown()
         raise ValueError(
             f"speculative_config: the draft model's vocabulary ({draft_vocab} tokens) is not "
             f"the target's ({target_vocab}); they must share a tokenizer."

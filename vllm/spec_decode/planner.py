@@ -97,8 +97,18 @@ class Proposer(Protocol):
     # whether a decode should wait for its token rather than go ahead without drafts).
     cheap: bool
 
-    def propose(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
-        """For each (token ids, k): up to k draft tokens that may follow them."""
+    @property
+    def active(self) -> bool:
+        """Whether it proposes at all (a draft model that failed for good does not)."""
+        ...
+
+    def propose(self, requests: list[tuple[str, int, list[int], int]]) -> list[list[int]]:
+        """For each (request id, seq id, token ids, k): up to k draft tokens that may follow
+        the token ids."""
+        ...
+
+    def release(self, request_ids: list[str]) -> None:
+        """Finished or aborted requests: whatever is kept for their sequences goes."""
         ...
 
     def shutdown(self) -> None:
@@ -115,8 +125,17 @@ class NgramProposer:
         self.lookup_max = config.prompt_lookup_max
         self.lookup_min = config.prompt_lookup_min
 
-    def propose(self, requests: list[tuple[list[int], int]]) -> list[list[int]]:
-        return [propose_ngram(ids, k, self.lookup_max, self.lookup_min) for ids, k in requests]
+    @property
+    def active(self) -> bool:
+        return True
+
+    def propose(self, requests: list[tuple[str, int, list[int], int]]) -> list[list[int]]:
+        return [
+            propose_ngram(ids, k, self.lookup_max, self.lookup_min) for _, _, ids, k in requests
+        ]
+
+    def release(self, request_ids: list[str]) -> None:
+        pass  # nothing kept
 
     def shutdown(self) -> None:
         pass  # nothing runs
@@ -179,7 +198,11 @@ class DraftPlanner:
         """The drafts of each (group, sequence) in this step ([] for none), in one call of
         the proposer (a draft model runs them as one batch)."""
         limits = [self.draft_limit(group, seq) for group, seq in seqs]
-        asked = [(seq.get_token_ids(), k) for (_, seq), k in zip(seqs, limits) if k > 0]
+        asked = [
+            (group.request_id, seq.seq_id, seq.get_token_ids(), k)
+            for (group, seq), k in zip(seqs, limits)
+            if k > 0
+        ]
         found = iter(self.proposer.propose(asked) if asked else [])
         return [next(found)[:k] if k > 0 else [] for k in limits]
 
@@ -192,7 +215,15 @@ class DraftPlanner:
         draft model is assumed to find some)."""
         if self.draft_limit(group, seq) < 1:
             return False
-        return bool(self.drafts_for(group, seq)) if self.proposer.cheap else True
+        if not self.proposer.cheap:
+            return self.proposer.active
+        return bool(self.drafts_for(group, seq))
+
+    def release(self, request_ids: list[str]) -> None:
+        """Finished or aborted requests (as the stages are told): the proposer forgets
+        their sequences (a draft model frees their draft KV)."""
+        if request_ids:
+            self.proposer.release(request_ids)
 
     def observe(self, outcome: SpecOutcome) -> None:
         """A step's speculative decodes came back: count them, and pause speculation while

@@ -158,6 +158,10 @@ class WorkerHost:
             (Verb.EXECUTE_MODEL, on_worker(Verb.EXECUTE_MODEL, ("request", ExecuteModelRequest))),
             (Verb.REPLAY_STAGES, on_worker(Verb.REPLAY_STAGES, ("request", ReplayRequest))),
             (
+                Verb.PROPOSE_DRAFTS,
+                on_worker(Verb.PROPOSE_DRAFTS, ("requests", list), ("finished", list)),
+            ),
+            (
                 Verb.REJOIN_PROCESS_GROUPS,
                 on_worker(
                     Verb.REJOIN_PROCESS_GROUPS,

@@ -25,6 +25,7 @@ from vllm.lora.worker_manager import StageLoRAManager
 from vllm.model_executor.models.utils import StageLayout
 from vllm.model_executor.weight_utils import get_torch_dtype, load_stage_model
 from vllm.sequence import SamplerOutput
+from vllm.spec_decode.draft_runner import DraftRequest, DraftRunner
 from vllm.step_records import BlockOps, ExecuteModelRequest
 from vllm.worker.cache_engine import CacheEngine, layers_block_bytes
 from vllm.worker.cpu_memory import release_memory, tune_malloc
@@ -71,6 +72,8 @@ class Worker:
         self.request_table = RequestTable()
         self.sampled_ids = SampledIdChannel(rank, self.parallel_config)
         self.timers = StageTimers()
+        # A draft model's rank: its draft sequences (built on the first proposal).
+        self.draft_runner: DraftRunner | None = None
 
     def set_shape(self, shape: PipelineShape) -> None:
         """The pipeline this rank belongs to from now on (the executor's, sent with each call
@@ -514,6 +517,24 @@ class Worker:
         """Forget the last send (completed, or its peer is gone: never wait on it)."""
         self._pending_send = None
 
+    def propose_drafts(self, requests: list[DraftRequest], finished: list[str]) -> list[list[int]]:
+        """A draft model's rank (the whole model, one stage): k greedy draft tokens after each
+        request's token ids, over draft sequences kept in this rank's cache (`DraftRunner`)."""
+        if self.draft_runner is None:
+            cache = self.cache_engine
+            assert cache is not None, "initialize_cache() first"
+            if not (self.layout.is_first and self.layout.is_last):
+                raise RuntimeError(f"rank {self.rank}: a draft model runs as one stage")
+            self.draft_runner = DraftRunner(
+                self.model_runner.model,
+                cache.gpu_cache,
+                cache.num_gpu_blocks,
+                self.cache_config.block_size,
+                self.device,
+                cache.reserve,
+            )
+        return self.draft_runner.propose(requests, finished)
+
     def get_stage_stats(self, reset: bool = True) -> StageStats:
         """Where this stage's time went since the last reset (`StageStats`)."""
         return self.timers.take(reset)
@@ -541,6 +562,7 @@ class Worker:
             # must not stay mapped in malloc's heap after the engine is gone.
             self.cache_engine = None
             self.model_runner = None  # type: ignore[assignment]
+            self.draft_runner = None
             release_memory()
 
 
@@ -556,6 +578,7 @@ def worker_verbs(worker: Worker) -> dict[Verb, Callable[..., Any]]:
         Verb.INITIALIZE_CACHE: worker.initialize_cache,
         Verb.EXECUTE_MODEL: worker.execute_model,
         Verb.REPLAY_STAGES: recovery.replay_stages,
+        Verb.PROPOSE_DRAFTS: worker.propose_drafts,
         Verb.REJOIN_PROCESS_GROUPS: worker.rejoin_process_groups,
         Verb.RESHAPE: worker.reshape,
         Verb.MERGE_LAYERS: recovery.merge_layers,
