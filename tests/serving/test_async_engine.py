@@ -11,7 +11,7 @@ import pytest
 
 from tests.utils import tiny_models
 from vllm import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
-from vllm.engine.async_llm_engine import BURST_GAP_S, BURST_MAX_WAIT_S, AsyncEngineDeadError
+from vllm.engine.async_llm_engine import AsyncEngineDeadError
 from vllm.sampling_params import RequestOutputKind
 
 KIND = "llama-gqa-tied"
@@ -256,29 +256,3 @@ def test_engine_error_fails_every_waiter(tiny_model_dirs):
     finally:
         engine.engine.step = real_step
         engine.shutdown()
-
-
-def test_a_burst_of_requests_starts_in_one_step(engine, expected):
-    """Requests sent together reach an idle engine one by one (each after its parsing and
-    tokenization): the engine gathers them and prefills them in one step, not the first
-    alone and the rest one forward pass later."""
-    engine.burst_gap_s, engine.burst_max_wait_s = 0.5, 5.0  # far above the arrival gaps
-    one_token = SamplingParams(temperature=0, max_tokens=1)
-
-    async def main():
-        tasks = []
-        for i in range(4):
-            if i:
-                await asyncio.sleep(0.02)  # the engine thread is idle and could step now
-            prompt = tiny_models.PROMPTS[i]
-            tasks.append(asyncio.create_task(final(engine, prompt, one_token, f"burst-{i}")))
-        return await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
-
-    steps_before = engine.engine.num_steps
-    try:
-        outs = asyncio.run(main())
-    finally:
-        engine.burst_gap_s, engine.burst_max_wait_s = BURST_GAP_S, BURST_MAX_WAIT_S
-    assert engine.engine.num_steps - steps_before == 1
-    assert [o.outputs[0].token_ids for o in outs] == [e[:1] for e in expected[:4]]
-    assert_no_leaks(engine)

@@ -77,12 +77,6 @@ class AsyncStream:
             yield item
 
 
-# An idle engine woken by a request waits for the rest of its burst (`_gather_burst`): until
-# no request has arrived for BURST_GAP_S, at most BURST_MAX_WAIT_S in all. A lone request
-# pays BURST_GAP_S of latency; a request arriving while the engine steps pays nothing.
-BURST_GAP_S = 0.003
-BURST_MAX_WAIT_S = 0.025
-
 # Characters of a request's parameters logged when --max-log-len is not given.
 DEFAULT_MAX_LOG_LEN = 1000
 
@@ -129,9 +123,6 @@ class AsyncLLMEngine:
         # vLLM's --max-log-len: how much of a request's parameters a log line shows (a 10 MB
         # stop list wrote a 10 MB line). None: DEFAULT_MAX_LOG_LEN.
         self.max_log_len: int | None = None
-        # How long an idle engine gathers a burst of requests before its first step.
-        self.burst_gap_s = BURST_GAP_S
-        self.burst_max_wait_s = BURST_MAX_WAIT_S
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._new_requests: list[_NewRequest] = []
@@ -485,7 +476,6 @@ class AsyncLLMEngine:
                 if not engine.has_unfinished_requests():
                     self._wakeup.wait()
                     self._wakeup.clear()
-                    self._gather_burst()
                     continue
                 outputs = engine.step()
                 if outputs:
@@ -493,24 +483,6 @@ class AsyncLLMEngine:
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             logger.exception("Engine background loop failed")
             self._fail_all(exc)
-
-    def _gather_burst(self) -> None:
-        """Woken from idle by a new request: wait while more keep arriving (each within
-        `burst_gap_s` of the last, `burst_max_wait_s` in all), so that requests sent together
-        start in one step. Clients send in bursts (a load client's concurrent streams, the
-        replacements of a batch that just finished), and each request reaches the engine
-        only after its HTTP parsing and tokenization: stepping at the first one prefilled it
-        alone and the others one whole forward pass later (measured: 16 streams were
-        prefilled as 1 + 15 in every wave)."""
-        deadline = time.monotonic() + self.burst_max_wait_s
-        while True:
-            with self._lock:
-                if not self._new_requests or self._stopping or self._engine_calls:
-                    return  # woken for something else: no request is waiting for company
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._wakeup.wait(min(self.burst_gap_s, remaining)):
-                return
-            self._wakeup.clear()
 
     def _apply_pending(self) -> None:
         with self._lock:
