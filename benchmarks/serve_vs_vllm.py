@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                     _stats(r, "ttft"),
                     _stats(r, "tpot"),
                     f"{r['completed']}/{r['num_prompts']}",
+                    f"{r['load_avg']:.1f}",
                 ]
             )
     print_table(
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             "TTFT mean/median/p99 ms",
             "TPOT mean/median/p99 ms",
             "completed",
+            "load avg",
         ],
         rows,
     )
