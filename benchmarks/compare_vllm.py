@@ -113,7 +113,7 @@ def matmul_bound(args: argparse.Namespace, dtype: str, prompt_tokens: int) -> fl
         "rows": args.num_prompts,
         "prefill_rows": max(args.num_prompts, min(prompt_tokens, 512)),
     }
-    env = _our_env(args.kv_cache_space)
+    env = our_env(args.kv_cache_space)
     proc = subprocess.run(
         [sys.executable, "-c", _BOUND, json.dumps(cfg)],
         env=env,
@@ -202,7 +202,9 @@ def ensure_hf_dir(path: str) -> str:
     return path
 
 
-def _vllm_env(venv_python: str, pp: int, kv_gib: float) -> dict[str, str]:
+def vllm_env(venv_python: str, pp: int, kv_gib: float) -> dict[str, str]:
+    """Environment of an upstream vLLM process: its CPU backend's KV space, one core per
+    rank, tcmalloc + Intel OpenMP preloaded, and never this repository on the path."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # never our vllm
     env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_gib * pp))
@@ -217,7 +219,8 @@ def _vllm_env(venv_python: str, pp: int, kv_gib: float) -> dict[str, str]:
     return env
 
 
-def _our_env(kv_gib: float) -> dict[str, str]:
+def our_env(kv_gib: float) -> dict[str, str]:
+    """Environment of a process of this engine: one thread per stage, this repository first."""
     env = dict(os.environ, VLLM_CPU_THREADS_PER_STAGE="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     return env
@@ -237,11 +240,11 @@ def run_one(
     }
     if engine == "vllm":
         python = args.vllm_python
-        env = _vllm_env(python, pp, args.kv_cache_space)
+        env = vllm_env(python, pp, args.kv_cache_space)
         cfg["extra"] = {"distributed_executor_backend": "mp"} if pp > 1 else {}
     else:
         python = sys.executable
-        env = _our_env(args.kv_cache_space)
+        env = our_env(args.kv_cache_space)
         cfg["extra"] = {"kv_cache_space": args.kv_cache_space}
     label = f"{engine} PP={pp} {dtype}"
     print(f"--- {label} ...", flush=True)
