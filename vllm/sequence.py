@@ -475,8 +475,8 @@ class SequenceGroup:
 @dataclass
 class SequenceGroupMetadata:
     """What the model runner reads of one group for one step: a row the first or last stage's
-    request table rebuilds from the step records (`vllm.worker.request_table`); sent only in
-    the replay steps of a stage-local rebuild (`vllm.step_records.ReplayRequest`).
+    request table rebuilds from the step records (`vllm.worker.request_table`; a replay
+    step's rows without the table). Never sent to a stage: the step records are.
 
     `is_prompt` groups feed `token_chunk_size` tokens after the ones already computed
     (`SequenceData.get_num_computed_tokens`): the whole prompt, one chunk of it (chunked

@@ -17,6 +17,9 @@ appends the token it sampled itself (last stage) or received from the last stage
 stage). Every cached sequence carries its expected length, which the stage checks: a stage out
 of step fails loudly at once, naming the request, instead of feeding the wrong tokens.
 
+A replay step of a stage-local rebuild is the same message with a `ReplayPlan` (the stages to
+rebuild, the block operations around it): one wire format for steps and replays.
+
 Records are NamedTuples (they pickle compactly). Imports no torch.
 """
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from vllm.sequence import SequenceData, SequenceGroupMetadata
+from vllm.sequence import SequenceData
 
 if TYPE_CHECKING:
     from vllm.pooling_params import PoolingParams
@@ -106,6 +109,13 @@ class StepMessage:
     to `recv_sampled_through` before it builds this step's inputs. `reset` tells the stage to
     forget every request first (the scheduler's stage generation moved on after an interrupt
     or failure: every request is sent in full again).
+
+    A replay step of a stage-local KV rebuild (`replay` set; `vllm.resilience.replay`) is the
+    same message, sent to every rank through a replay verb: each group is a `NewRequestData`
+    prefill chunk of one sequence's committed tokens (`num_computed_tokens` is the chunk's
+    start, `token_chunk_size` its length, nothing sampled). A stage reads its rows without
+    its request table, which a replay neither reads nor changes (the first step after a
+    recovery resets it anyway).
     """
 
     groups: list[RequestRecord] = field(default_factory=list)
@@ -113,6 +123,7 @@ class StepMessage:
     send_sampled: bool = False
     recv_sampled_through: int = 0
     reset: bool = False
+    replay: ReplayPlan | None = None
 
 
 @dataclass
@@ -133,6 +144,48 @@ class ExecuteModelRequest:
     def block_ops(self) -> BlockOps:
         return BlockOps(self.blocks_to_swap_in, self.blocks_to_swap_out, self.blocks_to_copy)
 
+    def replay_plan(self, verb: str) -> ReplayPlan:
+        """The plan of a replay step sent to `verb`. ValueError naming what is wrong when this
+        is not a well-formed one: an ordinary step (no `StepMessage.replay`), a record the
+        stage would have to look up in its request table (a replay sends every chunk in
+        full), or block operations or finished requests of the request's own (the plan's
+        `before`/`after` lists say where block operations go in a replay)."""
+        step = self.step
+        if step is None or step.replay is None:
+            raise ValueError(f"{verb}: not a replay step (StepMessage.replay is None)")
+        if self.blocks_to_swap_in or self.blocks_to_swap_out or self.blocks_to_copy:
+            raise ValueError(
+                f"{verb}: a replay step's block operations go in its plan (ReplayPlan.before "
+                "/ after), not in the request"
+            )
+        if self.finished_request_ids:
+            raise ValueError(f"{verb}: a replay step finishes no request")
+        if step.reset or step.send_sampled:
+            raise ValueError(f"{verb}: a replay step neither resets the stages nor samples")
+        for record in step.groups:
+            if not isinstance(record, NewRequestData) or not record.is_prompt or record.do_sample:
+                raise ValueError(
+                    f"{verb}: request {record.request_id}: a replay step's records are "
+                    "NewRequestData prefill chunks that sample nothing"
+                )
+        return step.replay
+
+
+@dataclass
+class ReplayPlan:
+    """What makes a step a replay step (`StepMessage.replay`).
+
+    A stage in `rebuild_stages` (PP ranks, ascending) runs its layers on the step's chunks; a
+    kept stage whose next stage is rebuilt sends its boundary rows for those slots. Every rank
+    applies the block operations `before` in order first (those of steps whose submission
+    failed; swapped groups brought back with the replay) and `after` once its part is done (a
+    round that rebuilds swapped groups swaps them out again: `vllm.core.stage_rollback`). The
+    step's own `ExecuteModelRequest` block operations stay empty: one list, one order."""
+
+    rebuild_stages: list[int]
+    before: list[BlockOps] = field(default_factory=list)
+    after: list[BlockOps] = field(default_factory=list)
+
 
 @dataclass
 class BlockOps:
@@ -141,24 +194,3 @@ class BlockOps:
     swap_in: dict[int, int] = field(default_factory=dict)  # cpu block -> gpu block
     swap_out: dict[int, int] = field(default_factory=dict)  # gpu block -> cpu block
     copy: dict[int, list[int]] = field(default_factory=dict)  # src gpu block -> dst blocks
-
-
-@dataclass
-class ReplayRequest:
-    """One replay step of a stage-local KV rebuild, sent to every rank after failed stages
-    were replaced (see `vllm.resilience.replay`).
-
-    `groups` are prefill chunks of tokens whose KV was committed before the failure (one
-    sequence each: `num_computed_tokens` is the chunk's start, `token_chunk_size` its
-    length). A stage in `rebuild_stages` (PP ranks, ascending) runs its layers on them; a
-    kept stage whose next stage is rebuilt sends its boundary rows for those slots. Every
-    rank applies the block operations `before` in order first (those of steps whose
-    submission failed; swapped groups brought back with the replay) and `after` once its
-    part is done (a round that rebuilds swapped groups swaps them out again:
-    `vllm.core.stage_rollback`)."""
-
-    rebuild_stages: list[int]
-    groups: list[SequenceGroupMetadata] = field(default_factory=list)
-    kv_blocks_bound: int = 0
-    before: list[BlockOps] = field(default_factory=list)
-    after: list[BlockOps] = field(default_factory=list)

@@ -5,6 +5,7 @@ exactly each kept sequence's committed tokens in chunks."""
 from __future__ import annotations
 
 import argparse
+import pickle
 
 import pytest
 
@@ -19,8 +20,17 @@ from vllm.core.stage_rollback import (
     requeue_after_replay,
     roll_back_for_replay,
 )
-from vllm.resilience.replay import replay_steps, replay_tokens
+from vllm.distributed.serialization import RefusedGlobalError, dumps_message, loads_message
+from vllm.resilience.replay import replay_steps, replay_tokens, run_replay
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
+from vllm.step_records import (
+    BlockOps,
+    CachedRequestData,
+    ExecuteModelRequest,
+    ReplayPlan,
+    StepMessage,
+)
+from vllm.worker.request_table import replay_rows
 
 pytestmark = pytest.mark.fast
 
@@ -83,7 +93,7 @@ def test_in_flight_decode_rolls_back_and_replays_its_committed_tokens():
     # a kept its blocks; only b's were freed.
     assert sched.block_manager.get_num_free_gpu_blocks() == free_before + 2
     steps = replay_steps(plan.replayed, sched.block_manager, 4)
-    assert [[(m.seq_data[seq.seq_id].get_num_computed_tokens(), m.token_chunk_size)
+    assert [[(m.seqs[0].data.get_num_computed_tokens(), m.token_chunk_size)
              for m in step] for step in steps] == [[(0, 4)], [(4, 4)], [(8, 2)]]  # fmt: skip
     assert replay_tokens(steps) == 10
     assert all(not m.do_sample and m.is_prompt for step in steps for m in step)
@@ -221,3 +231,80 @@ def test_the_block_bound_covers_every_block_a_kept_request_holds():
     assert [g.request_id for g in plan.replayed] == ["late"]
     # "late" alone needs at most ceil(64 / 4) = 16 blocks: below its block ids.
     assert sched.kv_blocks_bound() > max(sched.block_manager.get_block_table(late.get_seqs()[0]))
+
+
+def test_a_replay_step_travels_as_a_step_message():
+    """A replay step is an ordinary step on the wire: an `ExecuteModelRequest` whose
+    `StepMessage` carries one `NewRequestData` prefill chunk per committed sequence and a
+    `ReplayPlan`. It crosses the stages' message reader as is, and a stage reads from it the
+    rows the chunks describe (start, length, tokens, block table), without a request table."""
+    sched = _scheduler()
+    a = _add(sched, "a", 10)
+    _run_once(sched)  # 11 tokens, 10 committed
+    seq = a.get_seqs()[0]
+    table = sched.block_manager.get_block_table(seq)
+    before, after = [BlockOps(swap_in={1: 30})], [BlockOps(swap_out={30: 1})]
+    sent: list[tuple[ExecuteModelRequest, float]] = []
+    steps = replay_steps([a], sched.block_manager, 4)
+    replayed = run_replay(
+        lambda request, timeout: sent.append((request, timeout)),
+        lambda tokens: 0.5 + tokens, [1], steps, sched.kv_blocks_bound(), before, after,
+    )  # fmt: skip
+    assert replayed == 10 and [timeout for _, timeout in sent] == [4.5, 4.5, 2.5]
+    for index, (request, _) in enumerate(sent):
+        loaded = loads_message(dumps_message(request))
+        assert type(loaded) is ExecuteModelRequest and type(loaded.step) is StepMessage
+        assert loaded.kv_blocks_bound == sched.kv_blocks_bound()
+        plan = loaded.replay_plan("replay_stages")
+        assert plan.rebuild_stages == [1]
+        assert plan.before == (before if index == 0 else [])
+        assert plan.after == (after if index == 2 else [])
+        [meta] = replay_rows(loaded.step).groups
+        data = meta.seq_data[seq.seq_id]
+        assert meta.is_prompt and not meta.do_sample
+        chunks = [(0, 4), (4, 4), (8, 2)]
+        assert (data.get_num_computed_tokens(), meta.token_chunk_size) == chunks[index]
+        assert data.get_token_ids() == seq.get_token_ids()
+        assert meta.block_tables == {seq.seq_id: table}
+
+
+def test_what_is_not_a_replay_step_is_refused(monkeypatch: pytest.MonkeyPatch):
+    """A replay verb refuses an ordinary step, a replay whose block operations or records
+    its plan does not cover, a payload of another type, and a message in the old replay
+    format (`ReplayRequest`, gone): each with an error naming what is wrong."""
+    from vllm import step_records
+    from vllm.worker.rank_server import WorkerHost
+
+    sched = _scheduler()
+    a = _add(sched, "a", 10)
+    _run_once(sched)
+    [chunk] = replay_steps([a], sched.block_manager, 64)[0]
+    with pytest.raises(ValueError, match="replay_stages: not a replay step"):
+        ExecuteModelRequest(StepMessage([chunk])).replay_plan("replay_stages")
+    plan = ReplayPlan([1])
+    own_ops = ExecuteModelRequest(StepMessage([chunk], replay=plan), blocks_to_copy={1: [2]})
+    with pytest.raises(ValueError, match="block operations go in its plan"):
+        own_ops.replay_plan("replay_stages")
+    held = CachedRequestData("a", True, 4, False, ())
+    with pytest.raises(ValueError, match="request a: a replay step's records are NewRequestData"):
+        ExecuteModelRequest(StepMessage([held], replay=plan)).replay_plan("replay_gained_layers")
+    sampled = chunk._replace(do_sample=True)
+    with pytest.raises(ValueError, match="sample nothing"):
+        ExecuteModelRequest(StepMessage([sampled], replay=plan)).replay_plan("replay_stages")
+    # The rank's verb table: a step request, nothing else.
+    host = WorkerHost()
+    for verb in ("replay_stages", "replay_gained_layers"):
+        refused = f"{verb}: parameter 'request' must be ExecuteModelRequest"
+        with pytest.raises(TypeError, match=refused):
+            host.call(verb, (StepMessage([chunk], replay=plan),), {})
+
+    # The old format, as an engine of an earlier version would write it.
+    class ReplayRequest:
+        pass
+
+    ReplayRequest.__module__, ReplayRequest.__qualname__ = "vllm.step_records", "ReplayRequest"
+    monkeypatch.setattr(step_records, "ReplayRequest", ReplayRequest, raising=False)
+    legacy = pickle.dumps(("call", "replay_stages", ReplayRequest()))
+    monkeypatch.undo()
+    with pytest.raises(RefusedGlobalError, match=r"vllm\.step_records\.ReplayRequest"):
+        loads_message(legacy, allow_user_code=True)

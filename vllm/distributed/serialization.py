@@ -190,7 +190,15 @@ class _MessageUnpickler(pickle.Unpickler):
         if (module, name) in SAFE_GLOBALS:
             return super().find_class(module, name)
         if module in MESSAGE_MODULES or module.startswith("transformers."):
-            found = super().find_class(module, name)
+            try:
+                found = super().find_class(module, name)
+            except AttributeError as exc:
+                # A type the reader's version no longer has (or never had): a writer of
+                # another version, say, whose message this end cannot read.
+                raise RefusedGlobalError(
+                    f"refused to unpickle {module}.{name}: {module} has no such message type "
+                    "(written by another version of vllm?)"
+                ) from exc
             if isinstance(found, type) and _is_message_type(found):
                 return found
         raise RefusedGlobalError(

@@ -46,7 +46,7 @@ from vllm.executor.base import StageProcessExecutor
 from vllm.executor.rank_calls import Calls
 from vllm.executor.stage_control import MergedStage, StageControl
 from vllm.logger import init_logger
-from vllm.step_records import ReplayRequest
+from vllm.step_records import ExecuteModelRequest
 from vllm.worker.stage_report import StageInfo
 
 logger = init_logger("vllm.executor.elastic")
@@ -73,7 +73,7 @@ class ElasticStageExecutor(StageProcessExecutor, StageControl):
     def merged(self) -> MergedStage | None:
         return self._merged
 
-    def replay(self, request: ReplayRequest, timeout_s: float) -> None:
+    def replay(self, request: ExecuteModelRequest, timeout_s: float) -> None:
         self._run_workers_within(Verb.REPLAY_STAGES, timeout_s, request)
 
     @abstractmethod
@@ -218,7 +218,7 @@ class ElasticStageExecutor(StageProcessExecutor, StageControl):
             )
         self._publish(self.shape.with_blocks(num_gpu_blocks, num_cpu_blocks))
 
-    def replay_gained_layers(self, request: ReplayRequest, timeout_s: float) -> None:
+    def replay_gained_layers(self, request: ExecuteModelRequest, timeout_s: float) -> None:
         """One replay step of the merged stage's gained layers (every rank applies the
         swap-ins), within `timeout_s`; StageFailedError when a rank fails it."""
         self._run_workers_within(Verb.REPLAY_GAINED_LAYERS, timeout_s, request)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from vllm.step_records import ReplayRequest
+from vllm.step_records import ExecuteModelRequest
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,10 @@ class StageControl(ABC):
         up to their number."""
 
     @abstractmethod
-    def replay(self, request: ReplayRequest, timeout_s: float) -> None:
-        """One replay step of a stage-local KV rebuild on every rank (see `ReplayRequest`),
-        within `timeout_s`; StageFailedError when a rank fails it."""
+    def replay(self, request: ExecuteModelRequest, timeout_s: float) -> None:
+        """One replay step of a stage-local KV rebuild on every rank (a step whose
+        `StepMessage.replay` says which stages rebuild), within `timeout_s`; StageFailedError
+        when a rank fails it."""
 
     # -- stages leave -------------------------------------------------------------------------
 
@@ -76,8 +77,9 @@ class StageControl(ABC):
         """The merged stage's cache gets the gained layers; every cache at these counts."""
 
     @abstractmethod
-    def replay_gained_layers(self, request: ReplayRequest, timeout_s: float) -> None:
-        """One replay step of the merged stage's gained layers, within `timeout_s`."""
+    def replay_gained_layers(self, request: ExecuteModelRequest, timeout_s: float) -> None:
+        """One replay step (a step with a `StepMessage.replay`) of the merged stage's gained
+        layers, within `timeout_s`."""
 
     @abstractmethod
     def finish_merge(self) -> None:

@@ -7,7 +7,9 @@ chunks, at most `max_num_batched_tokens` per step, in order (a later chunk reads
 earlier ones as its cached context). Only the stages being rebuilt run their layers; a kept
 stage whose next stage is rebuilt sends its boundary rows. Nothing is sampled. Block
 operations no rank applied yet go with the first step (`before`), those that end a round
-with the last (`after`).
+with the last (`after`). A replay step is an ordinary step message (`vllm.step_records`): its
+chunks are `NewRequestData` records and its `StepMessage.replay` (a `ReplayPlan`) names the
+stages to rebuild and carries those block operations.
 
 Also the work figures every plan reports alike: the tokens each sequence had KV for at the
 failure (what recomputing it in full computes again) and what the requests recomputed in full
@@ -20,14 +22,15 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from vllm.sampling_params import SamplingParams
-from vllm.sequence import (
-    SequenceData,
-    SequenceGroup,
-    SequenceGroupMetadata,
-    SequenceStage,
-    SequenceStatus,
+from vllm.sequence import SequenceData, SequenceGroup, SequenceStage, SequenceStatus
+from vllm.step_records import (
+    BlockOps,
+    ExecuteModelRequest,
+    NewRequestData,
+    NewSeqData,
+    ReplayPlan,
+    StepMessage,
 )
-from vllm.step_records import BlockOps, ReplayRequest
 
 if TYPE_CHECKING:
     from vllm.core.block_manager import BlockSpaceManager
@@ -38,11 +41,12 @@ _NO_SAMPLING = SamplingParams()
 
 # Runs one replay step on every rank within a deadline (s): the executor's `replay` or, for a
 # merged stage, `replay_gained_layers`.
-SendReplay = Callable[[ReplayRequest, float], None]
+SendReplay = Callable[[ExecuteModelRequest, float], None]
 # The deadline of a step of so many tokens (`ParallelConfig.step_deadline_s`).
 StepDeadline = Callable[[int], float]
 
-ReplayStep = list[SequenceGroupMetadata]
+# One replay step's records: a prefill chunk of one sequence each (see `StepMessage`).
+ReplayStep = list[NewRequestData]
 
 
 def replay_steps(
@@ -83,22 +87,21 @@ def _chunk(
     table: list[int],
     start: int,
     length: int,
-) -> SequenceGroupMetadata:
+) -> NewRequestData:
     """Tokens [start, start + length) of one sequence as a prefill chunk with its cached
     context [0, start) (the stage's `prepare_inputs` reads it so)."""
     copy = SequenceData(
         list(data.prompt_token_ids), list(data.output_token_ids), data.cumulative_logprob,
         data.eos_token_id, start, SequenceStage.PREFILL, data.sample_index,
     )  # fmt: skip
-    return SequenceGroupMetadata(
+    lora_int_id = group.lora_int_id
+    return NewRequestData(
         request_id=f"{group.request_id}/replay-{seq_id}",
         is_prompt=True,
-        seq_data={seq_id: copy},
-        sampling_params=_NO_SAMPLING,
-        block_tables={seq_id: table},
         token_chunk_size=length,
         do_sample=False,
-        lora_int_id=group.lora_int_id,
+        seqs=(NewSeqData(seq_id, copy, tuple(table)),),
+        sampling_params=(_NO_SAMPLING, lora_int_id) if lora_int_id else _NO_SAMPLING,
     )
 
 
@@ -108,7 +111,7 @@ def replay_tokens(steps: list[ReplayStep]) -> int:
 
 
 def step_tokens(step: ReplayStep) -> int:
-    return sum(meta.token_chunk_size or 0 for meta in step)
+    return sum(record.token_chunk_size for record in step)
 
 
 def run_replay(
@@ -129,14 +132,16 @@ def run_replay(
     if not steps and (before or after):
         steps = [[]]
     for index, step in enumerate(steps):
-        request = ReplayRequest(
-            stages,
-            step,
-            kv_blocks_bound,
+        plan = ReplayPlan(
+            list(stages),
             before if index == 0 else [],
             after if index == len(steps) - 1 else [],
         )
-        send(request, deadline(step_tokens(request.groups)))
+        message = StepMessage(list(step), replay=plan)
+        send(
+            ExecuteModelRequest(message, kv_blocks_bound=kv_blocks_bound),
+            deadline(step_tokens(step)),
+        )
     return replay_tokens(steps)
 
 

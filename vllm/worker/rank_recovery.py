@@ -23,10 +23,10 @@ from vllm.config import CacheConfig, ModelConfig, ParallelConfig
 from vllm.distributed import parallel_state as ps
 from vllm.distributed.pipeline_shape import PipelineShape
 from vllm.model_executor.models.utils import StageLayout
-from vllm.step_records import BlockOps, ReplayRequest
+from vllm.step_records import BlockOps, ExecuteModelRequest
 from vllm.worker.cache_engine import CacheEngine
 from vllm.worker.model_runner import ModelRunner
-from vllm.worker.request_table import StepRows
+from vllm.worker.request_table import StepRows, replay_rows
 from vllm.worker.stage_merge import GainedLayers, finish, load_gained, replay_gained
 
 logger = logging.getLogger("vllm.worker")
@@ -86,27 +86,30 @@ class RankRecovery:
 
     # -- a replaced stage's KV rebuilt from the committed tokens ---------------------------
 
-    def replay_stages(self, request: ReplayRequest) -> None:
-        """One replay step of a stage-local rebuild (see `ReplayRequest`): a rebuilt stage
-        runs its layers on the committed tokens (writing their KV and its own boundary
-        rows) and passes them on to a rebuilt next stage; a kept stage whose next stage is
-        rebuilt sends the rows its boundary cache holds for those slots; others only apply
-        the block operations. Nothing is sampled."""
+    def replay_stages(self, request: ExecuteModelRequest) -> None:
+        """One replay step of a stage-local rebuild (a step with a `ReplayPlan`, see
+        `vllm.step_records.StepMessage`): a rebuilt stage runs its layers on the committed
+        tokens (writing their KV and its own boundary rows) and passes them on to a rebuilt
+        next stage; a kept stage whose next stage is rebuilt sends the rows its boundary
+        cache holds for those slots; others only apply the block operations. Nothing is
+        sampled, and the stage's request table is left as it was."""
         worker = self.worker
-        for ops in request.before:
+        plan = request.replay_plan("replay_stages")
+        assert request.step is not None  # checked by replay_plan
+        rows = replay_rows(request.step)
+        for ops in plan.before:
             worker.apply_block_ops(request.kv_blocks_bound, ops)
-        if request.groups:
+        if rows.groups:
             pp_rank = ps.get_pipeline_model_parallel_rank()
-            rebuilt = set(request.rebuild_stages)
+            rebuilt = set(plan.rebuild_stages)
             next_rebuilt = pp_rank + 1 in rebuilt and not worker.layout.is_last
-            rows = StepRows.of(request.groups)
             try:
                 self._replay(rows, pp_rank in rebuilt, next_rebuilt)
             except BaseException as exc:
                 worker.leave_groups_after(exc)
                 raise
         # The rows it wrote (KV, boundary) are complete and its sends done.
-        for ops in request.after:
+        for ops in plan.after:
             worker.apply_block_ops(request.kv_blocks_bound, ops)
 
     @torch.inference_mode()
@@ -183,26 +186,26 @@ class RankRecovery:
             # by every later step.
             gained.boundary_out = cache.empty_boundary()
 
-    def replay_gained_layers(self, request: ReplayRequest) -> None:
+    def replay_gained_layers(self, request: ExecuteModelRequest) -> None:
         """One replay step of the layers this stage took over (`vllm.worker.stage_merge`):
         every rank applies the block operations (as `replay_stages`); the stage that took
         them runs only them on the committed tokens from data it holds. Nothing is sent or
         sampled."""
+        plan = request.replay_plan("replay_gained_layers")
+        assert request.step is not None  # checked by replay_plan
+        rows = replay_rows(request.step)
         worker = self.worker
         cache = worker.cache_engine
         assert cache is not None, "initialize_cache() first"
-        for ops in request.before:
+        for ops in plan.before:
             worker.apply_block_ops(request.kv_blocks_bound, ops)
-        if request.groups and self.gained is not None:
+        if rows.groups and self.gained is not None:
             try:
-                replay_gained(
-                    self.gained, cache, StepRows.of(request.groups),
-                    worker.model_config.get_hidden_size(),
-                )  # fmt: skip
+                replay_gained(self.gained, cache, rows, worker.model_config.get_hidden_size())
             except BaseException as exc:
                 worker.leave_groups_after(exc)
                 raise
-        for ops in request.after:
+        for ops in plan.after:
             worker.apply_block_ops(request.kv_blocks_bound, ops)
 
     def finish_merge(self) -> None:

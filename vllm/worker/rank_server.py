@@ -122,7 +122,7 @@ class WorkerHost:
         from vllm.config import EngineConfig, LoRAConfig
         from vllm.distributed.pipeline_shape import PipelineShape
         from vllm.lora.request import LoRARequest
-        from vllm.step_records import ExecuteModelRequest, ReplayRequest
+        from vllm.step_records import ExecuteModelRequest
 
         def on_worker(verb: Verb, *params: Param) -> VerbSpec:
             def handler(*args: Any, **kwargs: Any) -> Any:
@@ -156,7 +156,7 @@ class WorkerHost:
             (Verb.DETERMINE_NUM_AVAILABLE_BLOCKS, on_worker(Verb.DETERMINE_NUM_AVAILABLE_BLOCKS)),
             (Verb.INITIALIZE_CACHE, VerbSpec(self.initialize_cache, blocks)),
             (Verb.EXECUTE_MODEL, on_worker(Verb.EXECUTE_MODEL, ("request", ExecuteModelRequest))),
-            (Verb.REPLAY_STAGES, on_worker(Verb.REPLAY_STAGES, ("request", ReplayRequest))),
+            (Verb.REPLAY_STAGES, on_worker(Verb.REPLAY_STAGES, ("request", ExecuteModelRequest))),
             (
                 Verb.PROPOSE_DRAFTS,
                 on_worker(Verb.PROPOSE_DRAFTS, ("requests", list), ("finished", list)),
@@ -178,7 +178,7 @@ class WorkerHost:
             (Verb.GROW_MERGED_CACHE, on_worker(Verb.GROW_MERGED_CACHE, *blocks)),
             (
                 Verb.REPLAY_GAINED_LAYERS,
-                on_worker(Verb.REPLAY_GAINED_LAYERS, ("request", ReplayRequest)),
+                on_worker(Verb.REPLAY_GAINED_LAYERS, ("request", ExecuteModelRequest)),
             ),
             (Verb.FINISH_MERGE, on_worker(Verb.FINISH_MERGE)),
             (

@@ -4,7 +4,9 @@
 `vllm.step_records`) and hands the model runner the step's rows: one `SequenceGroupMetadata` per
 scheduled group, and the order they take in the flat token batch (prefills first, then decodes),
 derived here once. The table also owns the per-request seeded generators of the last stage and
-the ids each sequence sampled last (for decodes scheduled ahead). Imports no torch (the
+the ids each sequence sampled last (for decodes scheduled ahead). A replay step's rows
+(`replay_rows`) are read without the table, which they leave as it was: every chunk is a group
+sent in full (`new_request_metadata`, the table's own unpacking). Imports no torch (the
 generators are created by the sampling code), so the engine's fake pipelines use it as is.
 """
 
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.sequence import SequenceData, SequenceGroupMetadata, SequenceStage
 from vllm.step_records import (
     CachedSeqData,
+    Drafts,
     NewRequestData,
     NewSeqData,
     RequestRecord,
@@ -84,23 +87,23 @@ class RequestTable:
     def _apply_group(self, record: RequestRecord) -> SequenceGroupMetadata:
         request_id = record.request_id
         if isinstance(record, NewRequestData):
-            params, lora_int_id = record.sampling_params, 0
-            if isinstance(params, tuple):
-                params, lora_int_id = params
+            meta = new_request_metadata(record)
             # Whatever the stage held of this request is stale (it was preempted, or the
             # stages forgot it): the record replaces it.
             self.drop([request_id])
-            held = self._requests[request_id] = _Held(
-                params, {}, {}, lora_int_id, record.pooling_params
+            self._requests[request_id] = _Held(
+                meta.sampling_params, meta.seq_data, meta.block_tables, meta.lora_int_id,
+                meta.pooling_params,
+            )  # fmt: skip
+            for seq_id in meta.seq_data:
+                self._owner[seq_id] = request_id
+            return meta
+        held = self._requests.get(request_id)
+        if held is None:
+            raise RuntimeError(
+                f"request {request_id}: the stage does not hold it and the step did not "
+                "send it in full"
             )
-        else:
-            found = self._requests.get(request_id)
-            if found is None:
-                raise RuntimeError(
-                    f"request {request_id}: the stage does not hold it and the step did not "
-                    "send it in full"
-                )
-            held = found
         seqs: dict[int, SequenceData] = {}
         tables: dict[int, list[int]] = {}
         for seq in record.seqs:
@@ -128,9 +131,7 @@ class RequestTable:
             do_sample=record.do_sample,
             lora_int_id=held.lora_int_id,
             pooling_params=held.pooling_params,
-            draft_token_ids=(
-                {seq_id: list(ids) for seq_id, ids in record.drafts} if record.drafts else None
-            ),
+            draft_token_ids=_drafts(record.drafts),
         )
 
     def _apply_seq(
@@ -193,6 +194,46 @@ class RequestTable:
     def num_requests(self) -> int:
         """How many requests this stage holds."""
         return len(self._requests)
+
+
+def new_request_metadata(record: NewRequestData) -> SequenceGroupMetadata:
+    """A group sent in full, as the model runner reads it: the stage's own copies of its
+    sequences and tables. Stateless: `RequestTable` holds what it returns; a replay step
+    (`replay_rows`) only runs it."""
+    params, lora_int_id = record.sampling_params, 0
+    if isinstance(params, tuple):
+        params, lora_int_id = params
+    return SequenceGroupMetadata(
+        request_id=record.request_id,
+        is_prompt=record.is_prompt,
+        seq_data={seq.seq_id: _copy(seq.data) for seq in record.seqs},
+        sampling_params=params,
+        block_tables={seq.seq_id: list(seq.block_ids) for seq in record.seqs},
+        token_chunk_size=record.token_chunk_size,
+        do_sample=record.do_sample,
+        lora_int_id=lora_int_id,
+        pooling_params=record.pooling_params,
+        draft_token_ids=_drafts(record.drafts),
+    )
+
+
+def replay_rows(message: StepMessage) -> StepRows:
+    """The rows of a replay step (`StepMessage.replay`; its records checked by
+    `ExecuteModelRequest.replay_plan`): every chunk was sent in full, so no request table is
+    read or changed."""
+    groups = []
+    for record in message.groups:
+        if not isinstance(record, NewRequestData):
+            raise ValueError(
+                f"request {record.request_id}: a replay step sends every chunk in full "
+                "(NewRequestData)"
+            )
+        groups.append(new_request_metadata(record))
+    return StepRows.of(groups)
+
+
+def _drafts(drafts: Drafts | None) -> dict[int, list[int]] | None:
+    return {seq_id: list(ids) for seq_id, ids in drafts} if drafts else None
 
 
 def _copy(src: SequenceData) -> SequenceData:

@@ -397,6 +397,12 @@ class Worker:
         peer still waiting on this rank -- receives are posted ahead, so a neighbour can be
         several messages further on -- is released at once by the closed connection instead
         of waiting out the group timeout while the engine waits for it to rejoin."""
+        if request.step is not None and request.step.replay is not None:
+            # Run as a step, it would sample and enter the request table.
+            raise ValueError(
+                "execute_model: a replay step (StepMessage.replay) goes through replay_stages "
+                "or replay_gained_layers"
+            )
         if self.parallel_config.world_size > 1 and not ps.model_parallel_is_initialized():
             # A step queued before the engine saw an earlier failure of this rank's. Its block
             # operations are local and still applied: every surviving rank gets the same
