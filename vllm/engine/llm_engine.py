@@ -804,8 +804,8 @@ def _use_async_pipeline(scheduler_config: SchedulerConfig, executor: ExecutorBas
 
 
 def _chunk_sizer(engine_config: EngineConfig) -> ChunkSizer | None:
-    """The scheduler's chunk sizer with chunked prefill (`VLLM_PP_DYNAMIC_CHUNKS=0`: chunks
-    of the whole room, as vLLM cuts them)."""
+    """The scheduler's chunk sizer with chunked prefill: chunks sized by cost with
+    `VLLM_PP_DYNAMIC_CHUNKS=1`, else of the whole room, as vLLM cuts them."""
     if not engine_config.scheduler_config.enable_chunked_prefill:
         return None
     mc = engine_config.model_config
