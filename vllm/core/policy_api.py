@@ -46,8 +46,9 @@ class SchedulerOutputs:
     # Speculative decodes: request id -> seq id -> the draft tokens it verifies this step
     # (their slots are appended; `vllm.spec_decode.planner`).
     drafts: dict[str, dict[int, list[int]]] = field(default_factory=dict)
-    # The step's work (tokens fed, query-key pairs scored): with its measured duration it
-    # calibrates the chunk sizer (`vllm.core.chunk_sizer`).
+    # The step's work (tokens fed, query-key pairs scored; the pairs are counted only when a
+    # chunk sizer runs): with its measured duration it calibrates the sizer
+    # (`vllm.core.chunk_sizer`).
     cost: StepCost = StepCost(0, 0)
     # The step number this batch was scheduled as (0 when it is empty).
     step_no: int = 0

@@ -391,7 +391,8 @@ class Scheduler:
             chunk = out.token_chunk_sizes[seq_group.request_id]
             if offset := seq_group.prefill_tokens_in_flight():
                 out.chunk_offsets[seq_group.request_id] = offset
-            pairs += _attention_pairs(seq_group, chunk, offset, out.drafts)
+            if self.chunk_sizer is not None:  # only the sizer reads the pairs
+                pairs += _attention_pairs(seq_group, chunk, offset, out.drafts)
             speculative = seq_group.request_id in out.drafts
             seq_group.flights.append(
                 Flight(chunk if seq_group.is_prefill() else 1, step_no, speculative)

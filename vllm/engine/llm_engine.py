@@ -804,16 +804,19 @@ def _use_async_pipeline(scheduler_config: SchedulerConfig, executor: ExecutorBas
 
 
 def _chunk_sizer(engine_config: EngineConfig) -> ChunkSizer | None:
-    """The scheduler's chunk sizer with chunked prefill: chunks sized by cost with
-    `VLLM_PP_DYNAMIC_CHUNKS=1`, else of the whole room, as vLLM cuts them."""
-    if not engine_config.scheduler_config.enable_chunked_prefill:
+    """The scheduler's chunk sizer with chunked prefill and `VLLM_PP_DYNAMIC_CHUNKS=1`; None
+    otherwise (chunks of the whole room, as vLLM cuts them: nothing to time or fit)."""
+    if not (
+        engine_config.scheduler_config.enable_chunked_prefill
+        and envs.get_bool("VLLM_PP_DYNAMIC_CHUNKS")
+    ):
         return None
     mc = engine_config.model_config
     layer, _ = mc.get_gemm_shapes()
     prior = prior_pair_cost(
         sum(n * k for n, k in layer), mc.get_num_attention_heads(), mc.get_head_size()
     )
-    return ChunkSizer(prior, enabled=envs.get_bool("VLLM_PP_DYNAMIC_CHUNKS"))
+    return ChunkSizer(prior)
 
 
 def _draft_planner(engine_config: EngineConfig) -> DraftPlanner | None:
