@@ -1,5 +1,5 @@
-"""Speculative decoding through the pipeline: greedy tokens equal HF's at PP 2 (mp) and PP 3
-(ray) with chunked prefill and prefix caching, and at TP 2 x PP 2; a stage SIGKILLed
+"""Speculative decoding through the pipeline: greedy tokens equal HF's at PP 2 and 3 on both
+backends with chunked prefill and prefix caching, and at TP 2 x PP 2; a stage SIGKILLed
 mid-generation with speculation on loses nothing (outputs equal the fault-free run)."""
 
 from __future__ import annotations
@@ -32,19 +32,29 @@ def _accepted(llm: LLM) -> int:
 
 
 @pytest.mark.parametrize(
-    ("backend", "pp", "tp"),
-    [("mp", 2, 1), ("ray", 3, 1), ("mp", 2, 2)],
-    ids=["mp-pp2", "ray-pp3", "mp-tp2-pp2"],
+    ("backend", "pp", "tp", "method"),
+    [
+        ("mp", 2, 1, "ngram"),
+        ("mp", 3, 1, "ngram"),
+        ("ray", 2, 1, "draft"),
+        ("ray", 3, 1, "ngram"),
+        ("mp", 2, 2, "ngram"),
+    ],
+    ids=["mp-pp2", "mp-pp3", "ray-pp2-draft", "ray-pp3", "mp-tp2-pp2"],
 )
-def test_greedy_equals_hf(backend, pp, tp, tiny_model_dirs, hf_reference, request) -> None:
+def test_greedy_equals_hf(backend, pp, tp, method, tiny_model_dirs, hf_reference, request) -> None:
+    """n-gram drafts at PP 2 and 3 on mp, PP 3 on Ray and TP 2 x PP 2; a draft model (the
+    target's own weights, in the engine's process) at PP 2 on Ray."""
     if backend == "ray":
         request.getfixturevalue("ray_session")
+    model = tiny_model_dirs[KIND]
+    spec = SPEC if method == "ngram" else {"model": model, "num_speculative_tokens": 3}
     llm = LLM(
-        tiny_model_dirs[KIND],
+        model,
         pipeline_parallel_size=pp,
         tensor_parallel_size=tp,
         distributed_executor_backend=backend,
-        **ENGINE,
+        **dict(ENGINE, speculative_config=spec),
     )
     try:
         outputs = llm.generate(tiny_models.PROMPTS, GREEDY, use_tqdm=False)

@@ -137,13 +137,18 @@ def token_lora_ids(
 ) -> torch.Tensor:
     """Each input token's adapter id [T] (0: none), in `prepare_inputs`' order (`layout`:
     prefills first): the prompt tokens of every prefilling sequence (`prefill_lens` of
-    each), then one per decode."""
+    each), then the decode rows: a speculative sequence's last token and drafts, one per
+    plain decoding sequence."""
     ids: list[int] = []
     lens = iter(prefill_lens)
     for meta in layout:
-        if meta.is_prompt or meta.draft_token_ids is not None:  # speculative: several each
+        if meta.is_prompt:
             for _ in meta.seq_data:
                 ids.extend([meta.lora_int_id] * next(lens))
+        elif meta.draft_token_ids is not None:
+            for seq_id in meta.seq_data:
+                rows = 1 + len(meta.draft_token_ids.get(seq_id, []))
+                ids.extend([meta.lora_int_id] * rows)
         else:
             ids.extend([meta.lora_int_id] * len(meta.seq_data))
     return torch.tensor(ids, dtype=torch.long, device=device)

@@ -44,7 +44,7 @@ def prepare_inputs(
 
     def add_chunk(tokens: list[int], start: int, table: list[int], total_len: int) -> None:
         """Tokens fed at positions start.. after `start` cached ones (a prompt, a chunk of
-        one, or a speculative decode's last token and drafts)."""
+        one, or the part after a cached prefix)."""
         end = start + len(tokens)
         input_ids.extend(tokens)
         positions.extend(range(start, end))
@@ -58,12 +58,20 @@ def prepare_inputs(
 
     for meta in layout:  # prefills first, so one pass puts their tokens ahead of decodes
         if meta.draft_token_ids is not None:
-            # A speculative decode: each sequence feeds its last token and its drafts, like a
-            # prefill chunk after its cached context (positions len-1 .. len-1+k).
+            # A speculative decode: each sequence feeds its last token and its drafts
+            # (positions len-1 .. len-1+k) as k+1 decode rows over its own block table. Every
+            # token's K/V is written to the cache before attention runs, so row i, reading
+            # context len+i, sees the drafts before it and none after: causal, as a prefill
+            # chunk would be, on the decode kernel instead of a gather of the whole context.
             for seq_id, data in meta.seq_data.items():
+                table = meta.block_tables[seq_id]
                 tokens = [data.get_last_token_id(), *meta.draft_token_ids.get(seq_id, [])]
-                start = data.get_len() - 1
-                add_chunk(tokens, start, meta.block_tables[seq_id], start + len(tokens))
+                for pos, token in enumerate(tokens, start=data.get_len() - 1):
+                    input_ids.append(token)
+                    positions.append(pos)
+                    slots.append(table[pos // block_size] * block_size + pos % block_size)
+                    context_lens.append(pos + 1)
+                    tables.append(table)
             continue
         if not meta.is_prompt:
             for seq_id, data in meta.seq_data.items():
