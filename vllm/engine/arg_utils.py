@@ -498,6 +498,8 @@ class EngineArgs:
         model_config.get_pp_layer_sizes(parallel_config)
         model_config.verify_with_parallel_config(parallel_config)
         enable_chunked_prefill = self.enable_chunked_prefill
+        max_num_partial_prefills = self.max_num_partial_prefills
+        max_long_partial_prefills = self.max_long_partial_prefills
         if model_config.is_encoder_only:
             # vLLM's rule: an encoder attends over the whole prompt at once, and keeps no KV
             # between steps to share.
@@ -508,6 +510,14 @@ class EngineArgs:
                 )
             enable_chunked_prefill = False
             cache_config.enable_prefix_caching = False
+            # Partial prefills are chunked prefill's: without chunks there are none to share.
+            if max_num_partial_prefills > 1:
+                logger.warning(
+                    "max_num_partial_prefills (%d) needs chunked prefill, which encoder-only "
+                    "models do not support: set to 1.",
+                    max_num_partial_prefills,
+                )
+            max_num_partial_prefills = max_long_partial_prefills = 1
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,  # type: ignore[arg-type]
             max_num_seqs=self.max_num_seqs,
@@ -516,8 +526,8 @@ class EngineArgs:
             enable_chunked_prefill=enable_chunked_prefill,
             async_scheduling=self.async_scheduling,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_num_partial_prefills=self.max_num_partial_prefills,
-            max_long_partial_prefills=self.max_long_partial_prefills,
+            max_num_partial_prefills=max_num_partial_prefills,
+            max_long_partial_prefills=max_long_partial_prefills,
         )
         return EngineConfig(
             speculative_config=self._speculative_config(),
