@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 _rng = random.Random(40)
 # max_model_len 512: long_prefill_token_threshold defaults to int(512 * 0.04) = 20 tokens.
-LENGTHS = {"long-a": 200, "long-b": 150, "short-c": 8, "long-d": 120, "short-e": 12}
+LENGTHS = {"long-a": 160, "long-b": 96, "short-c": 8, "long-d": 64, "short-e": 12}
 PROMPTS = {rid: [_rng.randrange(100, 49000) for _ in range(n)] for rid, n in LENGTHS.items()}
 
 
