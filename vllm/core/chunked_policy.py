@@ -74,7 +74,7 @@ class ChunkedPolicy:
     def __init__(
         self,
         queues: PolicyQueues,
-        long_prefill_token_threshold: int = 0,
+        prefill_token_cap: int = 0,
         sizer: ChunkSizer | None = None,
         partial: PartialPrefillLimits | None = None,
     ) -> None:
@@ -82,10 +82,10 @@ class ChunkedPolicy:
         self.partial = partial or PartialPrefillLimits()
         # Sizes one prompt's chunk to an even step cost (None: the whole room, vLLM's way).
         self.sizer = sizer
-        # Tokens one prompt may take in a step (vLLM's `long_prefill_token_threshold`; a huge
-        # number when unset). Several diverged sequences are never chunked: they are checked
-        # against the step's budget only.
-        self._cap = long_prefill_token_threshold if long_prefill_token_threshold > 0 else 1 << 62
+        # Tokens one prompt may take in a step (the `long_prefill_token_threshold` the user set,
+        # `SchedulerConfig.prefill_token_cap`; a huge number when unset). Several diverged
+        # sequences are never chunked: they are checked against the step's budget only.
+        self._cap = prefill_token_cap if prefill_token_cap > 0 else 1 << 62
 
     def schedule(self, out: SchedulerOutputs, seq_cap: int, step_no: int) -> None:
         """Fill `out` with one step, at most `seq_cap` decoding sequences (the first group
@@ -149,6 +149,8 @@ class ChunkedPolicy:
         """This step's partial prefills: the running prefills (a long one in progress counts
         against `max_long_partial_prefills` even while its chunks are in flight), those that
         may take a chunk now, and the waiting prompts (vLLM's `PartialPrefillMetadata`)."""
+        if not self.partial.enabled:
+            return StepPrefills(self.partial, 1, 0)  # one share: the whole budget
         running = (
             _tokens_left(g) for g in self.sched.running if g.is_prefill() and not g.is_finished()
         )
