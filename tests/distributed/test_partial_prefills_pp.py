@@ -11,7 +11,7 @@ from tests.utils import tiny_models
 from vllm import LLM, SamplingParams
 
 KIND = "llama-gqa-untied"
-NEW_TOKENS = 8
+NEW_TOKENS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 _rng = random.Random(40)
