@@ -653,8 +653,18 @@ class SchedulerConfig(FrozenConfig):
     # Decodes scheduled ahead of their previous step's output (None: where supported).
     async_scheduling: bool | None = None
     # vLLM's: with chunked prefill, at most this many tokens of one prompt per step (0: no cap
-    # beyond the step's budget), so a long prompt's chunks leave room for other requests.
+    # beyond the step's budget), so a long prompt's chunks leave room for other requests; with
+    # max_num_partial_prefills > 1 also the tokens left above which a prompt counts as long
+    # (vLLM's default then: 4% of max_model_len).
     long_prefill_token_threshold: int = 0
+    # vLLM's: with chunked prefill, how many prompts may be partially prefilled at once
+    # (sharing a step's budget), and how many of them may be long (`vllm.core.partial_prefills`).
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    # The tokens one prompt may take per step: the threshold the user set (0: none). A threshold
+    # derived for max_num_partial_prefills only tells long prompts from short ones, as in vLLM
+    # V0, which splits the step's budget between the prompts instead of capping each.
+    prefill_token_cap: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -685,9 +695,49 @@ class SchedulerConfig(FrozenConfig):
                 "long_prefill_token_threshold must be >= 0, got "
                 f"{self.long_prefill_token_threshold}."
             )
+        self.prefill_token_cap = self.long_prefill_token_threshold
+        self._verify_partial_prefills()
         if self.preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}."
+            )
+
+    def _verify_partial_prefills(self) -> None:
+        """vLLM's rules and messages for the partial-prefill knobs; with several partial
+        prefills and no threshold, vLLM's default threshold (4% of max_model_len)."""
+        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
+        if self.max_num_partial_prefills < 1:
+            raise ValueError(
+                f"max_num_partial_prefills ({self.max_num_partial_prefills}) must be greater "
+                "than or equal to 1."
+            )
+        if self.max_num_partial_prefills > 1:
+            if not self.enable_chunked_prefill:
+                raise ValueError(
+                    "Chunked prefill must be enabled to set max_num_partial_prefills > 1."
+                )
+            if self.long_prefill_token_threshold == 0:
+                self.long_prefill_token_threshold = int(self.max_model_len * 0.04)
+            if self.long_prefill_token_threshold > self.max_model_len:
+                raise ValueError(
+                    f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) cannot "
+                    f"be greater than the max_model_len ({self.max_model_len})."
+                )
+            logger.info(
+                "Concurrent partial prefills enabled with max_num_partial_prefills=%d, "
+                "max_long_partial_prefills=%d, long_prefill_token_threshold=%d",
+                self.max_num_partial_prefills,
+                self.max_long_partial_prefills,
+                self.long_prefill_token_threshold,
+            )
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be greater "
+                "than or equal to 1 and less than or equal to max_num_partial_prefills "
+                f"({self.max_num_partial_prefills})."
             )
 
     @property

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from vllm.core.budget import over_cap
 from vllm.core.chunk_sizer import ChunkSizer
+from vllm.core.partial_prefills import PartialPrefillLimits, StepPrefills
 from vllm.core.policy_api import PolicyQueues, SchedulerOutputs
 from vllm.sequence import SequenceGroup, SequenceStatus
 
@@ -35,6 +36,8 @@ class _Step:
     decode_room: int  # tokens the decodes may take
     seq_cap: int  # sequences
     step_no: int
+    # The partial prefills sharing the step's budget (set once `running` is sorted).
+    partial: StepPrefills | None = None
     used: int = 0  # tokens taken
     batch_seqs: int = 0  # sequences taken by decodes
     decodes: collections.deque[SequenceGroup] = field(default_factory=collections.deque)
@@ -47,6 +50,14 @@ class _Step:
     scheduled_decodes: list[SequenceGroup] = field(default_factory=list)
     scheduled_prefills: list[SequenceGroup] = field(default_factory=list)
 
+    def prefill_room(self) -> int:
+        """The tokens the next prefill chunk may take: what is left of the budget, at most
+        one partial prefill's share of it."""
+        room = self.budget - self.used
+        if self.partial is None:
+            return room
+        return min(room, self.partial.slot(self.budget))
+
     def take(self, seq_group: SequenceGroup, tokens: int, prefill: bool) -> None:
         (self.scheduled_prefills if prefill else self.scheduled_decodes).append(seq_group)
         self.out.token_chunk_sizes[seq_group.request_id] = tokens
@@ -56,21 +67,25 @@ class _Step:
 class ChunkedPolicy:
     """Decodes first, then prefill chunks of running groups, swapped groups and new prompts,
     within one token budget per step; a decode that needs a block preempts the
-    latest-arriving group not scheduled yet."""
+    latest-arriving group not scheduled yet. With `partial` limits of N > 1 the prefills
+    share the step's budget and a long prompt may be passed over for shorter ones
+    (`vllm.core.partial_prefills`)."""
 
     def __init__(
         self,
         queues: PolicyQueues,
-        long_prefill_token_threshold: int = 0,
+        prefill_token_cap: int = 0,
         sizer: ChunkSizer | None = None,
+        partial: PartialPrefillLimits | None = None,
     ) -> None:
         self.sched = queues
+        self.partial = partial or PartialPrefillLimits()
         # Sizes one prompt's chunk to an even step cost (None: the whole room, vLLM's way).
         self.sizer = sizer
-        # Tokens one prompt may take in a step (vLLM's `long_prefill_token_threshold`; a huge
-        # number when unset). Several diverged sequences are never chunked: they are checked
-        # against the step's budget only.
-        self._cap = long_prefill_token_threshold if long_prefill_token_threshold > 0 else 1 << 62
+        # Tokens one prompt may take in a step (the `long_prefill_token_threshold` the user set,
+        # `SchedulerConfig.prefill_token_cap`; a huge number when unset). Several diverged
+        # sequences are never chunked: they are checked against the step's budget only.
+        self._cap = prefill_token_cap if prefill_token_cap > 0 else 1 << 62
 
     def schedule(self, out: SchedulerOutputs, seq_cap: int, step_no: int) -> None:
         """Fill `out` with one step, at most `seq_cap` decoding sequences (the first group
@@ -78,6 +93,7 @@ class ChunkedPolicy:
         budget, decode_budget = self._token_budget()
         step = _Step(out, budget, min(budget, decode_budget), seq_cap, step_no)
         self._sort_running(step)
+        step.partial = self._partial_prefills(step)
         self._schedule_decodes(step)
         self._schedule_running_prefills(step)
         if out.num_preempted == 0 and self.sched.swapped:
@@ -129,6 +145,19 @@ class ChunkedPolicy:
             else:
                 (step.prefills if phase == 2 else step.decodes).append(seq_group)
 
+    def _partial_prefills(self, step: _Step) -> StepPrefills:
+        """This step's partial prefills: the running prefills (a long one in progress counts
+        against `max_long_partial_prefills` even while its chunks are in flight), those that
+        may take a chunk now, and the waiting prompts (vLLM's `PartialPrefillMetadata`)."""
+        if not self.partial.enabled:
+            return StepPrefills(self.partial, 1, 0)  # one share: the whole budget
+        running = (
+            _tokens_left(g) for g in self.sched.running if g.is_prefill() and not g.is_finished()
+        )
+        schedulable = (_tokens_left(g) for g in [*step.prefills, *step.chunks_behind])
+        waiting = (_waiting_tokens_left(g) for g in self.sched.waiting)
+        return self.partial.for_step(running, schedulable, waiting)
+
     def _schedule_decodes(self, step: _Step) -> None:
         """The running decodes (preempting later groups for blocks), then those in flight
         that may go ahead (never preempting), within the decode room and the sequence cap."""
@@ -166,7 +195,7 @@ class ChunkedPolicy:
         chunk follows them through every stage; it needs no new block)."""
         pending = sorted([*step.prefills, *step.chunks_behind], key=lambda g: g.arrival_time)
         for seq_group in pending:
-            room = step.budget - step.used
+            room = step.prefill_room()
             chunk = _chunk(seq_group, SequenceStatus.RUNNING, room, self._cap, self.sizer)
             if chunk > 0:
                 step.take(seq_group, chunk, prefill=True)
@@ -194,10 +223,17 @@ class ChunkedPolicy:
             num_seqs += num_new_seqs
 
     def _admit_prompts(self, step: _Step) -> None:
-        """New prompts, FCFS: the first chunk of each while tokens are left."""
+        """New prompts, FCFS: the first chunk of each while tokens are left (with several
+        partial prefills, a long prompt is passed over while enough long ones run)."""
         sched, budget = self.sched, self.sched.budget
         num_seqs = sched.num_running_seqs()
-        while step.used < step.budget and (head := sched.next_admissible(step.out)) is not None:
+        partial = step.partial
+
+        def long_held_back(seq_group: SequenceGroup) -> bool:
+            return partial is not None and not partial.may_admit(_waiting_tokens_left(seq_group))
+
+        skip = long_held_back if self.partial.enabled else None
+        while step.used < step.budget and (head := sched.next_admissible(step.out, skip)):
             seq_group, waiting_seqs, num_prompt_tokens = head
             num_new_seqs = seq_group.get_max_num_running_seqs()
             if num_seqs + num_new_seqs > budget.max_num_seqs:
@@ -205,7 +241,7 @@ class ChunkedPolicy:
             new_tokens = num_prompt_tokens - sched.block_manager.num_cached_tokens(seq_group)
             max_tokens = budget.max_num_batched_tokens
             if len(waiting_seqs) == 1:
-                room = min(step.budget - step.used, self._cap)
+                room = min(step.prefill_room(), self._cap)
                 cached = num_prompt_tokens - new_tokens
                 sizer = self.sizer
                 chunk = sizer.chunk(cached, new_tokens, room) if sizer else min(new_tokens, room)
@@ -223,6 +259,8 @@ class ChunkedPolicy:
                 chunk = new_tokens
             else:
                 break
+            if partial is not None:
+                partial.admitted(_waiting_tokens_left(seq_group))
             sched.admit(seq_group, waiting_seqs)
             step.take(seq_group, chunk, prefill=True)
             num_seqs += num_new_seqs
@@ -234,6 +272,19 @@ def _phase(seq_group: SequenceGroup) -> int:
     if seq_group.is_in_flight() or seq_group.is_finished():
         return 0
     return 2 if seq_group.is_prefill() else 1
+
+
+def _tokens_left(seq_group: SequenceGroup) -> int:
+    """Prompt tokens of a running prefill neither computed nor in a chunk in flight."""
+    seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
+    return sum(s.get_num_new_tokens() for s in seqs) - seq_group.prefill_tokens_in_flight()
+
+
+def _waiting_tokens_left(seq_group: SequenceGroup) -> int:
+    """Tokens a waiting prompt has to prefill (vLLM counts its first sequence's, cached
+    prefix included)."""
+    seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
+    return seqs[0].get_num_new_tokens() if seqs else 0
 
 
 def _chunk(

@@ -45,6 +45,7 @@ from vllm.core.chunk_sizer import ChunkSizer, StepCost
 from vllm.core.chunked_policy import ChunkedPolicy
 from vllm.core.classic_policy import ClassicPolicy
 from vllm.core.lora_admission import LoRAAdmission
+from vllm.core.partial_prefills import PartialPrefillLimits
 from vllm.core.policy_api import SchedulerOutputs
 from vllm.core.step_writer import StepWriter
 from vllm.sequence import Flight, Sequence, SequenceGroup, SequenceStatus
@@ -103,7 +104,12 @@ class Scheduler:
         self.chunk_sizer = chunk_sizer
         chunked = scheduler_config.enable_chunked_prefill
         self.policy: ClassicPolicy | ChunkedPolicy = (
-            ChunkedPolicy(self, scheduler_config.long_prefill_token_threshold, chunk_sizer)
+            ChunkedPolicy(
+                self,
+                scheduler_config.prefill_token_cap,
+                chunk_sizer,
+                PartialPrefillLimits.from_config(scheduler_config),
+            )
             if chunked
             else ClassicPolicy(self)
         )
@@ -513,14 +519,20 @@ class Scheduler:
         return sum(g.get_max_num_running_seqs() for g in self.running)
 
     def next_admissible(
-        self, out: SchedulerOutputs
+        self, out: SchedulerOutputs, passed_over: Callable[[SequenceGroup], bool] | None = None
     ) -> tuple[SequenceGroup, list[Sequence], int] | None:
         """The first waiting group if it can be admitted now: (group, its waiting sequences,
         their tokens -- a recomputed group re-prefills its generated tokens as well). Groups
-        that can never fit are finished as ignored on the way; None when the head must wait
-        or nothing waits. The group stays at the head of `waiting` until `admit`."""
-        while self.waiting:
-            seq_group = self.waiting[0]
+        for which `passed_over` is true are skipped, keeping their places (a long prompt
+        while enough long ones run, `vllm.core.partial_prefills`); groups that can never fit
+        are finished as ignored on the way; None when that group must wait or nothing is
+        left. The group stays in `waiting` until `admit`."""
+        index = 0
+        while index < len(self.waiting):
+            seq_group = self.waiting[index]
+            if passed_over is not None and passed_over(seq_group):
+                index += 1
+                continue
             waiting_seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
             num_prompt_tokens = sum(seq.get_len() for seq in waiting_seqs)
             admission = self._admission(seq_group, num_prompt_tokens, out)
@@ -530,10 +542,17 @@ class Scheduler:
                 return seq_group, waiting_seqs, num_prompt_tokens
         return None
 
+    def _leave_waiting(self, seq_group: SequenceGroup) -> None:
+        # Almost always the head; a prompt admitted past a long one is further back.
+        if self.waiting[0] is seq_group:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(seq_group)
+
     def admit(self, seq_group: SequenceGroup, waiting_seqs: list[Sequence]) -> None:
-        """Take the head of `waiting` into `running` with its blocks (a cached prefix is
-        counted as computed)."""
-        self.waiting.popleft()
+        """Take `seq_group` (from `next_admissible`) out of `waiting` into `running` with its
+        blocks (a cached prefix is counted as computed)."""
+        self._leave_waiting(seq_group)
         cached = self.block_manager.allocate(seq_group)
         for seq in waiting_seqs:
             seq.status = SequenceStatus.RUNNING
@@ -543,11 +562,12 @@ class Scheduler:
         self._admitted = True
 
     def ignore(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
-        """End the head of `waiting`, which can never run, as FINISHED_IGNORED."""
+        """End `seq_group` (from `next_admissible`), which can never run, as
+        FINISHED_IGNORED."""
         for seq in seq_group.get_seqs(status=SequenceStatus.WAITING):
             seq.status = SequenceStatus.FINISHED_IGNORED
         out.ignored_seq_groups.append(seq_group)
-        self.waiting.popleft()
+        self._leave_waiting(seq_group)
 
     def _over_prompt_limit(self, seq_group: SequenceGroup, num_prompt_tokens: int) -> bool:
         """Whether the waiting group can never be prefilled. With chunked prefill each sequence

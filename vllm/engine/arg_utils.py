@@ -59,6 +59,8 @@ class EngineArgs:
     preemption_mode: str | None = None
     enable_chunked_prefill: bool = False
     long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
     enable_prefix_caching: bool = False
     async_scheduling: bool | None = None
     device: str = "auto"
@@ -261,7 +263,25 @@ class EngineArgs:
             type=int,
             default=d.long_prefill_token_threshold,
             help="With chunked prefill: at most this many tokens of one prompt per step "
-            "(0: only the step's token budget limits it).",
+            "(0: only the step's token budget limits it). With --max-num-partial-prefills > 1 "
+            "also the length above which a prompt counts as long (default then: 4%% of "
+            "max_model_len, telling long from short only).",
+        )
+        add(
+            "--max-num-partial-prefills",
+            type=int,
+            default=d.max_num_partial_prefills,
+            help="For chunked prefill, the maximum number of sequences that can be partially "
+            "prefilled concurrently (they share a step's token budget).",
+        )
+        add(
+            "--max-long-partial-prefills",
+            type=int,
+            default=d.max_long_partial_prefills,
+            help="For chunked prefill, the maximum number of prompts longer than "
+            "--long-prefill-token-threshold that will be prefilled concurrently. Setting this "
+            "less than --max-num-partial-prefills will allow shorter prompts to jump the queue "
+            "in front of longer prompts in some cases, improving latency.",
         )
         add(
             "--async-scheduling",
@@ -478,6 +498,8 @@ class EngineArgs:
         model_config.get_pp_layer_sizes(parallel_config)
         model_config.verify_with_parallel_config(parallel_config)
         enable_chunked_prefill = self.enable_chunked_prefill
+        max_num_partial_prefills = self.max_num_partial_prefills
+        max_long_partial_prefills = self.max_long_partial_prefills
         if model_config.is_encoder_only:
             # vLLM's rule: an encoder attends over the whole prompt at once, and keeps no KV
             # between steps to share.
@@ -488,6 +510,14 @@ class EngineArgs:
                 )
             enable_chunked_prefill = False
             cache_config.enable_prefix_caching = False
+            # Partial prefills are chunked prefill's: without chunks there are none to share.
+            if max_num_partial_prefills > 1:
+                logger.warning(
+                    "max_num_partial_prefills (%d) needs chunked prefill, which encoder-only "
+                    "models do not support: set to 1.",
+                    max_num_partial_prefills,
+                )
+            max_num_partial_prefills = max_long_partial_prefills = 1
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,  # type: ignore[arg-type]
             max_num_seqs=self.max_num_seqs,
@@ -496,6 +526,8 @@ class EngineArgs:
             enable_chunked_prefill=enable_chunked_prefill,
             async_scheduling=self.async_scheduling,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=max_num_partial_prefills,
+            max_long_partial_prefills=max_long_partial_prefills,
         )
         return EngineConfig(
             speculative_config=self._speculative_config(),
