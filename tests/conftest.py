@@ -9,6 +9,13 @@ import pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A single-process engine (and a server's, in its subprocess) runs its tiny models on one
+# torch thread, as every mp and Ray stage does by default. With torch's default of two, its
+# steps stall on OpenMP barriers whenever the 2-core machine is busy (the suite's own stage
+# processes, Ray): 8 prompts x 32 tokens took 6.3-8.2 s on two threads against 0.5-1.7 s on
+# one (measured with the suite running alongside). Tests that need two threads set them
+# (the kernels' thread-split tests); `VLLM_CPU_THREADS_PER_STAGE=` runs torch's default.
+os.environ.setdefault("VLLM_CPU_THREADS_PER_STAGE", "1")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

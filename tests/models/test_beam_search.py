@@ -33,7 +33,7 @@ def setup(request, tiny_model_dirs):
 
 def hf_beams(hf, ids, width, n, lp, es, eos_ids) -> list[list[int]]:
     """HF's returned beams (best first), each cut after its EOS (padding is eos_ids[0])."""
-    with torch.no_grad():
+    with tiny_models.one_thread_if_tiny(hf), torch.no_grad():
         t = torch.tensor([ids])
         out = hf.generate(
             t,
