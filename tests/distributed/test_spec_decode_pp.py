@@ -1,6 +1,7 @@
-"""Speculative decoding through the pipeline: greedy tokens equal HF's at PP 2 and 3 on both
-backends with chunked prefill and prefix caching, and at TP 2 x PP 2; a stage SIGKILLed
-mid-generation with speculation on loses nothing (outputs equal the fault-free run)."""
+"""Speculative decoding through the pipeline: greedy tokens equal HF's with prompt lookup and
+with a draft model, at PP 2 and 3 on both backends (chunked prefill and prefix caching on) and
+at TP 2 x PP 2; a stage SIGKILLed mid-generation with speculation on loses nothing (outputs
+equal the fault-free run), and so does the draft's own rank."""
 
 from __future__ import annotations
 
@@ -31,20 +32,21 @@ def _accepted(llm: LLM) -> int:
     return planner.totals.num_accepted_tokens
 
 
+LAYOUTS = [("mp", 2, 1), ("mp", 3, 1), ("ray", 2, 1), ("ray", 3, 1), ("mp", 2, 2)]
+
+
 @pytest.mark.parametrize(
     ("backend", "pp", "tp", "method"),
-    [
-        ("mp", 2, 1, "ngram"),
-        ("mp", 3, 1, "ngram"),
-        ("ray", 2, 1, "draft"),
-        ("ray", 3, 1, "ngram"),
-        ("mp", 2, 2, "ngram"),
+    [(*layout, method) for layout in LAYOUTS for method in ("ngram", "draft")],
+    ids=[
+        f"{b}-{'tp2-' if tp > 1 else ''}pp{pp}-{m}"
+        for b, pp, tp in LAYOUTS
+        for m in ("ngram", "draft")
     ],
-    ids=["mp-pp2", "mp-pp3", "ray-pp2-draft", "ray-pp3", "mp-tp2-pp2"],
 )
 def test_greedy_equals_hf(backend, pp, tp, method, tiny_model_dirs, hf_reference, request) -> None:
-    """n-gram drafts at PP 2 and 3 on mp, PP 3 on Ray and TP 2 x PP 2; a draft model (the
-    target's own weights, in the engine's process) at PP 2 on Ray."""
+    """Prompt lookup and a draft model (the target's own weights, in the engine's process),
+    each at PP 2 and 3 on mp and on Ray and at TP 2 x PP 2."""
     if backend == "ray":
         request.getfixturevalue("ray_session")
     model = tiny_model_dirs[KIND]
