@@ -45,8 +45,8 @@ class StepRows:
     @classmethod
     def of(cls, groups: list[SequenceGroupMetadata]) -> StepRows:
         """Rows of `groups` (scheduler order), with the prefills-first layout derived:
-        prompts, then speculative decodes (each sequence feeds several tokens, like a prefill
-        chunk after its cached context), then plain decodes."""
+        prompts, then speculative decodes (each sequence feeds its last token and drafts as
+        several decode rows), then plain decodes."""
         prefills = [i for i, meta in enumerate(groups) if meta.is_prompt]
         verifies = [i for i, m in enumerate(groups) if not m.is_prompt and m.draft_token_ids]
         decodes = [i for i, m in enumerate(groups) if not m.is_prompt and not m.draft_token_ids]
