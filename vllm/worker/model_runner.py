@@ -42,6 +42,15 @@ def prepare_inputs(
     context_lens: list[int] = []
     tables: list[list[int]] = []
 
+    def add_decode_row(token: int, pos: int, table: list[int]) -> None:
+        """One token at `pos` attending over positions 0..pos through `table` (a decode, or
+        one position of a speculative decode)."""
+        input_ids.append(token)
+        positions.append(pos)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        context_lens.append(pos + 1)
+        tables.append(table)
+
     def add_chunk(tokens: list[int], start: int, table: list[int], total_len: int) -> None:
         """Tokens fed at positions start.. after `start` cached ones (a prompt, a chunk of
         one, or the part after a cached prefix)."""
@@ -67,21 +76,12 @@ def prepare_inputs(
                 table = meta.block_tables[seq_id]
                 tokens = [data.get_last_token_id(), *meta.draft_token_ids.get(seq_id, [])]
                 for pos, token in enumerate(tokens, start=data.get_len() - 1):
-                    input_ids.append(token)
-                    positions.append(pos)
-                    slots.append(table[pos // block_size] * block_size + pos % block_size)
-                    context_lens.append(pos + 1)
-                    tables.append(table)
+                    add_decode_row(token, pos, table)
             continue
         if not meta.is_prompt:
             for seq_id, data in meta.seq_data.items():
-                pos = data.get_len() - 1
                 table = meta.block_tables[seq_id]
-                input_ids.append(data.get_last_token_id())
-                positions.append(pos)
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-                context_lens.append(pos + 1)
-                tables.append(table)
+                add_decode_row(data.get_last_token_id(), data.get_len() - 1, table)
             continue
         for seq_id, data in meta.seq_data.items():
             # A prompt (or a recompute-preempted sequence) feeds its tokens after the ones
