@@ -70,6 +70,14 @@ def synthetic_token_prompts(tokenizer: Any, n: int, length: int, seed: int = 0) 
     return out
 
 
+def random_token_ids(length: int, seed: int) -> list[int]:
+    """`length` random token ids from the middle of a ~49k vocabulary (SmolLM2's), the same
+    for a seed: a prompt of an exact length; other seeds give other ids, so prefix caching
+    finds nothing to share between them."""
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 40000) for _ in range(length)]
+
+
 def resolve(model: str, dtype: str = "auto") -> Any:
     """The engine's own ModelConfig for `model`: resolved path, GGUF or not, dtype."""
     from vllm.config import ModelConfig

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import time
 from typing import Any
 
-from benchmarks.common import env_var, print_table, write_json
+from benchmarks.common import env_var, print_table, random_token_ids, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,11 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-compare", action="store_true", help="Skip the one-chunk-at-a-time runs.")
     p.add_argument("--output-json", default=None, help="Write every figure to this file.")
     return p.parse_args(argv)
-
-
-def _long_prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000, 40000) for _ in range(length)]
 
 
 def run(
@@ -81,12 +75,12 @@ def run(
     engine = llm.llm_engine
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     try:
-        llm.generate([{"prompt_token_ids": _long_prompt(256, 0)}], one, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": random_token_ids(256, 0)}], one, use_tqdm=False)
         decoding = []
         if args.decodes:
             params = SamplingParams(temperature=0.0, max_tokens=100000, ignore_eos=True)
             for i in range(args.decodes):
-                engine.add_request(f"d{i}", None, params, prompt_token_ids=_long_prompt(16, i))
+                engine.add_request(f"d{i}", None, params, prompt_token_ids=random_token_ids(16, i))
                 decoding.append(engine.scheduler.waiting[-1])
             while any(g.get_seqs()[0].get_output_len() == 0 for g in decoding):
                 engine.step()
@@ -94,7 +88,9 @@ def run(
         for r in range(args.rounds):
             before = sum(g.get_seqs()[0].get_output_len() for g in decoding)
             start = time.perf_counter()
-            engine.add_request(f"long{r}", None, one, prompt_token_ids=_long_prompt(length, r + 1))
+            engine.add_request(
+                f"long{r}", None, one, prompt_token_ids=random_token_ids(length, r + 1)
+            )
             done = False
             while not done:
                 done = any(o.request_id == f"long{r}" and o.finished for o in engine.step())

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import time
 from typing import Any
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import print_table, random_token_ids, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,11 +42,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000, 40000) for _ in range(length)]
-
-
 def run(args: argparse.Namespace, pp: int, partial: int) -> dict[str, Any]:
     """TTFT of the long prompt and of each short prompt behind it, on one engine."""
     from vllm import LLM, SamplingParams
@@ -66,12 +60,14 @@ def run(args: argparse.Namespace, pp: int, partial: int) -> dict[str, Any]:
     engine = llm.llm_engine
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     try:
-        llm.generate([{"prompt_token_ids": _prompt(256, 0)}], one, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": random_token_ids(256, 0)}], one, use_tqdm=False)
         threshold = engine.scheduler.scheduler_config.long_prefill_token_threshold
         start = time.perf_counter()
-        engine.add_request("long", None, one, prompt_token_ids=_prompt(args.long_len, 1))
+        engine.add_request("long", None, one, prompt_token_ids=random_token_ids(args.long_len, 1))
         for i in range(args.num_short):
-            engine.add_request(f"short{i}", None, one, prompt_token_ids=_prompt(args.short_len, i))
+            engine.add_request(
+                f"short{i}", None, one, prompt_token_ids=random_token_ids(args.short_len, i)
+            )
         ttft: dict[str, float] = {}
         while engine.has_unfinished_requests():
             for output in engine.step():
