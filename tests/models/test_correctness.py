@@ -77,3 +77,21 @@ def test_prompt_token_ids_and_per_prompt_params(tiny_model_dirs, hf_reference):
         assert out.outputs[0].token_ids == r[:n]
     single = llm.generate(tiny_models.PROMPTS[1], GREEDY, use_tqdm=False)
     assert len(single) == 1 and single[0].outputs[0].token_ids == ref[1]
+
+
+def test_positions_past_the_config_context_with_vllms_variable(tiny_model_dirs, monkeypatch):
+    """With VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 and max_model_len past max_position_embeddings
+    (512 here), a prompt reaching past it runs (rope rows for every position up to
+    max_model_len) and its greedy tokens equal HF's, whose default rope has no table."""
+    import random
+
+    kind = "llama-gqa-untied"
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    rng = random.Random(640)
+    prompt = [rng.randrange(100, 1000) for _ in range(600)]
+    llm = LLM(tiny_model_dirs[kind], max_model_len=640, kv_cache_space=0.05, swap_space=0.01)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    llm.shutdown()
+    model = tiny_models.load_hf(tiny_model_dirs[kind])
+    assert list(out.outputs[0].token_ids) == tiny_models.hf_greedy_ids(model, [prompt], 12)[0]

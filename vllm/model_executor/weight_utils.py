@@ -22,6 +22,7 @@ from torch import nn
 from vllm.config import ModelConfig
 from vllm.model_executor.layers.linear import linear_path, pack_linears
 from vllm.model_executor.layers.quantization import gguf as gguf_quant
+from vllm.model_executor.layers.rotary import serving_positions
 from vllm.model_executor.models import get_model_class
 from vllm.model_executor.models.utils import Shard, StageLayout
 
@@ -144,7 +145,12 @@ def load_stage_model(
     model_cls = get_model_class(model_config.hf_config, model_config)
     dtype = get_torch_dtype(model_config.dtype)
     quantized = model_config.quantization == "gguf" and device.type == "cpu"
-    with _default_dtype(dtype), torch.device(device), gguf_quant.quantized_linears(quantized):
+    with (
+        _default_dtype(dtype),
+        torch.device(device),
+        gguf_quant.quantized_linears(quantized),
+        serving_positions(model_config.max_model_len),
+    ):
         model = model_cls(model_config.hf_config, layout)
     model.load_weights(iter_weights(model_config, model.owns_weight, model.weight_shard))
     model.eval()

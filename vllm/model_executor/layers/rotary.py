@@ -21,7 +21,10 @@ original context.)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +38,23 @@ from vllm.transformers_utils.rope_config import (
     rope_type_of,
     scaled_max_positions,
 )
+
+# The engine's max_model_len while a stage's model is built (`serving_positions`): a context
+# longer than the config's, allowed by VLLM_ALLOW_LONG_MAX_MODEL_LEN, still gets a cos/sin row
+# for every position it can reach.
+_SERVED_POSITIONS: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "rope_served_positions", default=0
+)
+
+
+@contextlib.contextmanager
+def serving_positions(max_model_len: int) -> Iterator[None]:
+    """Ropes built inside cover at least `max_model_len` positions."""
+    token = _SERVED_POSITIONS.set(max_model_len)
+    try:
+        yield
+    finally:
+        _SERVED_POSITIONS.reset(token)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +191,8 @@ class RotaryEmbedding(nn.Module):
     `max_position` is the config's `max_position_embeddings` (the reference of dynamic NTK and
     of longrope's default factor); the caches cover `cache_positions` positions (default
     `max_position`; `get_rope` passes the length the scaling serves, as the engine's
-    max_model_len, `rope_config.max_positions_served`). `rope_scaling` is the config's rope dict
+    max_model_len, `rope_config.max_positions_served`), and at least the engine's max_model_len
+    when the model is built inside `serving_positions`. `rope_scaling` is the config's rope dict
     (`rope_parameters` or the older `rope_scaling`; `rope_theta` inside it wins over `base`).
     `rotary_dim` < head_size rotates only the first dims of each head (partial rotary; default
     head_size x the dict's `partial_rotary_factor`).
@@ -206,7 +227,7 @@ class RotaryEmbedding(nn.Module):
             )
         self.rotary_dim = rotary_dim
         self.max_position = max_position
-        n = cache_positions or max_position
+        n = max(cache_positions or max_position, _SERVED_POSITIONS.get())
         self.cache_positions = n
         positions = torch.arange(n, dtype=torch.int64).float()
         inv_freq, scale = compute_inv_freq(params, rotary_dim, max_position)
