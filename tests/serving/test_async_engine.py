@@ -202,6 +202,9 @@ def test_ray_data_style_calls(engine, tiny_model_dirs):
     args = AsyncEngineArgs(model=tiny_model_dirs[KIND], **SETTINGS)
     config = args.create_engine_config()
     assert config.scheduler_config.max_num_seqs == 256
+    # Serving's default: chunked prefill (a burst's first tokens do not wait for its last
+    # prompt), as vLLM V1.
+    assert config.scheduler_config.chunked_prefill_enabled
     assert config.parallel_config.pipeline_parallel_size == 1
 
     async def main():

@@ -14,7 +14,7 @@ from tests.utils.stage_view import schedule_rows
 from vllm.config import CacheConfig, SchedulerConfig
 from vllm.core.budget import MicroBatchBudget
 from vllm.core.scheduler import Scheduler
-from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 
 # Torch-free unit tests: part of `make test-fast`.
@@ -161,7 +161,17 @@ def test_config_rules_and_cli_flags() -> None:
     )
     assert args.enable_chunked_prefill and args.enable_prefix_caching
     defaults = EngineArgs.from_cli_args(parser.parse_args([]))
-    assert not defaults.enable_chunked_prefill and not defaults.enable_prefix_caching
+    assert not defaults.chunked_prefill_requested() and not defaults.enable_prefix_caching
+    # The servers' arguments default to chunked prefill (vLLM V1's default); the flag's
+    # negative form turns it off, and an explicit value wins everywhere.
+    serve = AsyncEngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert AsyncEngineArgs.from_cli_args(serve.parse_args([])).chunked_prefill_requested()
+    off = AsyncEngineArgs.from_cli_args(serve.parse_args(["--no-enable-chunked-prefill"]))
+    assert off.enable_chunked_prefill is False and not off.chunked_prefill_requested()
+    assert not EngineArgs().chunked_prefill_requested()
+    assert AsyncEngineArgs().chunked_prefill_requested()
+    assert not AsyncEngineArgs(enable_chunked_prefill=False).chunked_prefill_requested()
+    assert EngineArgs(enable_chunked_prefill=True).chunked_prefill_requested()
 
 
 def test_sequence_data_computed_tokens_and_forks() -> None:
