@@ -62,8 +62,7 @@ def test_chunks_shrink_to_an_even_cost() -> None:
         # Each costs the first chunk's cost, to within one more token.
         assert _cost(start, n, SMOL) <= target < _cost(start, n + 1, SMOL)
         start += n
-    # Off: the whole room, as vLLM cuts chunks; never more than is left or fits.
-    assert _chunks(ChunkSizer(SMOL, enabled=False), 1000, 256) == [256, 256, 256, 232]
+    # Never more than is left or fits.
     assert sizer.chunk(3000, 10, 256) == 10 and sizer.chunk(3000, 500, 0) == 0
     # A bad ratio never shreds a prompt: at least an eighth of the room.
     assert ChunkSizer(1.0).chunk(4000, 4000, 512) == 64

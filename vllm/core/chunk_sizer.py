@@ -68,12 +68,10 @@ def prior_pair_cost(layer_weights: int, num_heads: int, head_size: int) -> float
 class ChunkSizer:
     """Sizes prefill chunks to an even step cost (see the module docstring)."""
 
-    def __init__(self, prior: float, enabled: bool = True) -> None:
+    def __init__(self, prior: float) -> None:
         if not prior > 0:
             raise ValueError(f"prior pair cost must be > 0, got {prior}.")
         self.prior = prior
-        # With `enabled` False chunks take the whole room (vLLM's fixed-size chunking).
-        self.enabled = enabled
         self.ratio = prior
         self._samples: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=WINDOW)
 
@@ -82,7 +80,7 @@ class ChunkSizer:
         and `room` tokens left in the step: at most both, and no more than costs what `room`
         tokens cost at position 0 (never below MIN_CHUNK unless less is left or fits)."""
         limit = min(new_tokens, room)
-        if not self.enabled or limit <= 0:
+        if limit <= 0:
             return max(0, limit)
         r = self.ratio
         # The cost of `room` tokens at position 0, in token units (a = 1, b = r).
