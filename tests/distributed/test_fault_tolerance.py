@@ -50,7 +50,8 @@ def survivor(request, ray_session, tiny_model_dirs):
 
 
 class TestStageReplacement:
-    """The three kill modes in turn on one engine per PP size (3 restarts: the default)."""
+    """The three kill modes in turn on one engine per PP size (3 restarts: the default), then
+    a request whose logits processor raises on the replaced stages."""
 
     @pytest.mark.parametrize("mode", MODES)
     def test_killed_stage_is_replaced_and_nothing_is_lost(self, survivor, mode):
@@ -86,6 +87,27 @@ class TestStageReplacement:
         assert scheduler.block_manager.get_num_free_gpu_blocks() == (
             scheduler.block_manager.num_total_gpu_blocks
         )
+
+    def test_failing_logits_processor_fails_its_request_not_the_stage(self, survivor):
+        """A logits processor that raises is the request's fault: that request ends (aborted,
+        the error kept for its caller), no stage is replaced, the others complete unchanged.
+        (After the kills above: the replaced stages serve it like the first ones.)"""
+        llm, _ = survivor
+        engine = llm.llm_engine
+        events_before = len(engine.fault_events)
+        innocent = PROMPTS[1:6]
+        reference = token_ids(llm.generate(innocent, GREEDY, use_tqdm=False))
+
+        def poisoned(output_ids, logits):  # a closure: sent to the last stage by cloudpickle
+            raise ValueError("this logits processor always fails")
+
+        bad = SamplingParams(temperature=0.0, max_tokens=8, logits_processors=[poisoned])
+        outputs = llm.generate([PROMPTS[0], *innocent], [bad] + [GREEDY] * len(innocent))
+        assert engine.fault_events[events_before:] == []
+        assert outputs[0].outputs[0].finish_reason == "abort"
+        error = engine.pop_request_error(outputs[0].request_id)
+        assert error is not None and "this logits processor always fails" in str(error)
+        assert token_ids(outputs[1:]) == reference
 
 
 @pytest.mark.parametrize("mode", ["SIGKILL", "SIGSTOP"])
@@ -130,75 +152,62 @@ def test_fail_stop_names_the_stage_and_releases_everything(
     fresh.shutdown()
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_ctrl_c_inside_generate_leaves_the_llm_usable(pp, ray_session, tiny_model_dirs):
-    llm = LLM(tiny_model_dirs["llama-gqa-untied"], pipeline_parallel_size=pp)
+@pytest.fixture(scope="class")
+def interruptible(request, ray_session, tiny_model_dirs):
+    """An engine at PP = `request.param` (Ray at 2) and its outputs of PARAMS, shared by the
+    Ctrl-C tests: each checks that the engine is left usable, for the next one too. (Class
+    scope: the Ray engine is gone before the tests after them start theirs.)"""
+    llm = LLM(tiny_model_dirs["llama-gqa-untied"], pipeline_parallel_size=request.param)
     reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
-    thread = after_steps(llm, 5, lambda: os.kill(os.getpid(), signal.SIGINT))
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    thread.join(timeout=10)
-    engine = llm.llm_engine
-    scheduler = engine.scheduler
-    # The interrupted call's requests are gone; nothing is counted in flight.
-    state = (
-        f"in_flight={scheduler.in_flight} waiting={len(scheduler.waiting)} "
-        f"running={len(scheduler.running)} swapped={len(scheduler.swapped)} "
-        f"engine_in_flight={len(engine.batch_queue)} pending={len(engine._pending_outputs)}"
-    )
-    assert not scheduler.in_flight and not engine.has_unfinished_requests(), state
-    assert scheduler.block_manager.get_num_free_gpu_blocks() == (
-        scheduler.block_manager.num_total_gpu_blocks
-    ), state
-    assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
+    yield llm, reference
     llm.shutdown()
 
 
-def test_ctrl_c_inside_step_requeues_in_flight_requests(ray_session, tiny_model_dirs):
-    """LLMEngine users keep their requests: after the interrupt, stepping on finishes them
-    with the same tokens."""
-    llm = LLM(tiny_model_dirs["opt-post"], pipeline_parallel_size=2)
-    reference = token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
-    engine = llm.llm_engine
-    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
-        engine.add_request(str(i), prompt, params)
-    finished = {}
-    interrupted = 0
-    thread = after_steps(llm, 6, lambda: os.kill(os.getpid(), signal.SIGINT))
-    while engine.has_unfinished_requests():
-        try:
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-        except KeyboardInterrupt:
-            interrupted += 1
-    thread.join(timeout=10)
-    assert interrupted == 1
-    assert token_ids(finished[str(i)] for i in range(len(PROMPTS))) == reference
-    llm.shutdown()
+class TestCtrlC:
+    """Ctrl-C inside generate() and inside step(), on one engine per PP size."""
 
-
-def test_failing_logits_processor_fails_its_request_not_the_stage(ray_session, tiny_model_dirs):
-    """A logits processor that raises is the request's fault: that request ends (aborted,
-    the error kept for its caller), no stage is replaced, the others complete unchanged."""
-    llm = LLM(tiny_model_dirs["llama-gqa-tied"], pipeline_parallel_size=2)
-    try:
-        innocent = PROMPTS[1:6]
-        reference = token_ids(llm.generate(innocent, GREEDY, use_tqdm=False))
-
-        def poisoned(output_ids, logits):  # a closure: sent to the last stage by cloudpickle
-            raise ValueError("this logits processor always fails")
-
-        bad = SamplingParams(temperature=0.0, max_tokens=8, logits_processors=[poisoned])
-        outputs = llm.generate([PROMPTS[0], *innocent], [bad] + [GREEDY] * len(innocent))
+    @pytest.mark.parametrize("interruptible", [1, 2], indirect=True, ids=["pp1", "pp2"])
+    def test_ctrl_c_inside_generate_leaves_the_llm_usable(self, interruptible):
+        llm, reference = interruptible
+        thread = after_steps(llm, 5, lambda: os.kill(os.getpid(), signal.SIGINT))
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        thread.join(timeout=10)
         engine = llm.llm_engine
-        assert engine.fault_events == []
-        assert outputs[0].outputs[0].finish_reason == "abort"
-        error = engine.pop_request_error(outputs[0].request_id)
-        assert error is not None and "this logits processor always fails" in str(error)
-        assert token_ids(outputs[1:]) == reference
-    finally:
-        llm.shutdown()
+        scheduler = engine.scheduler
+        # The interrupted call's requests are gone; nothing is counted in flight.
+        state = (
+            f"in_flight={scheduler.in_flight} waiting={len(scheduler.waiting)} "
+            f"running={len(scheduler.running)} swapped={len(scheduler.swapped)} "
+            f"engine_in_flight={len(engine.batch_queue)} pending={len(engine._pending_outputs)}"
+        )
+        assert not scheduler.in_flight and not engine.has_unfinished_requests(), state
+        assert scheduler.block_manager.get_num_free_gpu_blocks() == (
+            scheduler.block_manager.num_total_gpu_blocks
+        ), state
+        assert token_ids(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
+
+    @pytest.mark.parametrize("interruptible", [2], indirect=True, ids=["pp2"])
+    def test_ctrl_c_inside_step_requeues_in_flight_requests(self, interruptible):
+        """LLMEngine users keep their requests: after the interrupt, stepping on finishes them
+        with the same tokens."""
+        llm, reference = interruptible
+        engine = llm.llm_engine
+        for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
+            engine.add_request(str(i), prompt, params)
+        finished = {}
+        interrupted = 0
+        thread = after_steps(llm, 6, lambda: os.kill(os.getpid(), signal.SIGINT))
+        while engine.has_unfinished_requests():
+            try:
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+            except KeyboardInterrupt:
+                interrupted += 1
+        thread.join(timeout=10)
+        assert interrupted == 1
+        assert token_ids(finished[str(i)] for i in range(len(PROMPTS))) == reference
 
 
 def test_failure_that_recurs_after_a_replacement_is_not_replayed(ray_session, tiny_model_dirs):

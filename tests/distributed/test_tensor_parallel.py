@@ -113,7 +113,9 @@ def test_tp_pp_chunked_prefill_matches_hf(backend, model_dirs, reference, reques
     """TP=2 x PP=2 with chunked prefill (vLLM's own pipeline test rows): a micro-batch of
     prefill chunks that end before their prompts samples nothing, and only the last stage's TP
     driver may answer for it (a non-driver rank once acted as the driver and sent the step's
-    sampled ids to itself: gloo "Pair is not connected")."""
+    sampled ids to itself: gloo "Pair is not connected"). On mp the same engine shows the
+    grid: each of the 4 ranks holds ~1/4 of the weights; after shutdown no rank process (nor
+    the warm spare) is left."""
     if backend == "ray":
         request.getfixturevalue("ray_session")
     kind = "llama-gqa-untied"
@@ -129,20 +131,19 @@ def test_tp_pp_chunked_prefill_matches_hf(backend, model_dirs, reference, reques
     try:
         check_equal(llm, reference(kind))
         assert not llm.llm_engine.fault_events
+        infos = llm.llm_engine.get_stage_infos()
+        if backend == "mp":
+            executor = llm.llm_engine.executor
+            pids = [p.pid for p in executor.procs] + [s.proc.pid for s in executor.spares]
+            assert len(pids) == 5  # and the warm spare
     finally:
         llm.shutdown()
+    if backend == "mp":
+        assert_grid_weights_and_no_process_left(model_dirs[kind], infos, pids)
 
 
-def test_tp_pp_grid_weights_and_shutdown(model_dirs):
-    """TP=2 x PP=2 on mp: each of the 4 ranks holds ~1/4 of the weights; after shutdown no
-    rank process is left."""
-    path = model_dirs["llama-gqa-untied"]
-    llm = make_llm(path, 2, 2, "mp")
-    infos = llm.llm_engine.get_stage_infos()
-    executor = llm.llm_engine.executor
-    pids = [p.pid for p in executor.procs] + [s.proc.pid for s in executor.spares]
-    assert len(pids) == 5  # and the warm spare
-    llm.shutdown()
+def assert_grid_weights_and_no_process_left(path: str, infos: list, pids: list[int]) -> None:
+    """TP=2 x PP=2: each of the 4 ranks held ~1/4 of the weights; none of `pids` is left."""
     from transformers import AutoModelForCausalLM
 
     total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())

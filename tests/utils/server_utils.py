@@ -87,7 +87,7 @@ def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 240.
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def tiny_openai_server(request: Any, model_dir: str, served_name: str, **settings: Any) -> Any:
