@@ -66,22 +66,18 @@ def prepare_inputs(
         prefill_tables.append(table)
 
     for meta in layout:  # prefills first, so one pass puts their tokens ahead of decodes
-        if meta.draft_token_ids is not None:
-            # A speculative decode: each sequence feeds its last token and its drafts
+        if meta.draft_token_ids is not None or not meta.is_prompt:
+            # A decode: each sequence feeds its last token and, speculating, its k drafts
             # (positions len-1 .. len-1+k) as k+1 decode rows over its own block table. Every
             # token's K/V is written to the cache before attention runs, so row i, reading
             # context len+i, sees the drafts before it and none after: causal, as a prefill
             # chunk would be, on the decode kernel instead of a gather of the whole context.
+            drafts = meta.draft_token_ids or {}
             for seq_id, data in meta.seq_data.items():
                 table = meta.block_tables[seq_id]
-                tokens = [data.get_last_token_id(), *meta.draft_token_ids.get(seq_id, [])]
+                tokens = [data.get_last_token_id(), *drafts.get(seq_id, ())]
                 for pos, token in enumerate(tokens, start=data.get_len() - 1):
                     add_decode_row(token, pos, table)
-            continue
-        if not meta.is_prompt:
-            for seq_id, data in meta.seq_data.items():
-                table = meta.block_tables[seq_id]
-                add_decode_row(data.get_last_token_id(), data.get_len() - 1, table)
             continue
         for seq_id, data in meta.seq_data.items():
             # A prompt (or a recompute-preempted sequence) feeds its tokens after the ones
