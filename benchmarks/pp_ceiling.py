@@ -47,9 +47,9 @@ def _build(shapes: list[tuple[int, int]], num_layers: int, rows: int, dtype: Any
     import torch
     from torch import nn
 
-    from vllm.model_executor.layers.linear import PackedLinear, packed_linear_enabled
+    from vllm.model_executor.layers.linear import PackedLinear, linear_path
 
-    pack = packed_linear_enabled(torch.device("cpu"), dtype)
+    pack = linear_path(torch.device("cpu"), dtype)[0]
     layers = []
     for _ in range(num_layers):
         for out_f, in_f in shapes:

@@ -14,13 +14,13 @@ def gemm_flops_per_s(
     """FLOP/s of x[rows, in] @ W[out, in]^T over `shapes` (each with its own weight)."""
     from torch import nn
 
-    from vllm.model_executor.layers.linear import PackedLinear, packed_linear_enabled
+    from vllm.model_executor.layers.linear import PackedLinear, linear_path
 
     layers = []
     for out_f, in_f in shapes:
         linear = nn.Linear(in_f, out_f, bias=False, dtype=dtype)
         layers.append(
-            PackedLinear(linear) if packed_linear_enabled(torch.device("cpu"), dtype) else linear
+            PackedLinear(linear) if linear_path(torch.device("cpu"), dtype)[0] else linear
         )
     inputs = [torch.randn(rows, in_f, dtype=dtype) for _, in_f in shapes]
     flops = sum(2 * rows * out_f * in_f for out_f, in_f in shapes)

@@ -43,6 +43,12 @@ void sample_from_logits(const at::Tensor& logits, const at::Tensor& draw_rows,
                         const at::Tensor& uniforms, at::Tensor& tokens, at::Tensor& argmax,
                         at::Tensor& lse);
 
+// Dense float32 matmul on column panels (linear_panels.cpp): out[M, N] = x[M, K] @ W^T + bias,
+// W packed as panels [ceil(N / 16), K, 16] (column 16p + j of W^T at panels[p, :, j], the last
+// panel zero-padded); x, out and bias contiguous float32.
+void linear_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                   const c10::optional<at::Tensor>& bias);
+
 // Weight-only quantized matmul on GGUF blocks (quant_gguf.cpp): out[T, N] = x[T, K] @ W^T,
 // W [N, K / 32 * block bytes] uint8, the rows of a GGUF tensor of ggml type `type` (Q4_0 = 2,
 // Q4_1 = 3, Q8_0 = 8) with each row's bytes regrouped: all scales, (Q4_1) all minima, quants; x and out float32 or bfloat16 (unit last stride). gguf_dequantize

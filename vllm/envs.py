@@ -190,8 +190,16 @@ _VARS = (
         "VLLM_CPU_PACKED_LINEAR",
         "1",
         bool,
-        "0 forces plain matmuls in CPU linear layers instead of oneDNN pre-packed weights "
-        "(fp32/bf16; used anyway where oneDNN cannot prepack, e.g. bf16 on an AVX2-only CPU).",
+        "0 forces plain matmuls in CPU linear layers instead of packed weights (fp32/bf16; "
+        "used anyway where oneDNN cannot prepack, e.g. bf16 on an AVX2-only CPU).",
+    ),
+    EnvVar(
+        "VLLM_CPU_LINEAR_LAYOUT",
+        "auto",
+        str,
+        "Layout of packed CPU linear weights: 'auto' (column panels for float32 when the "
+        "kernels' ISA is AVX2, oneDNN's layout otherwise), 'panels' (float32 only) or "
+        "'onednn'.",
     ),
     EnvVar(
         "VLLM_PP_DISABLE_KERNELS",

@@ -10,7 +10,7 @@ import torch
 
 from tests.utils import tiny_models
 from vllm import LLM, SamplingParams
-from vllm.model_executor.layers import linear
+from vllm.model_executor.layers import linear, packed_weight
 
 KIND = "llama-gqa-untied"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -53,7 +53,7 @@ def test_linear_path_choice(monkeypatch):
         "plain matmul (VLLM_CPU_PACKED_LINEAR=0)",
     )
     monkeypatch.setenv("VLLM_CPU_PACKED_LINEAR", "1")
-    monkeypatch.setitem(linear._PACK_PROBES, torch.bfloat16, AVX2_ERROR)
+    monkeypatch.setitem(packed_weight._PACK_PROBES, torch.bfloat16, AVX2_ERROR)
     packed, why = linear.linear_path(cpu, torch.bfloat16)
     assert not packed and "oneDNN cannot prepack torch.bfloat16 on this CPU" in why
     assert not linear.linear_path(cpu, torch.float16)[0]  # oneDNN prepack is fp32/bf16 only
@@ -64,10 +64,10 @@ def test_bf16_plain_path_when_onednn_cannot_prepack(tiny_model_dirs, hf_bf16, mo
     matmuls, says so, and generates what the forced fallback generates; where this CPU can
     prepack, the prepacked path generates the same tokens."""
     path = tiny_model_dirs[KIND]
-    monkeypatch.setitem(linear._PACK_PROBES, torch.bfloat16, AVX2_ERROR)
+    monkeypatch.setitem(packed_weight._PACK_PROBES, torch.bfloat16, AVX2_ERROR)
     simulated, used = _generate(path)
     assert used.startswith("plain matmul (oneDNN cannot prepack")
-    monkeypatch.delitem(linear._PACK_PROBES, torch.bfloat16)
+    monkeypatch.delitem(packed_weight._PACK_PROBES, torch.bfloat16)
     monkeypatch.setenv("VLLM_CPU_PACKED_LINEAR", "0")
     forced, used = _generate(path)
     assert used == "plain matmul (VLLM_CPU_PACKED_LINEAR=0)"

@@ -158,7 +158,7 @@ def load_stage_model(
     if quantized:
         n_quant = gguf_quant.finalize_quantized(model, dtype)
         n_quant += quantize_vocab(model, model_config.model, dtype)
-    # Counted before packing: packed weights are buffers of oneDNN's, not parameters.
+    # Counted before packing: packed weights are plain tensors, not parameters.
     quant_params, quant_bytes = gguf_quant.quantized_bytes(model)
     n_params = sum(p.numel() for p in model.parameters()) + quant_params
     model.num_params = n_params

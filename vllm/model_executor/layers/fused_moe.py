@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ from torch import nn
 
 from vllm.distributed import tensor_parallel as tpu
 from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.packed_weight import PackedWeight, choose_layout
 from vllm.model_executor.models.utils import Shard, copy_weight
 
 # Per-expert checkpoint tensors: `experts.<e>.<proj>.weight`, proj named by either family.
@@ -64,24 +65,24 @@ def _scale(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (out * weights[:, None]).to(out.dtype)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [n, in] (contiguous) times a oneDNN-prepacked [out, in] weight -> [n, out]."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def packed_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """x [n, in] times a packed [out, in] weight -> [n, out]."""
+    return packed(x)
 
 
 def grouped_experts(
     x: torch.Tensor,
-    w13: Sequence[torch.Tensor],
-    w2: Sequence[torch.Tensor],
+    w13: Sequence[torch.Tensor] | Sequence[PackedWeight],
+    w2: Sequence[torch.Tensor] | Sequence[PackedWeight],
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    linear: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2*I, H], w2 [E, H, I], topk_weights / topk_ids [T, k] -> [T, H]:
     sum over each token's k experts of weight * down(silu(gate(x)) * up(x)), each expert's
     matmuls run once over the rows routed to it.
 
-    w13 / w2 may also be per-expert lists of prepacked weights, with `linear` packed_linear
+    w13 / w2 may also be per-expert lists of packed weights, with `linear` packed_linear
     (default: F.linear)."""
     linear = linear or F.linear
     num_experts = len(w13)
@@ -181,18 +182,20 @@ class FusedMoE(nn.Module):
             torch.empty(num_experts, hidden_size, inter), requires_grad=False
         )
 
-        # Per-expert oneDNN-prepacked copies (see pack()), replacing the stacked parameters.
-        self._packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        # Per-expert packed copies (see pack()), replacing the stacked parameters.
+        self._packed: tuple[list[PackedWeight], list[PackedWeight]] | None = None
 
     def pack(self) -> None:
-        """Prepack each expert's matrices for oneDNN (CPU fp32/bf16; called by pack_linears
-        after loading): faster expert matmuls at a few rows, as for linear.py's layers
-        (docs/PERFORMANCE.md). The stacked parameters are dropped (one copy in memory)."""
-        rows = 64  # the layout hint of linear.PackedLinear
-        reorder = torch.ops.mkldnn._reorder_linear_weight
+        """Pack each expert's matrices for the CPU kernel (packed_weight.py; fp32/bf16, called
+        by pack_linears after loading): faster expert matmuls at a few rows, as for linear.py's
+        layers (docs/PERFORMANCE.md). The stacked parameters are dropped (one copy in
+        memory)."""
+        layout, _ = choose_layout(self.w13_weight.device, self.w13_weight.dtype)
+        if layout is None:  # this dtype runs plain matmuls
+            return
         self._packed = (
-            [reorder(w.contiguous(), rows) for w in self.w13_weight.detach()],
-            [reorder(w.contiguous(), rows) for w in self.w2_weight.detach()],
+            [PackedWeight(w, layout) for w in self.w13_weight.detach()],
+            [PackedWeight(w, layout) for w in self.w2_weight.detach()],
         )
         del self.w13_weight, self.w2_weight
 

@@ -1,12 +1,14 @@
-"""Linear layers with weights prepacked for oneDNN, the CPU fast path (fp32 and bf16).
+"""Linear layers: tensor-parallel shards, GGUF blocks, and the CPU path on packed weights.
 
-`F.linear` in fp32 on CPU goes to a GEMM that repacks the weight on every call. With the weight
-reordered once into oneDNN's blocked layout and called through oneDNN's linear (dense tensors
-in and out, no conversion), the model's matmuls run ~1.5-2.5x faster, from 1 row to 2048
-(measured on this project's AVX-512 machine, fp32, one thread). bf16 already goes to oneDNN,
-but still reorders the weight per call: prepacked, the model's decode matmuls (128 rows) run up
-to 1.5x faster, and end to end bf16 throughput (benchmarks/throughput.py, 128 x 64) rose from
-464-509 to 531-535 generated tok/s.
+After loading, `pack_linears` packs every float linear for its CPU kernel (packed_weight.py
+chooses the layout: column panels for float32 on AVX2 CPUs, oneDNN's blocked layout
+otherwise). `F.linear` in fp32 on CPU goes to a GEMM that repacks the weight on every call;
+packed once, the model's matmuls run ~1.5-2.5x faster from 1 row to 2048 (oneDNN on this
+project's AVX-512 machine, one thread), and the panels 1.3-1.6x faster than oneDNN again at a
+decode step's 1-32 rows on an AVX2 one. bf16 already goes to oneDNN, but still reorders the
+weight per call: prepacked, the model's decode matmuls (128 rows) run up to 1.5x faster, and
+end to end bf16 throughput (benchmarks/throughput.py, 128 x 64) rose from 464-509 to 531-535
+generated tok/s.
 """
 
 from __future__ import annotations
@@ -15,82 +17,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm import envs
 from vllm.distributed import tensor_parallel as tpu
 from vllm.model_executor.layers.fused_moe import FusedMoE
+from vllm.model_executor.layers.packed_weight import PackedWeight, choose_layout, pack
 from vllm.model_executor.layers.quantization.gguf import GGUFWeight, make_linear_weight
-
-# dtypes whose linears are prepacked (oneDNN's reorder supports both).
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear whose weight lives in oneDNN's layout (inference only)."""
-
-    # Rows the weight layout is tuned for; any row count works (decode batches are ~this).
-    ROWS_HINT = 64
+    """An nn.Linear whose weight is packed for its CPU kernel (packed_weight.py; inference
+    only)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        weight = linear.weight.detach().contiguous()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, self.ROWS_HINT)
+        packed = pack(linear.weight)
+        if packed is None:
+            raise ValueError(
+                f"PackedLinear: {choose_layout(linear.weight.device, linear.weight.dtype)[1]}"
+            )
+        self.packed = packed
         self.bias = linear.bias.detach().clone() if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features]."""
         lead = x.shape[:-1]
-        flat = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
+        out = self.packed(x.reshape(-1, self.in_features), self.bias)
         return out.view(*lead, self.out_features)
 
 
-# dtype -> None when oneDNN prepacks it on this CPU, else why not (probed once per process).
-_PACK_PROBES: dict[torch.dtype, str | None] = {}
-
-
-def _probe_packing(dtype: torch.dtype) -> str | None:
-    """Whether oneDNN can reorder and run a linear of `dtype` on this CPU: None if so, else
-    its error. bf16 reorders need avx512bw/vl/dq or avx_ne_convert (an AVX2-only CPU has
-    neither, and torch raises at load); asking oneDNN itself covers every CPU torch runs on."""
-    if dtype not in _PACK_PROBES:
-        try:
-            weight = torch.ones(16, 16, dtype=dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PackedLinear.ROWS_HINT)
-            x = torch.ones(2, 16, dtype=dtype)
-            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-            _PACK_PROBES[dtype] = None
-        except RuntimeError as exc:
-            _PACK_PROBES[dtype] = str(exc).strip().splitlines()[0]
-    return _PACK_PROBES[dtype]
-
-
 def linear_path(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """(prepack the linears?, a description of the path for the logs and benchmarks).
-
-    CPU fp32/bf16 prepack into oneDNN's layout when oneDNN can on this CPU, unless
-    VLLM_CPU_PACKED_LINEAR=0; otherwise plain matmuls (F.linear), on every CPU."""
-    if device.type != "cpu" or dtype not in PACKED_DTYPES:
-        return False, f"plain matmul ({device.type}, {dtype})"
-    if not torch.backends.mkldnn.is_available():
-        return False, "plain matmul (torch built without oneDNN)"
-    if not envs.get_bool("VLLM_CPU_PACKED_LINEAR"):
-        return False, "plain matmul (VLLM_CPU_PACKED_LINEAR=0)"
-    why_not = _probe_packing(dtype)
-    if why_not is not None:
-        return False, f"plain matmul (oneDNN cannot prepack {dtype} on this CPU: {why_not})"
-    capability = torch.backends.cpu.get_cpu_capability()
-    return True, f"oneDNN prepacked ({dtype}, CPU capability {capability})"
-
-
-def packed_linear_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether linears are prepacked for oneDNN (see `linear_path`)."""
-    return linear_path(device, dtype)[0]
+    """(pack the linears?, a description of the path for the logs and benchmarks): see
+    packed_weight.choose_layout. VLLM_CPU_PACKED_LINEAR=0 forces plain matmuls (F.linear)."""
+    layout, description = choose_layout(device, dtype)
+    return layout is not None, description
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` with a PackedLinear and prepack every tensor-parallel
+    """Replace every nn.Linear in `model` with a PackedLinear and pack every tensor-parallel
     linear and MoE experts (its shard: weights are sharded first, then packed); returns how
     many."""
     targets = [
@@ -111,7 +75,7 @@ def pack_linears(model: nn.Module) -> int:
 class ParallelLinearBase(nn.Module):
     """A linear layer holding this TP rank's shard: weight [out_local, in_local].
 
-    `pack()` (CPU fp32/bf16) replaces the weight by its oneDNN-prepacked form, like
+    `pack()` (CPU fp32/bf16) replaces the weight by its packed form (packed_weight.py), like
     PackedLinear; until then it runs F.linear (the fallback path, also used on CUDA). Built
     under `quantization.gguf.quantized_linears(True)`, the weight is GGUF blocks instead
     (`quant`, set after loading).
@@ -130,25 +94,28 @@ class ParallelLinearBase(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(bias_size), requires_grad=False) if bias else None
-        self._packed: torch.Tensor | None = None
+        # The packed weight once pack() ran (None: F.linear on `weight`). Read by the decode
+        # fast path (llama_decode.py), which calls it as _matmul does.
+        self.packed: PackedWeight | None = None
         self.quant: GGUFWeight | None = None
 
     def pack(self) -> None:
-        if self.quant is not None:  # GGUF blocks: nothing to prepack
+        if self.quant is not None:  # GGUF blocks: nothing to pack
             return
-        weight = self.weight.detach().contiguous()
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PackedLinear.ROWS_HINT)
+        packed = pack(self.weight)
+        if packed is None:  # this dtype runs plain matmuls (choose_layout says why)
+            return
+        self.packed = packed
         del self.weight  # the packed copy replaces it (one copy of the weights in memory)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in_local] -> [..., out_local] (+ bias)."""
         if self.quant is not None:
             return self.quant(x, bias)
-        if self._packed is None:
+        if self.packed is None:
             return F.linear(x, self.weight, bias)
         lead = x.shape[:-1]
-        flat = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, bias, "none", [], "")
+        out = self.packed(x.reshape(-1, self.in_features), bias)
         return out.view(*lead, self.out_features)
 
 

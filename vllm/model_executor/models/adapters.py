@@ -56,13 +56,15 @@ def as_pooling_model(base: type, convert: str) -> type:
                 if labels < 1:
                     raise ValueError("a sequence-classification model needs num_labels >= 1")
                 self.score = nn.Linear(config.hidden_size, labels, bias=False)
+                # Read here: after loading, pack_linears may replace the Linear by a packed one.
+                self.score_dtype = self.score.weight.dtype
 
         def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
             raise RuntimeError("a pooling model has no lm_head: it pools, it does not sample")
 
         def classify_head(self, pooled: torch.Tensor) -> torch.Tensor:
             """pooled [N, hidden] -> logits [N, num_labels] (the `score` head)."""
-            return self.score(pooled.to(self.score.weight.dtype))
+            return self.score(pooled.to(self.score_dtype))
 
         def weight_shard(self, name: str) -> Shard | Sequence[Shard] | None:
             name = _hf_name(name)

@@ -56,13 +56,13 @@ def _decode_matmul(linear: nn.Module) -> tuple[Matmul, int] | None:
         if linear.bias is not None or linear.quant.dtype != DTYPE:
             return None
         return linear.quant.decode_matmul()
-    packed, bias = linear._packed, linear.bias
+    packed, bias = linear.packed, linear.bias
     if packed is None or packed.dtype != DTYPE:
         return None
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
         # ParallelLinearBase._matmul's call for a 2-D contiguous x.
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return packed(x, bias)
 
     return matmul, DENSE_MAX_TOKENS
 
