@@ -81,35 +81,14 @@ struct PanelKernel {
       }
     }
   }
-
-  // Panels [p0, p1) for every row of x. For each panel the row blocks run one after the
-  // other over the panel (read from memory by the first block, from cache by the rest); the
-  // first block prefetches the next panel so it arrives while this one is multiplied.
-  static void run(const float* x, int64_t M, int64_t K, const float* panels, const float* bias,
-                  float* out, int64_t N, int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const float* B = panels + p * K * kPanel;
-      const float* next = p + 1 < p1 ? B + K * kPanel : nullptr;
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      const float* pb = nullptr;
-      float bias_panel[kPanel] = {};
-      if (bias != nullptr) {
-        std::memcpy(bias_panel, bias + p * kPanel, cols * sizeof(float));
-        pb = bias_panel;
-      }
-      for (int64_t m = 0; m < M; m += R) {
-        block(x + m * K, std::min<int64_t>(R, M - m), K, B, pb, m == 0 ? next : nullptr,
-              out + m * N + p * kPanel, N, cols);
-      }
-    }
-  }
 };
 
 #if defined(__x86_64__)
 #define VLLM_PP_AVX2_INLINE VLLM_PP_AVX2 inline __attribute__((always_inline))
 
 // The AVX2 block: 6 rows x 16 columns in 12 named ymm accumulators (an array of them was kept
-// on the stack by GCC, every iteration). Same contract as PanelKernel::block.
+// on the stack by GCC, every iteration). Same contract as PanelKernel::block; the prefetch is
+// a template flag so the loop has no branch.
 template <bool kPrefetch>
 VLLM_PP_AVX2_INLINE void block_avx2(const float* x, int64_t rows, int64_t K, const float* B,
                                     const float* bias, const float* next, float* y,
@@ -161,11 +140,32 @@ VLLM_PP_AVX2_INLINE void block_avx2(const float* x, int64_t rows, int64_t K, con
   }
 }
 
-// PanelKernel::run with the AVX2 block.
-VLLM_PP_AVX2 void run_avx2(const float* x, int64_t M, int64_t K, const float* panels,
-                           const float* bias, float* out, int64_t N, int64_t p0, int64_t p1) {
+// The AVX2 kernel as a block policy of run_panels (a call per block: an always_inline AVX2
+// function cannot be inlined into the ISA-neutral driver).
+struct Avx2Block {
+  static constexpr int64_t R = 6;
+  VLLM_PP_AVX2 static void block(const float* x, int64_t rows, int64_t K, const float* B,
+                                 const float* bias, const float* next, float* y, int64_t ldy,
+                                 int64_t cols) {
+    if (next != nullptr) {
+      block_avx2<true>(x, rows, K, B, bias, next, y, ldy, cols);
+    } else {
+      block_avx2<false>(x, rows, K, B, bias, nullptr, y, ldy, cols);
+    }
+  }
+};
+#endif
+
+// Panels [p0, p1) for every row of x, with Block's kernel (Block::R rows at a time). For each
+// panel the row blocks run one after the other over it (read from memory by the first block,
+// from cache by the rest); the first block prefetches the next panel so it arrives while this
+// one is multiplied.
+template <typename Block>
+void run_panels(const float* x, int64_t M, int64_t K, const float* panels, const float* bias,
+                float* out, int64_t N, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     const float* B = panels + p * K * kPanel;
+    const float* next = p + 1 < p1 ? B + K * kPanel : nullptr;
     const int64_t cols = std::min(kPanel, N - p * kPanel);
     const float* pb = nullptr;
     float bias_panel[kPanel] = {};
@@ -173,18 +173,12 @@ VLLM_PP_AVX2 void run_avx2(const float* x, int64_t M, int64_t K, const float* pa
       std::memcpy(bias_panel, bias + p * kPanel, cols * sizeof(float));
       pb = bias_panel;
     }
-    for (int64_t m = 0; m < M; m += 6) {
-      const int64_t rows = std::min<int64_t>(6, M - m);
-      float* y = out + m * N + p * kPanel;
-      if (m == 0 && p + 1 < p1) {
-        block_avx2<true>(x + m * K, rows, K, B, pb, B + K * kPanel, y, N, cols);
-      } else {
-        block_avx2<false>(x + m * K, rows, K, B, pb, nullptr, y, N, cols);
-      }
+    for (int64_t m = 0; m < M; m += Block::R) {
+      Block::block(x + m * K, std::min<int64_t>(Block::R, M - m), K, B, pb,
+                   m == 0 ? next : nullptr, out + m * N + p * kPanel, N, cols);
     }
   }
 }
-#endif
 
 using PanelFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, float*,
                          int64_t, int64_t, int64_t);
@@ -192,9 +186,9 @@ using PanelFn = void (*)(const float*, int64_t, int64_t, const float*, const flo
 // The variant for the active ISA (cpu_isa.h; AVX-512 CPUs run the AVX2 one).
 PanelFn select_panel_kernel() {
 #if defined(__x86_64__)
-  if (active_isa().load() >= VLLM_PP_ISA_AVX2) return run_avx2;
+  if (active_isa().load() >= VLLM_PP_ISA_AVX2) return run_panels<Avx2Block>;
 #endif
-  return PanelKernel<4>::run;
+  return run_panels<PanelKernel<4>>;
 }
 
 }  // namespace
