@@ -106,24 +106,20 @@ VLLM_PP_AVX2_INLINE void block_avx2(const float* x, int64_t rows, int64_t K, con
   for (int64_t k = 0; k < K; ++k) {
     const __m256 b0 = _mm256_loadu_ps(B + k * kPanel), b1 = _mm256_loadu_ps(B + k * kPanel + 8);
     if (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T0);
-    __m256 a = _mm256_broadcast_ss(x0 + k);
-    c00 = _mm256_fmadd_ps(a, b0, c00);
-    c01 = _mm256_fmadd_ps(a, b1, c01);
-    a = _mm256_broadcast_ss(x1 + k);
-    c10 = _mm256_fmadd_ps(a, b0, c10);
-    c11 = _mm256_fmadd_ps(a, b1, c11);
-    a = _mm256_broadcast_ss(x2 + k);
-    c20 = _mm256_fmadd_ps(a, b0, c20);
-    c21 = _mm256_fmadd_ps(a, b1, c21);
-    a = _mm256_broadcast_ss(x3 + k);
-    c30 = _mm256_fmadd_ps(a, b0, c30);
-    c31 = _mm256_fmadd_ps(a, b1, c31);
-    a = _mm256_broadcast_ss(x4 + k);
-    c40 = _mm256_fmadd_ps(a, b0, c40);
-    c41 = _mm256_fmadd_ps(a, b1, c41);
-    a = _mm256_broadcast_ss(x5 + k);
-    c50 = _mm256_fmadd_ps(a, b0, c50);
-    c51 = _mm256_fmadd_ps(a, b1, c51);
+    // Row i: x[i, k] broadcast, times the line's two halves, into its two accumulators.
+#define VLLM_PP_PANEL_ROW(i)                          \
+  {                                                   \
+    const __m256 a = _mm256_broadcast_ss(x##i + k);   \
+    c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0);        \
+    c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);        \
+  }
+    VLLM_PP_PANEL_ROW(0)
+    VLLM_PP_PANEL_ROW(1)
+    VLLM_PP_PANEL_ROW(2)
+    VLLM_PP_PANEL_ROW(3)
+    VLLM_PP_PANEL_ROW(4)
+    VLLM_PP_PANEL_ROW(5)
+#undef VLLM_PP_PANEL_ROW
   }
   const __m256 acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21},
                             {c30, c31}, {c40, c41}, {c50, c51}};
