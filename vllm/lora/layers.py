@@ -233,7 +233,7 @@ class LoRALinear(nn.Module):
         bias = base.bias
         if self.row_parallel and tpu.tp_rank() != 0:
             bias = None  # added once, by rank 0 (RowParallelLinear's rule)
-        out = base._matmul(x, bias)  # [T, out_local]
+        out = base.local_matmul(x, bias)  # [T, out_local]
         if (
             ctx.use_kernel
             and self.kernel_dtype

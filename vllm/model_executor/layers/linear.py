@@ -95,7 +95,7 @@ class ParallelLinearBase(nn.Module):
             self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(bias_size), requires_grad=False) if bias else None
         # The packed weight once pack() ran (None: F.linear on `weight`). Read by the decode
-        # fast path (llama_decode.py), which calls it as _matmul does.
+        # fast path (llama_decode.py), which calls it as local_matmul does.
         self.packed: PackedWeight | None = None
         self.quant: GGUFWeight | None = None
 
@@ -108,7 +108,7 @@ class ParallelLinearBase(nn.Module):
         self.packed = packed
         del self.weight  # the packed copy replaces it (one copy of the weights in memory)
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def local_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in_local] -> [..., out_local] (+ bias)."""
         if self.quant is not None:
             return self.quant(x, bias)
@@ -128,7 +128,7 @@ class ColumnParallelLinear(ParallelLinearBase):
         super().__init__(in_features, out_local, bias, out_local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        return self.local_matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -180,5 +180,5 @@ class RowParallelLinear(ParallelLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self._matmul(x, self.bias)
-        return tpu.all_reduce(self._matmul(x, self.bias if self.tp_rank == 0 else None))
+            return self.local_matmul(x, self.bias)
+        return tpu.all_reduce(self.local_matmul(x, self.bias if self.tp_rank == 0 else None))

@@ -59,7 +59,7 @@ class ParallelLMHead(ParallelLinearBase):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [S, dim] -> logits [S, vocab] float32 on the TP driver; None on other ranks."""
-        logits = tpu.gather_last_dim_to_driver(self._matmul(hidden, None))
+        logits = tpu.gather_last_dim_to_driver(self.local_matmul(hidden, None))
         if logits is None:
             return None
         if logits.shape[-1] != self.vocab_size:  # the last shard's padding rows

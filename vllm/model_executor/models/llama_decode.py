@@ -61,7 +61,7 @@ def _decode_matmul(linear: nn.Module) -> tuple[Matmul, int] | None:
         return None
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
-        # ParallelLinearBase._matmul's call for a 2-D contiguous x.
+        # ParallelLinearBase.local_matmul's call for a 2-D contiguous x.
         return packed(x, bias)
 
     return matmul, DENSE_MAX_TOKENS
