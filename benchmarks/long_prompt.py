@@ -46,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--backend", default="mp", help="distributed_executor_backend for PP > 1 (mp, ray)."
     )
     p.add_argument("--no-compare", action="store_true", help="Skip the one-chunk-at-a-time runs.")
+    p.add_argument(
+        "--chunk-sizes",
+        choices=("both", "fixed", "by-cost"),
+        default="both",
+        help="Which chunk sizing to time (both: fixed and by cost, one engine each).",
+    )
     p.add_argument("--output-json", default=None, help="Write every figure to this file.")
     return p.parse_args(argv)
 
@@ -123,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     for length in lengths:
         for pp in pp_sizes:
             # (chunked pipelining, chunks sized by cost); PP=1 has no pipeline to fill.
-            modes = [(True, True), (True, False)]
+            sizings = {"both": [True, False], "fixed": [False], "by-cost": [True]}
+            modes = [(True, dynamic) for dynamic in sizings[args.chunk_sizes]]
             if pp > 1 and not args.no_compare:
                 modes.append((False, False))
             for pipelining, dynamic in modes:
