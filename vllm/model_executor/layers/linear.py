@@ -4,7 +4,7 @@ After loading, `pack_linears` packs every float linear for its CPU kernel (packe
 chooses the layout: column panels for float32 on AVX2 CPUs, oneDNN's blocked layout
 otherwise). `F.linear` in fp32 on CPU goes to a GEMM that repacks the weight on every call;
 packed once, the model's matmuls run ~1.5-2.5x faster from 1 row to 2048 (oneDNN on this
-project's AVX-512 machine, one thread), and the panels 1.3-1.6x faster than oneDNN again at a
+project's AVX-512 machine, one thread), and the panels 1.2-1.8x faster than oneDNN again at a
 decode step's 1-32 rows on an AVX2 one. bf16 already goes to oneDNN, but still reorders the
 weight per call: prepacked, the model's decode matmuls (128 rows) run up to 1.5x faster, and
 end to end bf16 throughput (benchmarks/throughput.py, 128 x 64) rose from 464-509 to 531-535

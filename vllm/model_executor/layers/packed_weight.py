@@ -4,10 +4,10 @@ Two layouts, picked per weight dtype when a model's linears are packed after loa
 - "panels" (float32): column panels [ceil(out / 16), in, 16] for the C++ kernel
   `linear_panels` (csrc/linear_panels.cpp). It prefetches the next panel while multiplying
   the current one, so a decode step's weights stream from memory under the arithmetic: over
-  SmolLM2-135M's 540 MB of fp32 weights, one thread of an AVX2 EPYC, 1.6x oneDNN at 1 row,
-  1.4x at 16, 1.3x at 32 and level or better from 128 to 512 rows (docs/PERFORMANCE.md,
-  "Panel matmuls"). The kernel has no AVX-512 variant, so by default only CPUs whose best
-  instruction set is AVX2 use it.
+  SmolLM2-135M's 538 MB of fp32 weights, one thread of an AVX2 EPYC, 1.29x oneDNN at 1 row,
+  1.76x at 4, 1.22x at 16, 1.31x at 32, 1.12x at 128 and 1.04x at 512 (docs/PERFORMANCE.md,
+  "Panel matmuls"). The kernel has no AVX-512 variant, so by default it is used only where
+  the C++ kernels run AVX2 (`_custom_ops.cpu_isa()`).
 - "onednn" (float32, bfloat16): oneDNN's blocked layout (`_reorder_linear_weight`), called
   through oneDNN's linear; the default on AVX-512 CPUs and for bf16.
 
