@@ -43,6 +43,14 @@ void sample_from_logits(const at::Tensor& logits, const at::Tensor& draw_rows,
                         const at::Tensor& uniforms, at::Tensor& tokens, at::Tensor& argmax,
                         at::Tensor& lse);
 
+// Causal prefill attention of one chunk over its cached context (prefill_attention.cpp):
+// query [L, H, D] float32 at positions context_len .. context_len + L - 1, whose K/V (and the
+// context's) are in the paged caches [blocks, block_size, Hkv, D] at block_table [>= blocks];
+// out [L, H, D]. Query i sees keys 0 .. context_len + i. D a multiple of 16.
+void prefill_attention_paged(at::Tensor& out, const at::Tensor& query,
+                             const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_table, int64_t context_len, double scale);
+
 // Dense float32 matmul on column panels (linear_panels.cpp): out[M, N] = x[M, K] @ W^T + bias,
 // W packed as panels [ceil(N / 16), K, 16] (column 16p + j of W^T at panels[p, :, j], the last
 // panel zero-padded); x, out and bias contiguous float32.
@@ -55,6 +63,10 @@ void linear_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& panel
 // expands the same rows to a dense out [N, K] (float32 or bfloat16).
 void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, int64_t type);
 void gguf_dequantize(at::Tensor& out, const at::Tensor& weight, int64_t type);
+// The same product for many float32 tokens without a dense copy of W (quant_gguf.cpp): 16 rows
+// at a time decoded into a cached panel and multiplied with every token (panel_block.h).
+void gguf_linear_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                        int64_t type);
 // The same matmul with int8 activations (quant_gguf_vnni.cpp, Q4_0 / Q4_1 / Q8_0 only): x
 // quantized per 32-element block to int8 with an fp32 scale, integer dot products per block
 // (AVX-512 VNNI where present). gguf_quantize_q8 exposes that activation quantization (tests):

@@ -50,6 +50,7 @@
 #include "cpu_isa.h"
 #include "cpu_simd.h"
 #include "ops.h"
+#include "panel_block.h"
 #include "quant_gguf.h"
 
 namespace vllm_pp {
@@ -508,6 +509,53 @@ struct DequantKernel {
   }
 };
 
+// Many tokens, float32 (a prefill chunk): out[T, N] = x[T, K] @ W^T without a dense copy of W.
+// Panels [p0, p1) of 16 weight rows each: the rows are decoded (DequantKernel, the same
+// floats as gguf_dequantize) into a [16, K] buffer, transposed into one panel [K, 16] (the
+// layout of linear_panels.cpp), and panel_block.h's block multiplies every token into it.
+// The decoded weights stay in L1/L2: dequantize + GEMM wrote and re-read the whole fp32
+// matrix each call (~650 MB a chunk for SmolLM2's layers).
+template <int W>
+struct DequantPanelKernel {
+  static VLLM_PP_INLINE void run(const LinearArgs* a, int64_t type, int64_t p0, int64_t p1) {
+    using panels::kPanel;
+    const int64_t k = a->k;
+    // The panel 64-byte aligned, so each k is one cache line (a split line costs every load
+    // twice: the kernel ran at half speed on a vector's 16-byte alignment).
+    std::vector<float> rows(kPanel * k), panel_storage(k * kPanel + kPanel);
+    float* panel = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(panel_storage.data()) + 63) & ~uintptr_t{63});
+    const auto* x = static_cast<const float*>(a->x);
+    auto* out = static_cast<float*>(a->out);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, a->n - n0);
+      DequantKernel<W>::run(rows.data(), a->w + n0 * a->row_bytes, type, false, k, a->row_bytes,
+                            0, cols);
+      if (cols < kPanel) std::fill(rows.begin() + cols * k, rows.end(), 0.0f);
+      for (int64_t kk = 0; kk < k; ++kk) {
+        for (int64_t j = 0; j < kPanel; ++j) panel[kk * kPanel + j] = rows[j * k + kk];
+      }
+      for (int64_t t = 0; t < a->tokens;) {
+#if defined(__x86_64__)
+        // AVX2 and AVX-512 (which runs the AVX2 block, as linear_panels does).
+        if constexpr (W >= 8) {
+          const int64_t r = std::min<int64_t>(panels::Avx2Block::R, a->tokens - t);
+          panels::Avx2Block::block(x + t * a->x_stride, a->x_stride, r, k, panel, nullptr,
+                                   nullptr, out + t * a->out_stride + n0, a->out_stride, cols);
+          t += r;
+          continue;
+        }
+#endif
+        using Block = panels::PanelKernel<4>;
+        const int64_t r = std::min<int64_t>(Block::R, a->tokens - t);
+        Block::block(x + t * a->x_stride, a->x_stride, r, k, panel, nullptr, nullptr,
+                     out + t * a->out_stride + n0, a->out_stride, cols);
+        t += r;
+      }
+    }
+  }
+};
+
 void check_blocks(const char* op, const at::Tensor& weight, int64_t type, int64_t k) {
   TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || is_k_quant(type), op,
               ": ggml type ", type,
@@ -565,6 +613,26 @@ void gguf_dequantize(at::Tensor& out, const at::Tensor& weight, int64_t type) {
   at::parallel_for(0, weight.size(0), row_grain(row_bytes, 1), [&](int64_t begin, int64_t end) {
     fn(dst, src, type, bf16, k, row_bytes, begin, end);
   });
+}
+
+void gguf_linear_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                        int64_t type) {
+  constexpr const char* op = "gguf_linear_panels";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, op,
+              ": x must be float32 [T, K] with unit last stride");
+  check_blocks(op, weight, type, x.size(1));
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(0) == x.size(0) && out.size(1) == weight.size(0),
+              op, ": out must be float32 [T, N] with unit last stride");
+  const LinearArgs args{out.data_ptr(), x.data_ptr(), weight.data_ptr<uint8_t>(),
+                        x.size(0),      weight.size(0), x.size(1),
+                        weight.size(1), x.stride(0),    out.stride(0)};
+  if (args.tokens == 0 || args.n == 0) return;
+  auto fn = select_isa_kernel<DequantPanelKernel, const LinearArgs*, int64_t, int64_t, int64_t>();
+  const int64_t panel_count = (args.n + panels::kPanel - 1) / panels::kPanel;
+  // Threads split the panels: each decodes its own rows, and any thread count gives the same
+  // bits (one panel is one task's, summed in one order).
+  at::parallel_for(0, panel_count, 4, [&](int64_t p0, int64_t p1) { fn(&args, type, p0, p1); });
 }
 
 }  // namespace vllm_pp

@@ -24,8 +24,12 @@ TORCH_LIBRARY(vllm_pp, m) {
   m.def(
       "sample_from_logits(Tensor logits, Tensor draw_rows, Tensor uniforms, Tensor(a!) tokens, "
       "Tensor(b!) argmax, Tensor(c!) lse) -> ()");
+  m.def(
+      "prefill_attention_paged(Tensor(a!) out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_table, int context_len, float scale) -> ()");
   m.def("linear_panels(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()");
   m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor weight, int type) -> ()");
+  m.def("gguf_linear_panels(Tensor(a!) out, Tensor x, Tensor weight, int type) -> ()");
   m.def("gguf_dequantize(Tensor(a!) out, Tensor weight, int type) -> ()");
   m.def("gguf_linear_q8(Tensor(a!) out, Tensor x, Tensor weight, int type) -> ()");
   m.def("gguf_quantize_q8(Tensor(a!) q, Tensor(b!) scales, Tensor x) -> ()");
@@ -52,8 +56,10 @@ TORCH_LIBRARY_IMPL(vllm_pp, CPU, m) {
   m.impl("rotary_embedding", &vllm_pp::rotary_embedding);
   m.impl("silu_and_mul", &vllm_pp::silu_and_mul);
   m.impl("sample_from_logits", &vllm_pp::sample_from_logits);
+  m.impl("prefill_attention_paged", &vllm_pp::prefill_attention_paged);
   m.impl("linear_panels", &vllm_pp::linear_panels);
   m.impl("gguf_linear", &vllm_pp::gguf_linear);
+  m.impl("gguf_linear_panels", &vllm_pp::gguf_linear_panels);
   m.impl("gguf_dequantize", &vllm_pp::gguf_dequantize);
   m.impl("gguf_linear_q8", &vllm_pp::gguf_linear_q8);
   m.impl("gguf_quantize_q8", &vllm_pp::gguf_quantize_q8);

@@ -89,6 +89,26 @@ def supports_attention(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     )
 
 
+def supports_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+) -> bool:
+    """Whether prefill_attention_paged can run this chunk: CPU float32 query and cache, a head
+    size that is a multiple of 16, no sliding window and no soft-cap (those keep SDPA)."""
+    return (
+        sliding_window is None
+        and logits_soft_cap is None
+        and query.device.type == "cpu"
+        and key_cache.device.type == "cpu"
+        and query.dtype == torch.float32
+        and key_cache.dtype == torch.float32
+        and query.shape[-1] % 16 == 0
+        and is_available()
+    )
+
+
 def supports_cache_write(key: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether write_to_kv_cache can run these tensors (CPU, same dtype)."""
     return (
@@ -137,6 +157,33 @@ def paged_attention_decode(
         float(scale),
         int(sliding_window or 0),  # the kernel's "none" is 0
         float(logits_soft_cap or 0.0),
+    )
+    return out
+
+
+def prefill_attention_paged(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one prefill chunk over its cached context; see
+    csrc/prefill_attention.cpp. query [L, H, D] at positions context_len .. context_len + L - 1
+    (its K/V already in the cache); caches [num_blocks, block_size, Hkv, D]; block_table
+    [>= blocks] of the sequence. Returns a new [L, H, D]."""
+    if query.stride(-1) != 1 or query.stride(1) != query.shape[2]:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    torch.ops.vllm_pp.prefill_attention_paged.default(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        as_int64(block_table),
+        int(context_len),
+        float(scale),
     )
     return out
 
@@ -302,6 +349,15 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tens
     rows regrouped by quantization.gguf.repack_gguf_rows; see csrc/quant_gguf.cpp."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     torch.ops.vllm_pp.gguf_linear.default(out, x, weight, qtype)
+    return out
+
+
+def gguf_linear_panels(x: torch.Tensor, weight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """The same product as gguf_linear for many float32 tokens (a prefill chunk), without a
+    dense copy of W: 16 rows at a time decoded into a cached panel, every token multiplied
+    into it (csrc/quant_gguf.cpp). x [T, K] float32, unit last stride -> [T, N]."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    torch.ops.vllm_pp.gguf_linear_panels.default(out, x, weight, qtype)
     return out
 
 

@@ -124,6 +124,42 @@ def test_gguf_linear_matches_dequantized(
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [(37, 576), (16, 1536), (3, 96)])
+def test_gguf_linear_panels_matches_dequantized(
+    qtype: Q, shape: tuple[int, int], restore_isa
+) -> None:
+    """The prefill matmul without a dense copy (16 rows decoded into a panel at a time):
+    against float64 x @ (numpy-dequantized W)^T on every ISA, for token counts around its
+    6-row (AVX2) and 3-row (generic) blocks and weights whose last panel is partly empty
+    (37 and 3 rows). Each output is one sequential fp32 sum over K, so its error is at most
+    (K + 4) * u * sum_i |w_i x_i|; any thread count gives the same bits."""
+    rows, cols = fit(qtype, shape)
+    raw = packed(random_blocks(qtype, rows, cols, seed=rows), qtype)
+    weight = numpy_weight(random_blocks(qtype, rows, cols, seed=rows), qtype, cols)
+    weight = weight.astype(np.float64)
+    gen = torch.Generator().manual_seed(cols)
+    for isa in isas():
+        ops.set_cpu_isa(isa)
+        for tokens in (1, 5, 6, 7, 40):
+            x = torch.randn(tokens, cols, generator=gen)
+            ref = x.double().numpy() @ weight.T
+            bound = (cols + 4) * 2.0**-24 * (np.abs(x.double().numpy()) @ np.abs(weight).T)
+            got = ops.gguf_linear_panels(x, raw, int(qtype)).double().numpy()
+            assert got.shape == (tokens, rows)
+            assert (np.abs(got - ref) <= bound).all(), (isa, tokens, np.abs(got - ref).max())
+    x = torch.randn(40, cols, generator=gen)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.gguf_linear_panels(x, raw, int(qtype))
+        torch.set_num_threads(2)
+        assert torch.equal(ops.gguf_linear_panels(x, raw, int(qtype)), one)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("shape", [(37, 576), (9, 1536), (16, 96)])
 def test_decode_kernel_sums_like_the_batch_kernel(
     qtype: Q, shape: tuple[int, int], restore_isa

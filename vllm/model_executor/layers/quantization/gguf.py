@@ -209,13 +209,33 @@ def block_kernel(qtype: int, int8: bool) -> BlockKernel:
     return ops.gguf_linear
 
 
+def panel_prefill() -> bool:
+    """Whether float32 GGUF matmuls from `dense_min_tokens` on decode the weights panel by
+    panel into the panel kernel (ops.gguf_linear_panels) instead of dequantize + GEMM: where
+    dense float32 linears take column panels (packed_weight.choose_layout: AVX2 CPUs, or
+    VLLM_CPU_LINEAR_LAYOUT=panels). One 4096-token SmolLM2 Q4_1 prompt: 25.8 -> 21.5 s
+    (docs/PERFORMANCE.md)."""
+    from vllm.model_executor.layers.packed_weight import choose_layout
+
+    return choose_layout(torch.device("cpu"), torch.float32)[0] == "panels"
+
+
 def gguf_linear(
-    x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int, int8: bool = False
+    x: torch.Tensor,
+    raw: torch.Tensor,
+    qtype: int,
+    cols: int,
+    int8: bool = False,
+    panels: bool = False,
 ) -> torch.Tensor:
     """x [T, cols] (fp32/bf16, unit last stride) @ W^T, W the blocks raw [N, row_bytes] (in
     the kernels' layout, `repack_gguf_rows`): the block kernel for few tokens
-    (`block_kernel`), dequantize + GEMM from `dense_min_tokens` on -> [T, N]."""
+    (`block_kernel`); from `dense_min_tokens` on, with `panels` (`panel_prefill`) and float32
+    x the weights decoded panel by panel into the panel kernel, else dequantize + GEMM
+    -> [T, N]."""
     if x.shape[0] >= dense_min_tokens(qtype, raw.shape[0], cols):
+        if panels and x.dtype == torch.float32:
+            return ops.gguf_linear_panels(x, raw, qtype)
         return F.linear(x, ops.gguf_dequantize(raw, qtype, cols, x.dtype))
     return block_kernel(qtype, int8)(x, raw, qtype)
 
@@ -232,6 +252,7 @@ class GGUFWeight(nn.Module):
         self.dtype = dtype
         # Read once at load: the forward runs ~200 times per decode step.
         self.int8 = int8_activations()
+        self.panels = dtype == torch.float32 and ops.is_available() and panel_prefill()
         self.qtypes: list[int | None] = []
         for i, (qtype, tensor) in enumerate(parts):
             self.register_buffer(f"part{i}", tensor, persistent=False)
@@ -342,7 +363,7 @@ class GGUFWeight(nn.Module):
             if qtype is None:
                 outs.append(F.linear(flat, tensor))
             else:
-                outs.append(gguf_linear(flat, tensor, qtype, self.cols, self.int8))
+                outs.append(gguf_linear(flat, tensor, qtype, self.cols, self.int8, self.panels))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [T, N]
         if bias is not None:
             out = out + bias
