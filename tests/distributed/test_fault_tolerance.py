@@ -19,6 +19,9 @@ from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.resilience.errors import EngineDeadError
 
+# Stages are killed and replaced here: engines keep a warm spare, as in production (conftest).
+WARM_SPARES = True
+
 pytestmark = pytest.mark.ray
 
 PROMPTS = tiny_models.PROMPTS * 4

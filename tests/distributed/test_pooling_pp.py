@@ -15,6 +15,9 @@ from tests.utils.faults import after_steps, kill_stage_pid
 from tests.utils.tiny_models import PROMPTS
 from vllm import LLM
 
+# Stages are killed and replaced here: engines keep a warm spare, as in production (conftest).
+WARM_SPARES = True
+
 # Longer prompts than a step's token budget: several chunks each, interleaved across steps.
 LONG = [p * 3 for p in PROMPTS]
 

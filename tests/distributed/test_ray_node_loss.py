@@ -26,6 +26,9 @@ import textwrap
 
 import pytest
 
+# Stages are killed and replaced here: engines keep a warm spare, as in production (conftest).
+WARM_SPARES = True
+
 pytestmark = pytest.mark.ray
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

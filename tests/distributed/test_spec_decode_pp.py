@@ -14,6 +14,9 @@ from tests.utils import tiny_models
 from tests.utils.faults import after_steps, greedy_and_seeded, kill_stage_pid, token_ids
 from vllm import LLM, SamplingParams
 
+# Stages are killed and replaced here: engines keep a warm spare, as in production (conftest).
+WARM_SPARES = True
+
 KIND = "llama-gqa-untied"
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

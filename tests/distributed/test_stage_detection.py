@@ -22,6 +22,9 @@ from tests.utils.faults import gone
 from vllm import LLM, SamplingParams
 from vllm.executor.liveness import heartbeat_timeout_s
 
+# Stages are killed and replaced here: engines keep a warm spare, as in production (conftest).
+WARM_SPARES = True
+
 PROMPTS = tiny_models.PROMPTS[:4]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 STEP_S = 4.0  # the long step: more than twice the heartbeat timeout

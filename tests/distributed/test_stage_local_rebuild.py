@@ -24,6 +24,9 @@ from tests.utils.faults import (
 )
 from vllm import LLM
 
+# Stages are killed and replaced here: engines keep a warm spare, as in production (conftest).
+WARM_SPARES = True
+
 PROMPTS = tiny_models.PROMPTS * 2
 PARAMS = swapping_params(len(PROMPTS))
 # One engine per layout takes up to 6 kills.

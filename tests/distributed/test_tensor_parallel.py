@@ -14,6 +14,9 @@ import pytest
 from tests.utils import tiny_models
 from vllm import LLM, SamplingParams
 
+# Stages are killed and replaced here: engines keep a warm spare, as in production (conftest).
+WARM_SPARES = True
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 KV_GIB = 0.05
 

@@ -19,6 +19,9 @@ from tests.utils import tiny_models
 from tests.utils.server_utils import ServerThread
 from vllm import AsyncEngineArgs, AsyncLLMEngine
 
+# Stages are killed and replaced here: engines keep a warm spare, as in production (conftest).
+WARM_SPARES = True
+
 MODEL = "tiny"
 CLIENTS = 32
 MAX_TOKENS = 48
