@@ -51,10 +51,7 @@ void run_panels(const float* x, int64_t M, int64_t K, const float* panels, const
       std::memcpy(bias_panel, bias + p * kPanel, cols * sizeof(float));
       pb = bias_panel;
     }
-    for (int64_t m = 0; m < M; m += Block::R) {
-      Block::block(x + m * K, K, std::min<int64_t>(Block::R, M - m), K, B, pb,
-                   m == 0 ? next : nullptr, out + m * N + p * kPanel, N, cols);
-    }
+    panels::rows_times_panel<Block>(x, K, M, K, B, pb, next, out + p * kPanel, N, cols);
   }
 }
 

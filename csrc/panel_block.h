@@ -12,8 +12,10 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu_isa.h"
 #include "cpu_simd.h"
@@ -124,9 +126,11 @@ VLLM_PP_AVX2_INLINE void block_avx2(const float* x, int64_t ldx, int64_t rows, i
 // at 0.4x the speed of the same block called.
 struct Avx2Block {
   static constexpr int64_t R = 6;
-  VLLM_PP_AVX2 __attribute__((noinline)) static void block(const float* x, int64_t ldx, int64_t rows, int64_t K,
-                                 const float* B, const float* bias, const float* next,
-                                 float* y, int64_t ldy, int64_t cols) {
+  VLLM_PP_AVX2 __attribute__((noinline)) static void block(const float* x, int64_t ldx,
+                                                          int64_t rows, int64_t K,
+                                                          const float* B, const float* bias,
+                                                          const float* next, float* y,
+                                                          int64_t ldy, int64_t cols) {
     if (next != nullptr) {
       block_avx2<true>(x, ldx, rows, K, B, bias, next, y, ldy, cols);
     } else {
@@ -135,5 +139,28 @@ struct Avx2Block {
   }
 };
 #endif
+
+// The block a kernel of vector width W calls: the AVX2 one for W >= 8 (AVX-512 runs it too),
+// the generic one otherwise.
+#if defined(__x86_64__)
+template <int W>
+using BlockFor = std::conditional_t<(W >= 8), Avx2Block, PanelKernel<4>>;
+#else
+template <int W>
+using BlockFor = PanelKernel<4>;
+#endif
+
+// Rows [0, rows) of x (row stride ldx) times one panel B [K, 16] into y (row stride ldy), the
+// first `cols` columns stored, Block::R rows at a time; the first block prefetches `next`
+// (nullptr: nothing to prefetch).
+template <typename Block>
+inline void rows_times_panel(const float* x, int64_t ldx, int64_t rows, int64_t K,
+                             const float* B, const float* bias, const float* next, float* y,
+                             int64_t ldy, int64_t cols) {
+  for (int64_t m = 0; m < rows; m += Block::R) {
+    Block::block(x + m * ldx, ldx, std::min<int64_t>(Block::R, rows - m), K, B, bias,
+                 m == 0 ? next : nullptr, y + m * ldy, ldy, cols);
+  }
+}
 
 }  // namespace vllm_pp::panels

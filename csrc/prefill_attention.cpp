@@ -67,25 +67,9 @@ struct PrefillAttention {
                                     const float* B, int64_t panel_stride, int64_t panel_count,
                                     float* y, int64_t ldy) {
     for (int64_t p = 0; p < panel_count; ++p) {
-#if defined(__x86_64__)
-      // AVX2 and AVX-512 (no AVX-512 block is written): the intrinsics block, a call per
-      // 6 rows (an always_inline AVX2 function cannot be inlined into the AVX-512 entry).
-      if constexpr (W >= 8) {
-        using Block = panels::Avx2Block;
-        for (int64_t r = 0; r < rows; r += Block::R) {
-          Block::block(x + r * ldx, ldx, std::min<int64_t>(Block::R, rows - r), K,
-                       B + p * panel_stride, nullptr, nullptr, y + r * ldy + p * kPanel, ldy,
-                       kPanel);
-        }
-        continue;
-      }
-#endif
-      using Block = panels::PanelKernel<4>;
-      for (int64_t r = 0; r < rows; r += Block::R) {
-        Block::block(x + r * ldx, ldx, std::min<int64_t>(Block::R, rows - r), K,
-                     B + p * panel_stride, nullptr, nullptr, y + r * ldy + p * kPanel, ldy,
-                     kPanel);
-      }
+      panels::rows_times_panel<panels::BlockFor<W>>(x, ldx, rows, K, B + p * panel_stride,
+                                                    nullptr, nullptr, y + p * kPanel, ldy,
+                                                    kPanel);
     }
   }
 

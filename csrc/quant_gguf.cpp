@@ -520,8 +520,8 @@ struct DequantPanelKernel {
   static VLLM_PP_INLINE void run(const LinearArgs* a, int64_t type, int64_t p0, int64_t p1) {
     using panels::kPanel;
     const int64_t k = a->k;
-    // The panel 64-byte aligned, so each k is one cache line (a split line costs every load
-    // twice: the kernel ran at half speed on a vector's 16-byte alignment).
+    // The panel 64-byte aligned, so each k is one cache line as in a packed weight (aligning
+    // it made no measurable difference here; the block being called, not inlined, did).
     std::vector<float> rows(kPanel * k), panel_storage(k * kPanel + kPanel);
     float* panel = reinterpret_cast<float*>(
         (reinterpret_cast<uintptr_t>(panel_storage.data()) + 63) & ~uintptr_t{63});
@@ -535,23 +535,10 @@ struct DequantPanelKernel {
       for (int64_t kk = 0; kk < k; ++kk) {
         for (int64_t j = 0; j < kPanel; ++j) panel[kk * kPanel + j] = rows[j * k + kk];
       }
-      for (int64_t t = 0; t < a->tokens;) {
-#if defined(__x86_64__)
-        // AVX2 and AVX-512 (which runs the AVX2 block, as linear_panels does).
-        if constexpr (W >= 8) {
-          const int64_t r = std::min<int64_t>(panels::Avx2Block::R, a->tokens - t);
-          panels::Avx2Block::block(x + t * a->x_stride, a->x_stride, r, k, panel, nullptr,
-                                   nullptr, out + t * a->out_stride + n0, a->out_stride, cols);
-          t += r;
-          continue;
-        }
-#endif
-        using Block = panels::PanelKernel<4>;
-        const int64_t r = std::min<int64_t>(Block::R, a->tokens - t);
-        Block::block(x + t * a->x_stride, a->x_stride, r, k, panel, nullptr, nullptr,
-                     out + t * a->out_stride + n0, a->out_stride, cols);
-        t += r;
-      }
+      // AVX2 and AVX-512 (which runs the AVX2 block, as linear_panels does) or generic.
+      panels::rows_times_panel<panels::BlockFor<W>>(x, a->x_stride, a->tokens, k, panel,
+                                                    nullptr, nullptr, out + n0, a->out_stride,
+                                                    cols);
     }
   }
 };

@@ -213,8 +213,8 @@ def panel_prefill() -> bool:
     """Whether float32 GGUF matmuls from `dense_min_tokens` on decode the weights panel by
     panel into the panel kernel (ops.gguf_linear_panels) instead of dequantize + GEMM: where
     dense float32 linears take column panels (packed_weight.choose_layout: AVX2 CPUs, or
-    VLLM_CPU_LINEAR_LAYOUT=panels). One 4096-token SmolLM2 Q4_1 prompt: 25.8 -> 21.5 s
-    (docs/PERFORMANCE.md)."""
+    VLLM_CPU_LINEAR_LAYOUT=panels). One 4096-token SmolLM2 Q4_1 prompt at PP=2, with the
+    prefill attention kernel: 18.7 -> 16.7 s; level at PP=1 (docs/PERFORMANCE.md)."""
     from vllm.model_executor.layers.packed_weight import choose_layout
 
     return choose_layout(torch.device("cpu"), torch.float32)[0] == "panels"
@@ -252,7 +252,7 @@ class GGUFWeight(nn.Module):
         self.dtype = dtype
         # Read once at load: the forward runs ~200 times per decode step.
         self.int8 = int8_activations()
-        self.panels = dtype == torch.float32 and ops.is_available() and panel_prefill()
+        self.panels = dtype == torch.float32 and panel_prefill()  # needs the kernels
         self.qtypes: list[int | None] = []
         for i, (qtype, tensor) in enumerate(parts):
             self.register_buffer(f"part{i}", tensor, persistent=False)
